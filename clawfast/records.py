@@ -1,0 +1,415 @@
+"""The data contract: what the proxy captures and what a rollout returns.
+
+`CallRecord` is one model call as the engine saw it: the exact prompt token ids, the sampled token
+ids and the sampler's own log-probs. `RolloutResult` is one task run once by one harness, with its
+reward, status and calls.
+
+On disk (`write_rollout` / `read_rollout`, `RolloutLog` for appending) a rollout is one file of
+framed chunks, never pickle:
+
+    frame := kind:u8  length:u64le  payload[length]  crc32(kind, length, payload):u32le
+
+kinds: ``H`` rollout header (JSON), ``C`` one call (JSON header + raw little-endian arrays),
+``R`` the result (JSON: reward, status, info). A file may hold a header and calls without a result:
+that is a rollout still running, or one whose writer died; every call that was appended survives.
+
+Guaranteed: lossless round trip of every field (arrays bit for bit); a truncated or corrupted file
+raises `RecordFormatError` naming the byte offset, unless the caller asks to keep the complete frames
+before a torn tail (crash recovery). Not guaranteed: concurrent writers to one file (one writer per
+rollout; the proxy serialises appends).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+
+MAGIC = b"CLAWFREC"
+FORMAT_VERSION = 1
+FILE_SUFFIX = ".cfr"
+
+TAGS = ("main", "subagent", "compaction", "title", "quota")
+EXCLUDED_TAGS = frozenset({"subagent", "compaction", "title", "quota"})
+STATUSES = ("ok", "timeout", "harness_error", "sandbox_error", "proxy_error", "running")
+
+_FRAME_HEAD = struct.Struct("<BQ")
+_CRC = struct.Struct("<I")
+_KIND_HEADER, _KIND_CALL, _KIND_RESULT = ord("H"), ord("C"), ord("R")
+
+
+class RecordFormatError(ValueError):
+    """A record file or record is malformed (truncated, corrupt, inconsistent)."""
+
+
+def _as_array(values: Any, dtype: type, name: str) -> np.ndarray:
+    arr = np.asarray(values)
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be one-dimensional, got shape {arr.shape}")
+    if dtype is np.int32:
+        if arr.size and not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError(f"{name} must hold integers, got dtype {arr.dtype}")
+        if arr.size and (arr.min() < 0 or arr.max() > np.iinfo(np.int32).max):
+            raise ValueError(f"{name} holds token ids outside [0, 2^31): min {arr.min()}, max {arr.max()}")
+    return np.ascontiguousarray(arr, dtype=dtype)
+
+
+@dataclass
+class CallRecord:
+    """One model call, token in and token out.
+
+    prompt_ids: the exact token ids the engine was given (int32).
+    output_ids: the token ids it sampled (int32).
+    output_logprobs: the sampler's own log-prob of each sampled token (float32, same length).
+    tags: what the call was (`main`, `subagent`, `compaction`, `title`, `quota`, ...).
+    metadata: the request facts that produced the tags and anything else worth keeping (protocol,
+        headers of interest, prompt drift against the previous call, client disconnects).
+    timings: seconds, e.g. ``{"received": t0, "answered": t1, "generate": g}``.
+    """
+
+    rollout_id: str
+    call_index: int
+    harness: str
+    prompt_ids: np.ndarray
+    output_ids: np.ndarray
+    output_logprobs: np.ndarray
+    weight_version: int = 0
+    finish_reason: str = "stop"
+    timings: dict[str, float] = field(default_factory=dict)
+    tags: tuple[str, ...] = ("main",)
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.prompt_ids = _as_array(self.prompt_ids, np.int32, "prompt_ids")
+        self.output_ids = _as_array(self.output_ids, np.int32, "output_ids")
+        self.output_logprobs = _as_array(self.output_logprobs, np.float32, "output_logprobs")
+        self.tags = tuple(self.tags)
+        self.validate()
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise ValueError if the record cannot be training data."""
+        if len(self.output_ids) != len(self.output_logprobs):
+            raise ValueError(
+                f"call {self.call_index} of rollout {self.rollout_id!r}: {len(self.output_ids)} output ids "
+                f"but {len(self.output_logprobs)} logprobs"
+            )
+        if len(self.prompt_ids) == 0:
+            raise ValueError(f"call {self.call_index} of rollout {self.rollout_id!r}: empty prompt")
+        if self.output_logprobs.size:
+            lp = self.output_logprobs
+            if not np.all(np.isfinite(lp)):
+                raise ValueError(f"call {self.call_index}: non-finite output logprob")
+            # Sampling log-probs are <= 0; allow float32 rounding of log(1).
+            if lp.max() > 1e-4:
+                raise ValueError(f"call {self.call_index}: positive output logprob {lp.max()}")
+        if vocab_size is not None:
+            for name, ids in (("prompt_ids", self.prompt_ids), ("output_ids", self.output_ids)):
+                if ids.size and ids.max() >= vocab_size:
+                    raise ValueError(
+                        f"call {self.call_index}: {name} holds token id {ids.max()} >= vocab size {vocab_size}"
+                    )
+
+    @property
+    def excluded(self) -> bool:
+        """True if a tag keeps this call out of the loss (subagent, compaction, title, quota)."""
+        return bool(EXCLUDED_TAGS.intersection(self.tags))
+
+    def equals(self, other: "CallRecord") -> bool:
+        return (
+            _meta_of(self) == _meta_of(other)
+            and np.array_equal(self.prompt_ids, other.prompt_ids)
+            and np.array_equal(self.output_ids, other.output_ids)
+            and self.output_logprobs.tobytes() == other.output_logprobs.tobytes()
+        )
+
+
+@dataclass
+class RolloutResult:
+    """One task run once by one harness: its reward, truthful status and captured calls."""
+
+    rollout_id: str
+    task_id: str
+    harness: str
+    sample_index: int = 0
+    reward: float = 0.0
+    status: str = "ok"
+    calls: list[CallRecord] = field(default_factory=list)
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.status not in STATUSES:
+            raise ValueError(f"rollout {self.rollout_id!r}: unknown status {self.status!r}; expected one of {STATUSES}")
+        if not math.isfinite(self.reward):
+            raise ValueError(f"rollout {self.rollout_id!r}: non-finite reward {self.reward}")
+
+    def header(self) -> dict[str, Any]:
+        return {
+            "format_version": FORMAT_VERSION,
+            "rollout_id": self.rollout_id,
+            "task_id": self.task_id,
+            "harness": self.harness,
+            "sample_index": self.sample_index,
+        }
+
+    def equals(self, other: "RolloutResult") -> bool:
+        return (
+            self.header() == other.header()
+            and (self.reward, self.status, self.info) == (other.reward, other.status, other.info)
+            and len(self.calls) == len(other.calls)
+            and all(a.equals(b) for a, b in zip(self.calls, other.calls))
+        )
+
+
+def _meta_of(call: CallRecord) -> dict[str, Any]:
+    return {
+        "rollout_id": call.rollout_id,
+        "call_index": call.call_index,
+        "harness": call.harness,
+        "weight_version": call.weight_version,
+        "finish_reason": call.finish_reason,
+        "timings": call.timings,
+        "tags": list(call.tags),
+        "metadata": call.metadata,
+        "n_prompt": int(len(call.prompt_ids)),
+        "n_output": int(len(call.output_ids)),
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# Encoding
+
+
+def _frame(kind: int, payload: bytes) -> bytes:
+    head = _FRAME_HEAD.pack(kind, len(payload))
+    return head + payload + _CRC.pack(zlib.crc32(payload, zlib.crc32(head)))
+
+
+def _json_bytes(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), sort_keys=True, allow_nan=False).encode()
+
+
+def encode_call(call: CallRecord) -> bytes:
+    """One call as a ``C`` frame (header and frame trailer included)."""
+    meta = _json_bytes(_meta_of(call))
+    payload = b"".join(
+        (
+            struct.pack("<I", len(meta)),
+            meta,
+            call.prompt_ids.astype("<i4", copy=False).tobytes(),
+            call.output_ids.astype("<i4", copy=False).tobytes(),
+            call.output_logprobs.astype("<f4", copy=False).tobytes(),
+        )
+    )
+    return _frame(_KIND_CALL, payload)
+
+
+def encode_header(header: dict[str, Any]) -> bytes:
+    return MAGIC + _frame(_KIND_HEADER, _json_bytes(header))
+
+
+def encode_result(reward: float, status: str, info: dict[str, Any]) -> bytes:
+    return _frame(_KIND_RESULT, _json_bytes({"reward": reward, "status": status, "info": info}))
+
+
+def encode_rollout(rollout: RolloutResult) -> bytes:
+    parts = [encode_header(rollout.header())]
+    parts += [encode_call(c) for c in rollout.calls]
+    parts.append(encode_result(rollout.reward, rollout.status, rollout.info))
+    return b"".join(parts)
+
+
+def _decode_call(payload: bytes, offset: int) -> CallRecord:
+    try:
+        (meta_len,) = struct.unpack_from("<I", payload, 0)
+        meta = json.loads(payload[4 : 4 + meta_len])
+        n_p, n_o = int(meta["n_prompt"]), int(meta["n_output"])
+        body = payload[4 + meta_len :]
+        if len(body) != 4 * (n_p + 2 * n_o):
+            raise RecordFormatError(
+                f"call frame at byte {offset}: array bytes {len(body)} do not match {n_p} prompt and {n_o} output tokens"
+            )
+        arrays = np.frombuffer(body, dtype="<i4", count=n_p + n_o)
+        logprobs = np.frombuffer(body, dtype="<f4", offset=4 * (n_p + n_o), count=n_o)
+        return CallRecord(
+            rollout_id=meta["rollout_id"],
+            call_index=int(meta["call_index"]),
+            harness=meta["harness"],
+            prompt_ids=arrays[:n_p].astype(np.int32),
+            output_ids=arrays[n_p:].astype(np.int32),
+            output_logprobs=logprobs.astype(np.float32),
+            weight_version=int(meta["weight_version"]),
+            finish_reason=meta["finish_reason"],
+            timings=meta["timings"],
+            tags=tuple(meta["tags"]),
+            metadata=meta["metadata"],
+        )
+    except RecordFormatError:
+        raise
+    except (KeyError, TypeError, struct.error, json.JSONDecodeError) as exc:
+        raise RecordFormatError(f"call frame at byte {offset}: malformed ({exc})") from exc
+    except ValueError as exc:
+        raise RecordFormatError(f"call frame at byte {offset}: invalid record ({exc})") from exc
+
+
+def _iter_frames(data: bytes, recover: bool) -> Iterator[tuple[int, bytes, int]]:
+    pos = len(MAGIC)
+    while pos < len(data):
+        start = pos
+        if pos + _FRAME_HEAD.size > len(data):
+            if recover:
+                return
+            raise RecordFormatError(f"truncated frame header at byte {start}")
+        kind, length = _FRAME_HEAD.unpack_from(data, pos)
+        pos += _FRAME_HEAD.size
+        end = pos + length + _CRC.size
+        if end > len(data):
+            if recover:
+                return
+            raise RecordFormatError(f"truncated frame at byte {start}: needs {length} payload bytes")
+        payload = data[pos : pos + length]
+        (crc,) = _CRC.unpack_from(data, pos + length)
+        if crc != zlib.crc32(payload, zlib.crc32(data[start : start + _FRAME_HEAD.size])):
+            if recover and end == len(data):
+                return
+            raise RecordFormatError(f"checksum mismatch in frame at byte {start}")
+        yield kind, payload, start
+        pos = end
+
+
+def decode_rollout(data: bytes, *, recover: bool = False, source: str = "<bytes>") -> RolloutResult:
+    """Decode one rollout file. With ``recover=True`` a torn tail (the writer died mid-append) is
+    dropped and the rollout is returned with status ``running`` if no result frame was written."""
+    if not data.startswith(MAGIC):
+        raise RecordFormatError(f"{source}: not a clawfast record file (bad magic)")
+    header = None
+    calls: list[CallRecord] = []
+    result = None
+    try:
+        for kind, payload, offset in _iter_frames(data, recover):
+            if kind == _KIND_HEADER and header is None:
+                header = json.loads(payload)
+            elif kind == _KIND_CALL and header is not None and result is None:
+                calls.append(_decode_call(payload, offset))
+            elif kind == _KIND_RESULT and header is not None and result is None:
+                result = json.loads(payload)
+            else:
+                raise RecordFormatError(f"unexpected frame {chr(kind)!r} at byte {offset}")
+    except RecordFormatError as exc:
+        raise RecordFormatError(f"{source}: {exc}") from None
+    except json.JSONDecodeError as exc:
+        raise RecordFormatError(f"{source}: malformed JSON frame ({exc})") from None
+    if header is None:
+        raise RecordFormatError(f"{source}: no rollout header")
+    if header.get("format_version") != FORMAT_VERSION:
+        raise RecordFormatError(f"{source}: unsupported format version {header.get('format_version')}")
+    if result is None and not recover:
+        raise RecordFormatError(f"{source}: truncated: no result frame (pass recover=True to read a live log)")
+    result = result or {"reward": 0.0, "status": "running", "info": {}}
+    try:
+        return RolloutResult(
+            rollout_id=header["rollout_id"],
+            task_id=header["task_id"],
+            harness=header["harness"],
+            sample_index=int(header["sample_index"]),
+            reward=float(result["reward"]),
+            status=result["status"],
+            calls=calls,
+            info=result["info"],
+        )
+    except (KeyError, ValueError, TypeError) as exc:
+        raise RecordFormatError(f"{source}: invalid rollout ({exc})") from None
+
+
+# ----------------------------------------------------------------------------------------------
+# Files and directories
+
+
+def rollout_path(directory: str | os.PathLike, rollout_id: str) -> Path:
+    safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in rollout_id)
+    return Path(directory) / f"{safe}{FILE_SUFFIX}"
+
+
+def write_rollout(path: str | os.PathLike, rollout: RolloutResult) -> Path:
+    """Write one rollout atomically (temp file + rename) and return its path."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as fh:
+        fh.write(encode_rollout(rollout))
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def read_rollout(path: str | os.PathLike, *, recover: bool = False) -> RolloutResult:
+    path = Path(path)
+    return decode_rollout(path.read_bytes(), recover=recover, source=str(path))
+
+
+def write_rollouts(directory: str | os.PathLike, rollouts: Iterable[RolloutResult]) -> list[Path]:
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    return [write_rollout(rollout_path(directory, r.rollout_id), r) for r in rollouts]
+
+
+def read_rollouts(directory: str | os.PathLike, *, recover: bool = False) -> list[RolloutResult]:
+    """Every rollout file of a directory, sorted by file name."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"{directory}: not a directory of rollouts")
+    return [read_rollout(p, recover=recover) for p in sorted(directory.glob(f"*{FILE_SUFFIX}"))]
+
+
+def load_rollouts(path: str | os.PathLike, *, recover: bool = False) -> list[RolloutResult]:
+    """A rollout file or a directory of them."""
+    path = Path(path)
+    return read_rollouts(path, recover=recover) if path.is_dir() else [read_rollout(path, recover=recover)]
+
+
+class RolloutLog:
+    """Append-only log of one rollout, written as calls are answered so a crash loses nothing.
+
+    Each append is flushed to the OS before it returns; `fsync=True` also forces it to disk.
+    """
+
+    def __init__(self, path: str | os.PathLike, header: dict[str, Any], *, fsync: bool = False) -> None:
+        self.path = Path(path)
+        self._fsync = fsync
+        self._fh = open(self.path, "xb")
+        self._closed = False
+        self._write(encode_header({"format_version": FORMAT_VERSION, **header}))
+
+    def _write(self, data: bytes) -> None:
+        self._fh.write(data)
+        self._fh.flush()
+        if self._fsync:
+            os.fsync(self._fh.fileno())
+
+    def append(self, call: CallRecord) -> None:
+        if self._closed:
+            raise ValueError(f"{self.path}: log is closed")
+        self._write(encode_call(call))
+
+    def close(self, reward: float = 0.0, status: str = "ok", info: dict[str, Any] | None = None) -> None:
+        if self._closed:
+            return
+        if status not in STATUSES:
+            raise ValueError(f"unknown status {status!r}")
+        self._write(encode_result(float(reward), status, info or {}))
+        self._fh.close()
+        self._closed = True
+
+    def __enter__(self) -> "RolloutLog":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self._closed:
+            self._fh.close()
+            self._closed = True

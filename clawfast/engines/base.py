@@ -1,0 +1,56 @@
+"""The engine contract the proxy and trainer depend on.
+
+An engine takes prompt token ids and returns the sampled token ids with the sampler's own log-prob of
+each (the numbers importance sampling corrects against), and the weight version that produced them.
+It knows nothing of text, chat templates or protocols.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """max_tokens: output budget. temperature 0 means greedy (logprobs are then of the greedy token
+    under the untempered distribution). stop_token_ids end generation and are included in the output."""
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class Generation:
+    """output_ids (int32) and logprobs (float32, same length); finish_reason is "stop" (a stop token
+    or end of sequence) or "length" (max_tokens reached); weight_version of the weights that sampled."""
+
+    output_ids: np.ndarray
+    logprobs: np.ndarray
+    finish_reason: str
+    weight_version: int
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+class Engine(abc.ABC):
+    """Async generation over token ids. Implementations batch concurrent calls where they can."""
+
+    weight_version: int = 0
+
+    @abc.abstractmethod
+    async def generate(self, prompt_ids: np.ndarray, params: SamplingParams) -> Generation:
+        """Sample a continuation of `prompt_ids`."""
+
+    def update_weights(self, state_dict: Mapping[str, Any], version: int) -> None:
+        """Load new policy weights and set `weight_version`; engines that cannot, say so."""
+        raise NotImplementedError(f"{type(self).__name__} does not take weight updates")
+
+    async def close(self) -> None:
+        """Release processes and memory. Idempotent."""

@@ -1,0 +1,75 @@
+"""`SandboxRunner`: the `CommandRunner` that runs each verifier command in a fresh clawfast sandbox.
+
+Each call stages ``workspace/`` (the final workspace copy) and ``verifier/`` (the verifier files)
+side by side, starts a new sandbox from that directory, runs ``bash -c command`` inside
+``workspace/`` with ``$VERIFIER_DIR`` pointing at the sibling ``verifier/``, and destroys the
+sandbox. The staging costs one more copy of the workspace, but it works the same on every backend:
+the local backend ignores read-only binds, so binding the verifier files would not be portable.
+
+Isolation is the backend's (bwrap by default: no network, host root read-only, the sandbox's own
+PID namespace killed whole at the timeout); the verifier can change its copies freely. A sandbox that
+fails to start raises `SandboxError` (an infrastructure fault, not a score): callers mark the rollout
+``sandbox_error``. Everything the command does is a `CommandResult`, which `run_verifier` turns into
+a score or a ``verifier_error``. Unlike `SubprocessRunner`, which keeps the end of the output, the
+sandbox keeps the first `Limits.max_output_bytes` (1 MiB here) of stdout: a verifier that prints
+more than that before its score line gets ``verifier_error``.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+from clawfast.sandbox import Limits, SandboxBackend, SandboxSpec, create_backend
+from clawfast.tasks.verify import STDERR_TAIL_BYTES, STDOUT_TAIL_BYTES, CommandResult
+
+# Verifiers are small programs over small workspaces; 1 GiB leaves room for a test suite.
+VERIFIER_LIMITS = Limits(memory_bytes=1 << 30, max_processes=256, max_file_bytes=256 << 20,
+                         max_output_bytes=1 << 20)
+_SCRIPT = 'cd workspace && exec bash -c "$0"'
+
+
+def _tail(data: bytes, limit: int) -> str:
+    return data[-limit:].decode("utf-8", errors="replace")
+
+
+class SandboxRunner:
+    """Runs commands in fresh sandboxes of `backend` (default: a bwrap backend this runner owns and
+    closes in `close()`; it skips bwrap's start-up probe, since a sandbox that cannot start fails the
+    command itself with `SandboxError` anyway). Usable as a context manager."""
+
+    def __init__(self, backend: SandboxBackend | None = None, *, limits: Limits = VERIFIER_LIMITS):
+        self._owned = backend is None
+        self.backend = backend if backend is not None else create_backend("bwrap", probe=False)
+        self.limits = limits
+
+    def __call__(self, command: str, workspace: Path, *, verifier_dir: Path | None,
+                 timeout: float) -> CommandResult:
+        with tempfile.TemporaryDirectory(prefix="clawfast-stage-") as stage:
+            shutil.copytree(workspace, Path(stage) / "workspace", symlinks=True)
+            if verifier_dir is not None:
+                shutil.copytree(verifier_dir, Path(stage) / "verifier", symlinks=True)
+            spec = SandboxSpec(source_dir=stage, limits=self.limits, default_timeout=timeout,
+                               env={"LC_ALL": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"},
+                               name="verifier")
+            with self.backend.create(spec) as sandbox:
+                env = {"VERIFIER_DIR": f"{sandbox.workdir}/verifier"} if verifier_dir is not None else {}
+                res = sandbox.run(["bash", "-c", _SCRIPT, command], env=env, timeout=timeout)
+        return CommandResult(
+            returncode=None if res.timed_out else res.exit_code,
+            stdout=_tail(res.stdout, STDOUT_TAIL_BYTES),
+            stderr=_tail(res.stderr, STDERR_TAIL_BYTES),
+            timed_out=res.timed_out,
+            duration_s=res.duration_s,
+        )
+
+    def close(self) -> None:
+        if self._owned:
+            self.backend.close()
+
+    def __enter__(self) -> SandboxRunner:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

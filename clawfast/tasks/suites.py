@@ -1,0 +1,30 @@
+"""Suite lookup: a built-in suite by name, or a directory of the user's own tasks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+from clawfast.tasks.mini import SUITE_NAME as MINI, clawbench_mini
+from clawfast.tasks.task import SPLITS, Task
+from clawfast.tasks.taskdir import load_task_dir
+
+BUILTIN_SUITES: dict[str, Callable[[], list[Task]]] = {MINI: clawbench_mini}
+
+
+def load_suite(name_or_path: str | Path, split: str | None = None) -> list[Task]:
+    """The tasks of a built-in suite (``clawbench-mini``) or of a task directory (see
+    `load_task_dir`), optionally only those of `split` (``train`` or ``eval``).
+
+    A name that is both a built-in suite and an existing path means the built-in suite; write
+    ``./clawbench-mini`` for the directory."""
+    if split is not None and split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    if str(name_or_path) in BUILTIN_SUITES:
+        tasks = BUILTIN_SUITES[str(name_or_path)]()
+    elif Path(name_or_path).is_dir():
+        tasks = load_task_dir(name_or_path)
+    else:
+        raise ValueError(f"unknown suite {str(name_or_path)!r}: not one of {sorted(BUILTIN_SUITES)} "
+                         f"and not a directory")
+    return [t for t in tasks if split is None or t.split == split]

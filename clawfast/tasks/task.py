@@ -1,0 +1,193 @@
+"""The `Task` record and its verifier specifications (see the package docstring for the format).
+
+Construction validates every field and raises `TaskFormatError` (a `ValueError`) naming the task and
+the bad field, so a malformed task fails when it is loaded, never halfway through a training batch.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING, Callable, Mapping
+
+if TYPE_CHECKING:
+    from clawfast.tasks.verify import VerifierResult
+
+SPLITS = ("train", "eval")
+ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+DEFAULT_TASK_TIMEOUT = 600.0
+DEFAULT_VERIFIER_TIMEOUT = 60.0
+
+
+class TaskFormatError(ValueError):
+    """A task (or task.toml) is malformed; the message names the task and the field."""
+
+
+def _fail(where: str, field_name: str, problem: str) -> TaskFormatError:
+    return TaskFormatError(f"{where}: field {field_name!r}: {problem}")
+
+
+def _check_rel_path(where: str, field_name: str, path: str) -> str:
+    """A workspace-relative POSIX path that cannot escape the directory it is written into."""
+    p = PurePosixPath(path)
+    if not path or p.is_absolute() or ".." in p.parts or str(p) in ("", "."):
+        raise _fail(where, field_name, f"path {path!r} must be relative, without '..'")
+    return str(p)
+
+
+def _check_files(where: str, field_name: str, files: Mapping[str, str | bytes]) -> dict[str, bytes]:
+    if not isinstance(files, Mapping):
+        raise _fail(where, field_name, f"must be a mapping of path -> content, got {type(files).__name__}")
+    out: dict[str, bytes] = {}
+    for path, content in files.items():
+        if not isinstance(path, str):
+            raise _fail(where, field_name, f"path {path!r} must be a string")
+        rel = _check_rel_path(where, field_name, path)
+        if isinstance(content, str):
+            content = content.encode("utf-8")
+        if not isinstance(content, bytes):
+            raise _fail(where, field_name, f"content of {path!r} must be str or bytes")
+        out[rel] = content
+    return out
+
+
+def _check_dir(where: str, field_name: str, directory: Path | str | None) -> Path | None:
+    if directory is None:
+        return None
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise _fail(where, field_name, f"{directory} is not a directory")
+    return directory
+
+
+def _check_timeout(where: str, field_name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value == float("inf"):
+        raise _fail(where, field_name, f"must be a positive finite number of seconds, got {value!r}")
+    return float(value)
+
+
+def _materialize(files: Mapping[str, bytes], directory: Path | None, dest: Path) -> None:
+    if directory is not None:
+        # symlinks=True: copy links as links, never the file (or tree) a link points at.
+        shutil.copytree(directory, dest, symlinks=True, dirs_exist_ok=True)
+    for rel, content in files.items():
+        target = dest / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(content)
+
+
+@dataclass(frozen=True)
+class CommandVerifier:
+    """A verifier command, run with ``bash -c`` after the harness exits, in a fresh sandbox whose
+    working directory is a copy of the final workspace and where ``$VERIFIER_DIR`` holds `files`
+    (and a copy of `directory`); it must print ``{"score": s, "details": {...}}`` as its last stdout
+    line and exit 0 within `timeout` seconds."""
+
+    command: str
+    files: Mapping[str, bytes] = field(default_factory=dict)
+    directory: Path | None = None
+    timeout: float = DEFAULT_VERIFIER_TIMEOUT
+
+    def validate(self, where: str) -> CommandVerifier:
+        if not isinstance(self.command, str) or not self.command.strip():
+            raise _fail(where, "verifier.command", "must be a non-empty string")
+        return CommandVerifier(
+            command=self.command,
+            files=_check_files(where, "verifier.files", self.files),
+            directory=_check_dir(where, "verifier.directory", self.directory),
+            timeout=_check_timeout(where, "verifier.timeout", self.timeout),
+        )
+
+    def materialize(self, dest: Path) -> None:
+        """Write the verifier files into `dest` (created if needed)."""
+        dest.mkdir(parents=True, exist_ok=True)
+        _materialize(self.files, self.directory, dest)
+
+
+@dataclass(frozen=True)
+class CallableVerifier:
+    """The in-process form: ``fn(workspace: Path) -> VerifierResult`` (or a bare float score).
+    It runs in the caller's process on a copy of the final workspace: no sandbox and no timeout, so
+    use it only for trusted checks that read files, never for running the agent's code."""
+
+    fn: Callable[[Path], "VerifierResult | float"]
+
+    def validate(self, where: str) -> CallableVerifier:
+        if not callable(self.fn):
+            raise _fail(where, "verifier", "callable verifier must be callable")
+        return self
+
+
+Verifier = CommandVerifier | CallableVerifier
+
+
+@dataclass(frozen=True)
+class Task:
+    """One task. Fields:
+
+    id: unique, ``[A-Za-z0-9][A-Za-z0-9._-]*`` (at most 128 characters).
+    instruction: what the agent is told (the harness's prompt).
+    files / workspace_dir: the initial workspace: inline ``path -> content`` and/or a directory copied
+        first (inline files are written over it). Either may be empty.
+    verifier: a `CommandVerifier` or a `CallableVerifier`.
+    oracle: bash command strings that solve the task when run in order, each with ``bash -c`` in the
+        workspace (a scripted engine replays them as tool calls through any harness).
+    timeout: seconds the harness gets.
+    tags: string tags; ``category`` and ``split`` (``train`` or ``eval``) are required, others
+        (``difficulty``, ``template``, ``suite``) are free.
+    """
+
+    id: str
+    instruction: str
+    verifier: Verifier
+    oracle: tuple[str, ...]
+    tags: Mapping[str, str]
+    files: Mapping[str, bytes] = field(default_factory=dict)
+    workspace_dir: Path | None = None
+    timeout: float = DEFAULT_TASK_TIMEOUT
+
+    def __post_init__(self) -> None:
+        where = f"task {self.id!r}"
+        if not isinstance(self.id, str) or not ID_PATTERN.match(self.id):
+            raise _fail(where, "id", f"must match {ID_PATTERN.pattern}")
+        if not isinstance(self.instruction, str) or not self.instruction.strip():
+            raise _fail(where, "instruction", "must be a non-empty string")
+        if not isinstance(self.verifier, (CommandVerifier, CallableVerifier)):
+            raise _fail(where, "verifier", f"must be a CommandVerifier or CallableVerifier, got "
+                                           f"{type(self.verifier).__name__}")
+        if isinstance(self.oracle, str) or not all(isinstance(c, str) for c in self.oracle):
+            raise _fail(where, "oracle", "must be a list of bash command strings")
+        if not isinstance(self.tags, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in self.tags.items()
+        ):
+            raise _fail(where, "tags", "must be a mapping of string -> string")
+        if not self.tags.get("category"):
+            raise _fail(where, "tags.category", "is required")
+        if self.tags.get("split") not in SPLITS:
+            raise _fail(where, "tags.split", f"must be one of {SPLITS}, got {self.tags.get('split')!r}")
+        # Frozen dataclass: normalised values are set through object.__setattr__, once, here.
+        object.__setattr__(self, "verifier", self.verifier.validate(where))
+        object.__setattr__(self, "oracle", tuple(self.oracle))
+        object.__setattr__(self, "tags", dict(self.tags))
+        object.__setattr__(self, "files", _check_files(where, "files", self.files))
+        object.__setattr__(self, "workspace_dir", _check_dir(where, "workspace_dir", self.workspace_dir))
+        object.__setattr__(self, "timeout", _check_timeout(where, "timeout", self.timeout))
+
+    @property
+    def category(self) -> str:
+        return self.tags["category"]
+
+    @property
+    def split(self) -> str:
+        return self.tags["split"]
+
+    def materialize(self, dest: Path | str) -> Path:
+        """Write the initial workspace into `dest` (created if missing; must be empty if present)."""
+        dest = Path(dest)
+        if dest.exists() and any(dest.iterdir()):
+            raise FileExistsError(f"{dest} is not empty")
+        dest.mkdir(parents=True, exist_ok=True)
+        _materialize(self.files, self.workspace_dir, dest)
+        return dest

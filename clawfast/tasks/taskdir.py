@@ -1,0 +1,134 @@
+"""Loading a user's tasks from disk: one folder per task (format in docs/TASKS.md).
+
+    my-tasks/
+      fix-add/
+        task.toml        id, instruction, timeout, [tags], [verifier], oracle
+        workspace/       initial workspace files (optional; copied as they are, modes and links kept)
+        verifier/        files the verifier command finds in $VERIFIER_DIR (optional)
+
+`load_task_dir(path)` returns the tasks sorted by id. Every problem raises `TaskFormatError` naming
+the task.toml and the field; unknown keys are errors too, so a typo never silently falls back to a
+default. Files are not read into memory: the task refers to its `workspace/` and `verifier/`
+folders, which must stay in place while the task is used.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from clawfast.tasks.task import (
+    DEFAULT_TASK_TIMEOUT,
+    DEFAULT_VERIFIER_TIMEOUT,
+    CommandVerifier,
+    Task,
+    TaskFormatError,
+)
+
+TASK_FILE = "task.toml"
+_TOP_KEYS = {"id", "instruction", "timeout", "tags", "verifier", "oracle"}
+_VERIFIER_KEYS = {"command", "timeout"}
+
+
+def _field(where: str, name: str, problem: str) -> TaskFormatError:
+    return TaskFormatError(f"{where}: field {name!r}: {problem}")
+
+
+def _get(data: dict[str, Any], where: str, name: str, kind: type | tuple[type, ...], *,
+         required: bool = True, default: Any = None, prefix: str = "") -> Any:
+    if name not in data:
+        if required:
+            raise _field(where, prefix + name, "is required")
+        return default
+    value = data[name]
+    # bool is an int subclass in Python; `timeout = true` is still a type error.
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise _field(where, prefix + name, f"must be {_kind_name(kind)}, got {type(value).__name__}")
+    return value
+
+
+def _kind_name(kind: type | tuple[type, ...]) -> str:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    names = {str: "a string", int: "a number", float: "a number", list: "a list", dict: "a table"}
+    return " or ".join(dict.fromkeys(names.get(k, k.__name__) for k in kinds))
+
+
+def _unknown(data: dict[str, Any], allowed: set[str], where: str, prefix: str = "") -> None:
+    extra = sorted(set(data) - allowed)
+    if extra:
+        raise _field(where, prefix + extra[0], f"unknown key (allowed: {', '.join(sorted(allowed))})")
+
+
+def load_task(folder: Path | str) -> Task:
+    """Load one task folder (holding task.toml)."""
+    folder = Path(folder)
+    toml_path = folder / TASK_FILE
+    where = str(toml_path)
+    try:
+        with open(toml_path, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise TaskFormatError(f"{where}: missing") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise TaskFormatError(f"{where}: invalid TOML: {exc}") from None
+
+    _unknown(data, _TOP_KEYS, where)
+    task_id = _get(data, where, "id", str)
+    instruction = _get(data, where, "instruction", str)
+    timeout = _get(data, where, "timeout", (int, float), required=False, default=DEFAULT_TASK_TIMEOUT)
+    tags = _get(data, where, "tags", dict)
+    for key, value in tags.items():
+        if not isinstance(value, str):
+            raise _field(where, f"tags.{key}", f"must be a string, got {type(value).__name__}")
+    verifier = _get(data, where, "verifier", dict)
+    _unknown(verifier, _VERIFIER_KEYS, where, "verifier.")
+    command = _get(verifier, where, "command", str, prefix="verifier.")
+    verifier_timeout = _get(verifier, where, "timeout", (int, float), required=False,
+                            default=DEFAULT_VERIFIER_TIMEOUT, prefix="verifier.")
+    oracle = _get(data, where, "oracle", list)
+    for i, cmd in enumerate(oracle):
+        if not isinstance(cmd, str):
+            raise _field(where, f"oracle[{i}]", f"must be a bash command string, got {type(cmd).__name__}")
+
+    workspace_dir = folder / "workspace"
+    verifier_dir = folder / "verifier"
+    for path in (workspace_dir, verifier_dir):
+        if path.exists() and not path.is_dir():
+            raise TaskFormatError(f"{where}: {path.name}/ must be a directory")
+    # Task validates the values themselves (id syntax, split, positive timeouts) and says which.
+    try:
+        return Task(
+            id=task_id,
+            instruction=instruction,
+            verifier=CommandVerifier(command, directory=verifier_dir if verifier_dir.is_dir() else None,
+                                     timeout=verifier_timeout),
+            oracle=tuple(oracle),
+            tags=tags,
+            workspace_dir=workspace_dir if workspace_dir.is_dir() else None,
+            timeout=timeout,
+        )
+    except TaskFormatError as exc:
+        raise TaskFormatError(f"{where}: {exc}") from None
+
+
+def load_task_dir(path: Path | str) -> list[Task]:
+    """Load every task under `path`: each sub-folder holding a task.toml is one task (other entries
+    are ignored); if `path` itself holds a task.toml it is loaded as a single task. Ids must be
+    unique. Returns the tasks sorted by id."""
+    path = Path(path)
+    if not path.is_dir():
+        raise TaskFormatError(f"{path}: not a directory")
+    if (path / TASK_FILE).is_file():
+        return [load_task(path)]
+    folders = sorted(p for p in path.iterdir() if p.is_dir() and (p / TASK_FILE).is_file())
+    if not folders:
+        raise TaskFormatError(f"{path}: no task folders (sub-folders holding {TASK_FILE})")
+    tasks = [load_task(folder) for folder in folders]
+    seen: dict[str, Path] = {}
+    for folder, task in zip(folders, tasks):
+        if task.id in seen:
+            raise TaskFormatError(f"{folder / TASK_FILE}: field 'id': {task.id!r} is also the id of "
+                                  f"{seen[task.id] / TASK_FILE}")
+        seen[task.id] = folder
+    return sorted(tasks, key=lambda t: t.id)

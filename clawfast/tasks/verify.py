@@ -1,0 +1,291 @@
+"""Running verifiers and oracles.
+
+`run_verifier(task, workspace, runner)` scores a final workspace. A command verifier runs through a
+`CommandRunner`, the one abstraction over *where* a command runs: `SubprocessRunner` (a plain child
+process; no isolation) or a sandbox adapter (`clawfast.tasks.sandbox_runner`) that runs it in a
+fresh sandbox. Either way the verifier works on a scratch *copy* of the workspace (regular files,
+directories and symlinks; FIFOs, sockets and devices are skipped), so what it writes never reaches the
+caller's workspace. Only the sandbox enforces that: under `SubprocessRunner` a verifier could still
+write anywhere by absolute path, so use it for trusted verifiers.
+
+Guaranteed: `run_verifier` never raises for anything the verifier does. A verifier that exits
+non-zero, times out, is killed, prints no JSON score object on its last stdout line, or prints a score
+outside [0, 1] yields ``VerifierResult(score=0.0, status="verifier_error")`` with the reason in
+`error` and the tail of its stderr in `stderr`. Only a runner that itself fails to run anything (for
+example a sandbox that cannot start) raises, since that is an infrastructure fault, not a score.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, Sequence
+
+from clawfast.tasks.task import CallableVerifier, CommandVerifier, Task
+
+VERIFIER_STATUSES = ("ok", "verifier_error")
+# Enough of a verifier's stderr to see a traceback; bounded so a chatty verifier cannot bloat records.
+STDERR_TAIL_BYTES = 8192
+STDOUT_TAIL_BYTES = 65536
+
+
+@dataclass
+class VerifierResult:
+    """score: in [0, 1] (0.0 whenever status is ``verifier_error``).
+    status: ``ok`` or ``verifier_error``.
+    details: the verifier's own ``details`` object (empty on error).
+    error: why the status is ``verifier_error`` (None when ok).
+    stderr: the tail of the verifier's stderr (at most 8 KiB; empty for in-process verifiers).
+    duration_s: wall time of the verifier run."""
+
+    score: float
+    status: str = "ok"
+    details: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+    stderr: str = ""
+    duration_s: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"score": self.score, "status": self.status, "details": self.details, "error": self.error,
+                "stderr": self.stderr, "duration_s": self.duration_s}
+
+
+@dataclass
+class CommandResult:
+    """What a `CommandRunner` reports: `returncode` (None if killed on timeout), output tails, and
+    `timed_out`."""
+
+    returncode: int | None
+    stdout: str
+    stderr: str
+    timed_out: bool = False
+    duration_s: float = 0.0
+
+
+class CommandRunner(Protocol):
+    """Run ``bash -c command`` with `workspace` as the working directory and, if `verifier_dir` is
+    given, ``$VERIFIER_DIR`` naming a (possibly read-only) view of it; kill everything it started after
+    `timeout` seconds. The workspace passed in is a scratch copy the command may change freely."""
+
+    def __call__(self, command: str, workspace: Path, *, verifier_dir: Path | None,
+                 timeout: float) -> CommandResult: ...
+
+
+def _tail(path: Path, limit: int) -> str:
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        size = f.tell()
+        f.seek(max(0, size - limit))
+        return f.read().decode("utf-8", errors="replace")
+
+
+def _child_env(verifier_dir: Path | None) -> dict[str, str]:
+    # A small, explicit environment: the host's secrets (API keys, tokens) never reach task code.
+    # The running interpreter's directory comes first on PATH so `python3` is this Python, not a
+    # version-manager shim that costs ~150 ms a start.
+    path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "/usr/bin:/bin")])
+    env = {"PATH": path, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
+    if verifier_dir is not None:
+        env["VERIFIER_DIR"] = str(verifier_dir)
+    return env
+
+
+class SubprocessRunner:
+    """`CommandRunner` that runs the command as a plain child process in its own process group.
+
+    Not a sandbox: the command can read and write anything the caller can. It is the fallback where
+    no sandbox backend is available, and the runner for trusted commands (oracles in tests).
+    Output goes to temporary files, of which only the tails are read back, so memory stays bounded.
+    """
+
+    def __call__(self, command: str, workspace: Path, *, verifier_dir: Path | None = None,
+                 timeout: float) -> CommandResult:
+        with tempfile.TemporaryDirectory(prefix="clawfast-out-") as tmp:
+            out_path, err_path = Path(tmp) / "stdout", Path(tmp) / "stderr"
+            start = time.monotonic()
+            with open(out_path, "wb") as out, open(err_path, "wb") as err:
+                proc = subprocess.Popen(["bash", "-c", command], cwd=workspace, stdout=out, stderr=err,
+                                        stdin=subprocess.DEVNULL, env=_child_env(verifier_dir),
+                                        start_new_session=True)
+                timed_out = False
+                try:
+                    proc.wait(timeout=timeout)
+                except subprocess.TimeoutExpired:
+                    timed_out = True
+                finally:
+                    # Kill the whole group (the command's own children too), also after a normal exit.
+                    try:
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                    proc.wait()
+            return CommandResult(
+                returncode=None if timed_out else proc.returncode,
+                stdout=_tail(out_path, STDOUT_TAIL_BYTES),
+                stderr=_tail(err_path, STDERR_TAIL_BYTES),
+                timed_out=timed_out,
+                duration_s=time.monotonic() - start,
+            )
+
+
+def parse_score_line(stdout: str) -> tuple[float, dict[str, Any]]:
+    """Parse the verifier protocol: the last non-empty stdout line is a JSON object with a finite
+    ``score`` in [0, 1] and an optional ``details`` object. Raises ValueError saying what is wrong."""
+    lines = [line for line in stdout.splitlines() if line.strip()]
+    if not lines:
+        raise ValueError("verifier printed nothing on stdout")
+    try:
+        obj = json.loads(lines[-1])
+    except json.JSONDecodeError:
+        raise ValueError(f"last stdout line is not JSON: {lines[-1][:200]!r}") from None
+    if not isinstance(obj, dict) or "score" not in obj:
+        raise ValueError(f"last stdout line is not a score object: {lines[-1][:200]!r}")
+    score = obj["score"]
+    if isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score):
+        raise ValueError(f"score must be a finite number, got {score!r}")
+    if not 0.0 <= score <= 1.0:
+        raise ValueError(f"score must lie in [0, 1], got {score!r}")
+    details = obj.get("details", {})
+    if not isinstance(details, dict):
+        raise ValueError(f"details must be an object, got {type(details).__name__}")
+    return float(score), details
+
+
+def _error(reason: str, stderr: str = "", duration: float = 0.0) -> VerifierResult:
+    return VerifierResult(score=0.0, status="verifier_error", error=reason, stderr=stderr,
+                          duration_s=duration)
+
+
+def _run_command_verifier(verifier: CommandVerifier, scratch: Path, workspace: Path,
+                          runner: CommandRunner) -> VerifierResult:
+    verifier_dir = scratch / "verifier"
+    verifier.materialize(verifier_dir)
+    res = runner(verifier.command, workspace, verifier_dir=verifier_dir, timeout=verifier.timeout)
+    if res.timed_out:
+        return _error(f"verifier timed out after {verifier.timeout} s", res.stderr, res.duration_s)
+    if res.returncode != 0:
+        return _error(f"verifier exited with status {res.returncode}", res.stderr, res.duration_s)
+    try:
+        score, details = parse_score_line(res.stdout)
+    except ValueError as exc:
+        return _error(str(exc), res.stderr, res.duration_s)
+    return VerifierResult(score=score, details=details, stderr=res.stderr, duration_s=res.duration_s)
+
+
+def _run_callable_verifier(verifier: CallableVerifier, workspace: Path) -> VerifierResult:
+    start = time.monotonic()
+    try:
+        out = verifier.fn(workspace)
+    except Exception as exc:  # a crashing verifier is a verifier_error, never a crashed batch
+        return _error(f"verifier raised {type(exc).__name__}: {exc}", duration=time.monotonic() - start)
+    duration = time.monotonic() - start
+    if isinstance(out, VerifierResult):
+        if out.status not in VERIFIER_STATUSES:
+            return _error(f"verifier returned status {out.status!r}", duration=duration)
+        if out.status == "verifier_error":
+            return _error(out.error or "verifier reported an error", out.stderr, duration)
+        score, details = out.score, out.details
+        if not isinstance(details, dict):
+            return _error(f"details must be a dict, got {type(details).__name__}", duration=duration)
+    else:
+        score, details = out, {}
+    if isinstance(score, bool) or not isinstance(score, (int, float)) or not (
+        math.isfinite(score) and 0.0 <= score <= 1.0
+    ):
+        return _error(f"score must be a number in [0, 1], got {score!r}", duration=duration)
+    return VerifierResult(score=float(score), details=dict(details), duration_s=duration)
+
+
+def _special_files(directory: str, names: list[str]) -> set[str]:
+    """FIFOs, sockets and devices the agent left: skipped, since copying a FIFO would block forever
+    and none of them can hold a result."""
+    skipped = set()
+    for name in names:
+        mode = os.lstat(os.path.join(directory, name)).st_mode
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode) or stat.S_ISLNK(mode)):
+            skipped.add(name)
+    return skipped
+
+
+def run_verifier(task: Task, workspace: Path | str, runner: CommandRunner | None = None) -> VerifierResult:
+    """Score the final `workspace` of `task`. The verifier runs on a scratch copy of it; `runner`
+    (default `SubprocessRunner()`) runs command verifiers. See the module docstring for the
+    error contract."""
+    workspace = Path(workspace)
+    if not workspace.is_dir():
+        raise FileNotFoundError(f"workspace {workspace} is not a directory")
+    with tempfile.TemporaryDirectory(prefix=f"clawfast-verify-{task.id}-") as tmp:
+        scratch = Path(tmp)
+        copy = scratch / "workspace"
+        try:
+            # symlinks=True: a link the agent planted is copied as a link, not followed on the host.
+            shutil.copytree(workspace, copy, symlinks=True, ignore=_special_files)
+        except (OSError, shutil.Error) as exc:
+            # Unreadable or special files the agent left: the workspace cannot be judged.
+            return _error(f"cannot copy workspace: {exc}")
+        if isinstance(task.verifier, CallableVerifier):
+            return _run_callable_verifier(task.verifier, copy)
+        return _run_command_verifier(task.verifier, scratch, copy, runner or SubprocessRunner())
+
+
+@dataclass
+class OracleRun:
+    """The outcome of replaying a command list: one `CommandResult` per command that ran; `ok` is
+    False if a command failed or timed out (the rest are then not run)."""
+
+    results: list[CommandResult]
+    ok: bool
+
+
+def run_commands(commands: Sequence[str], workspace: Path | str, *, timeout: float = 30.0) -> OracleRun:
+    """Run `commands` in order with ``bash -c`` in `workspace`, in place, stopping at the first
+    failure: the way a scripted engine replays an oracle as tool calls. They run as plain
+    subprocesses (`SubprocessRunner`), so use it for trusted commands (oracles) only."""
+    runner = SubprocessRunner()
+    results = []
+    for command in commands:
+        res = runner(command, Path(workspace), verifier_dir=None, timeout=timeout)
+        results.append(res)
+        if res.timed_out or res.returncode != 0:
+            return OracleRun(results, ok=False)
+    return OracleRun(results, ok=True)
+
+
+@dataclass
+class TaskCheck:
+    """`check_task`'s answer: the oracle's and the do-nothing solution's scores (the task is sound iff
+    they are 1.0 and 0.0), with both verifier results and the oracle replay."""
+
+    task_id: str
+    oracle: VerifierResult
+    nothing: VerifierResult
+    oracle_run: OracleRun
+
+    @property
+    def sound(self) -> bool:
+        return self.oracle_run.ok and self.oracle.score == 1.0 and self.nothing.score == 0.0 and (
+            self.oracle.status == "ok" and self.nothing.status == "ok"
+        )
+
+
+def check_task(task: Task, runner: CommandRunner | None = None) -> TaskCheck:
+    """Replay the oracle on a fresh copy of the initial workspace and score it, then score an
+    untouched copy (the do-nothing solution). The oracle runs with `run_commands` (a trusted plain
+    subprocess); `runner` runs the verifier, as in `run_verifier`."""
+    with tempfile.TemporaryDirectory(prefix=f"clawfast-check-{task.id}-") as tmp:
+        solved = task.materialize(Path(tmp) / "oracle")
+        oracle_run = run_commands(task.oracle, solved)
+        oracle = run_verifier(task, solved, runner)
+        untouched = task.materialize(Path(tmp) / "nothing")
+        nothing = run_verifier(task, untouched, runner)
+    return TaskCheck(task.id, oracle, nothing, oracle_run)

@@ -1,0 +1,227 @@
+"""The verifier protocol and runner: scores, and every way a verifier can fail -> verifier_error."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from clawfast.tasks import (
+    CallableVerifier,
+    CommandVerifier,
+    Task,
+    VerifierResult,
+    parse_score_line,
+    run_verifier,
+)
+from clawfast.tasks.mini import VERIFIER_COMMAND, _checks_source
+
+TAGS = {"category": "test", "split": "train"}
+
+
+def _task(command: str = "", *, files=None, verifier_files=None, timeout=10.0, fn=None) -> Task:
+    verifier = CallableVerifier(fn) if fn else CommandVerifier(command, files=verifier_files or {},
+                                                               timeout=timeout)
+    return Task(id="t", instruction="do it", verifier=verifier, oracle=(), tags=TAGS, files=files or {})
+
+
+def _score(task: Task, tmp_path: Path) -> VerifierResult:
+    ws = task.materialize(tmp_path / "ws")
+    return run_verifier(task, ws)
+
+
+# ------------------------------------------------------------------------------ protocol parsing
+
+def test_parse_takes_the_last_non_empty_line():
+    assert parse_score_line('log line\n{"score": 0.0}\n{"score": 0.25, "details": {"a": 1}}\n\n') == (
+        0.25, {"a": 1})
+    assert parse_score_line('{"score": 1}') == (1.0, {})
+
+
+@pytest.mark.parametrize("stdout, why", [
+    ("", "nothing"),
+    ("all good\n", "not JSON"),
+    ('{"score": 1}\ntrailing words', "not JSON"),
+    ("[1, 2]", "not a score object"),
+    ('{"details": {}}', "not a score object"),
+    ('{"score": "1"}', "finite number"),
+    ('{"score": true}', "finite number"),
+    ('{"score": NaN}', "finite number"),
+    ('{"score": 1.5}', "[0, 1]"),
+    ('{"score": -0.1}', "[0, 1]"),
+    ('{"score": 1, "details": [1]}', "details must be an object"),
+])
+def test_parse_rejects_malformed_output(stdout, why):
+    with pytest.raises(ValueError, match=why.replace("[", r"\[").replace("]", r"\]")):
+        parse_score_line(stdout)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.floats(allow_nan=True, allow_infinity=True))
+def test_parse_accepts_exactly_finite_scores_in_unit_interval(x):
+    line = json.dumps({"score": x})
+    if math.isfinite(x) and 0.0 <= x <= 1.0:
+        assert parse_score_line(line)[0] == x
+    else:
+        with pytest.raises(ValueError):
+            parse_score_line(line)
+
+
+# ------------------------------------------------------------------------------ command verifiers
+
+def test_command_verifier_scores_and_sees_its_files(tmp_path):
+    task = _task('test "$(cat a.txt)" = "$(cat "$VERIFIER_DIR/want.txt")" && echo \'{"score": 0.75}\' '
+                 '|| echo \'{"score": 0}\'', files={"a.txt": "x\n"}, verifier_files={"want.txt": "x\n"})
+    res = _score(task, tmp_path)
+    assert (res.status, res.score, res.error) == ("ok", 0.75, None)
+
+
+def test_verifier_files_are_not_in_the_workspace(tmp_path):
+    task = _task('test -e want.txt && echo \'{"score": 0}\' || echo \'{"score": 1}\'',
+                 verifier_files={"want.txt": "secret"})
+    assert _score(task, tmp_path).score == 1.0
+
+
+def test_verifier_works_on_a_copy(tmp_path):
+    task = _task("rm -rf ./* && echo '{\"score\": 1}'", files={"keep.txt": "data"})
+    ws = task.materialize(tmp_path / "ws")
+    assert run_verifier(task, ws).score == 1.0
+    assert (ws / "keep.txt").read_text() == "data"
+
+
+@pytest.mark.parametrize("command, error", [
+    ("python3 -c 'raise RuntimeError(\"boom in verifier\")'", "exited with status 1"),
+    ("echo '{\"score\": 1}'; exit 3", "exited with status 3"),
+    ("echo 'looks fine to me'", "not JSON"),
+    ("echo '{\"score\": 7}'", "[0, 1]"),
+    ("true", "printed nothing"),
+    ("kill -9 $$", "exited with status"),
+])
+def test_broken_verifier_scores_zero_with_verifier_error(tmp_path, command, error):
+    res = _score(_task(command), tmp_path)
+    assert res.status == "verifier_error" and res.score == 0.0
+    assert error in res.error
+
+
+def test_verifier_stderr_is_kept(tmp_path):
+    res = _score(_task("python3 -c 'raise RuntimeError(\"boom in verifier\")'"), tmp_path)
+    assert "RuntimeError: boom in verifier" in res.stderr
+
+
+def test_verifier_timeout_kills_its_whole_process_group(tmp_path):
+    marker = tmp_path / "marker"
+    # A background child that would outlive the verifier and write outside its scratch copy.
+    task = _task(f"(sleep 1.5; touch {marker}) & sleep 30", timeout=0.5)
+    start = time.monotonic()
+    res = _score(task, tmp_path)
+    assert time.monotonic() - start < 10
+    assert res.status == "verifier_error" and res.score == 0.0 and "timed out" in res.error
+    time.sleep(2.0)
+    assert not marker.exists()
+
+
+def test_huge_output_is_bounded(tmp_path):
+    res = _score(_task("head -c 5000000 /dev/zero | tr '\\0' x >&2; echo '{\"score\": 1}'"), tmp_path)
+    assert res.score == 1.0 and 0 < len(res.stderr) <= 8192
+
+
+def test_fifo_in_workspace_does_not_hang(tmp_path):
+    task = _task("test -e pipe && echo '{\"score\": 0}' || echo '{\"score\": 1}'")
+    ws = task.materialize(tmp_path / "ws")
+    os.mkfifo(ws / "pipe")
+    assert run_verifier(task, ws).score == 1.0
+
+
+def test_a_batch_of_broken_verifiers_never_raises(tmp_path):
+    commands = ["exit 1", "echo garbage", "echo '{\"score\": 1}'", "echo '{\"score\": 0.5}'", "sleep 5"]
+    results = [run_verifier(t, t.materialize(tmp_path / str(i)))
+               for i, t in enumerate(_task(c, timeout=0.3) for c in commands)]
+    assert [r.score for r in results] == [0.0, 0.0, 1.0, 0.5, 0.0]
+    assert [r.status for r in results] == ["verifier_error"] * 2 + ["ok"] * 2 + ["verifier_error"]
+
+
+# ----------------------------------------------------------------------------- callable verifiers
+
+def test_callable_verifier_forms(tmp_path):
+    def reads(ws: Path) -> VerifierResult:
+        return VerifierResult(score=float((ws / "a").read_text() == "1"), details={"n": 1})
+
+    assert _score(_task(fn=reads, files={"a": "1"}), tmp_path / "a").score == 1.0
+    assert _score(_task(fn=lambda ws: 0.5), tmp_path / "b").score == 0.5
+
+
+@pytest.mark.parametrize("fn, error", [
+    (lambda ws: 1 / 0, "ZeroDivisionError"),
+    (lambda ws: 2.0, "[0, 1]"),
+    (lambda ws: "1.0", "[0, 1]"),
+    (lambda ws: VerifierResult(score=0.3, status="weird"), "status"),
+    (lambda ws: VerifierResult(score=1.0, status="verifier_error", error="own error"), "own error"),
+])
+def test_callable_verifier_failures(tmp_path, fn, error):
+    res = _score(_task(fn=fn), tmp_path)
+    assert res.status == "verifier_error" and res.score == 0.0 and error in res.error
+
+
+# ------------------------------------------------------------------------------ checks.py (mini)
+
+def _checks_task(checks, files, verifier_files=None) -> Task:
+    vfiles = {"checks.py": _checks_source(), "spec.json": json.dumps({"checks": checks}), **(verifier_files or {})}
+    return _task(VERIFIER_COMMAND, files=files, verifier_files=vfiles)
+
+
+TESTS = "from mod import f\n\n\ndef test_f():\n    assert f() == 1\n"
+
+
+@pytest.mark.parametrize("source, score", [
+    ("def f():\n    return 1\n", 1.0),
+    ("def f():\n    return 2\n", 0.0),
+    # Code under test that prints a fake passing report and exits cannot fake the verifier.
+    ('import os\nos.write(1, b\'{"total": 1, "failed": []}\\n\')\nos._exit(0)\n', 0.0),
+    ('print(\'{"score": 1.0}\')\ndef f():\n    return 2\n', 0.0),
+    ("import sys\nsys.exit(0)\n", 0.0),
+    ("while True:\n    pass\n", 0.0),
+])
+def test_python_tests_check(tmp_path, source, score):
+    checks = [{"type": "python_tests", "file": "test_mod.py", "timeout": 1}]
+    res = _score(_checks_task(checks, {"mod.py": source}, {"test_mod.py": TESTS}), tmp_path)
+    assert (res.status, res.score) == ("ok", score), res
+
+
+def test_checks_do_not_block_on_special_files_or_follow_into_nothing(tmp_path):
+    checks = [{"type": "text", "path": "out.txt", "equals": "hi"}]
+    task = _checks_task(checks, {})
+    ws = task.materialize(tmp_path / "ws")
+    (ws / "out.txt").symlink_to("/dev/zero")
+    res = run_verifier(task, ws)
+    assert (res.status, res.score) == ("ok", 0.0)
+    assert "not a regular file" in res.details["checks"][0]["message"]
+
+
+def test_malformed_spec_is_a_verifier_error(tmp_path):
+    res = _score(_checks_task([{"type": "no-such-check"}], {}), tmp_path)
+    assert res.status == "verifier_error" and "unknown check type" in res.stderr
+
+
+@pytest.mark.parametrize("check, content, ok", [
+    ({"type": "text", "equals": "hi"}, "hi\n", True),
+    ({"type": "text", "equals": "hi"}, "hi", True),
+    ({"type": "text", "equals": "hi"}, "hi\n\n", False),
+    ({"type": "text", "equals": "hi"}, " hi", False),
+    ({"type": "number", "equals": 12}, "12.0\n", True),
+    ({"type": "number", "equals": 12}, "12 apples", False),
+    ({"type": "json", "equals": {"a": [1, 2]}}, '{ "a" : [1, 2.0] }', True),
+    ({"type": "json", "equals": {"a": [1, 2]}}, '{"a": [2, 1]}', False),
+    ({"type": "csv", "rows": [["a", "b"], ["1", "2"]]}, "a, b\n1,2\n\n", True),
+    ({"type": "csv", "rows": [["a", "b"], ["1", "2"]]}, "a,b\n", False),
+    ({"type": "env", "equals": {"K": "v", "N": "1"}}, "# c\nK='v'\n\nN=1\n", True),
+    ({"type": "env", "equals": {"K": "v"}}, "K=v\nEXTRA=1\n", False),
+])
+def test_content_checks(tmp_path, check, content, ok):
+    task = _checks_task([dict(check, path="f")], {"f": content})
+    res = _score(task, tmp_path)
+    assert (res.status, res.score) == ("ok", 1.0 if ok else 0.0), res.details

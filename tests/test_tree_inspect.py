@@ -1,0 +1,83 @@
+"""`clawfast tree inspect` on the bundled sample group, run as a real subprocess."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from clawfast.records import load_rollouts
+from clawfast.samples import write_samples
+from clawfast.tree import build_tree
+
+
+def inspect(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "clawfast.cli", "tree", "inspect", *map(str, args)],
+        capture_output=True, text=True, timeout=300,
+    )
+
+
+@pytest.fixture(scope="module")
+def samples(tmp_path_factory):
+    out = tmp_path_factory.mktemp("samples")
+    proc = subprocess.run([sys.executable, "-m", "clawfast.samples", str(out)], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+def test_samples_are_small_and_deterministic(samples, tmp_path):
+    files = sorted(samples.glob("*.cfr"))
+    assert len(files) == 8 and sum(f.stat().st_size for f in files) < 400_000
+    again = write_samples(tmp_path)
+    assert [p.read_bytes() for p in sorted(again)] == [f.read_bytes() for f in files]
+
+
+def test_inspect_json_matches_build_tree(samples):
+    proc = inspect(samples, "--json", "--max-tokens", "2048")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    rollouts = load_rollouts(samples)
+    assert [d["rollout_id"] for d in report["rollouts"]] == [r.rollout_id for r in rollouts]
+    for d, rollout in zip(report["rollouts"], rollouts):
+        tree = build_tree(rollout.calls)
+        assert d["tokens"]["unique"] == tree.num_unique_tokens
+        assert d["tokens"]["per_call"] == sum(len(c.prompt_ids) + len(c.output_ids) for c in rollout.calls)
+        assert d["tokens"]["per_kept_leaf"] == tree.num_flat_tokens
+        assert 0 < d["tokens"]["trainable"] <= sum(len(c.output_ids) for c in rollout.calls)
+        assert [c["index"] for c in d["calls"]] == [c.call_index for c in rollout.calls]
+        assert [c["prompt_len"] for c in d["calls"]] == [len(c.prompt_ids) for c in rollout.calls]
+        assert [lf["status"] for lf in d["leaves"]] == [lf.status for lf in tree.leaves]
+        assert sum(s["len"] for s in d["segments"]) == tree.num_unique_tokens
+        assert {lf["status"] for lf in d["leaves"]} >= {"kept", "excluded"}
+    assert any(lf["status"] == "dead" for d in report["rollouts"] for lf in d["leaves"])
+    group = report["group"]
+    # Eight samples of one task share the system prompt and task text: the forest is smaller than
+    # the rollouts' own unique tokens added up.
+    assert group["forest_tokens"] < sum(d["tokens"]["unique"] for d in report["rollouts"])
+    assert group["micro_batches"]["num_batches"] >= 1 and group["micro_batches"]["max_tokens"] == 2048
+
+
+def test_inspect_text_single_file_and_options(samples):
+    one = sorted(samples.glob("*.cfr"))[0]
+    proc = inspect(one)
+    assert proc.returncode == 0, proc.stderr
+    for word in ("calls (16)", "segments (", "one sample per call", "one sample per kept leaf", "leaves ("):
+        assert word in proc.stdout
+    keep = json.loads(inspect(one, "--json", "--keep-dead").stdout)
+    assert all(lf["status"] != "dead" for lf in keep["rollouts"][0]["leaves"])
+    dropped = json.loads(inspect(one, "--json", "--max-kept-leaves", "0").stdout)
+    assert dropped["rollouts"][0]["dropped"] is True and dropped["rollouts"][0]["tokens"]["trainable"] == 0
+
+
+def test_inspect_bad_input(tmp_path):
+    proc = inspect(tmp_path / "missing.cfr")
+    assert proc.returncode == 1 and "No such file" in proc.stderr
+    (tmp_path / "bad.cfr").write_bytes(b"not a record")
+    proc = inspect(tmp_path / "bad.cfr")
+    assert proc.returncode == 1 and "bad magic" in proc.stderr
+    proc = inspect(tmp_path / "bad.cfr", "--max-tokens", "x")
+    assert proc.returncode == 2  # argparse rejects it

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 
 COMMANDS = {
@@ -23,6 +24,8 @@ COMMANDS = {
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    # Die quietly when piped into `head`, as command-line tools do.
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     parser = argparse.ArgumentParser(prog="clawfast", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_, help_text) in COMMANDS.items():

@@ -1,0 +1,191 @@
+"""The `local` backend: a plain subprocess in a temporary directory. NO ISOLATION.
+
+For debugging a harness outside any sandbox only; it must be asked for with `allow_unsafe=True`.
+The command runs as the current user with the host's network (`allow_ports` are not enforced: every
+host port is reachable) and can write anywhere the user can. What it does give: a fresh temporary
+workspace and HOME (its `workdir`/`home` are host paths), a clean environment (the host's is not
+inherited), RLIMIT_FSIZE/RLIMIT_AS like bwrap, and on timeout the command's whole process group is
+killed, and so is whatever the command left running in it when it exits (a process that calls
+setsid() escapes both: there is no PID namespace here).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Mapping, Sequence
+
+from clawfast.sandbox.base import (
+    DEFAULT_PATH,
+    RunResult,
+    Sandbox,
+    SandboxBackend,
+    SandboxError,
+    SandboxSpec,
+    check_command,
+    check_env_entry,
+    populate,
+    wait_exit,
+)
+
+
+class LocalBackend(SandboxBackend):
+    name = "local"
+
+    def __init__(self, *, allow_unsafe: bool = False, base_dir: str | None = None) -> None:
+        if not allow_unsafe:
+            raise ValueError("the local backend does not isolate anything; pass allow_unsafe=True to use it")
+        self.base_dir = tempfile.mkdtemp(prefix=f"clawfast-local-{os.getpid()}-", dir=base_dir)
+        self._live: set[LocalSandbox] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def create(self, spec: SandboxSpec) -> LocalSandbox:
+        spec.validate()
+        if self._closed:
+            raise SandboxError("backend is closed")
+        sandbox = LocalSandbox(self, spec)
+        with self._lock:
+            self._live.add(sandbox)
+        try:
+            populate(sandbox.host_workdir, spec.source_dir, spec.files)
+            populate(sandbox.home, None, spec.home_files)
+        except BaseException:
+            sandbox.close()
+            raise
+        return sandbox
+
+    def forget(self, sandbox: LocalSandbox) -> None:
+        with self._lock:
+            self._live.discard(sandbox)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with self._lock:
+            live = list(self._live)
+        for sandbox in live:
+            sandbox.close()
+        shutil.rmtree(self.base_dir, ignore_errors=True)
+
+
+class LocalSandbox(Sandbox):
+    def __init__(self, backend: LocalBackend, spec: SandboxSpec) -> None:
+        self.backend = backend
+        self.spec = spec
+        self.dir = tempfile.mkdtemp(prefix=spec.name + "-", dir=backend.base_dir)
+        self.host_workdir = self.workdir = os.path.join(self.dir, "ws")
+        self.home = self.host_home = os.path.join(self.dir, "home")
+        self.enforced = {"wall": "SIGKILL of the process group at the timeout"}
+        if spec.limits.max_file_bytes is not None:
+            self.enforced["file_size"] = "RLIMIT_FSIZE"
+        if spec.limits.address_space_bytes is not None:
+            self.enforced["address_space"] = "RLIMIT_AS"
+        self._closed = False
+        self._lock = threading.Lock()
+        self._running: set[subprocess.Popen] = set()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def run(
+        self,
+        cmd: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+        stdin: bytes | None = None,
+    ) -> RunResult:
+        argv = check_command(cmd)
+        timeout = self.spec.default_timeout if timeout is None else timeout
+        if not timeout > 0:
+            raise ValueError(f"timeout must be > 0, got {timeout!r}")
+        full_env = {"PATH": DEFAULT_PATH, "HOME": self.home, "TMPDIR": self.dir, "LANG": "C.UTF-8"}
+        full_env.update(self.spec.env)
+        for key, value in (env or {}).items():
+            check_env_entry(key, value)
+            full_env[key] = value
+        limits = self.spec.limits
+        ulimits = []
+        if limits.max_file_bytes is not None:
+            ulimits.append(f"ulimit -f {-(-limits.max_file_bytes // 512)}")
+        if limits.address_space_bytes is not None:
+            ulimits.append(f"ulimit -v {-(-limits.address_space_bytes // 1024)}")
+        wrapped = ["/bin/sh", "-c", "; ".join(ulimits + ['exec "$@"']), "sh"] + argv
+        with self._lock:
+            if self._closed:
+                raise SandboxError("sandbox is closed")
+        with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, tempfile.TemporaryFile() as inp:
+            inp.write(stdin or b"")
+            inp.seek(0)
+            t0 = time.monotonic()
+            try:
+                proc = subprocess.Popen(
+                    wrapped, cwd=self.workdir, env=full_env, stdin=inp, stdout=out, stderr=err, start_new_session=True
+                )
+            except OSError as exc:
+                raise SandboxError(f"cannot start the command: {exc}") from exc
+            with self._lock:
+                self._running.add(proc)
+            timed_out = False
+            try:
+                timed_out = not wait_exit(proc, timeout)
+            finally:
+                # Also after a normal exit: background processes left in the group die with the run.
+                _kill_group(proc)
+                with self._lock:
+                    self._running.discard(proc)
+            duration = time.monotonic() - t0
+            cap = limits.max_output_bytes
+            out.seek(0)
+            stdout = out.read(cap + 1)
+            err.seek(0)
+            stderr = err.read(cap + 1)
+        if self._closed:
+            raise SandboxError("sandbox was closed while the command ran")
+        code = proc.returncode
+        return RunResult(
+            exit_code=None if timed_out else (128 - code if code < 0 else code),
+            stdout=stdout[:cap],
+            stderr=stderr[:cap],
+            timed_out=timed_out,
+            duration_s=duration,
+            stdout_truncated=len(stdout) > cap,
+            stderr_truncated=len(stderr) > cap,
+        )
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            running = list(self._running)
+        try:
+            for proc in running:
+                _kill_group(proc)
+        finally:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            self.backend.forget(self)
+
+
+def _kill_group(proc: subprocess.Popen, timeout: float = 2.0) -> None:
+    """SIGKILL the command's process group and wait (bounded) until no member is left."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.002)

@@ -1,0 +1,137 @@
+"""Fixtures for sandbox tests: real backends, throwaway loopback servers, and leak probes that look
+at the host itself (/proc, mountinfo, cgroup directories, temp directories)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import uuid
+
+import pytest
+
+from clawfast.sandbox.cgroup import _hierarchy
+
+
+class EchoServer:
+    """A TCP server on a host loopback port that answers each connection with b"echo:" + first read."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.port = self.sock.getsockname()[1]
+        self.connections = 0
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.connections += 1
+            with conn:
+                conn.sendall(b"echo:" + conn.recv(1024))
+
+    def close(self) -> None:
+        # shutdown wakes the accept() of the serving thread; close alone may not.
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+        self._thread.join(2)
+
+
+@pytest.fixture
+def echo_server():
+    server = EchoServer()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def marker() -> str:
+    """A unique string to put on the command lines of sandboxed processes, to find them from the host."""
+    return f"cfmark{uuid.uuid4().hex[:12]}"
+
+
+def pids_with(text: str) -> list[int]:
+    """Host pids whose command line contains `text` (this test process excluded)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if text.encode() in f.read():
+                    found.append(int(entry))
+        except OSError:
+            pass
+    return found
+
+
+def mounts() -> list[str]:
+    with open("/proc/self/mountinfo") as f:
+        return sorted(line.split(" ", 4)[4] for line in f)
+
+
+def own_cgroups() -> list[str]:
+    """Sandbox cgroups created by this test process."""
+    out = []
+    for controller in ("memory", "pids"):
+        parent = _hierarchy(controller)
+        if parent:
+            out += [e for e in os.listdir(parent) if e.startswith(f"clawfast-{os.getpid()}-")]
+    return out
+
+
+def children() -> list[int]:
+    """Live (non-zombie) child processes of this test process."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == os.getpid() and fields[0] != "Z":
+            out.append(int(entry))
+    return out
+
+
+@pytest.fixture
+def leak_check():
+    """Snapshot of the host before the test; call the returned function after closing everything to
+    assert that no process, mount, cgroup or temp directory was left behind."""
+    before_mounts = mounts()
+
+    def check(*, base_dirs: list[str] = (), markers: list[str] = ()) -> None:
+        for d in base_dirs:
+            assert not os.path.exists(d), f"temp directory left behind: {d}"
+        for m in markers:
+            assert pids_with(m) == [], f"processes left behind: {m}"
+        assert own_cgroups() == [], "cgroups left behind"
+        assert mounts() == before_mounts, "mounts changed"
+        assert children() == [], "child processes left behind"
+
+    return check
+
+
+class Host:
+    """The probes above, as a fixture (test modules cannot import a conftest by name)."""
+
+    pids_with = staticmethod(pids_with)
+    mounts = staticmethod(mounts)
+    own_cgroups = staticmethod(own_cgroups)
+    children = staticmethod(children)
+
+
+@pytest.fixture
+def host() -> Host:
+    return Host()

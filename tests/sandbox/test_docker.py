@@ -1,0 +1,71 @@
+"""The docker backend's contract. Runs wherever a Docker engine answers and the image named by
+CLAWFAST_TEST_DOCKER_IMAGE (default debian:bookworm-slim) is present; nothing is pulled. Elsewhere
+each test is skipped with the engine's connection error as the reason."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from clawfast.sandbox import SandboxError, SandboxSpec
+
+pytestmark = pytest.mark.docker
+
+IMAGE = os.environ.get("CLAWFAST_TEST_DOCKER_IMAGE", "debian:bookworm-slim")
+
+
+@pytest.fixture
+def backend():
+    from clawfast.sandbox.docker_backend import DockerBackend, connect
+
+    try:
+        client = connect()
+    except SandboxError as exc:
+        pytest.skip(f"docker backend not tested: {exc}")
+    try:
+        client.images.get(IMAGE)
+    except Exception as exc:
+        pytest.skip(f"docker backend not tested: image {IMAGE} is not present locally ({exc})")
+    finally:
+        client.close()
+    b = DockerBackend(image=IMAGE)
+    yield b
+    b.close()
+    assert not os.path.exists(b.base_dir)
+
+
+def test_run_and_read_back(backend):
+    with backend.create(SandboxSpec(files={"a.txt": "A"})) as sb:
+        r = sb.run(["sh", "-c", 'cat a.txt; pwd; echo "$HOME"; echo x > b.txt; echo e >&2; exit 3'])
+        assert r.exit_code == 3 and r.stdout == b"A/run/ws\n/run/home\n" and r.stderr == b"e\n"
+        assert sb.read_files() == {"a.txt": b"A", "b.txt": b"x\n"}
+        assert sb.run(["cat"], stdin=b"in").stdout == b"in"
+
+
+def test_read_only_root_and_no_network(backend):
+    with backend.create(SandboxSpec()) as sb:
+        r = sb.run(["sh", "-c", "echo x > /etc/probe || echo ro; cat /proc/net/dev | tail -n +3 | cut -d: -f1 | tr -d ' '"])
+        assert r.stdout == b"ro\nlo\n"
+
+
+def test_timeout_kills_and_sandbox_stays_usable(backend):
+    with backend.create(SandboxSpec()) as sb:
+        r = sb.run(["sh", "-c", "sleep 300 & exec sleep 300"], timeout=1)
+        assert r.timed_out and r.exit_code is None
+        assert sb.run(["echo", "ok"]).stdout == b"ok\n"
+
+
+def test_allowed_port_reaches_host_loopback(backend, echo_server):
+    with backend.create(SandboxSpec()) as sb:
+        check = sb.run(["sh", "-c", "command -v socat && command -v bash"])
+        if check.exit_code != 0:
+            pytest.skip(f"image {IMAGE} lacks socat (needed for allow_ports) or bash (used by this test)")
+    with backend.create(SandboxSpec(allow_ports=(echo_server.port,))) as sb:
+        code = (
+            "exec 3<>/dev/tcp/127.0.0.1/%d && printf ping >&3 && cat <&3" % echo_server.port
+        )
+        r = sb.run(["bash", "-c", code])
+        assert r.stdout == b"echo:ping"
+        r = sb.run(["bash", "-c", "exec 3<>/dev/tcp/127.0.0.1/1 || echo refused"])
+        assert b"refused" in r.stdout

@@ -9,8 +9,8 @@ row, with that row's full ancestor context in the same batch.
 Guaranteed: every trainable token of every non-dropped tree appears as exactly one target over all
 batches; a batch's rows are closed under ancestors (``parent_row`` is always in the batch or -1);
 ``kv_end`` describes the tree mask (row j is visible to row i iff ``j <= i <= kv_end[j]``).
-Not guaranteed: the fewest possible batches (first-fit-decreasing is a heuristic), or that
-re-included context rows are few (see "Splitting" below).
+Not guaranteed: the fewest possible batches or rows (greedy pieces and first-fit-decreasing are
+heuristics); only that the rows never exceed one sample per kept leaf (see "Splitting" below).
 
 Decisions where docs/TREE.md leaves room (the reference in pack_ref.py must match them):
 - Targets exist only for trainable tokens, so ``loss_mask`` and ``weight`` are all 1.0. A target
@@ -20,12 +20,16 @@ Decisions where docs/TREE.md leaves room (the reference in pack_ref.py must matc
   the DFS-first one.
 - Kept leaves are reported (``leaf_rows``...) in the batch holding their last row as a non-context
   row, ordered by (leaf_rows, leaf_rollout, leaf_index).
-- Splitting: an item is a root subtree of the merged forest (rows in forest DFS order). A root
-  subtree larger than ``max_tokens`` is cut into consecutive runs of its DFS order; a run starting
-  at row i carries the ancestor path of i as context rows (``is_context``) and takes
-  ``max_tokens - depth(i)`` rows (or what is left), so every run but the last fills a batch. Item
-  cost = context + rows. First-fit-decreasing by cost (ties: forest order) into batches in creation
-  order; within a batch, items in forest order, so rows are in forest DFS order.
+- Splitting: an item is a root subtree of the merged forest (rows in forest DFS order) when it has
+  at most ``max_tokens`` rows. A larger one is split by leaves: its childless rows in DFS order are
+  grouped greedily into pieces of consecutive leaves, a piece being the union of its leaves'
+  root-to-leaf paths (the next leaf joins while the union stays <= ``max_tokens``). A row is real in
+  the first piece holding it and a context row (``is_context``) in later ones; so a piece is a run
+  of DFS rows plus the ancestor path of its first row. The packed rows never exceed one sample per
+  kept leaf. Item cost = its rows. First-fit-decreasing by cost (ties: forest order) into batches in
+  creation order; within a batch, items in forest order, each adding the ancestors of its first
+  real row that the batch does not hold yet (two pieces of one subtree may share a batch and then
+  share those rows), so rows are in forest DFS order.
 - Extra fields beyond TREE.md: ``is_context[N]`` (bool, re-included ancestor rows), and
   ``target_reward[M]`` / ``leaf_reward[L]`` (float32, ``rewards[rollout]``; NaN when ``rewards`` is
   None, so a forgotten reward cannot pass silently as 0).

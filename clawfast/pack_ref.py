@@ -7,9 +7,12 @@ match `clawfast.pack.PackedBatch` so tests can compare them field by field.
 
 Choices the contract leaves open, made here as the fast path makes them:
 - Items: each root subtree of the merged forest that fits `max_tokens` is one item; a larger one is
-  cut into consecutive DFS runs, each as long as `max_tokens` allows after its context (the ancestor
-  path of its first row). Items are placed first-fit-decreasing by cost (context + run rows), ties
-  in forest order; within a batch items are laid out in forest order, context rows first.
+  split greedily into pieces of consecutive forest leaves (childless rows) in DFS order, a piece
+  being the union of its leaves' root-to-leaf paths; the next leaf joins while the union stays
+  within `max_tokens`. A row is real in the first piece holding it and a context row in later
+  pieces. Items are placed first-fit-decreasing by cost (their rows), ties in forest order (of
+  their first real row). A batch holds the union of its items' rows, each once, in forest DFS
+  order; a row is context unless it is real in one of the batch's items.
 - A target belongs to the batch where its *predicting* row is not a context row; context rows
   predict nothing. Targets are ordered by predicting row, then target token, then rollout.
 - A kept leaf is listed in the batch where its last row is not a context row; ordered by row,
@@ -140,48 +143,61 @@ def pack_ref(trees: Sequence, max_tokens: int, *, rewards: Sequence[float] | Non
     if longest > max_tokens:
         raise ValueError(f"a kept root-to-leaf path has {longest} tokens, more than max_tokens={max_tokens}")
 
-    # Items (first row, row count, cost); a root subtree over budget is cut into DFS runs.
-    items: list[tuple[int, int, int]] = []
+    # Items: (global rows, the rows real in this item). A root subtree that fits is one item; a
+    # larger one is split into pieces of consecutive forest leaves (childless rows, DFS order),
+    # each piece the union of its leaves' root-to-leaf paths, grown while it fits. A row is real
+    # in the first piece that holds it and context in later ones.
+    items: list[tuple[list[int], set[int]]] = []
     for node in order:
         if node.depth != 0:
             continue
-        a, end = node.g, node.end + 1
-        if end - a <= max_tokens:
-            items.append((a, end - a, end - a))
+        rows = list(range(node.g, node.end + 1))
+        if len(rows) <= max_tokens:
+            items.append((rows, set(rows)))
             continue
-        i = a
-        while i < end:
-            count = min(max_tokens - order[i].depth, end - i)
-            items.append((i, count, order[i].depth + count))
-            i += count
+        pieces: list[set[int]] = []
+        current: set[int] = set()
+        for g in rows:
+            if order[g].children:
+                continue
+            path = set()
+            walk = order[g]
+            while walk is not None and walk.g >= 0:
+                path.add(walk.g)
+                walk = walk.parent
+            if current and len(current | path) > max_tokens:
+                pieces.append(current)
+                current = set()
+            current |= path
+        pieces.append(current)
+        seen: set[int] = set()
+        for piece in pieces:
+            items.append((sorted(piece), piece - seen))
+            seen |= piece
 
-    # First-fit decreasing by cost; sorted() is stable, so ties stay in forest order.
-    bins: list[list[tuple[int, int, int]]] = []
+    # First-fit decreasing by cost (rows of the item); sorted() is stable, so ties stay in forest
+    # order (items were made in the order of their first real row).
+    bins: list[list[tuple[list[int], set[int]]]] = []
     used: list[int] = []
-    for item in sorted(items, key=lambda it: -it[2]):
-        b = next((b for b in range(len(bins)) if used[b] + item[2] <= max_tokens), None)
+    for item in sorted(items, key=lambda it: -len(it[0])):
+        b = next((b for b in range(len(bins)) if used[b] + len(item[0]) <= max_tokens), None)
         if b is None:
             bins.append([])
             used.append(0)
             b = len(bins) - 1
         bins[b].append(item)
-        used[b] += item[2]
-    return [_emit(order, sorted(items_of), int(max_tokens), reward) for items_of in bins]
+        used[b] += len(item[0])
+    return [_emit(order, items_of, int(max_tokens), reward) for items_of in bins]
 
 
-def _emit(order: list[_Row], items: list[tuple[int, int, int]], max_tokens: int, reward: list[float]) -> PackedBatchRef:
-    rows: list[_Row] = []
-    context: list[bool] = []
-    for first, count, _ in items:
-        ancestors = []
-        node = order[first].parent
-        while node is not None and node.g >= 0:
-            ancestors.append(node)
-            node = node.parent
-        rows += reversed(ancestors)
-        context += [True] * len(ancestors)
-        rows += order[first : first + count]
-        context += [False] * count
+def _emit(order: list[_Row], items: list[tuple[list[int], set[int]]], max_tokens: int,
+          reward: list[float]) -> PackedBatchRef:
+    # The batch holds the union of its items' rows once each (two pieces of one root subtree may
+    # share a batch and their ancestors); a row is context unless it is real in one of the items.
+    held = sorted(set().union(*(set(rows) for rows, _ in items)))
+    real = set().union(*(r for _, r in items))
+    rows = [order[g] for g in held]
+    context = [g not in real for g in held]
     local = {id(node): i for i, node in enumerate(rows)}
     parent_row = [local[id(n.parent)] if n.depth > 0 else -1 for n in rows]
     # kv_end: the last batch row of each row's subtree, children pushing their end up to parents.

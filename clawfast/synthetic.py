@@ -11,7 +11,8 @@ Two families:
   overflow. `task_group` makes k such rollouts of one task: they share system prompt, tools and task.
 - `random_call_set`: small adversarial call sets for property tests: retries (with equal, prefix or
   empty outputs), forks at any point (inside outputs too), history edits, fresh roots, empty tool
-  gaps, excluded tags, non-contiguous call indices and shuffled arrival order. Small vocabularies
+  gaps, excluded tags, excluded calls extending the main path (compaction, subagent; opt-in),
+  non-contiguous call indices and shuffled arrival order. Small vocabularies
   make accidental shared prefixes common.
 
 Guaranteed: deterministic for a given `numpy.random.Generator` state; every record passes
@@ -232,6 +233,7 @@ def random_call_set(
     vocab_size: int = 4,
     max_len: int = 24,
     p_exclude: float = 0.15,
+    p_extend_excluded: float = 0.0,
     shuffle: bool = True,
     rollout_id: str = "r",
     harness: str = "synthetic",
@@ -240,8 +242,11 @@ def random_call_set(
     """A small random rollout for property tests (see the module docstring for the shapes).
 
     Paths stay within `max_len` tokens. Fresh prompts start with `prefix` when given (the shared
-    system prompt of a group). Call indices increase with gaps and start anywhere in [0, 3]; with
-    `shuffle` the list comes in random arrival order.
+    system prompt of a group). With probability `p_extend_excluded` a call (after the first) is an
+    excluded call whose prompt extends the latest main-thread path, as a compaction ("summarise"
+    request) or a subagent delegated from the last turn does; 0 leaves the random stream as it was.
+    Call indices increase with gaps and start anywhere in [0, 3]; with `shuffle` the list comes in
+    random arrival order.
     """
     if n_calls < 1 or max_len < 2:
         raise ValueError("need n_calls >= 1 and max_len >= 2")
@@ -252,7 +257,17 @@ def random_call_set(
     def rand(lo: int, hi: int) -> np.ndarray:
         return _ids(rng, int(rng.integers(lo, hi + 1)), vocab_size)
 
+    last_main: np.ndarray | None = None  # path of the latest main-thread call
     for _ in range(n_calls):
+        if p_extend_excluded and last_main is not None and rng.random() < p_extend_excluded:
+            # Prompt = the main history + a request (possibly empty: a title-like call on the last turn).
+            prompt = np.concatenate([last_main, rand(0, 3)])[: max_len - 1]
+            out = rand(0, 4)[: max_len - len(prompt)]
+            tags = ("compaction",) if rng.random() < 0.5 else ("subagent",)
+            calls.append(_call(rollout_id, index, harness, prompt, out, rng, tags, op="extend-excluded"))
+            paths.append((np.asarray(prompt, np.int32), np.asarray(out, np.int32)))
+            index += int(rng.integers(1, 3))
+            continue
         op = "fresh" if not paths else rng.choice(["extend", "extend", "retry", "fork", "edit", "fresh"])
         out = rand(0, 4)
         if op == "fresh":
@@ -282,6 +297,8 @@ def random_call_set(
             tags = EXCLUDED_TAG_CHOICES[int(rng.integers(len(EXCLUDED_TAG_CHOICES)))]
         calls.append(_call(rollout_id, index, harness, prompt, out, rng, tags, op=str(op)))
         paths.append((np.asarray(prompt, np.int32), np.asarray(out, np.int32)))
+        if tags == ("main",):
+            last_main = np.concatenate(paths[-1])
         index += int(rng.integers(1, 3))
     if shuffle:
         calls = [calls[i] for i in rng.permutation(len(calls))]

@@ -3,7 +3,9 @@
 `build_tree(calls)` rebuilds the tree of every path ``prompt_ids + output_ids`` the harness sent
 and the engine answered, marks each token as generated (with its owner call and sampling logprob)
 or context, and classifies every leaf as kept, dead (retried/regenerated) or excluded (subagent,
-compaction, title, quota calls).
+compaction, title, quota calls). A main-thread call's end node is a leaf unless another main-thread
+call ends below it, so a compaction or subagent whose prompt extends the main path does not make the
+main path before it untrainable.
 
 Guaranteed: the arrays below are exactly those of docs/TREE.md (DFS pre-order, children by
 ascending first token, root excluded); malformed input raises ``ValueError`` before any C++ runs or
@@ -40,7 +42,8 @@ LEAF_STATUSES = ("kept", "dead", "excluded")  # indexed by the C++ LeafStatus co
 
 @dataclass(frozen=True)
 class Leaf:
-    """A childless end node: its DFS segment index, path length, the calls ending there, its status."""
+    """A leaf (docs/TREE.md, "Leaves and statuses"): its DFS segment index, path length, the calls
+    ending there, its status. A kept leaf may have excluded calls' tokens below it."""
 
     node: int
     depth: int

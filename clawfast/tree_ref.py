@@ -30,8 +30,9 @@ LEAF_STATUSES = ("kept", "dead", "excluded")
 
 @dataclass(frozen=True)
 class LeafRef:
-    """A childless end node: its DFS segment index, the number of tokens on its root-to-leaf path,
-    the ascending call indices ending there, and its status (one of `LEAF_STATUSES`)."""
+    """A leaf (docs/TREE.md, "Leaves and statuses"): its DFS segment index, the number of tokens on
+    its root-to-leaf path, the ascending call indices ending there, and its status (one of
+    `LEAF_STATUSES`). A kept leaf may have excluded calls' tokens below it."""
 
     node: int
     depth: int
@@ -204,7 +205,7 @@ def build_tree_ref(
             end_node[k] = s
         stack.extend(tok.children[t] for t in sorted(tok.children, reverse=True))
 
-    # 3. Leaves (childless segments, in DFS order) and their statuses.
+    # 3. Leaves (in DFS order) and their statuses.
     ends_at: dict[int, list[int]] = {}
     for k, s in enumerate(end_node):
         ends_at.setdefault(s, []).append(k)
@@ -214,11 +215,26 @@ def build_tree_ref(
     prompts = [np.ascontiguousarray(c.prompt_ids, dtype=np.int32).tobytes() for c in ordered]
     last_asked = {p: k for k, p in enumerate(prompts)}
     retried = [last_asked[p] > k for k, p in enumerate(prompts)]
+    # Segments with a non-excluded call's end node strictly below them: walk up from each such end.
+    main_below = [False] * len(seg_parent)
+    for k, s in enumerate(end_node):
+        if not excluded[k]:
+            p = seg_parent[s]
+            while p >= 0 and not main_below[p]:
+                main_below[p] = True
+                p = seg_parent[p]
     leaves = []
     for s in range(len(seg_parent)):
-        if seg_children[s]:
-            continue
-        ks = ends_at[s]  # every childless segment is some path's end
+        ks = ends_at.get(s)
+        if ks is None:
+            continue  # not an end node (every childless segment is some path's end)
+        if any(not excluded[k] for k in ks):
+            # A main end node is a leaf unless a main call ends below it: excluded calls below
+            # (a compaction or subagent prompt extending this path) do not count.
+            if main_below[s]:
+                continue
+        elif seg_children[s]:
+            continue  # an excluded end node is a leaf only with nothing below it
         if all(excluded[k] for k in ks):
             status = "excluded"
         elif drop_dead and last_main not in ks and any(retried[k] for k in ks):

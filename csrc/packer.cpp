@@ -222,9 +222,13 @@ class Forest {
         bucket(row, static_cast<int64_t>(g_token_.size()), lf_off_, lf_order_);
     }
 
-    // Items: each root subtree that fits whole; a larger one is cut into consecutive DFS runs, each
-    // as long as max_tokens allows after its context (the ancestor path of its first row). All
-    // cuts but the last of a subtree fill a batch exactly, so two items never share a row.
+    // Items: each root subtree that fits whole. A larger one is split greedily into pieces of
+    // consecutive forest leaves (childless rows) in DFS order, a piece being the union of its
+    // leaves' root-to-leaf paths: the next leaf joins while the union stays <= max_tokens. In
+    // pre-order the union of the paths of consecutive leaves l_a..l_b is the ancestor path of the
+    // row after l_{a-1} (context: real in an earlier piece) plus the run of rows up to l_b, so a
+    // piece is an Item with cost depth(first) + count. A piece that starts at a leaf costs that
+    // leaf's path length, which layout() checked is <= max_tokens.
     // Then first-fit-decreasing by cost (context + rows), ties in forest order.
     void place() {
         const int64_t T = in_.max_tokens;
@@ -234,11 +238,16 @@ class Forest {
                 items_.push_back({a, end - a, end - a});
                 continue;
             }
-            for (int64_t i = a; i < end;) {
-                const int64_t count = std::min(T - g_depth_[i], end - i);
-                items_.push_back({i, count, g_depth_[i] + count});
-                i += count;
+            int64_t first = a, last = -1;  // the open piece: rows [first, last] + ancestors of first
+            for (int64_t g = a; g < end; ++g) {
+                if (g + 1 < end && g_parent_[g + 1] == g) continue;  // row g has a child: not a leaf
+                if (last >= 0 && g_depth_[first] + (g - first + 1) > T) {
+                    items_.push_back({first, last - first + 1, g_depth_[first] + (last - first + 1)});
+                    first = last + 1;
+                }
+                last = g;
             }
+            items_.push_back({first, end - first, g_depth_[first] + (end - first)});
         }
         std::sort(items_.begin(), items_.end(), [](const Item& x, const Item& y) { return x.first < y.first; });
         std::vector<int64_t> by_cost(items_.size());
@@ -274,21 +283,24 @@ class Forest {
         std::vector<int64_t> rows;
         std::vector<uint8_t> ctx;
         for (auto& batch : batches_) {
-            // Items of one batch come from disjoint root subtrees: in forest order, the rows
-            // (context first, then the run) are ascending global rows, i.e. DFS order.
+            // Items in forest order: each adds the ancestors of its first row that the batch does
+            // not hold yet (context), then its run. Two pieces of one root subtree may share a
+            // batch; their common ancestors then appear once, real if they are real in either
+            // piece (an earlier piece's run). The batch's rows are ancestor-closed, so the missing
+            // ancestors of a first row lie after every row already placed: rows stay in DFS order.
             std::sort(batch.begin(), batch.end(), [&](int64_t x, int64_t y) { return items_[x].first < items_[y].first; });
             rows.clear();
             ctx.clear();
             for (int64_t it : batch) {
                 const Item& item = items_[it];
                 const size_t mark = rows.size();
-                for (int64_t g = g_parent_[item.first]; g >= 0; g = g_parent_[g]) rows.push_back(g);
+                for (int64_t g = g_parent_[item.first]; g >= 0 && g2l[g] < 0; g = g_parent_[g]) rows.push_back(g);
                 std::reverse(rows.begin() + mark, rows.end());
                 ctx.resize(rows.size(), 1);
                 for (int64_t g = item.first; g < item.first + item.count; ++g) rows.push_back(g);
                 ctx.resize(rows.size(), 0);
+                for (size_t i = mark; i < rows.size(); ++i) g2l[rows[i]] = static_cast<int32_t>(i);
             }
-            for (size_t i = 0; i < rows.size(); ++i) g2l[rows[i]] = static_cast<int32_t>(i);
             for (size_t i = 0; i < rows.size(); ++i) {
                 const int64_t g = rows[i];
                 out.input_ids.push_back(g_token_[g]);

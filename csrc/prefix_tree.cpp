@@ -129,12 +129,24 @@ class Builder {
 
         layout(out);
 
-        // Leaves in DFS order with the calls that end there.
+        // Leaves. An end node of a non-excluded call is a leaf iff no non-excluded call ends
+        // strictly below it (excluded calls below, e.g. a compaction that extends the main path,
+        // do not count); an end node of excluded calls only is a leaf iff it has no child.
         const size_t n_nodes = nodes_.size();
+        std::vector<uint8_t> ends(n_nodes, 0), main_ends(n_nodes, 0), main_below(n_nodes, 0);
+        for (int64_t c = 0; c < n; ++c) {
+            ends[end_node[c]] = 1;
+            if (!in_.excluded[c]) main_ends[end_node[c]] = 1;
+        }
+        for (auto it = order_.rbegin(); it != order_.rend(); ++it) {  // children before parents
+            const int32_t p = nodes_[*it].parent;
+            if (main_ends[*it] || main_below[*it]) main_below[p] = 1;
+        }
         std::vector<int32_t> leaf_of(n_nodes, -1);
         for (int32_t v = 0; v < static_cast<int32_t>(order_.size()); ++v) {
             const int32_t x = order_[v];
-            if (nodes_[x].children.empty()) {
+            const bool leaf = main_ends[x] ? !main_below[x] : ends[x] && nodes_[x].children.empty();
+            if (leaf) {
                 leaf_of[x] = static_cast<int32_t>(out.leaf_node.size());
                 out.leaf_node.push_back(v);
                 out.leaf_depth.push_back(static_cast<int32_t>(nodes_[x].depth + nodes_[x].len));

@@ -124,10 +124,11 @@ def test_dense_tree_mask_matches_the_rule():
     n_calls=st.integers(1, 6),
     vocab=st.integers(2, 5),
     slack=st.floats(0.0, 1.5),
+    p_extend_excluded=st.sampled_from([0.0, 0.3]),  # compaction/subagent calls below kept leaves
 )
-def test_keystone_random_trees(model, seed, k, n_calls, vocab, slack):
+def test_keystone_random_trees(model, seed, k, n_calls, vocab, slack, p_extend_excluded):
     rng = np.random.default_rng(seed)
-    group = random_group(rng, k, n_calls, vocab_size=vocab, max_len=20)
+    group = random_group(rng, k, n_calls, vocab_size=vocab, max_len=20, p_extend_excluded=p_extend_excluded)
     trees = [build_tree(calls) for calls in group]
     longest = max((lf.depth for t in trees for lf in t.leaves if lf.status == "kept"), default=1)
     batches = pack(trees, longest + int(slack * longest))

@@ -186,9 +186,71 @@ def test_out_of_order_arrival_and_index_gaps():
         assert got.leaves == want.leaves
     np.testing.assert_array_equal(want.call_indices, [0, 3, 7, 9])
     assert want.token_call.tolist() == [-1, -1, 0, -1, 3, 3, -1, 9, 7]
-    # Call 0 is retried by call 7 (same prompt [1, 2]), but its end node is internal, not a leaf.
-    # Call 9 (compaction) ends below call 3: its leaf is excluded; call 7's leaf is kept.
-    assert [(leaf.calls, leaf.status) for leaf in want.leaves] == [((9,), "excluded"), ((7,), "kept")]
+    # Call 0 is retried by call 7 (same prompt [1, 2]), but call 3 (main) ends below it: not a leaf.
+    # Call 9 (compaction) ends below call 3, but an excluded call below does not take call 3's leaf:
+    # call 3's end node is a kept leaf, call 9's an excluded one below it; call 7's leaf is kept.
+    assert [(leaf.calls, leaf.status) for leaf in want.leaves] == [((3,), "kept"), ((9,), "excluded"), ((7,), "kept")]
+    assert [leaf.node for leaf in want.leaves] == [3, 5, 6]  # call 3's leaf [5, 6] has children
+
+
+def test_compaction_after_main_calls_keeps_the_main_path_trainable():
+    # Main turns, then a compaction (whole history + a "summarise" request 90, tagged compaction),
+    # then the thread restarts from system prompt + summary.
+    calls = [
+        call(0, [1, 2], [3]),
+        call(1, [1, 2, 3, 40], [4]),
+        call(2, [1, 2, 3, 40, 4, 90], [70, 71], tags=("compaction",)),
+        call(3, [1, 2, 70, 71], [5]),
+    ]
+    tree = build_tree(calls)
+    assert_tree(
+        tree,
+        tokens=[1, 2, 3, 40, 4, 90, 70, 71, 70, 71, 5],
+        seg_parent=[-1, 0, 1, 2, 3, 4, 0, 6],
+        seg_kind=[0, 1, 0, 1, 0, 1, 0, 1],
+        end_node=[1, 3, 5, 7],
+        num_flat_tokens=5 + 5,
+    )
+    # Call 1's end node [4] has the compaction below it and is still a kept leaf (before this rule,
+    # the compaction took the leaf and tokens 3 and 4 were not trainable).
+    assert tree.leaves == [Leaf(3, 5, (1,), "kept"), Leaf(5, 8, (2,), "excluded"), Leaf(7, 5, (3,), "kept")]
+    (batch,) = pack([tree], 16)
+    # The compaction's own tokens (90 and its summary) stay out of the kept set.
+    assert batch.input_ids.tolist() == [1, 2, 3, 40, 4, 70, 71, 5]
+    assert batch.target_ids.tolist() == [3, 4, 5] and batch.target_call.tolist() == [0, 1, 3]
+    check_pack([tree], [batch])
+
+
+def test_subagent_extending_the_main_path_does_not_steal_the_leaf():
+    main = [call(0, [1, 2], [3, 4])]
+    sub = call(1, [1, 2, 3, 4, 8], [9], tags=("subagent",))  # delegated from the main thread's last turn
+    tree = build_tree(main + [sub])
+    assert tree.leaves == [Leaf(1, 4, (0,), "kept"), Leaf(3, 6, (1,), "excluded")]
+    (batch,) = pack([tree], 8)
+    assert batch.input_ids.tolist() == [1, 2, 3, 4] and batch.target_ids.tolist() == [3, 4]
+    # A main call below the subagent still takes the leaf: only excluded calls are ignored.
+    later = call(2, [1, 2, 3, 4, 8, 9, 6], [7])
+    tree = build_tree(main + [sub, later])
+    assert [(leaf.calls, leaf.status) for leaf in tree.leaves] == [((2,), "kept")]
+    # An excluded call ending at an excluded call's end node with something below: not a leaf.
+    tree = build_tree([call(0, [1], [2], tags=("title",)), call(1, [1, 2, 3], [4], tags=("quota",))])
+    assert [(leaf.calls, leaf.status) for leaf in tree.leaves] == [((1,), "excluded")]
+
+
+def test_main_and_excluded_call_ending_at_one_node():
+    # A main call and a title call end at the same node; a subagent continues below it. The node
+    # follows the main rule (a leaf: only an excluded call below) and is kept (not all excluded).
+    calls = [
+        call(0, [1, 2], [3]),
+        call(1, [1, 2], [3], tags=("title",)),
+        call(2, [1, 2, 3, 5], [6], tags=("subagent",)),
+    ]
+    tree = build_tree(calls)
+    assert tree.leaves == [Leaf(1, 3, (0, 1), "kept"), Leaf(3, 5, (2,), "excluded")]
+    # The same with the main call retried by a later main call: the retry's answer takes the path.
+    retried = calls + [call(3, [1, 2], [7])]
+    assert [(lf.calls, lf.status) for lf in build_tree(retried).leaves] == [
+        ((0, 1), "dead"), ((2,), "excluded"), ((3,), "kept")]
 
 
 def test_max_kept_leaves_drops_tree():
@@ -445,7 +507,7 @@ def test_pack_first_fit_decreasing():
                                    "fill_mean": 1.0, "fill_min": 1.0, "fill_total": 1.0}
 
 
-def test_pack_splits_large_subtree_with_context_rows():
+def test_pack_splits_large_subtree_by_leaves():
     # Three answers under a shared 4-token prompt: 10 unique tokens in one root subtree, max 7 rows.
     tree = build_tree([
         call(0, [1, 2, 3, 4], [5, 6]),
@@ -453,24 +515,47 @@ def test_pack_splits_large_subtree_with_context_rows():
         call(2, [1, 2, 3, 4, 12], [13]),
     ], drop_dead=False)
     batches = pack([tree], 7)
-    # Forest rows 1 2 3 4 5 6 7 8 12 13. Runs: the first 7 rows; then from 8 (depth 5) two rows
-    # after 5 context rows; then 13 (depth 5) after its 5 context rows.
+    # Forest rows 1 2 3 4 5 6 7 8 12 13; leaves 6, 8 and 13, each path 6 tokens. Pieces: {path to 6}
+    # (adding 8 makes 8 rows), {path to 8}, {path to 13}; the prompt is real in the first piece and
+    # context in the others. (Cutting DFS runs instead would pack 7 + 7 + 6 = 20 rows.)
     assert [b.input_ids.tolist() for b in batches] == [
-        [1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 4, 7, 8, 12], [1, 2, 3, 4, 12, 13]]
-    assert [b.is_context.tolist() for b in batches] == [
-        [False] * 7, [True] * 5 + [False] * 2, [True] * 5 + [False]]
+        [1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 7, 8], [1, 2, 3, 4, 12, 13]]
+    assert [b.is_context.tolist() for b in batches] == [[False] * 6] + [[True] * 4 + [False] * 2] * 2
     b1 = batches[1]
-    assert b1.parent_row.tolist() == [-1, 0, 1, 2, 3, 4, 3]
-    assert b1.kv_end.tolist() == [6, 6, 6, 6, 5, 5, 6]
-    assert b1.position_ids.tolist() == [0, 1, 2, 3, 4, 5, 4]
-    # A target sits in the batch where its predicting row is not context: 4 -> 5, 4 -> 7, 5 -> 6 and
-    # 7 -> 8 in the first batch, 12 -> 13 in the second, even though 13's own row is in the third.
+    assert b1.parent_row.tolist() == [-1, 0, 1, 2, 3, 4]
+    assert b1.kv_end.tolist() == [5] * 6
+    assert b1.position_ids.tolist() == [0, 1, 2, 3, 4, 5]
+    # A target sits in the batch where its predicting row is real: 4 -> 5, 4 -> 7 and 5 -> 6 in the
+    # first batch (7's row is in the second), 7 -> 8 in the second, 12 -> 13 in the third.
     assert [list(zip(b.target_rows.tolist(), b.target_ids.tolist())) for b in batches] == [
-        [(3, 5), (3, 7), (4, 6), (6, 8)], [(6, 13)], []]
+        [(3, 5), (3, 7), (4, 6)], [(4, 8)], [(4, 13)]]
     assert [list(zip(b.leaf_rows.tolist(), b.leaf_index.tolist())) for b in batches] == [
         [(5, 0)], [(5, 1)], [(5, 2)]]
     check_pack([tree], batches)
-    assert pack_stats(batches)["num_context_tokens"] == 10
+    assert pack_stats(batches)["num_context_tokens"] == 8
+    assert sum(b.num_tokens for b in batches) <= tree.num_flat_tokens == 18
+
+
+def test_pack_split_pieces_share_a_batch_once():
+    # One root subtree: prompt [1, 2] with answers of 5, 8 and 1 tokens, 17 rows, max 10 rows.
+    tree = build_tree([
+        call(0, [1, 2], [3, 20, 20, 20, 20]),
+        call(1, [1, 2], [4] + [21] * 7),
+        call(2, [1, 2], [5]),
+    ], drop_dead=False)
+    batches = pack([tree], 10)
+    # Pieces: {1 2 3 20x4} (7 rows; the next leaf would make 15), {1 2 4 21x7} (10; the prompt is
+    # context there), {1 2 5} (3). FFD: 10 -> b0, 7 -> b1, 3 -> b1 (7 + 3 <= 10). The first and
+    # third piece share b1 and their prompt rows once, real (from the first piece): 8 rows, not 10.
+    assert [b.input_ids.tolist() for b in batches] == [[1, 2, 4] + [21] * 7, [1, 2, 3, 20, 20, 20, 20, 5]]
+    assert [b.is_context.tolist() for b in batches] == [[True, True] + [False] * 8, [False] * 8]
+    assert batches[1].parent_row.tolist() == [-1, 0, 1, 2, 3, 4, 5, 1]
+    assert batches[1].kv_end.tolist() == [7, 7, 6, 6, 6, 6, 6, 7]
+    # Row 1 (token 2) is real in b1: it predicts all three answers' first tokens there.
+    assert list(zip(batches[1].target_rows.tolist(), batches[1].target_ids.tolist())) == [
+        (1, 3), (1, 4), (1, 5), (2, 20), (3, 20), (4, 20), (5, 20)]
+    assert batches[0].target_ids.tolist() == [21] * 7
+    check_pack([tree], batches)
 
 
 def test_pack_split_random_trees():

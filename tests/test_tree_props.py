@@ -6,7 +6,9 @@ and the packed batches are checked against the contract directly, from paths of 
 than from either implementation's internals:
 every trainable token is targeted exactly once across micro-batches, with the right owner, logprob,
 leaf and full ancestor context; each batch fits `max_tokens`; `kv_end` agrees with `parent_row`;
-every kept root-to-leaf path can be read back from the rows.
+every kept root-to-leaf path can be read back from the rows; the rows never exceed one sample per
+kept leaf. Leaves follow the rule of docs/TREE.md (excluded calls below a main end node do not take
+its leaf), and the generator is checked to produce excluded calls that extend the main path.
 """
 
 from __future__ import annotations
@@ -160,6 +162,9 @@ def check_batches(trees, calls_of, batches, max_tokens, rewards=None) -> None:
             key = (int(batch.leaf_rollout[k]), int(batch.leaf_index[k]))
             assert leaves.get(key) == paths[row], f"batch {b}: leaf {key} does not read back its path"
             seen_leaves[key] += 1
+    # Splitting by leaves is never worse than one sample per kept leaf.
+    flat = sum(t.num_flat_tokens for t in trees if not t.dropped)
+    assert sum(b.num_tokens for b in batches) <= flat, "more rows than one sample per kept leaf"
     assert seen_targets == Counter(targets.keys()), "some trainable token is not targeted exactly once"
     assert seen_leaves == Counter(leaves.keys()), "some kept leaf is not listed exactly once"
     assert seen_rows == Counter(union), "non-context rows are not the union of kept paths, each once"
@@ -176,9 +181,11 @@ def check_batches(trees, calls_of, batches, max_tokens, rewards=None) -> None:
     vocab=st.integers(2, 6),
     drop_dead=st.booleans(),
     max_kept=st.one_of(st.none(), st.integers(0, 4)),
+    p_extend_excluded=st.sampled_from([0.0, 0.3]),
 )
-def test_tree_matches_reference(seed, n_calls, vocab, drop_dead, max_kept):
-    calls = random_call_set(np.random.default_rng(seed), n_calls, vocab_size=vocab)
+def test_tree_matches_reference(seed, n_calls, vocab, drop_dead, max_kept, p_extend_excluded):
+    calls = random_call_set(np.random.default_rng(seed), n_calls, vocab_size=vocab,
+                            p_extend_excluded=p_extend_excluded)
     ref = build_tree_ref(calls, drop_dead=drop_dead, max_kept_leaves=max_kept)
     fast = build_tree(calls, drop_dead=drop_dead, max_kept_leaves=max_kept)
     assert_same_tree(ref, fast)
@@ -216,9 +223,27 @@ def check_tree_shape(tree, calls) -> None:
         # Compressed: a segment with one child ends at a forced boundary.
         if p >= 0 and len(kids) == 1:
             assert paths[int(tree.seg_start[p] + tree.seg_len[p] - 1)] in ends, f"segment {p} could merge with its child"
-    # Leaves: exactly the childless segments, in DFS order, with their path length.
-    childless = [s for s in range(tree.num_segments) if s not in children]
-    assert [lf.node for lf in tree.leaves] == childless
+    # Leaves, in DFS order, with their path length: an end node of a non-excluded call is a leaf
+    # iff no non-excluded call's path strictly extends its path; an end node of excluded calls
+    # only is a leaf iff it has no child. The calls of a leaf are all those ending there.
+    seg_path = [paths[int(tree.seg_start[s] + tree.seg_len[s] - 1)] for s in range(tree.num_segments)]
+    full = [tuple(np.concatenate([c.prompt_ids, c.output_ids]).tolist()) for c in ordered]
+    main_paths = [f for f, c in zip(full, ordered) if not c.excluded]
+    want_leaves = []
+    for s in range(tree.num_segments):
+        ending = [c.call_index for f, c in zip(full, ordered) if f == seg_path[s]]
+        if not ending:
+            continue
+        if any(not c.excluded for c in ordered if c.call_index in ending):
+            below = any(len(m) > len(seg_path[s]) and m[: len(seg_path[s])] == seg_path[s] for m in main_paths)
+            if not below:
+                want_leaves.append((s, tuple(ending)))
+        elif s not in children:
+            want_leaves.append((s, tuple(ending)))
+    assert [(lf.node, tuple(lf.calls)) for lf in tree.leaves] == want_leaves
+    # Kept leaves are never above one another (no kept path extends another within one tree).
+    kept_paths = [seg_path[lf.node] for lf in tree.leaves if lf.status == "kept"]
+    assert not any(a != b and b[: len(a)] == a for a in kept_paths for b in kept_paths)
     assert all(lf.depth == tree.seg_depth[lf.node] + tree.seg_len[lf.node] for lf in tree.leaves)
     # Pre-order: each subtree is the contiguous range of segments that starts at its root.
     size = [1] * tree.num_segments
@@ -230,6 +255,21 @@ def check_tree_shape(tree, calls) -> None:
         for c in kids:
             assert c == start, "children's subtrees follow each other in pre-order"
             start += size[c]
+
+
+def test_generator_covers_excluded_calls_below_kept_leaves():
+    # The property tests above draw p_extend_excluded=0.3 half the time: check that such draws do
+    # produce the shape the leaf rule is about (a kept leaf with an excluded call's end node below).
+    hits = 0
+    for seed in range(200):
+        calls = random_call_set(np.random.default_rng(seed), 8, vocab_size=4, p_extend_excluded=0.3)
+        tree = build_tree(calls)
+        paths = tree_paths(tree)
+        last = tree.seg_start + tree.seg_len - 1  # last token of each segment
+        kept = [paths[int(last[lf.node])] for lf in tree.leaves if lf.status == "kept"]
+        excl = [paths[int(last[lf.node])] for lf in tree.leaves if lf.status == "excluded"]
+        hits += any(len(e) > len(k) and e[: len(k)] == k for k in kept for e in excl)
+    assert hits >= 40, f"only {hits} of 200 call sets have an excluded leaf below a kept leaf"
 
 
 def test_tree_custom_exclude_tags_match():
@@ -247,10 +287,12 @@ def test_tree_custom_exclude_tags_match():
     slack=st.floats(0.0, 2.0),
     with_rewards=st.booleans(),
     repeat_one=st.booleans(),
+    p_extend_excluded=st.sampled_from([0.0, 0.3]),
 )
-def test_pack_matches_reference_and_contract(seed, k, n_calls, vocab, slack, with_rewards, repeat_one):
+def test_pack_matches_reference_and_contract(seed, k, n_calls, vocab, slack, with_rewards, repeat_one,
+                                             p_extend_excluded):
     rng = np.random.default_rng(seed)
-    group = random_group(rng, k, n_calls, vocab_size=vocab)
+    group = random_group(rng, k, n_calls, vocab_size=vocab, p_extend_excluded=p_extend_excluded)
     if repeat_one:  # the same rollout twice: every position trainable in both yields two targets
         group.append(group[0])
         k += 1

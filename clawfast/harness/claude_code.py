@@ -1,0 +1,76 @@
+"""Claude Code 2.1.332 (npm `@anthropic-ai/claude-code`, CLI `claude`, a native binary): Anthropic
+Messages API, streaming, 12 tools of which `Bash` runs shell commands.
+
+Configured by environment variables only: the proxy as ``ANTHROPIC_BASE_URL`` (no ``/v1``), the rollout
+key as ``ANTHROPIC_API_KEY``, every model alias mapped to the policy (main, opus, sonnet, haiku,
+small-fast and subagent models), non-essential traffic, telemetry and auto-update off, and
+``IS_SANDBOX=1`` (as root it otherwise refuses ``--dangerously-skip-permissions``). The per-request
+attribution header (a nonce in ``system[0]`` that would break the token prefix between calls) is
+turned off with ``CLAUDE_CODE_ATTRIBUTION_HEADER=0``; the proxy strips it as well.
+Session transcripts land in ``$HOME/.claude/projects/<workspace slug>/<session>.jsonl``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from clawfast.harness.base import Harness, HarnessInstall, PreparedRun, RunLayout, ScriptedToolCall, ScriptedTurn, glob_files
+from clawfast.harness_install import ensure_npm_harness, npm_bin
+
+MODEL_ALIAS_VARS = (
+    "ANTHROPIC_MODEL",
+    "ANTHROPIC_DEFAULT_OPUS_MODEL",
+    "ANTHROPIC_DEFAULT_SONNET_MODEL",
+    "ANTHROPIC_DEFAULT_HAIKU_MODEL",
+    "ANTHROPIC_SMALL_FAST_MODEL",
+    "CLAUDE_CODE_SUBAGENT_MODEL",
+)
+
+
+class ClaudeCode(Harness):
+    name = "claude-code"
+    version = "2.1.332"
+    protocol = "anthropic"
+
+    def install(self) -> HarnessInstall:
+        prefix = ensure_npm_harness("@anthropic-ai/claude-code", self.version)
+        return HarnessInstall(self.name, self.version, prefix, npm_bin(prefix, "claude"))
+
+    def prepare(self, layout: RunLayout, base_url: str, key: str, model: str) -> PreparedRun:
+        self._validate_common(base_url, key, model)
+        env = self._base_env(layout)
+        env.update({var: model for var in MODEL_ALIAS_VARS})
+        env.update(
+            {
+                "ANTHROPIC_BASE_URL": base_url.rstrip("/"),
+                "ANTHROPIC_API_KEY": key,
+                "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+                "CLAUDE_CODE_ATTRIBUTION_HEADER": "0",
+                "DISABLE_TELEMETRY": "1",
+                "DISABLE_AUTOUPDATER": "1",
+                "DISABLE_ERROR_REPORTING": "1",
+                "IS_SANDBOX": "1",
+                # Bash tool commands inherit this; the proxy may take a while on a CPU engine.
+                "API_TIMEOUT_MS": str(int(self.timeout_s * 1000)),
+            }
+        )
+        (layout.home / ".claude").mkdir(parents=True, exist_ok=True)
+        return PreparedRun(env=env)
+
+    def command(self, task_instruction: str, layout: RunLayout) -> list[str]:
+        return [
+            str(self.installation.executable), "-p", task_instruction,
+            "--dangerously-skip-permissions", "--output-format", "json",
+            "--max-turns", str(self.max_steps),
+        ]  # fmt: skip
+
+    def artifacts(self, layout: RunLayout) -> list[Path]:
+        return glob_files(layout.home / ".claude" / "projects", "**/*.jsonl")
+
+    def scripted_turns(self, oracle_commands: list[str], final_text: str) -> list[ScriptedTurn]:
+        turns = [
+            ScriptedTurn(text=f"Step {i + 1}.", tool_calls=(ScriptedToolCall("Bash", {"command": cmd}),))
+            for i, cmd in enumerate(oracle_commands)
+        ]
+        turns.append(ScriptedTurn(text=final_text))  # a text-only turn (end_turn) ends `claude -p`
+        return turns

@@ -1,0 +1,76 @@
+"""Codex CLI 0.171.0 (npm `@openai/codex`, CLI `codex`: a Node launcher for a native binary): OpenAI
+Responses API only, streaming; `exec_command` runs shell commands.
+
+Configured by its own config file, ``$CODEX_HOME/config.toml``: a model provider ``policy`` pointing at
+the proxy (``/v1``, ``wire_api = "responses"``) whose key is read from ``POLICY_KEY``. Run headless
+with ``codex exec TASK --skip-git-repo-check --json --sandbox danger-full-access`` (our sandbox
+isolates it; Codex's own Landlock sandbox would fight bubblewrap), standard input closed by the
+runner. Session logs land in ``$CODEX_HOME/sessions/YYYY/MM/DD/rollout-*.jsonl``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from clawfast.harness.base import Harness, HarnessInstall, PreparedRun, RunLayout, ScriptedToolCall, ScriptedTurn, glob_files
+from clawfast.harness_install import ensure_npm_harness, npm_bin
+
+PROVIDER = "policy"
+KEY_VAR = "POLICY_KEY"
+
+
+def _toml_str(value: str) -> str:
+    # A TOML basic string has JSON's escapes for quotes, backslashes and control characters.
+    return json.dumps(value)
+
+
+class Codex(Harness):
+    name = "codex"
+    version = "0.171.0"
+    protocol = "openai-responses"
+
+    def install(self) -> HarnessInstall:
+        prefix = ensure_npm_harness("@openai/codex", self.version)
+        return HarnessInstall(self.name, self.version, prefix, npm_bin(prefix, "codex"))
+
+    def prepare(self, layout: RunLayout, base_url: str, key: str, model: str) -> PreparedRun:
+        self._validate_common(base_url, key, model)
+        config = "\n".join(
+            [
+                f"model = {_toml_str(model)}",
+                f"model_provider = {_toml_str(PROVIDER)}",
+                'approval_policy = "never"',
+                'sandbox_mode = "danger-full-access"',
+                "",
+                f"[model_providers.{PROVIDER}]",
+                f"name = {_toml_str(PROVIDER)}",
+                f"base_url = {_toml_str(base_url.rstrip('/') + '/v1')}",
+                f"env_key = {_toml_str(KEY_VAR)}",
+                'wire_api = "responses"',
+                "",
+            ]
+        )
+        written: list[Path] = []
+        self._write(layout.home / ".codex" / "config.toml", config, written)
+        env = self._base_env(layout)
+        env["CODEX_HOME"] = f"{layout.home_inside}/.codex"
+        env[KEY_VAR] = key
+        return PreparedRun(env=env, files=written)
+
+    def command(self, task_instruction: str, layout: RunLayout) -> list[str]:
+        return [
+            str(self.installation.executable), "exec", task_instruction,
+            "--skip-git-repo-check", "--json", "--sandbox", "danger-full-access",
+        ]  # fmt: skip
+
+    def artifacts(self, layout: RunLayout) -> list[Path]:
+        return glob_files(layout.home / ".codex" / "sessions", "**/*.jsonl")
+
+    def scripted_turns(self, oracle_commands: list[str], final_text: str) -> list[ScriptedTurn]:
+        turns = [
+            ScriptedTurn(text=f"Step {i + 1}.", tool_calls=(ScriptedToolCall("exec_command", {"cmd": cmd}),))
+            for i, cmd in enumerate(oracle_commands)
+        ]
+        turns.append(ScriptedTurn(text=final_text))
+        return turns

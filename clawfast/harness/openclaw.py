@@ -65,6 +65,11 @@ class OpenClaw(Harness):
                 },
             },
             "agents": {"defaults": {"model": {"primary": f"{PROVIDER}/{model}"}, "workspace": layout.workspace_inside}},
+            # With these two tools enabled OpenClaw appends a transient "runtime context" user message
+            # (active exec sessions, subagents) after the newest turn of every request and drops it
+            # from history, so consecutive calls stop sharing a token prefix (seen on 2026.9.6).
+            # Denying them leaves exec/read/write/edit and makes the main thread one path again.
+            "tools": {"deny": ["process", "sessions_spawn"]},
         }
         written: list[Path] = []
         self._write_json(layout.home / ".openclaw" / "openclaw.json", config, written)

@@ -1,0 +1,28 @@
+"""clawfast.proxy: the serving proxy between real agent harnesses and the policy engine.
+
+Layers, each usable on its own:
+- `canonical`: the protocol-neutral conversation and parsed turn.
+- `anthropic`, `chat`, `responses` (+ ``*_models``): protocol fronts, wire format <-> canonical.
+- `render`: canonical -> prompt ids through the chat template, incremental, splicing produced turns.
+- `parsers`: model output -> turn (Qwen3/Hermes, Mistral, Llama-3 JSON tool calls).
+- `tagging`: main / subagent / compaction / title / quota.
+- `rollouts`: the registry of open rollouts, their keys and append-only record logs.
+- `core`: prepare -> generate -> complete, no sockets.
+- `server`: Starlette/uvicorn routes, keep-alives, disconnects; `cli`: ``clawfast proxy serve``.
+"""
+
+from clawfast.proxy.core import ProxyConfig, ProxyCore
+from clawfast.proxy.render import ChatRenderer
+from clawfast.proxy.rollouts import OpenedRollout, Rollout, RolloutRegistry
+from clawfast.proxy.server import ProxyApp, ProxyServer
+
+__all__ = [
+    "ChatRenderer",
+    "OpenedRollout",
+    "ProxyApp",
+    "ProxyConfig",
+    "ProxyCore",
+    "ProxyServer",
+    "Rollout",
+    "RolloutRegistry",
+]

@@ -1,0 +1,195 @@
+"""The in-process torch engine: a Hugging Face causal LM sampling token ids with exact log-probs.
+
+Concurrent `generate` calls are batched: a worker takes up to `max_batch` queued requests, left-pads
+them, and decodes them together with a KV cache on a worker thread (the event loop stays free for
+keep-alives). Requests that arrive while a batch runs wait for the next batch (static batching, not
+continuous batching: simple, and enough for the embedded CPU setup).
+
+Sampling, per request with its own seeded `torch.Generator` (so a request samples the same tokens
+alone or in a batch, up to float rounding of padded batched matmuls):
+- temperature 0: greedy; the log-prob is that of the argmax under the untempered distribution;
+- otherwise logits / temperature, then top-k, then top-p (nucleus, the top token always kept), then
+  renormalise: the token is drawn from that distribution and its log-prob *under that distribution* is
+  returned — exactly the sampler's own probability, which is what truncated importance sampling needs.
+
+`update_weights(state_dict, version)` swaps weights between batches (a lock keeps a batch on one
+version); every `Generation` carries the version that produced all of its tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import random
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+
+from clawfast.engines.base import Engine, Generation, SamplingParams
+
+
+def sampling_logprobs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """Log-probs of the distribution the sampler draws from, for logits of shape [..., V].
+    Temperature 0 returns the untempered log-softmax (the greedy caller takes its argmax)."""
+    logits = logits.float()
+    if temperature <= 0:
+        return torch.log_softmax(logits, dim=-1)
+    logits = logits / temperature
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Drop a token when the mass before it already reaches top_p; the first token always stays.
+        drop_sorted = (torch.cumsum(probs, dim=-1) - probs) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return torch.log_softmax(logits, dim=-1)
+
+
+@dataclass
+class _Pending:
+    prompt: np.ndarray
+    params: SamplingParams
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+
+
+class TorchEngine(Engine):
+    def __init__(self, model: torch.nn.Module, *, max_batch: int = 8, seed: int | None = None) -> None:
+        self.model = model.eval()
+        # transformers 5.x renamed past_key_values to cache; accept both generations of the API.
+        self._cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self.max_batch = max_batch
+        self.weight_version = 0
+        self._weights_lock = threading.Lock()
+        self._queue: list[_Pending] = []
+        self._worker: asyncio.Task | None = None
+        self._seeds = random.Random(seed)
+        self._closed = False
+        self.batches_run = 0
+        self.max_batch_seen = 0
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, *, dtype: torch.dtype = torch.float32, **kwargs: Any) -> "TorchEngine":
+        from transformers import AutoModelForCausalLM
+
+        return cls(AutoModelForCausalLM.from_pretrained(path, dtype=dtype), **kwargs)
+
+    async def generate(self, prompt_ids: np.ndarray, params: SamplingParams) -> Generation:
+        if self._closed:
+            raise RuntimeError("engine is closed")
+        prompt = np.asarray(prompt_ids, dtype=np.int64)
+        if prompt.ndim != 1 or prompt.size == 0:
+            raise ValueError("prompt_ids must be a non-empty 1-D sequence")
+        loop = asyncio.get_running_loop()
+        pending = _Pending(prompt, params, loop.create_future(), loop)
+        self._queue.append(pending)
+        if self._worker is None or self._worker.done():
+            self._worker = loop.create_task(self._work())
+        return await pending.future
+
+    async def _work(self) -> None:
+        while self._queue:
+            batch, self._queue = self._queue[: self.max_batch], self._queue[self.max_batch :]
+            live = [p for p in batch if not p.future.cancelled()]
+            if not live:
+                continue
+            try:
+                results = await asyncio.to_thread(self._generate_batch, [(p.prompt, p.params) for p in live])
+            except Exception as exc:  # fail this batch's callers, keep serving others
+                for p in live:
+                    if not p.future.done():
+                        p.future.set_exception(exc)
+                continue
+            for p, result in zip(live, results):
+                if not p.future.done():
+                    p.future.set_result(result)
+
+    def _seed(self, params: SamplingParams) -> int:
+        return params.seed if params.seed is not None else self._seeds.getrandbits(63)
+
+    @torch.inference_mode()
+    def _generate_batch(self, requests: list[tuple[np.ndarray, SamplingParams]]) -> list[Generation]:
+        with self._weights_lock:
+            t0 = time.time()
+            version = self.weight_version
+            self.batches_run += 1
+            self.max_batch_seen = max(self.max_batch_seen, len(requests))
+            n = len(requests)
+            lengths = [len(p) for p, _ in requests]
+            width = max(lengths)
+            input_ids = torch.zeros((n, width), dtype=torch.long)
+            mask = torch.zeros((n, width), dtype=torch.long)
+            for i, (prompt, _) in enumerate(requests):  # left padding keeps every row's last token at -1
+                input_ids[i, width - len(prompt) :] = torch.from_numpy(prompt)
+                mask[i, width - len(prompt) :] = 1
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)
+            generators = [torch.Generator().manual_seed(self._seed(params)) for _, params in requests]
+            budgets = [max(0, params.max_tokens) for _, params in requests]
+            outputs: list[list[int]] = [[] for _ in requests]
+            logprobs: list[list[float]] = [[] for _ in requests]
+            finish = ["length"] * n
+            done = [b == 0 for b in budgets]
+            out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
+            cache = self._cache_of(out)
+            next_positions = positions[:, -1:] + 1
+            while not all(done):
+                last = out.logits[:, -1, :]
+                step_tokens = torch.zeros((n, 1), dtype=torch.long)
+                for i, (_, params) in enumerate(requests):
+                    if done[i]:
+                        continue
+                    logp = sampling_logprobs(last[i], params.temperature, params.top_k, params.top_p)
+                    if params.temperature <= 0:
+                        token = int(torch.argmax(logp))
+                    else:
+                        token = int(torch.multinomial(logp.exp(), 1, generator=generators[i]))
+                    outputs[i].append(token)
+                    logprobs[i].append(float(logp[token]))
+                    step_tokens[i, 0] = token
+                    if token in params.stop_token_ids:
+                        done[i], finish[i] = True, "stop"
+                    elif len(outputs[i]) >= budgets[i]:
+                        done[i] = True
+                if all(done):
+                    break
+                mask = torch.cat([mask, torch.ones((n, 1), dtype=torch.long)], dim=1)
+                out = self.model(
+                    input_ids=step_tokens, attention_mask=mask, position_ids=next_positions, use_cache=True,
+                    **{self._cache_arg: cache},
+                )
+                cache = self._cache_of(out)
+                next_positions = next_positions + 1
+            elapsed = time.time() - t0
+            return [
+                Generation(
+                    np.asarray(outputs[i], dtype=np.int32),
+                    np.asarray(logprobs[i], dtype=np.float32),
+                    finish[i],
+                    version,
+                    {"batch_seconds": elapsed, "batch_size": float(n)},
+                )
+                for i in range(n)
+            ]
+
+    def _cache_of(self, out: Any) -> Any:
+        return out["cache"] if "cache" in out else out["past_key_values"]
+
+    def update_weights(self, state_dict: Mapping[str, Any], version: int) -> None:
+        """Load `state_dict` (strict: every parameter, matching shapes) and set the version; waits for
+        the running batch to finish."""
+        with self._weights_lock:
+            self.model.load_state_dict(dict(state_dict), strict=True)
+            self.weight_version = int(version)
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._worker is not None:
+            await asyncio.gather(self._worker, return_exceptions=True)

@@ -1,0 +1,222 @@
+"""Anthropic Messages front: request -> canonical conversation, parsed turn -> message / SSE events.
+
+Mapping: `system` (string or text blocks, minus Claude Code's per-request
+``x-anthropic-billing-header`` block, whose nonce would break every prefix) is the leading system text;
+``role: "system"`` entries inside `messages` stay system messages; a user turn's ``tool_result`` blocks
+become tool messages and its text blocks a user message, in block order; an assistant turn's text,
+``thinking`` and ``tool_use`` blocks become one assistant message. Stream order (HARNESSES.md):
+message_start, ping, per block content_block_start / _delta / _stop, message_delta, message_stop.
+"""
+
+from __future__ import annotations
+
+import orjson
+
+from clawfast.proxy.anthropic_models import Block, CountTokensRequest, MessageParam, MessagesRequest, Tool
+from clawfast.proxy.canonical import (
+    Conversation,
+    Message,
+    Request,
+    ToolCall,
+    ToolSpec,
+    arguments_object,
+    canonical_arguments,
+)
+from clawfast.proxy.front import Answer, Front, ProtocolError, load_body, random_id, require_list, sse, validate_unit
+from clawfast.proxy.incremental import UnitMemory
+
+BILLING_HEADER_PREFIX = "x-anthropic-billing-header"
+THINKING_SIGNATURE = "clawfast"  # harnesses replay it; nothing verifies it
+_ERROR_TYPES = {
+    "invalid_request": "invalid_request_error",
+    "authentication": "authentication_error",
+    "permission": "permission_error",
+    "not_found": "not_found_error",
+    "too_large": "request_too_large",
+    "overloaded": "overloaded_error",
+    "api_error": "api_error",
+}
+_STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use", "stop": "end_turn"}
+
+
+def _block_text(block: Block) -> str:
+    if block.type == "text":
+        return block.text or ""
+    if block.type == "image":
+        return "[image]"
+    if block.type == "document":
+        return "[document]"
+    return ""
+
+
+def _tool_result_text(content: str | list[Block] | None) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "\n".join(_block_text(b) for b in content)
+
+
+def system_text(system: str | list[Block] | None) -> str:
+    if system is None:
+        return ""
+    if isinstance(system, str):
+        return system
+    texts = [b.text or "" for b in system if b.type == "text"]
+    return "\n".join(t for t in texts if not t.startswith(BILLING_HEADER_PREFIX))
+
+
+def _message(param: MessageParam, i: int) -> list[Message]:
+    blocks = [Block(type="text", text=param.content)] if isinstance(param.content, str) else param.content
+    if param.role == "assistant":
+        text = "".join(b.text or "" for b in blocks if b.type == "text")
+        reasoning = "".join(b.thinking or "" for b in blocks if b.type == "thinking")
+        calls = tuple(
+            ToolCall(b.id or "", b.name or "", canonical_arguments(b.input if b.input is not None else {}))
+            for b in blocks
+            if b.type in ("tool_use", "server_tool_use")
+        )
+        return [Message("assistant", text, calls, reasoning=reasoning)]
+    if param.role not in ("user", "system"):
+        raise ProtocolError(400, "invalid_request", f"messages.{i}.role: unexpected role {param.role!r}", f"messages.{i}.role")
+    out: list[Message] = []
+    pending: list[str] = []
+    for block in blocks:
+        if block.type == "tool_result" and param.role == "user":
+            if pending:
+                out.append(Message("user", "\n".join(pending)))
+                pending = []
+            out.append(Message("tool", _tool_result_text(block.content), tool_call_id=block.tool_use_id or ""))
+        else:
+            text = _block_text(block)
+            if text or block.type == "text":
+                pending.append(text)
+    if pending or not blocks:
+        out.append(Message(param.role, "\n".join(pending)))
+    return out
+
+
+def _convert_message(raw: object, i: int) -> list[Message]:
+    return _message(validate_unit(MessageParam, raw, f"messages.{i}"), i)
+
+
+def _tools(raw: list | None) -> tuple[ToolSpec, ...]:
+    specs = []
+    for i, item in enumerate(raw or ()):
+        t = validate_unit(Tool, item, f"tools.{i}")
+        specs.append(ToolSpec(t.name, t.description or "", canonical_arguments(t.input_schema or {"type": "object", "properties": {}})))
+    return tuple(specs)
+
+
+def conversation(system, messages: list, tools: list | None, memory: UnitMemory | None) -> Conversation:
+    if not require_list(messages, "messages"):
+        raise ProtocolError(400, "invalid_request", "messages: at least one message is required", "messages")
+    memory = memory or UnitMemory()
+    msgs = memory.translate(messages, _convert_message)
+    return Conversation(system_text(system), memory.memo("tools", tools, _tools), tuple(msgs))
+
+
+class AnthropicFront(Front):
+    name = "anthropic"
+    id_prefix = "msg_"
+
+    def parse(self, body: bytes, query: dict[str, str], memory: UnitMemory | None = None) -> Request:
+        req = load_body(body, MessagesRequest)
+        return Request(
+            protocol=self.name,
+            conversation=conversation(req.system, req.messages, req.tools, memory),
+            model=req.model,
+            stream=req.stream,
+            max_tokens=req.max_tokens,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k or None,
+            facts={"beta": query.get("beta")} if "beta" in query else {},
+        )
+
+    def parse_count_tokens(self, body: bytes, memory: UnitMemory | None = None) -> Conversation:
+        req = load_body(body, CountTokensRequest)
+        return conversation(req.system, req.messages, req.tools, memory)
+
+    def new_tool_call_id(self) -> str:
+        return random_id("toolu_")
+
+    # -- replies ---------------------------------------------------------------------------------
+
+    def _blocks(self, answer: Answer) -> list[dict]:
+        turn = answer.turn
+        blocks: list[dict] = []
+        if turn.reasoning:
+            blocks.append({"type": "thinking", "thinking": turn.reasoning, "signature": THINKING_SIGNATURE})
+        if turn.content or not turn.tool_calls:
+            blocks.append({"type": "text", "text": turn.content})
+        for call in turn.tool_calls:
+            blocks.append({"type": "tool_use", "id": call.id, "name": call.name, "input": arguments_object(call.arguments)})
+        return blocks
+
+    def _usage(self, answer: Answer) -> dict:
+        return {
+            "input_tokens": answer.prompt_tokens,
+            "output_tokens": answer.output_tokens,
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": 0,
+        }
+
+    def _message(self, answer: Answer, content: list[dict], stop_reason: str | None) -> dict:
+        return {
+            "id": answer.response_id,
+            "type": "message",
+            "role": "assistant",
+            "model": answer.request.model,
+            "content": content,
+            "stop_reason": stop_reason,
+            "stop_sequence": None,
+            "usage": self._usage(answer),
+        }
+
+    def response(self, answer: Answer) -> bytes:
+        return orjson.dumps(self._message(answer, self._blocks(answer), _STOP_REASONS[answer.turn.finish_reason]))
+
+    def stream_head(self, answer: Answer) -> bytes:
+        start = {"type": "message_start", "message": self._message(answer, [], None)}
+        return sse("message_start", start) + self.keepalive()
+
+    def keepalive(self) -> bytes:
+        return b'event: ping\ndata: {"type":"ping"}\n\n'
+
+    def stream_body(self, answer: Answer) -> bytes:
+        out = []
+        for index, block in enumerate(self._blocks(answer)):
+            kind = block["type"]
+            if kind == "text":
+                start, delta = {"type": "text", "text": ""}, {"type": "text_delta", "text": block["text"]}
+            elif kind == "thinking":
+                start = {"type": "thinking", "thinking": "", "signature": ""}
+                delta = {"type": "thinking_delta", "thinking": block["thinking"]}
+            else:
+                start = {"type": "tool_use", "id": block["id"], "name": block["name"], "input": {}}
+                delta = {"type": "input_json_delta", "partial_json": orjson.dumps(block["input"]).decode()}
+            out.append(sse("content_block_start", {"type": "content_block_start", "index": index, "content_block": start}))
+            out.append(sse("content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}))
+            if kind == "thinking":
+                sig = {"type": "signature_delta", "signature": THINKING_SIGNATURE}
+                out.append(sse("content_block_delta", {"type": "content_block_delta", "index": index, "delta": sig}))
+            out.append(sse("content_block_stop", {"type": "content_block_stop", "index": index}))
+        out.append(
+            sse(
+                "message_delta",
+                {
+                    "type": "message_delta",
+                    "delta": {"stop_reason": _STOP_REASONS[answer.turn.finish_reason], "stop_sequence": None},
+                    "usage": {"output_tokens": answer.output_tokens},
+                },
+            )
+        )
+        out.append(sse("message_stop", {"type": "message_stop"}))
+        return b"".join(out)
+
+    def error(self, exc: ProtocolError) -> bytes:
+        return orjson.dumps({"type": "error", "error": {"type": _ERROR_TYPES.get(exc.kind, "api_error"), "message": exc.message}})
+
+    def stream_error(self, exc: ProtocolError) -> bytes:
+        return b"event: error\ndata: " + self.error(exc) + b"\n\n"

@@ -1,0 +1,128 @@
+"""The canonical conversation every protocol front translates into, and the parsed model turn it
+translates back from.
+
+Values are frozen and hashable: a `Message` is its own cache key (the renderer maps a message to its
+tokens, and a produced assistant turn to the exact tokens the engine sampled). Tool-call arguments
+are kept as canonical JSON text (``json.dumps`` of the parsed object, key order preserved), so the
+same call replayed through any protocol gives the same key; arguments that are not valid JSON are
+kept verbatim.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def canonical_arguments(arguments: Any) -> str:
+    """Tool-call arguments as canonical JSON text. A JSON string is parsed and re-dumped; text that is
+    not JSON is returned unchanged; any other value is dumped."""
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return arguments
+    return json.dumps(arguments, ensure_ascii=False)
+
+
+def arguments_object(arguments: str) -> Any:
+    """The parsed arguments, or ``{}`` if the text is not a JSON object (Anthropic ``input`` must be
+    an object)."""
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # canonical JSON text, see canonical_arguments
+
+
+@dataclass(frozen=True)
+class Message:
+    """role: system | user | assistant | tool. For tool messages `tool_call_id` names the call
+    answered. `reasoning` is the assistant's thinking text, which is not part of the replay key
+    (harnesses often drop it) — see `replay_key`."""
+
+    role: str
+    content: str = ""
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None
+    reasoning: str = ""
+
+    def replay_key(self) -> tuple:
+        """What identifies an assistant turn when the harness sends it back: visible text (stripped)
+        and tool calls (ids included, so two identical calls in different turns stay apart)."""
+        return (self.content.strip(), self.tool_calls)
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as HF chat templates expect it."""
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                for c in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.reasoning:
+            out["reasoning_content"] = self.reasoning
+        return out
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    name: str
+    description: str = ""
+    parameters: str = '{"type": "object", "properties": {}}'  # canonical JSON text
+
+    def template_dict(self) -> dict[str, Any]:
+        return {
+            "type": "function",
+            "function": {"name": self.name, "description": self.description, "parameters": json.loads(self.parameters)},
+        }
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """system: the leading system text ("" if none); later system messages stay in `messages`."""
+
+    system: str
+    tools: tuple[ToolSpec, ...]
+    messages: tuple[Message, ...]
+
+
+@dataclass
+class Request:
+    """One model call as a protocol front understood it."""
+
+    protocol: str  # "anthropic" | "chat" | "responses"
+    conversation: Conversation
+    model: str
+    stream: bool
+    max_tokens: int | None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    facts: dict[str, Any] = field(default_factory=dict)  # request facts kept in the record metadata
+
+
+@dataclass
+class Turn:
+    """The parsed model output: visible text, reasoning, tool calls (with fresh ids)."""
+
+    content: str
+    reasoning: str
+    tool_calls: list[ToolCall]
+    finish_reason: str  # "stop" | "length" | "tool_calls"
+    parse_error: str | None = None
+
+    def as_message(self) -> Message:
+        return Message("assistant", self.content, tuple(self.tool_calls), reasoning=self.reasoning)

@@ -1,0 +1,213 @@
+"""The proxy core: canonical request -> prompt ids -> engine -> parsed turn -> CallRecord.
+
+No sockets here: `prepare` (tag, render) and `complete` (parse, record, remember the produced turn)
+are synchronous, `start` wraps the engine call in a tracked task. The HTTP server drives them; tests
+can too.
+
+Guaranteed: every answered call is appended to its rollout's log before its last bytes are sent; a
+call whose client went away is still recorded once generation ends, with
+``metadata["client_disconnected"] = True``; generation tasks are tracked and `drain` waits for them,
+so none outlives the server. Malformed tool-call text never fails a call: it is answered as text and
+recorded in ``metadata["parse_error"]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from jinja2 import TemplateError
+
+from clawfast.engines.base import Engine, Generation, SamplingParams
+from clawfast.proxy.canonical import Conversation, Request, Turn
+from clawfast.proxy.front import Answer, Front, ProtocolError
+from clawfast.proxy.parsers import detect_parser, get_parser
+from clawfast.proxy.render import ChatRenderer, RenderedPrompt, RolloutPrompts
+from clawfast.proxy.rollouts import Rollout
+from clawfast.proxy.tagging import Tagging, classify
+from clawfast.records import CallRecord
+
+log = logging.getLogger(__name__)
+
+HEADERS_KEPT = (
+    "x-claude-code-session-id",
+    "x-claude-code-agent-id",
+    "x-claude-code-parent-agent-id",
+    "anthropic-beta",
+    "user-agent",
+)
+
+
+@dataclass
+class ProxyConfig:
+    """max_tokens_cap: upper bound on any call's output budget. default_max_tokens: budget when the
+    request names none. max_model_len: prompt + output limit (None: unchecked). temperature: if set,
+    overrides the request's (an RL run samples at its own temperature). keepalive_s: seconds between
+    keep-alive events while the engine works. parser: tool-call parser family (None: from the
+    tokenizer's special tokens)."""
+
+    max_tokens_cap: int = 4096
+    default_max_tokens: int = 1024
+    max_model_len: int | None = None
+    temperature: float | None = None
+    keepalive_s: float = 5.0
+    parser: str | None = None
+
+
+@dataclass
+class PreparedCall:
+    rollout: Rollout
+    front: Front
+    request: Request
+    prompt: RenderedPrompt
+    params: SamplingParams
+    tagging: Tagging
+    answer: Answer
+    headers: dict[str, str]
+    t_received: float
+    t_rendered: float
+    committed: bool = False
+    extra_metadata: dict[str, Any] = field(default_factory=dict)
+
+
+def _rollout_prompts(rollout: Rollout) -> RolloutPrompts:
+    prompts = rollout.state.get("prompts")
+    if prompts is None:
+        prompts = rollout.state.setdefault("prompts", RolloutPrompts())
+    return prompts
+
+
+class ProxyCore:
+    def __init__(self, engine: Engine, renderer: ChatRenderer, config: ProxyConfig | None = None) -> None:
+        self.engine = engine
+        self.renderer = renderer
+        self.config = config or ProxyConfig()
+        vocab = renderer.tokenizer.get_vocab()
+        self.parser_name = self.config.parser or detect_parser(vocab)
+        self._parse = get_parser(self.parser_name)
+        self._pending: set[asyncio.Task] = set()
+
+    # -- rendering -------------------------------------------------------------------------------
+
+    def count_tokens(self, rollout: Rollout, conversation: Conversation) -> int:
+        return len(_rollout_prompts(rollout).render(self.renderer, conversation, "count").ids)
+
+    def prepare(self, front: Front, rollout: Rollout, request: Request, headers: dict[str, str]) -> PreparedCall:
+        t0 = time.time()
+        main_tools = rollout.state.get("main_tools")
+        tagging = classify(request.conversation, headers, request.max_tokens, main_tools)
+        if tagging.tag == "main" and main_tools is None and request.conversation.tools:
+            rollout.state["main_tools"] = frozenset(t.name for t in request.conversation.tools)
+        try:
+            prompt = _rollout_prompts(rollout).render(self.renderer, request.conversation, tagging.thread)
+        except TemplateError as exc:  # the model's own template refused this conversation's shape
+            raise ProtocolError(400, "invalid_request", f"the chat template rejected the conversation: {exc}") from None
+        cfg = self.config
+        max_tokens = min(request.max_tokens or cfg.default_max_tokens, cfg.max_tokens_cap)
+        if cfg.max_model_len is not None:
+            room = cfg.max_model_len - len(prompt.ids)
+            if room < 1:
+                raise ProtocolError(
+                    400, "invalid_request",
+                    f"prompt is too long: {len(prompt.ids)} tokens > {cfg.max_model_len - 1} maximum", "messages",
+                )
+            max_tokens = min(max_tokens, room)
+        temperature = cfg.temperature if cfg.temperature is not None else request.temperature
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if temperature is None else temperature,
+            top_p=1.0 if request.top_p is None else request.top_p,
+            top_k=request.top_k or 0,
+            stop_token_ids=self.renderer.stop_token_ids,
+        )
+        answer = front.new_answer(request, len(prompt.ids))
+        kept = {k: headers[k] for k in HEADERS_KEPT if k in headers}
+        return PreparedCall(rollout, front, request, prompt, params, tagging, answer, kept, t0, time.time())
+
+    # -- generation ------------------------------------------------------------------------------
+
+    def start(self, call: PreparedCall) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(self.engine.generate(call.prompt.ids, call.params))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+        return task
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    async def drain(self) -> None:
+        """Wait for every generation in flight (their records are written by their callbacks)."""
+        while self._pending:
+            await asyncio.gather(*list(self._pending), return_exceptions=True)
+
+    # -- completion ------------------------------------------------------------------------------
+
+    def parse(self, call: PreparedCall, gen: Generation) -> Turn:
+        ids = gen.output_ids
+        if len(ids) and int(ids[-1]) in self.renderer.stop_token_ids:
+            ids = ids[:-1]
+        text = self.renderer.decode(ids)
+        return self._parse(text, gen.finish_reason, call.front.new_tool_call_id)
+
+    def complete(self, call: PreparedCall, gen: Generation, *, disconnected: bool = False) -> CallRecord | None:
+        """Parse the generation into `call.answer.turn`, append the record, remember the turn.
+        Returns None (and records nothing) if the rollout was closed while the call was in flight."""
+        if call.committed:
+            raise RuntimeError("call already completed")
+        call.committed = True
+        turn = self.parse(call, gen)
+        call.answer.turn = turn
+        call.answer.output_tokens = len(gen.output_ids)
+        prompts = _rollout_prompts(call.rollout)
+        prompts.remember(self.renderer, call.tagging.thread, call.prompt.ids, gen.output_ids, turn.as_message().replay_key())
+        metadata: dict[str, Any] = {
+            "protocol": call.request.protocol,
+            "model": call.request.model,
+            "stream": call.request.stream,
+            "thread": call.tagging.thread,
+            "tag_reason": call.tagging.reason,
+            "drift": call.prompt.drift,
+            "reused_tokens": call.prompt.reused,
+            "spliced_turns": call.prompt.spliced_turns,
+            "response_id": call.answer.response_id,
+            "tool_calls": [c.name for c in turn.tool_calls],
+        }
+        if call.headers:
+            metadata["headers"] = call.headers
+        if turn.parse_error:
+            metadata["parse_error"] = turn.parse_error
+        if disconnected:
+            metadata["client_disconnected"] = True
+        metadata.update(call.extra_metadata)
+        now = time.time()
+        timings = {"received": call.t_received, "rendered": call.t_rendered, "answered": now}
+        timings.update({f"engine_{k}": float(v) for k, v in gen.timings.items()})
+        try:
+            return call.rollout.append(
+                prompt_ids=call.prompt.ids,
+                output_ids=np.asarray(gen.output_ids, np.int32),
+                output_logprobs=np.asarray(gen.logprobs, np.float32),
+                weight_version=gen.weight_version,
+                finish_reason=gen.finish_reason,
+                timings=timings,
+                tags=(call.tagging.tag,),
+                metadata=metadata,
+            )
+        except ValueError as exc:  # the log was closed: the rollout ended while this call ran
+            log.warning("dropped a call of closed rollout %s: %s", call.rollout.rollout_id, exc)
+            return None
+
+    def complete_later(self, call: PreparedCall, task: asyncio.Task) -> None:
+        """The client went away: record the call, marked, once its generation ends."""
+
+        def done(t: asyncio.Task) -> None:
+            if t.cancelled() or t.exception() is not None:
+                return
+            self.complete(call, t.result(), disconnected=True)
+
+        task.add_done_callback(done)

@@ -1,0 +1,127 @@
+"""What every protocol front implements, and the answered-call context it formats.
+
+A front translates its wire format to a canonical `Request` and a parsed `Turn` back to its wire
+format, streamed (server-sent events) or not, plus its own error shape. It does no I/O: the server
+(`clawfast.proxy.server`) owns sockets, keep-alives and disconnects; the core (`clawfast.proxy.core`)
+owns rendering, generation and records.
+"""
+
+from __future__ import annotations
+
+import abc
+import secrets
+import time
+from dataclasses import dataclass, field
+
+import orjson
+from pydantic import BaseModel, ValidationError
+
+from clawfast.proxy.canonical import Request, Turn
+from clawfast.proxy.incremental import UnitMemory
+
+def random_id(prefix: str) -> str:
+    """prefix + 24 random hex digits (valid in every protocol's id alphabet)."""
+    return prefix + secrets.token_hex(12)
+
+
+class ProtocolError(Exception):
+    """A request the proxy refuses: `status` (4xx/5xx), a `kind` in the generic vocabulary
+    (invalid_request, authentication, not_found, overloaded, api_error) and a message."""
+
+    def __init__(self, status: int, kind: str, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.kind, self.message, self.param = status, kind, message, param
+
+
+def validation_error(exc: ValidationError, prefix: str = "") -> "ProtocolError":
+    err = exc.errors()[0]
+    parts = ([prefix] if prefix else []) + [str(p) for p in err.get("loc", ())]
+    where = ".".join(parts) or "body"
+    return ProtocolError(400, "invalid_request", f"{where}: {err.get('msg', 'invalid')}", param=where)
+
+
+def load_body(body: bytes, model: type[BaseModel]) -> BaseModel:
+    """Parse and validate a request body's envelope; 400 naming the problem otherwise."""
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise ProtocolError(400, "invalid_request", f"body is not valid JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError(400, "invalid_request", "body must be a JSON object")
+    try:
+        return model.model_validate(obj)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+
+
+def require_list(value: object, where: str) -> list:
+    """Raw JSON that must be an array (envelopes skip validating their big lists)."""
+    if not isinstance(value, list):
+        raise ProtocolError(400, "invalid_request", f"{where}: must be an array", param=where)
+    return value
+
+
+def validate_unit(model: type[BaseModel], raw: object, where: str) -> BaseModel:
+    """Validate one lazily checked part of a request (a message, a tool); 400 naming it otherwise."""
+    try:
+        return model.model_validate(raw)
+    except ValidationError as exc:
+        raise validation_error(exc, where) from None
+
+
+@dataclass
+class Answer:
+    """One answered call as a front formats it."""
+
+    request: Request
+    response_id: str
+    created: int
+    prompt_tokens: int
+    turn: Turn | None = None  # None while generating (stream head, keep-alives)
+    output_tokens: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+def sse(event: str | None, data: dict) -> bytes:
+    head = b"event: " + event.encode() + b"\n" if event else b""
+    return head + b"data: " + orjson.dumps(data) + b"\n\n"
+
+
+class Front(abc.ABC):
+    name: str  # "anthropic" | "chat" | "responses"
+    id_prefix: str
+
+    @abc.abstractmethod
+    def parse(self, body: bytes, query: dict[str, str], memory: UnitMemory | None = None) -> Request:
+        """Validate a request body; raise ProtocolError (400) naming the bad field. `memory` is the
+        rollout's translation memory for this protocol (None: translate everything)."""
+
+    @abc.abstractmethod
+    def new_tool_call_id(self) -> str: ...
+
+    @abc.abstractmethod
+    def response(self, answer: Answer) -> bytes:
+        """The non-streaming JSON body."""
+
+    @abc.abstractmethod
+    def stream_head(self, answer: Answer) -> bytes:
+        """Events sent before generation finishes (e.g. message_start)."""
+
+    @abc.abstractmethod
+    def stream_body(self, answer: Answer) -> bytes:
+        """Every remaining event of a complete, well-formed stream."""
+
+    def keepalive(self) -> bytes:
+        """Sent while the engine works so client idle watchdogs do not fire (an SSE comment)."""
+        return b": keep-alive\n\n"
+
+    @abc.abstractmethod
+    def error(self, exc: ProtocolError) -> bytes:
+        """The JSON error body of this protocol."""
+
+    @abc.abstractmethod
+    def stream_error(self, exc: ProtocolError) -> bytes:
+        """An error event for a stream whose 200 headers are already sent."""
+
+    def new_answer(self, request: Request, prompt_tokens: int) -> Answer:
+        return Answer(request, random_id(self.id_prefix), int(time.time()), prompt_tokens)

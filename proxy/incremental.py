@@ -1,0 +1,67 @@
+"""Per-rollout memory that makes request translation incremental.
+
+A harness resends the whole conversation on every call. `UnitMemory` remembers the raw JSON units
+(message dicts, or runs of Responses items) of a rollout's recent requests and the canonical
+messages each became; a new request reuses the translation of its longest matching prefix — the
+*same* `Message` objects, which the renderer then recognises by identity — and validates and
+translates only the new units. Comparing raw units is a C-level deep equality over already-parsed
+JSON, so this costs a fraction of validating and translating everything again.
+
+Guaranteed: the result equals translating every unit afresh (the translation of a unit depends only
+on the unit and its index, which callers must ensure). Not guaranteed: thread safety — one event
+loop owns a rollout's memory.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any, Callable, Sequence
+
+from clawfast.proxy.canonical import Message
+
+Convert = Callable[[Any, int], Sequence[Message]]
+
+
+def common_prefix(a: list | tuple, b: list | tuple) -> int:
+    """Length of the longest common prefix (elements equal or identical)."""
+    if len(a) >= len(b) and a[: len(b)] == b:  # the usual case, an extension: one C-level comparison
+        return len(b)
+    n = 0
+    for x, y in zip(a, b):
+        if x is not y and x != y:
+            break
+        n += 1
+    return n
+
+
+class UnitMemory:
+    def __init__(self, entries: int = 4) -> None:
+        self._entries: deque[tuple[list, list]] = deque(maxlen=entries)
+        self._memo: dict[str, tuple[Any, Any]] = {}
+
+    def translate(self, units: list, convert: Convert) -> list[Message]:
+        """Canonical messages of `units`, converting only those past the longest remembered prefix."""
+        best_k, best = 0, None
+        for entry in self._entries:
+            k = common_prefix(units, entry[0])
+            if k > best_k:
+                best_k, best = k, entry
+        groups = best[1][:best_k] if best is not None else []
+        groups += [tuple(convert(unit, i)) for i, unit in enumerate(units[best_k:], start=best_k)]
+        if best is not None:
+            if best_k == len(best[0]):
+                self._entries.remove(best)  # the new request extends it: keep one entry per thread of calls
+            # Keep the remembered objects for the shared prefix so entries share memory.
+            units = best[0][:best_k] + units[best_k:]
+        self._entries.append((units, groups))
+        return [m for group in groups for m in group]
+
+    def memo(self, name: str, raw: Any, compute: Callable[[Any], Any]) -> Any:
+        """`compute(raw)`, reusing the last result for `name` when `raw` is equal to last time's (so
+        the value keeps its identity across calls, e.g. the tool list)."""
+        last = self._memo.get(name)
+        if last is not None and (last[0] is raw or last[0] == raw):
+            return last[1]
+        value = compute(raw)
+        self._memo[name] = (raw, value)
+        return value

@@ -1,0 +1,154 @@
+"""Tool-call and reasoning parsers: model output text -> `Turn`, parsed once per call.
+
+Families:
+- ``qwen3`` (also Hermes / Qwen2.5): ``<think>...</think>`` reasoning, then text and
+  ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks.
+- ``mistral``: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`` (v3 tokenizers) or
+  ``[TOOL_CALLS]name[ARGS]{...}`` (v11+ tokenizers).
+- ``llama3_json``: the whole output is ``{"name": ..., "parameters": {...}}`` (or a list of them);
+  anything else is text.
+
+Guaranteed: a parser never raises on model output. Markup that is malformed (bad JSON, a missing
+name, an unterminated block) yields the whole output (minus reasoning) as plain text and a
+`parse_error` saying what was wrong; the proxy records it and answers normally. Tool-call ids are
+minted by the caller's `new_id` so each protocol gets its own id style.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Callable
+
+from clawfast.proxy.canonical import ToolCall, Turn, canonical_arguments
+
+NewId = Callable[[], str]
+
+_THINK_OPEN, _THINK_CLOSE = "<think>", "</think>"
+_TOOL_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+
+class _Malformed(ValueError):
+    pass
+
+
+def _split_reasoning(text: str) -> tuple[str, str]:
+    """(reasoning, rest). Handles a template that opened ``<think>`` in the prompt (output holds only
+    the closing tag)."""
+    stripped = text.lstrip()
+    if stripped.startswith(_THINK_OPEN):
+        body = stripped[len(_THINK_OPEN) :]
+        end = body.find(_THINK_CLOSE)
+        if end < 0:  # unterminated: all of it was thinking (typically finish_reason length)
+            return body.strip(), ""
+        return body[:end].strip(), body[end + len(_THINK_CLOSE) :]
+    end = text.find(_THINK_CLOSE)
+    if end >= 0 and _THINK_OPEN not in text[:end]:
+        return text[:end].strip(), text[end + len(_THINK_CLOSE) :]
+    return "", text
+
+
+def _call_from_obj(obj: object, new_id: NewId, args_key: str = "arguments") -> ToolCall:
+    if not isinstance(obj, dict):
+        raise _Malformed(f"tool call is a JSON {type(obj).__name__}, not an object")
+    name = obj.get("name")
+    if not isinstance(name, str) or not name:
+        raise _Malformed("tool call without a string name")
+    args = obj.get(args_key, obj.get("arguments", {}))
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            raise _Malformed(f"arguments of {name!r} are a string that is not JSON") from None
+    if not isinstance(args, dict):
+        raise _Malformed(f"arguments of {name!r} are not a JSON object")
+    return ToolCall(new_id(), name, canonical_arguments(args))
+
+
+def _loads(text: str) -> object:
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise _Malformed(f"tool call JSON does not parse: {exc}") from None
+
+
+def _finish(content: str, reasoning: str, calls: list[ToolCall], finish_reason: str) -> Turn:
+    if calls and finish_reason == "stop":
+        finish_reason = "tool_calls"
+    return Turn(content.strip(), reasoning, calls, finish_reason)
+
+
+def parse_qwen3(text: str, finish_reason: str, new_id: NewId) -> Turn:
+    reasoning, rest = _split_reasoning(text)
+    try:
+        calls = [_call_from_obj(_loads(m.group(1).strip()), new_id) for m in _TOOL_BLOCK.finditer(rest)]
+        leftover = _TOOL_BLOCK.sub("", rest)
+        if "<tool_call>" in leftover or "</tool_call>" in leftover:
+            raise _Malformed("unterminated <tool_call> block")
+    except _Malformed as exc:
+        return Turn(rest.strip(), reasoning, [], finish_reason, parse_error=str(exc))
+    return _finish(leftover, reasoning, calls, finish_reason)
+
+
+def parse_mistral(text: str, finish_reason: str, new_id: NewId) -> Turn:
+    reasoning, rest = _split_reasoning(text)
+    marker = rest.find("[TOOL_CALLS]")
+    if marker < 0:
+        return _finish(rest, reasoning, [], finish_reason)
+    content, tail = rest[:marker], rest[marker + len("[TOOL_CALLS]") :]
+    try:
+        if "[ARGS]" in tail:  # v11+: name[ARGS]{json} repeated, each after [TOOL_CALLS]
+            calls = []
+            for piece in tail.split("[TOOL_CALLS]"):
+                name, sep, args = piece.partition("[ARGS]")
+                if not sep:
+                    raise _Malformed("[TOOL_CALLS] without [ARGS]")
+                calls.append(_call_from_obj({"name": name.strip(), "arguments": _loads(args.strip())}, new_id))
+        else:
+            value = _loads(tail.strip())
+            calls = [_call_from_obj(obj, new_id) for obj in (value if isinstance(value, list) else [value])]
+    except _Malformed as exc:
+        return Turn(rest.strip(), reasoning, [], finish_reason, parse_error=str(exc))
+    return _finish(content, reasoning, calls, finish_reason)
+
+
+def parse_llama3_json(text: str, finish_reason: str, new_id: NewId) -> Turn:
+    reasoning, rest = _split_reasoning(text)
+    body = rest.strip()
+    if body.startswith("<|python_tag|>"):
+        body = body[len("<|python_tag|>") :].strip()
+    if not body.startswith(("{", "[")):
+        return _finish(rest, reasoning, [], finish_reason)
+    try:
+        value = _loads(body)
+        objs = value if isinstance(value, list) else [value]
+        calls = [_call_from_obj(obj, new_id, args_key="parameters") for obj in objs]
+    except _Malformed as exc:
+        return Turn(body, reasoning, [], finish_reason, parse_error=str(exc))
+    return _finish("", reasoning, calls, finish_reason)
+
+
+PARSERS: dict[str, Callable[[str, str, NewId], Turn]] = {
+    "qwen3": parse_qwen3,
+    "hermes": parse_qwen3,
+    "mistral": parse_mistral,
+    "llama3_json": parse_llama3_json,
+}
+
+
+def get_parser(name: str) -> Callable[[str, str, NewId], Turn]:
+    try:
+        return PARSERS[name]
+    except KeyError:
+        raise ValueError(f"unknown tool-call parser {name!r}; expected one of {sorted(PARSERS)}") from None
+
+
+def detect_parser(vocab: dict[str, int]) -> str:
+    """Pick the family from the tokenizer's special tokens."""
+    if "<tool_call>" in vocab:
+        return "qwen3"
+    if "[TOOL_CALLS]" in vocab:
+        return "mistral"
+    if "<|python_tag|>" in vocab:
+        return "llama3_json"
+    return "qwen3"

@@ -1,0 +1,164 @@
+"""The rollout registry: who may call the proxy, and where each answered call is written.
+
+Synchronous and thread-safe, so the HTTP server (asyncio) and a gRPC service (thread pool) can share
+one instance. The API:
+
+    reg = RolloutRegistry("runs/records")
+    opened = reg.open(task_id="t1", harness="claude-code")   # -> OpenedRollout(rollout_id, key, base_url)
+    rollout = reg.lookup(opened.key)                         # -> Rollout | None (None: unknown or closed)
+    rollout.append(prompt_ids=..., output_ids=..., ...)      # -> CallRecord, written before it returns
+    reg.records(opened.rollout_id, since=0)                  # -> list[CallRecord] captured so far
+    result = reg.close(opened.rollout_id, reward=1.0)        # -> RolloutResult with every call
+
+Each rollout has its own key (the harness sends it as ``x-api-key`` or ``Authorization: Bearer``) and
+its own append-only `RolloutLog` file ``<records_dir>/<rollout_id>.cfr``; a call is appended (and
+flushed) when it is answered, so a trainer crash loses nothing that was answered. Call indices are
+allocated in one place (`Rollout.append`), in answer order, without gaps.
+
+Guaranteed: a closed or unknown key is never resolved to a rollout (the proxy answers 401 and writes
+nothing); closing twice raises `KeyError`; a call that finishes after its rollout closed is dropped,
+never written elsewhere. Not guaranteed: persistence of the in-memory index across processes (the
+files are the durable copy; `clawfast.records.read_rollout(..., recover=True)` reads a live or
+orphaned one).
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from clawfast.records import CallRecord, RolloutLog, RolloutResult, rollout_path
+
+
+@dataclass(frozen=True)
+class OpenedRollout:
+    rollout_id: str
+    key: str
+    base_url: str  # the proxy's HTTP address ("" until a server has bound one)
+
+
+@dataclass
+class Rollout:
+    """One open rollout. `state` is free for the proxy's per-rollout memory (rendering, tagging)."""
+
+    rollout_id: str
+    key: str
+    task_id: str
+    harness: str
+    sample_index: int
+    log: RolloutLog
+    opened_at: float
+    calls: list[CallRecord] = field(default_factory=list)
+    state: dict[str, Any] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def append(self, **fields: Any) -> CallRecord:
+        """Build the next CallRecord (call_index and rollout_id filled in), write it, keep it."""
+        with self._lock:
+            record = CallRecord(rollout_id=self.rollout_id, call_index=len(self.calls), harness=self.harness, **fields)
+            self.log.append(record)
+            self.calls.append(record)
+            return record
+
+
+class RolloutRegistry:
+    def __init__(self, records_dir: str | Path, *, fsync: bool = False, base_url: str = "") -> None:
+        self.records_dir = Path(records_dir)
+        self.records_dir.mkdir(parents=True, exist_ok=True)
+        self.base_url = base_url
+        self._fsync = fsync
+        self._by_key: dict[str, Rollout] = {}
+        self._by_id: dict[str, Rollout] = {}
+        self._lock = threading.Lock()
+
+    def open(
+        self,
+        rollout_id: str | None = None,
+        *,
+        task_id: str = "",
+        harness: str = "",
+        sample_index: int = 0,
+        key: str | None = None,
+    ) -> OpenedRollout:
+        """Start a rollout: create its log file and mint its key. Raises ValueError if the id is
+        already open or its file exists."""
+        rollout_id = rollout_id or f"r-{secrets.token_hex(8)}"
+        key = key or f"cf-{secrets.token_urlsafe(24)}"
+        with self._lock:
+            if rollout_id in self._by_id:
+                raise ValueError(f"rollout {rollout_id!r} is already open")
+            if key in self._by_key:
+                raise ValueError("that key is already in use")
+            path = rollout_path(self.records_dir, rollout_id)
+            try:
+                log = RolloutLog(
+                    path,
+                    {"rollout_id": rollout_id, "task_id": task_id, "harness": harness, "sample_index": sample_index},
+                    fsync=self._fsync,
+                )
+            except FileExistsError:
+                raise ValueError(f"{path} already exists: rollout ids must be unique per records directory") from None
+            rollout = Rollout(rollout_id, key, task_id, harness, sample_index, log, time.time())
+            self._by_key[key] = rollout
+            self._by_id[rollout_id] = rollout
+        return OpenedRollout(rollout_id, key, self.base_url)
+
+    def lookup(self, key: str | None) -> Rollout | None:
+        """The open rollout that owns `key`, or None."""
+        if not key:
+            return None
+        return self._by_key.get(key)
+
+    def get(self, rollout_id: str) -> Rollout:
+        with self._lock:
+            try:
+                return self._by_id[rollout_id]
+            except KeyError:
+                raise KeyError(f"no open rollout {rollout_id!r}") from None
+
+    def records(self, rollout_id: str, since: int = 0) -> list[CallRecord]:
+        """Calls of an open rollout with call_index >= since, in call order."""
+        rollout = self.get(rollout_id)
+        with rollout._lock:
+            return rollout.calls[since:]
+
+    def open_ids(self) -> list[str]:
+        with self._lock:
+            return list(self._by_id)
+
+    def close(
+        self, rollout_id: str, *, reward: float = 0.0, status: str = "ok", info: dict[str, Any] | None = None
+    ) -> RolloutResult:
+        """Revoke the key, write the result frame and return the rollout with all its calls. A call in
+        flight when the key is revoked is still appended to the in-memory list if it finishes before
+        the log closes, and is otherwise dropped (the log is closed under the rollout's lock)."""
+        with self._lock:
+            rollout = self._by_id.pop(rollout_id, None)
+            if rollout is None:
+                raise KeyError(f"no open rollout {rollout_id!r}")
+            self._by_key.pop(rollout.key, None)
+        result = RolloutResult(
+            rollout_id=rollout_id,
+            task_id=rollout.task_id,
+            harness=rollout.harness,
+            sample_index=rollout.sample_index,
+            reward=reward,
+            status=status,
+            info=info or {},
+        )
+        with rollout._lock:
+            rollout.log.close(reward=reward, status=status, info=info or {})
+            result.calls = list(rollout.calls)
+        return result
+
+    def close_all(self, status: str = "proxy_error") -> None:
+        """Close every open rollout (server shutdown), marking them with `status`."""
+        for rollout_id in self.open_ids():
+            try:
+                self.close(rollout_id, status=status, info={"reason": "proxy shut down"})
+            except KeyError:
+                pass

@@ -1,0 +1,57 @@
+"""Shared fixtures: the embedded tokenizer, and a live proxy on a loopback port with a scripted engine."""
+
+from __future__ import annotations
+
+import pytest
+
+from clawfast.engines.scripted import ScriptedEngine
+from clawfast.proxy import ChatRenderer, ProxyApp, ProxyConfig, ProxyCore, ProxyServer, RolloutRegistry
+
+
+@pytest.fixture(scope="session")
+def embedded_dir():
+    from clawfast.embedded import ensure_embedded_model
+
+    return ensure_embedded_model()
+
+
+@pytest.fixture(scope="session")
+def renderer(embedded_dir):
+    from transformers import AutoTokenizer
+
+    return ChatRenderer(AutoTokenizer.from_pretrained(embedded_dir))
+
+
+class LiveProxy:
+    """A running proxy: `url`, `registry`, `engine` (scripted: push outputs), `key` of rollout "r0"."""
+
+    def __init__(self, server: ProxyServer, engine: ScriptedEngine, registry: RolloutRegistry) -> None:
+        self.server, self.engine, self.registry = server, engine, registry
+        self.url = server.base_url
+        self.core = server.app.core
+        opened = registry.open("r0", harness="test")
+        self.rollout_id, self.key = opened.rollout_id, opened.key
+
+    def calls(self, rollout_id: str = "r0"):
+        return self.registry.records(rollout_id)
+
+
+def make_proxy(renderer, tmp_path, engine_cls=ScriptedEngine, config: ProxyConfig | None = None, **engine_kwargs):
+    engine = engine_cls(renderer.encode, renderer.turn_end_id, **engine_kwargs)
+    registry = RolloutRegistry(tmp_path / "records")
+    app = ProxyApp(ProxyCore(engine, renderer, config or ProxyConfig(keepalive_s=0.05)), registry)
+    server = ProxyServer(app).start()
+    return LiveProxy(server, engine, registry)
+
+
+@pytest.fixture(scope="session")
+def proxy_factory(renderer):
+    """make(tmp_dir, engine_cls=ScriptedEngine, config=None, **engine_kwargs) -> a started LiveProxy."""
+    return lambda tmp, **kwargs: make_proxy(renderer, tmp, **kwargs)
+
+
+@pytest.fixture
+def proxy(renderer, tmp_path):
+    live = make_proxy(renderer, tmp_path)
+    yield live
+    live.server.stop()

@@ -1,0 +1,141 @@
+"""Keep-alives while the engine works, and client disconnects mid-turn."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import httpx
+import pytest
+
+from clawfast.engines.scripted import ScriptedEngine
+from clawfast.proxy import ProxyConfig
+
+
+class GatedScriptedEngine(ScriptedEngine):
+    """The scripted engine, holding each answer until the test opens `gate` (a slow engine)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.gate = threading.Event()
+        self.started = threading.Event()
+
+    async def generate(self, prompt_ids, params):
+        self.started.set()
+        while not self.gate.is_set():
+            await asyncio.sleep(0.01)
+        return await super().generate(prompt_ids, params)
+
+
+@pytest.fixture
+def gated(proxy_factory, tmp_path):
+    live = proxy_factory(tmp_path, engine_cls=GatedScriptedEngine, config=ProxyConfig(keepalive_s=0.05), script=["Hello."], cycle=True)
+    yield live
+    live.engine.gate.set()
+    live.server.stop()
+
+
+def wait_for(predicate, timeout=10.0):
+    deadline = time.time() + timeout
+    while not predicate():
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+ANTHROPIC_BODY = {"model": "policy", "max_tokens": 16, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+
+
+def test_anthropic_stream_sends_pings_while_generating(gated):
+    with httpx.Client(timeout=10) as client:
+        with client.stream("POST", gated.url + "/v1/messages", json=ANTHROPIC_BODY, headers={"x-api-key": gated.key}) as r:
+            events, pings = [], 0
+            for line in r.iter_lines():
+                if line.startswith("event: "):
+                    events.append(line[7:])
+                    pings += line == "event: ping"
+                    if pings == 3:
+                        gated.engine.gate.set()
+    assert events[0] == "message_start"
+    assert events.count("ping") >= 3
+    rest = [e for e in events if e != "ping"]
+    assert rest == ["message_start", "content_block_start", "content_block_delta", "content_block_stop", "message_delta", "message_stop"]
+
+
+def test_chat_stream_keepalive_comments(gated):
+    body = {"model": "policy", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    with httpx.Client(timeout=10) as client:
+        with client.stream("POST", gated.url + "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {gated.key}"}) as r:
+            lines = []
+            for line in r.iter_lines():
+                lines.append(line)
+                if lines.count(": keep-alive") == 2:
+                    gated.engine.gate.set()
+    assert lines[0].startswith("data: ") and '"role":"assistant"' in lines[0]
+    assert lines[-2] == "data: [DONE]" or lines[-1] == "data: [DONE]"
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_disconnect_mid_turn_is_recorded_and_leaks_nothing(gated, stream):
+    body = dict(ANTHROPIC_BODY, stream=stream)
+    client = httpx.Client(timeout=10)
+    try:
+        if stream:
+            with client.stream("POST", gated.url + "/v1/messages", json=body, headers={"x-api-key": gated.key}) as r:
+                first = next(r.iter_lines())
+                assert first == "event: message_start"
+            # leaving the block closes the connection mid-turn
+        else:
+            gated.engine.started.clear()
+            thread = threading.Thread(
+                target=lambda: pytest.raises(httpx.HTTPError, httpx.post, gated.url + "/v1/messages", json=body,
+                                             headers={"x-api-key": gated.key}, timeout=0.3)
+            )
+            thread.start()
+            thread.join()
+    finally:
+        client.close()
+    assert gated.engine.started.wait(5)
+    time.sleep(0.2)  # the server notices the disconnect while the engine is still held
+    assert gated.calls() == []
+    gated.engine.gate.set()
+    wait_for(lambda: len(gated.calls()) == 1)
+    (call,) = gated.calls()
+    assert call.metadata["client_disconnected"] is True
+    assert len(call.output_ids) > 0
+    wait_for(lambda: gated.core.pending == 0)
+
+
+class RefusingEngine(ScriptedEngine):
+    """The scripted engine refusing (ValueError, as an engine does for a prompt too long) or failing,
+    at once or after `delay` seconds."""
+
+    kind, delay = "refuse", 0.0
+
+    async def generate(self, prompt_ids, params):
+        if self.delay:
+            await asyncio.sleep(self.delay)
+        raise (ValueError if self.kind == "refuse" else RuntimeError)("no")
+
+
+@pytest.mark.parametrize("kind, status", [("refuse", 400), ("fail", 500)])
+def test_engine_errors_answer_in_protocol_shape_and_record_nothing(proxy_factory, tmp_path, kind, status):
+    live = proxy_factory(tmp_path, engine_cls=RefusingEngine, config=ProxyConfig(keepalive_s=0.05))
+    live.engine.kind = kind
+    headers = {"x-api-key": live.key}
+    try:
+        for stream in (False, True):  # nothing sent yet: a real status, not an SSE error event
+            r = httpx.post(live.url + "/v1/messages", json=dict(ANTHROPIC_BODY, stream=stream), headers=headers, timeout=10)
+            assert r.status_code == status and r.json()["type"] == "error"
+        r = httpx.post(live.url + "/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "x"}]},
+                       headers=headers, timeout=10)
+        assert r.status_code == status and set(r.json()["error"]) == {"message", "type", "param", "code"}
+        # A slow failure: the stream head and keep-alives went out, so the error is an SSE event.
+        live.engine.delay = 0.2
+        r = httpx.post(live.url + "/v1/messages", json=ANTHROPIC_BODY, headers=headers, timeout=10)
+        assert r.status_code == 200
+        assert r.text.startswith("event: message_start") and "event: ping" in r.text
+        assert r.text.rstrip().split("\n")[-2] == "event: error"
+        assert live.calls() == []
+    finally:
+        live.server.stop()

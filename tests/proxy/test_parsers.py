@@ -1,0 +1,91 @@
+"""Tool-call parsers: each family's markup, malformed markup as text, never an exception."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from clawfast.proxy.parsers import PARSERS, detect_parser, parse_llama3_json, parse_mistral, parse_qwen3
+
+
+def ids():
+    counter = itertools.count()
+    return lambda: f"id{next(counter)}"
+
+
+def test_qwen3_text_thinking_and_calls():
+    text = (
+        "<think>\nplan it\n</think>\n\nI will run two things.\n"
+        '<tool_call>\n{"name": "bash", "arguments": {"command": "ls"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "read", "arguments": "{\\"path\\": \\"a.py\\"}"}\n</tool_call>'
+    )
+    turn = parse_qwen3(text, "stop", ids())
+    assert turn.reasoning == "plan it" and turn.content == "I will run two things."
+    assert [(c.id, c.name, json.loads(c.arguments)) for c in turn.tool_calls] == [
+        ("id0", "bash", {"command": "ls"}),
+        ("id1", "read", {"path": "a.py"}),
+    ]
+    assert turn.finish_reason == "tool_calls" and turn.parse_error is None
+
+
+def test_qwen3_closing_think_only_and_plain_text():
+    turn = parse_qwen3("thought about it</think>\n\nAnswer.", "stop", ids())
+    assert (turn.reasoning, turn.content, turn.tool_calls) == ("thought about it", "Answer.", [])
+    assert parse_qwen3("<think>\nstill thinking", "length", ids()).reasoning == "still thinking"
+
+
+@pytest.mark.parametrize(
+    "bad, why",
+    [
+        ('<tool_call>\n{"name": "bash", "arguments": {"command": "ls"}\n</tool_call>', "does not parse"),
+        ('<tool_call>\n{"arguments": {}}\n</tool_call>', "without a string name"),
+        ('<tool_call>\n["bash"]\n</tool_call>', "not an object"),
+        ('<tool_call>\n{"name": "bash", "arguments": [1]}\n</tool_call>', "not a JSON object"),
+        ('ok <tool_call>\n{"name": "bash", "arguments": {}}', "unterminated"),
+    ],
+)
+def test_qwen3_malformed_is_text(bad, why):
+    turn = parse_qwen3(bad, "stop", ids())
+    assert turn.tool_calls == [] and turn.content == bad.strip() and why in turn.parse_error
+    assert turn.finish_reason == "stop"
+
+
+def test_mistral_both_formats():
+    turn = parse_mistral('Sure.[TOOL_CALLS][{"name": "bash", "arguments": {"command": "ls"}}]', "stop", ids())
+    assert turn.content == "Sure." and turn.tool_calls[0].name == "bash"
+    turn = parse_mistral('[TOOL_CALLS]bash[ARGS]{"command": "ls"}[TOOL_CALLS]read[ARGS]{"path": "x"}', "stop", ids())
+    assert [c.name for c in turn.tool_calls] == ["bash", "read"]
+    bad = parse_mistral("[TOOL_CALLS][{oops", "stop", ids())
+    assert bad.tool_calls == [] and bad.parse_error
+
+
+def test_llama3_json():
+    turn = parse_llama3_json('{"name": "bash", "parameters": {"command": "ls"}}', "stop", ids())
+    assert turn.tool_calls[0].name == "bash" and json.loads(turn.tool_calls[0].arguments) == {"command": "ls"}
+    assert parse_llama3_json("Just words.", "stop", ids()).content == "Just words."
+
+
+def test_detect_parser():
+    assert detect_parser({"<tool_call>": 5}) == "qwen3"
+    assert detect_parser({"[TOOL_CALLS]": 5}) == "mistral"
+    assert detect_parser({"<|python_tag|>": 5}) == "llama3_json"
+
+
+markup = st.sampled_from(
+    ["<tool_call>", "</tool_call>", "<think>", "</think>", "[TOOL_CALLS]", "[ARGS]", "{", "}", '"name"', ":", '"arguments"', "\n", "[", "]"]
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(pieces=st.lists(st.one_of(markup, st.text(max_size=8)), max_size=20), finish=st.sampled_from(["stop", "length"]))
+def test_parsers_never_raise(pieces, finish):
+    text = "".join(pieces)
+    for parse in set(PARSERS.values()):
+        turn = parse(text, finish, ids())
+        assert turn.finish_reason in ("stop", "length", "tool_calls")
+        for call in turn.tool_calls:
+            assert isinstance(json.loads(call.arguments), dict)

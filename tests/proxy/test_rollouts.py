@@ -1,0 +1,68 @@
+"""The rollout registry: keys, append-to-disk, close, concurrency."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from clawfast.proxy.rollouts import RolloutRegistry
+from clawfast.records import read_rollout, rollout_path
+
+
+def fields(i: int) -> dict:
+    return dict(prompt_ids=np.arange(1, 5 + i), output_ids=[7, 8], output_logprobs=[-0.5, -1.5], tags=("main",), metadata={"i": i})
+
+
+def test_open_lookup_close(tmp_path):
+    reg = RolloutRegistry(tmp_path, base_url="http://127.0.0.1:1")
+    a = reg.open("a", task_id="t", harness="h", sample_index=2)
+    b = reg.open(harness="h")
+    assert a.key != b.key and a.base_url == "http://127.0.0.1:1"
+    assert reg.lookup(a.key).rollout_id == "a" and reg.lookup("x") is None and reg.lookup(None) is None
+    rec = reg.lookup(a.key).append(**fields(0))
+    assert rec.call_index == 0 and rec.rollout_id == "a"
+    # appended means on disk already, before close (a crash would keep it)
+    live = read_rollout(rollout_path(tmp_path, "a"), recover=True)
+    assert live.status == "running" and live.calls[0].equals(rec)
+    assert reg.records("a") == [rec]
+    result = reg.close("a", reward=1.0)
+    assert reg.lookup(a.key) is None
+    assert read_rollout(rollout_path(tmp_path, "a")).equals(result)
+    assert result.reward == 1.0 and result.sample_index == 2
+    with pytest.raises(KeyError):
+        reg.close("a")
+    with pytest.raises(ValueError):
+        reg.open("a")  # its file exists
+    with pytest.raises(ValueError):
+        reg.open("c", key=b.key)
+
+
+def test_concurrent_appends_keep_every_call_in_order(tmp_path):
+    reg = RolloutRegistry(tmp_path)
+    opened = [reg.open(f"r{i}") for i in range(4)]
+
+    def worker(key: str) -> None:
+        rollout = reg.lookup(key)
+        for i in range(50):
+            rollout.append(**fields(i % 3))
+
+    threads = [threading.Thread(target=worker, args=(o.key,)) for o in opened for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for o in opened:
+        result = reg.close(o.rollout_id)
+        assert [c.call_index for c in result.calls] == list(range(100))
+        assert read_rollout(rollout_path(tmp_path, o.rollout_id)).equals(result)
+
+
+def test_append_after_close_is_refused(tmp_path):
+    reg = RolloutRegistry(tmp_path)
+    o = reg.open("z")
+    rollout = reg.lookup(o.key)
+    reg.close("z")
+    with pytest.raises(ValueError):
+        rollout.append(**fields(0))

@@ -1,0 +1,307 @@
+"""The official openai and anthropic SDKs against a live proxy: replies, tool calls, streams, and the
+token-prefix continuity of a multi-turn tool-using conversation in every protocol."""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import httpx
+import numpy as np
+import openai
+import pytest
+
+SCRIPT = [
+    {"text": "Let me look.", "tool_calls": [{"name": "bash", "arguments": {"command": "ls -la"}}]},
+    {"reasoning": "a.py is there", "tool_calls": [{"name": "read", "arguments": {"path": "a.py", "limit": 3}}]},
+    {"text": "Done: a.py prints hello."},
+]
+BASH_SCHEMA = {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}
+READ_SCHEMA = {"type": "object", "properties": {"path": {"type": "string"}, "limit": {"type": "integer"}}}
+
+
+def assert_continuity(calls, n: int) -> None:
+    """Each call's prompt starts with the previous call's prompt + output, token for token."""
+    assert len(calls) == n
+    for prev, cur in zip(calls, calls[1:]):
+        path = np.concatenate([prev.prompt_ids, prev.output_ids])
+        assert len(cur.prompt_ids) > len(path)
+        np.testing.assert_array_equal(cur.prompt_ids[: len(path)], path)
+        assert cur.metadata["drift"] == 0
+        assert cur.metadata["spliced_turns"] >= 1
+    for call in calls:
+        assert call.tags == ("main",)
+        assert len(call.output_logprobs) == len(call.output_ids) and (call.output_logprobs < 0).all()
+
+
+# -- Anthropic ------------------------------------------------------------------------------------
+
+
+def _anthropic_turn(client, stream: bool, **kwargs):
+    if not stream:
+        return client.messages.create(**kwargs)
+    with client.messages.stream(**kwargs) as s:
+        events = [e.type for e in s]
+        message = s.get_final_message()
+    assert events[0] == "message_start" and "message_stop" in events
+    return message
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_anthropic_tool_conversation(proxy, stream):
+    proxy.engine.push(*SCRIPT)
+    client = anthropic.Anthropic(base_url=proxy.url, api_key=proxy.key, max_retries=0)
+    tools = [
+        {"name": "bash", "description": "Run a shell command", "input_schema": BASH_SCHEMA},
+        {"name": "read", "description": "Read a file", "input_schema": READ_SCHEMA},
+    ]
+    messages = [{"role": "user", "content": [{"type": "text", "text": "What is in a.py?"}]}]
+    results = ["a.py\nb.py", "print('hello')"]
+    for turn in range(3):
+        # Claude Code's billing header changes every request; the proxy must strip it.
+        system = [
+            {"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.1; cch={turn:05d};"},
+            {"type": "text", "text": "You are a coding agent."},
+        ]
+        msg = _anthropic_turn(
+            client, stream, model="policy", max_tokens=256, system=system, messages=messages, tools=tools,
+            extra_query={"beta": "true"},
+        )
+        if turn < 2:
+            assert msg.stop_reason == "tool_use"
+            uses = [b for b in msg.content if b.type == "tool_use"]
+            assert [u.name for u in uses] == [SCRIPT[turn]["tool_calls"][0]["name"]]
+            assert uses[0].input == SCRIPT[turn]["tool_calls"][0]["arguments"]
+            assert uses[0].id.startswith("toolu_")
+            messages.append({"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in msg.content]})
+            messages.append(
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "tool_result", "tool_use_id": uses[0].id, "content": results[turn]},
+                        {"type": "text", "text": "<system-reminder>keep going</system-reminder>"},
+                    ],
+                }
+            )
+        else:
+            assert msg.stop_reason == "end_turn"
+            assert msg.content[-1].text == "Done: a.py prints hello."
+    thinking = [b for b in messages[3]["content"] if b["type"] == "thinking"]
+    assert thinking and thinking[0]["thinking"] == "a.py is there"
+    calls = proxy.calls()
+    assert_continuity(calls, 3)
+    assert calls[0].metadata["protocol"] == "anthropic"
+    assert calls[1].metadata["tool_calls"] == ["read"]
+    assert msg.usage.input_tokens == len(calls[2].prompt_ids)
+    assert msg.usage.output_tokens == len(calls[2].output_ids)
+
+
+def test_anthropic_count_tokens_and_models(proxy):
+    client = anthropic.Anthropic(base_url=proxy.url, api_key=proxy.key, max_retries=0)
+    messages = [{"role": "user", "content": "hello there"}]
+    counted = client.messages.count_tokens(model="policy", messages=messages, system="Be brief.")
+    proxy.engine.push("Hi.")
+    msg = client.messages.create(model="policy", max_tokens=10, messages=messages, system="Be brief.")
+    assert counted.input_tokens == msg.usage.input_tokens == len(proxy.calls()[0].prompt_ids)
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["policy"]
+    assert [m.id for m in openai.OpenAI(base_url=proxy.url + "/v1", api_key=proxy.key).models.list()] == ["policy"]
+
+
+def test_anthropic_system_role_in_messages_and_max_tokens(proxy):
+    proxy.engine.push("a long answer that will not fit")
+    r = httpx.post(
+        proxy.url + "/v1/messages",
+        headers={"x-api-key": proxy.key, "anthropic-version": "2023-06-01"},
+        json={
+            "model": "policy",
+            "max_tokens": 3,
+            "messages": [{"role": "user", "content": "hi"}, {"role": "system", "content": "note"}, {"role": "user", "content": "go"}],
+        },
+    )
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["stop_reason"] == "max_tokens" and body["usage"]["output_tokens"] == 3
+    (call,) = proxy.calls()
+    assert call.finish_reason == "length"
+    assert "<|im_start|>system\nnote<|im_end|>" in proxy.core.renderer.decode(call.prompt_ids)
+
+
+# -- Chat Completions -----------------------------------------------------------------------------
+
+
+def _chat_turn(client, stream: bool, **kwargs):
+    if not stream:
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        msg = choice.message
+        calls = [{"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                 for c in msg.tool_calls or ()]
+        return msg.content or "", calls, choice.finish_reason
+    content, calls, finish, usage_chunks = "", {}, None, 0
+    for chunk in client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs):
+        if not chunk.choices:
+            usage_chunks += 1
+            continue
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for tc in delta.tool_calls or ():
+            slot = calls.setdefault(tc.index, {"id": "", "type": "function", "function": {"name": "", "arguments": ""}})
+            slot["id"] += tc.id or ""
+            slot["function"]["name"] += tc.function.name or ""
+            slot["function"]["arguments"] += tc.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert usage_chunks == 1
+    return content, [calls[i] for i in sorted(calls)], finish
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_tool_conversation(proxy, stream):
+    proxy.engine.push(*SCRIPT)
+    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key=proxy.key, max_retries=0)
+    tools = [
+        {"type": "function", "function": {"name": "bash", "description": "Run", "parameters": BASH_SCHEMA}},
+        {"type": "function", "function": {"name": "read", "description": "Read", "parameters": READ_SCHEMA}},
+    ]
+    messages = [{"role": "system", "content": "You are a coding agent."}, {"role": "user", "content": "What is in a.py?"}]
+    for turn in range(3):
+        content, calls, finish = _chat_turn(client, stream, model="policy", messages=messages, tools=tools, max_tokens=256)
+        if turn < 2:
+            assert finish == "tool_calls"
+            assert calls[0]["function"]["name"] == SCRIPT[turn]["tool_calls"][0]["name"]
+            assert json.loads(calls[0]["function"]["arguments"]) == SCRIPT[turn]["tool_calls"][0]["arguments"]
+            messages.append({"role": "assistant", "content": content or None, "tool_calls": calls})
+            messages.append({"role": "tool", "tool_call_id": calls[0]["id"], "content": "output"})
+        else:
+            assert finish == "stop" and content == "Done: a.py prints hello."
+    assert_continuity(proxy.calls(), 3)
+
+
+# -- Responses ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_responses_tool_conversation(proxy, stream):
+    proxy.engine.push(*SCRIPT)
+    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key=proxy.key, max_retries=0)
+    tools = [
+        {"type": "function", "name": "bash", "description": "Run", "parameters": BASH_SCHEMA, "strict": False},
+        {"type": "function", "name": "read", "description": "Read", "parameters": READ_SCHEMA, "strict": False},
+        {"type": "web_search"},
+    ]
+    items: list = [{"role": "user", "content": [{"type": "input_text", "text": "What is in a.py?"}]}]
+    for turn in range(3):
+        kwargs = dict(model="policy", instructions="You are a coding agent.", input=items, tools=tools, store=False)
+        if stream:
+            with client.responses.stream(**kwargs) as s:
+                kinds = [e.type for e in s]
+                response = s.get_final_response()
+            assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+            assert kinds.count("response.output_item.done") == len(response.output)
+        else:
+            response = client.responses.create(**kwargs)
+        assert response.id.startswith("resp_") and response.usage.total_tokens > 0
+        calls = [o for o in response.output if o.type == "function_call"]
+        if turn < 2:
+            assert calls[0].name == SCRIPT[turn]["tool_calls"][0]["name"]
+            assert json.loads(calls[0].arguments) == SCRIPT[turn]["tool_calls"][0]["arguments"]
+            items += [o.model_dump(exclude_none=True) for o in response.output]
+            items.append({"type": "function_call_output", "call_id": calls[0].call_id, "output": "output"})
+        else:
+            assert not calls and response.output_text == "Done: a.py prints hello."
+    assert any(o.get("type") == "reasoning" for o in items)
+    assert_continuity(proxy.calls(), 3)
+
+
+# -- Auth and errors ------------------------------------------------------------------------------
+
+
+def test_unknown_and_closed_keys_are_401_in_each_protocol(proxy):
+    with pytest.raises(anthropic.AuthenticationError) as err:
+        anthropic.Anthropic(base_url=proxy.url, api_key="nope", max_retries=0).messages.create(
+            model="policy", max_tokens=5, messages=[{"role": "user", "content": "hi"}]
+        )
+    assert err.value.body["error"]["type"] == "authentication_error"
+    oc = openai.OpenAI(base_url=proxy.url + "/v1", api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as err:
+        oc.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
+    assert err.value.code == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        oc.responses.create(model="policy", input="hi")
+    # A closed rollout's key stops working and nothing more is written for it.
+    proxy.engine.push("ok")
+    ok = openai.OpenAI(base_url=proxy.url + "/v1", api_key=proxy.key, max_retries=0)
+    ok.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
+    result = proxy.registry.close(proxy.rollout_id)
+    assert len(result.calls) == 1
+    with pytest.raises(openai.AuthenticationError):
+        ok.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
+    from clawfast.records import read_rollout, rollout_path
+
+    on_disk = read_rollout(rollout_path(proxy.registry.records_dir, proxy.rollout_id))
+    assert on_disk.equals(result)
+
+
+def test_malformed_tool_call_is_plain_text_and_recorded(proxy):
+    bad = '<tool_call>\n{"name": "bash", "arguments": {"command": "ls"\n</tool_call>'
+    proxy.engine.push(bad, bad)
+    oc = openai.OpenAI(base_url=proxy.url + "/v1", api_key=proxy.key, max_retries=0)
+    out = oc.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}], tools=[
+        {"type": "function", "function": {"name": "bash", "parameters": BASH_SCHEMA}}])
+    assert out.choices[0].finish_reason == "stop" and not out.choices[0].message.tool_calls
+    assert out.choices[0].message.content == bad.replace("\n</tool_call>", "\n</tool_call>").strip()
+    msg = anthropic.Anthropic(base_url=proxy.url, api_key=proxy.key, max_retries=0).messages.create(
+        model="policy", max_tokens=100, messages=[{"role": "user", "content": "hi"}])
+    assert msg.stop_reason == "end_turn" and msg.content[0].type == "text"
+    calls = proxy.calls()
+    assert all("does not parse" in c.metadata["parse_error"] for c in calls)
+
+
+def test_incremental_translation_equals_fresh_translation():
+    """Each front's parse with a rollout's UnitMemory gives the same conversation as without."""
+    from clawfast.proxy.anthropic import AnthropicFront
+    from clawfast.proxy.chat import ChatFront
+    from clawfast.proxy.incremental import UnitMemory
+    from clawfast.proxy.responses import ResponsesFront
+
+    bodies = {
+        AnthropicFront(): lambda n: {"model": "m", "max_tokens": 5, "system": "s", "messages": [
+            {"role": "user", "content": "u"}] + [m for i in range(n) for m in (
+                {"role": "assistant", "content": [{"type": "text", "text": f"t{i}"}, {"type": "tool_use", "id": f"x{i}", "name": "bash", "input": {"i": i}}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"x{i}", "content": f"r{i}"}, {"type": "text", "text": "note"}]})]},
+        ChatFront(): lambda n: {"model": "m", "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}] + [
+            m for i in range(n) for m in (
+                {"role": "assistant", "content": None, "tool_calls": [{"id": f"x{i}", "type": "function", "function": {"name": "bash", "arguments": "{}"}}]},
+                {"role": "tool", "tool_call_id": f"x{i}", "content": f"r{i}"})]},
+        ResponsesFront(): lambda n: {"model": "m", "instructions": "s", "input": [{"role": "user", "content": "u"}] + [
+            m for i in range(n) for m in (
+                {"type": "reasoning", "summary": [{"type": "summary_text", "text": "hm"}]},
+                {"type": "function_call", "call_id": f"x{i}", "name": "bash", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": f"x{i}", "output": f"r{i}"})]},
+    }
+    for front, make in bodies.items():
+        memory = UnitMemory()
+        previous = None
+        for n in (0, 1, 2, 4, 3, 5):  # growing, then an edited (shorter) history, then growing again
+            body = json.dumps(make(n)).encode()
+            with_memory = front.parse(body, {}, memory).conversation
+            assert with_memory == front.parse(body, {}).conversation
+            if previous is not None and n > 0:
+                shared = min(len(previous.messages), len(with_memory.messages)) - 2
+                assert all(a is b for a, b in zip(previous.messages[:shared], with_memory.messages[:shared]))
+            previous = with_memory
+
+
+def test_responses_custom_tool_round_trip(proxy):
+    """Codex's free-form tools: offered as a function with one string `input`, answered as a
+    custom_tool_call, replayed as one, and spliced back as the exact sampled tokens."""
+    patch = "*** Begin Patch\n*** Add File: a.py\n+print('hi')\n*** End Patch"
+    proxy.engine.push({"tool_calls": [{"name": "apply_patch", "arguments": {"input": patch}}]}, "ok")
+    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key=proxy.key, max_retries=0)
+    tools = [{"type": "custom", "name": "apply_patch", "description": "Edit files"}]
+    items: list = [{"role": "user", "content": "add a.py"}]
+    first = client.responses.create(model="policy", input=items, tools=tools)
+    (call,) = first.output
+    assert call.type == "custom_tool_call" and call.name == "apply_patch" and call.input == patch
+    items += [call.model_dump(exclude_none=True), {"type": "custom_tool_call_output", "call_id": call.call_id, "output": "done"}]
+    assert client.responses.create(model="policy", input=items, tools=tools).output_text == "ok"
+    assert_continuity(proxy.calls(), 2)

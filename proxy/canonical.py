@@ -45,6 +45,14 @@ class ToolCall:
     arguments: str  # canonical JSON text, see canonical_arguments
 
 
+def _call_key(call: ToolCall) -> tuple[str, str, str]:
+    try:
+        arguments = json.dumps(json.loads(call.arguments), sort_keys=True, ensure_ascii=False)
+    except ValueError:
+        arguments = call.arguments
+    return ("".join(ch for ch in call.id if ch.isalnum()), call.name, arguments)
+
+
 @dataclass(frozen=True)
 class Message:
     """role: system | user | assistant | tool. For tool messages `tool_call_id` names the call
@@ -59,8 +67,13 @@ class Message:
 
     def replay_key(self) -> tuple:
         """What identifies an assistant turn when the harness sends it back: visible text (stripped)
-        and tool calls (ids included, so two identical calls in different turns stay apart)."""
-        return (self.content.strip(), self.tool_calls)
+        and tool calls (ids included, so two identical calls in different turns stay apart).
+
+        Harnesses replay calls with cosmetic changes that must not break the token splice: Claude
+        Code re-orders argument keys into its tool schema's order, OpenClaw strips the underscore
+        from call ids (`call_0aG` comes back as `call0aG`). The key therefore compares ids by their
+        alphanumeric characters and arguments as key-sorted JSON."""
+        return (self.content.strip(), tuple(_call_key(c) for c in self.tool_calls))
 
     def template_dict(self) -> dict[str, Any]:
         """The message as HF chat templates expect it."""

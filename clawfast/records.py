@@ -187,27 +187,35 @@ def _meta_of(call: CallRecord) -> dict[str, Any]:
 
 
 def _frame(kind: int, payload: bytes) -> bytes:
-    head = _FRAME_HEAD.pack(kind, len(payload))
-    return head + payload + _CRC.pack(zlib.crc32(payload, zlib.crc32(head)))
+    return b"".join(_frame_parts(kind, [payload]))
+
+
+def _frame_parts(kind: int, parts: list) -> list:
+    """A frame as a list of buffers, so large arrays are checksummed and written without copies."""
+    head = _FRAME_HEAD.pack(kind, sum(memoryview(p).nbytes for p in parts))
+    crc = zlib.crc32(head)
+    for part in parts:
+        crc = zlib.crc32(part, crc)
+    return [head, *parts, _CRC.pack(crc)]
 
 
 def _json_bytes(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":"), sort_keys=True, allow_nan=False).encode()
 
 
+def _call_parts(call: CallRecord) -> list:
+    meta = _json_bytes(_meta_of(call))
+    # Records are little-endian on disk; on a little-endian host these are views, not copies.
+    arrays = [
+        memoryview(np.ascontiguousarray(a, dtype=dt)).cast("B")
+        for a, dt in ((call.prompt_ids, "<i4"), (call.output_ids, "<i4"), (call.output_logprobs, "<f4"))
+    ]
+    return _frame_parts(_KIND_CALL, [struct.pack("<I", len(meta)), meta, *arrays])
+
+
 def encode_call(call: CallRecord) -> bytes:
     """One call as a ``C`` frame (header and frame trailer included)."""
-    meta = _json_bytes(_meta_of(call))
-    payload = b"".join(
-        (
-            struct.pack("<I", len(meta)),
-            meta,
-            call.prompt_ids.astype("<i4", copy=False).tobytes(),
-            call.output_ids.astype("<i4", copy=False).tobytes(),
-            call.output_logprobs.astype("<f4", copy=False).tobytes(),
-        )
-    )
-    return _frame(_KIND_CALL, payload)
+    return b"".join(_call_parts(call))
 
 
 def encode_header(header: dict[str, Any]) -> bytes:
@@ -395,7 +403,8 @@ class RolloutLog:
     def append(self, call: CallRecord) -> None:
         if self._closed:
             raise ValueError(f"{self.path}: log is closed")
-        self._write(encode_call(call))
+        self._fh.writelines(_call_parts(call))
+        self._write(b"")
 
     def close(self, reward: float = 0.0, status: str = "ok", info: dict[str, Any] | None = None) -> None:
         if self._closed:

@@ -1,0 +1,46 @@
+"""clawfast.kernels: RL training kernels for packed prefix trees (and flat sequences).
+
+Every op has a Triton kernel (used for CUDA tensors), a torch fast path (CPU, or no Triton) and a
+plain reference ``*_ref`` of the same function in ``reference.py``:
+
+- ``tree_logprobs`` / ``linear_logprobs``: fused log-probs + entropy, never materialising [N, V].
+- ``tree_gae``: GAE over a packed tree (per-path mean or tree backup), a reverse segmented scan.
+- ``importance_weights``: truncated / masked IS at token or sequence level, with mismatch metrics.
+- ``policy_loss``: PPO clipped surrogate x IS weight, dual clip, entropy bonus, k3 KL;
+  ``grpo_advantages``: group-normalised advantages.
+
+This package imports only torch and triton: it is usable without the rest of clawfast.
+"""
+
+from .importance import ISConfig, ISResult, importance_weights
+from .policy_loss import grpo_advantages, policy_loss
+from .reference import (
+    grpo_advantages_ref,
+    importance_weights_ref,
+    linear_logprobs_ref,
+    policy_loss_ref,
+    tree_gae_ref,
+    tree_logprobs_ref,
+)
+from .tree_gae import subtree_scan, tree_gae
+from .tree_logprobs import linear_logprobs, tree_logprobs
+from .tree_paths import TreePaths
+
+__all__ = [
+    "ISConfig",
+    "ISResult",
+    "TreePaths",
+    "grpo_advantages",
+    "grpo_advantages_ref",
+    "importance_weights",
+    "importance_weights_ref",
+    "linear_logprobs",
+    "linear_logprobs_ref",
+    "policy_loss",
+    "policy_loss_ref",
+    "subtree_scan",
+    "tree_gae",
+    "tree_gae_ref",
+    "tree_logprobs",
+    "tree_logprobs_ref",
+]

@@ -1,4 +1,12 @@
 import os
+
+import torch
+
+# Triton picks compiled or interpreted mode when clawfast.kernels is first imported, and any test
+# directory may import it first: on a machine without a GPU the interpreter must be on from the start.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import random
 
 import numpy as np

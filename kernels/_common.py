@@ -1,0 +1,83 @@
+"""Shared helpers of clawfast.kernels: input checks, backend choice, Triton availability.
+
+Only torch (and, when present, triton) is imported here: the kernels package must stay usable
+without the rest of clawfast.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:  # Triton is optional: on machines without it every op runs its torch fast path.
+    import triton  # noqa: F401
+    import triton.language as tl  # noqa: F401
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - depends on the install
+    HAS_TRITON = False
+
+BACKENDS = ("auto", "torch", "triton")
+
+
+def triton_interpret() -> bool:
+    """True when Triton runs its CPU interpreter (TRITON_INTERPRET=1, read once by triton at import)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def pick_backend(backend: str, *tensors: torch.Tensor) -> str:
+    """Resolve ``backend``: "auto" means Triton for CUDA tensors, the torch fast path otherwise.
+
+    "triton" on CPU tensors is allowed only under TRITON_INTERPRET=1 (the tests use it).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    on_cuda = any(t.is_cuda for t in tensors)
+    if backend == "auto":
+        return "triton" if (on_cuda and HAS_TRITON) else "torch"
+    if backend == "triton":
+        if not HAS_TRITON:
+            raise RuntimeError("backend='triton' requested but triton is not installed")
+        if not on_cuda and not triton_interpret():
+            raise ValueError("backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 for CPU tensors")
+    return backend
+
+
+def check_1d(name: str, t: torch.Tensor, length: int | None = None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 1:
+        raise ValueError(f"{name} must be one-dimensional, got shape {tuple(t.shape)}")
+    if length is not None and t.shape[0] != length:
+        raise ValueError(f"{name} has length {t.shape[0]}, expected {length}")
+
+
+def check_int(name: str, t: torch.Tensor) -> None:
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise ValueError(f"{name} must hold integers, got dtype {t.dtype}")
+
+
+def check_float(name: str, t: torch.Tensor) -> None:
+    if not t.dtype.is_floating_point:
+        raise ValueError(f"{name} must be floating point, got dtype {t.dtype}")
+
+
+def check_finite(name: str, t: torch.Tensor) -> None:
+    """Raise ValueError if ``t`` holds NaN or +-inf (one reduction, one host sync)."""
+    if t.numel() and not bool(torch.isfinite(t).all()):
+        bad = int((~torch.isfinite(t)).sum())
+        raise ValueError(f"{name} holds {bad} non-finite value(s) (NaN or inf)")
+
+
+def check_range(name: str, t: torch.Tensor, low: int, high: int) -> None:
+    """Raise ValueError unless every element lies in [low, high)."""
+    if t.numel():
+        lo, hi = int(t.min()), int(t.max())
+        if lo < low or hi >= high:
+            raise ValueError(f"{name} must lie in [{low}, {high}), got min {lo}, max {hi}")
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype: float32 for half types and float32, float64 for float64."""
+    return torch.float64 if dtype == torch.float64 else torch.float32

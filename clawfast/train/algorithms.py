@@ -1,0 +1,238 @@
+"""RL algorithms on packed prefix trees: GRPO and PPO advantages, value loss, rollout filters.
+
+The loss itself (clipped surrogate x truncated IS, k3 KL to a reference, entropy bonus) is
+`clawfast.kernels.policy_loss`; this module supplies what it needs per target:
+
+- **GRPO** (`grpo_rollout_advantages`): one advantage per rollout, ``(r - mean) / (std + eps)``
+  over the rollouts of its group (group key: task, or task x harness for mixed-harness training;
+  `group_ids`). Every trainable target of a rollout carries that rollout's advantage; in a packed
+  batch each unique trainable token is one target per rollout, so shared tokens count once.
+- **PPO** (`KeptForest`, `ppo_advantages`, `value_loss_terms`): GAE over each rollout's own kept
+  tree (unmerged: a token of the shared system prompt belongs to every rollout's tree separately),
+  in either kernel mode of `clawfast.kernels.tree_gae`: ``"path"`` (each token gets the mean over
+  the kept root-to-leaf paths through it of plain per-path GAE) or ``"tree"`` (a branch point
+  bootstraps from the plain mean of its children). The value of a token is the value head read at
+  its *predicting* row (the state before the token), as in verl. The rollout's reward is placed on
+  the last trainable token of every kept leaf's path (context tokens carry values and advantages
+  across, verl's multi-turn convention).
+- **Rollout filters**: `stale_rollouts` (weight-version lag above a limit).
+
+Guaranteed: `KeptForest.locate` maps every packed target to its token in its rollout's tree and
+checks the token id (a mismatch is an error, never a silent misalignment). Not guaranteed: GAE
+that is exact when a leaf path's last token is context but an earlier generated token on it is
+followed by more generated tokens on another kept path (the reward sits on that token's row, so
+it is seen by every path through the row; in captured harness traffic a kept leaf ends with its
+call's own output, so this does not arise).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Hashable, Sequence
+
+import numpy as np
+import torch
+
+from clawfast.kernels import grpo_advantages, tree_gae
+
+GROUP_BY = ("task", "task_harness")
+
+
+# ------------------------------------------------------------------------------------ GRPO
+
+
+def group_ids(rollouts: Sequence, group_by: str = "task", groups: Sequence[Hashable] | None = None) -> np.ndarray:
+    """int64[R] group index of each rollout: equal keys, equal index (first-appearance order).
+
+    ``groups`` (one hashable per rollout) overrides ``group_by``; otherwise the key is the
+    rollout's ``task_id`` (``"task"``) or ``(task_id, harness)`` (``"task_harness"``).
+    """
+    if groups is not None:
+        keys = list(groups)
+        if len(keys) != len(rollouts):
+            raise ValueError(f"{len(keys)} group keys for {len(rollouts)} rollouts")
+    elif group_by == "task":
+        keys = [r.task_id for r in rollouts]
+    elif group_by == "task_harness":
+        keys = [(r.task_id, r.harness) for r in rollouts]
+    else:
+        raise ValueError(f"group_by must be one of {GROUP_BY}, got {group_by!r}")
+    index: dict[Hashable, int] = {}
+    return np.array([index.setdefault(k, len(index)) for k in keys], dtype=np.int64)
+
+
+def grpo_rollout_advantages(rewards: Sequence[float], ids: np.ndarray, *, normalize_std: bool = True,
+                            eps: float = 1e-6) -> np.ndarray:
+    """float64[R]: group-relative advantage of each rollout (a group of one gets 0)."""
+    adv = grpo_advantages(torch.as_tensor(np.asarray(rewards, dtype=np.float64)),
+                          torch.as_tensor(np.asarray(ids, dtype=np.int64)),
+                          normalize_std=normalize_std, eps=eps)
+    return adv.numpy()
+
+
+# ---------------------------------------------------------------------------------- filters
+
+
+def stale_rollouts(rollouts: Sequence, weight_version: int | None, max_lag: int | None) -> np.ndarray:
+    """bool[R]: True for a rollout whose oldest call was sampled more than ``max_lag`` weight
+    versions before ``weight_version`` (no filter when either is None)."""
+    if weight_version is None or max_lag is None:
+        return np.zeros(len(rollouts), dtype=bool)
+    if max_lag < 0:
+        raise ValueError(f"max_lag must be >= 0, got {max_lag}")
+    oldest = [min((int(c.weight_version) for c in r.calls), default=weight_version) for r in rollouts]
+    return np.array([weight_version - v > max_lag for v in oldest], dtype=bool)
+
+
+# -------------------------------------------------------------------------------------- PPO
+
+
+@dataclass(eq=False)
+class KeptForest:
+    """The kept sets of a step's trees, unmerged: one row per (rollout, kept token).
+
+    Rows of each tree are in its DFS order (``parent[i] < i``), trees concatenated in argument
+    order (dropped trees contribute nothing). ``trainable``: the token is trainable (docs/TREE.md),
+    so it has exactly one packed target. ``reward_row``: the row holds its rollout's reward.
+    """
+
+    parent: np.ndarray      # int64[R], -1 at a root
+    rollout: np.ndarray     # int64[R], index into the trees
+    depth: np.ndarray       # int64[R], tokens before it on its path
+    tokens: np.ndarray      # int64[R]
+    trainable: np.ndarray   # bool[R]
+    reward_row: np.ndarray  # bool[R]
+    _keys: np.ndarray       # sorted int64 (rollout, first kept leaf below, depth) of trainable rows
+    _rows: np.ndarray       # the row of each key
+    _leaf_mult: int
+    _depth_mult: int
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.parent.shape[0])
+
+    @classmethod
+    def build(cls, trees: Sequence) -> "KeptForest":
+        parts = []
+        base = 0
+        for g, tree in enumerate(trees):
+            if tree.dropped:
+                continue
+            part = _tree_part(tree, g, base)
+            base += part["parent"].shape[0]
+            parts.append(part)
+
+        def cat(key, dtype):
+            return np.concatenate([p[key] for p in parts]).astype(dtype) if parts else np.zeros(0, dtype)
+
+        parent, rollout, depth = cat("parent", np.int64), cat("rollout", np.int64), cat("depth", np.int64)
+        minleaf, trainable = cat("minleaf", np.int64), cat("trainable", bool)
+        leaf_mult = int(max((len(t.leaves) for t in trees), default=0)) + 1
+        depth_mult = int(depth.max()) + 2 if depth.size else 1
+        rows = np.flatnonzero(trainable)
+        keys = (rollout[rows] * leaf_mult + minleaf[rows]) * depth_mult + depth[rows]
+        order = np.argsort(keys, kind="stable")
+        return cls(parent, rollout, depth, cat("tokens", np.int64), trainable, cat("reward_row", bool),
+                   keys[order], rows[order], leaf_mult, depth_mult)
+
+    def locate(self, batch) -> np.ndarray:
+        """int64[M]: the forest row of each target of a PackedBatch (its predicted token).
+
+        A target is (rollout, its DFS-first kept leaf, depth of the predicted token): the token on
+        that leaf's path at that depth, which is unique.
+        """
+        depth = np.asarray(batch.position_ids, dtype=np.int64)[np.asarray(batch.target_rows)] + 1
+        keys = ((np.asarray(batch.target_rollout, np.int64) * self._leaf_mult + np.asarray(batch.target_leaf))
+                * self._depth_mult + depth)
+        pos = np.searchsorted(self._keys, keys)
+        ok = pos < self._keys.shape[0]
+        ok[ok] = self._keys[pos[ok]] == keys[ok]
+        if not ok.all():
+            raise ValueError(f"{int((~ok).sum())} packed target(s) are not trainable tokens of their trees "
+                             "(batch packed from other trees?)")
+        rows = self._rows[pos]
+        if not np.array_equal(self.tokens[rows], np.asarray(batch.target_ids, np.int64)):
+            raise ValueError("packed targets do not match the trainable tokens of their trees "
+                             "(batch packed from other trees?)")
+        return rows
+
+
+def _tree_part(tree, g: int, base: int) -> dict[str, np.ndarray]:
+    """One tree's kept rows (see KeptForest), with parents offset by ``base``."""
+    seg_parent = np.asarray(tree.seg_parent, np.int64)
+    seg_start = np.asarray(tree.seg_start, np.int64)
+    seg_len = np.asarray(tree.seg_len, np.int64)
+    n_seg = seg_parent.shape[0]
+    if n_seg and not np.array_equal(seg_start, np.concatenate([[0], np.cumsum(seg_len)[:-1]])):
+        raise ValueError("tree tokens are not laid out segment by segment in DFS order")
+    excluded = np.asarray(tree.call_indices)[np.asarray(tree.call_excluded, bool)]
+    token_call = np.asarray(tree.token_call)
+    # Segments are homogeneous in kind and owner (docs/TREE.md), so trainability is per segment.
+    seg_train = ((np.asarray(tree.seg_kind) == 1) & ~np.isin(token_call[seg_start], excluded)).tolist()
+    big = np.iinfo(np.int64).max
+    kept, minleaf = [False] * n_seg, [big] * n_seg
+    for i, leaf in enumerate(tree.leaves):
+        if leaf.status == "kept":
+            kept[leaf.node] = True
+            minleaf[leaf.node] = min(minleaf[leaf.node], i)
+    par = seg_parent.tolist()
+    for s in range(n_seg - 1, -1, -1):  # children follow parents in DFS order: one reverse sweep
+        p = par[s]
+        if p >= 0 and kept[s]:
+            kept[p] = True
+            minleaf[p] = min(minleaf[p], minleaf[s])
+    last = (seg_start + seg_len - 1).tolist()
+    last_train = [-1] * n_seg  # last trainable token on the path ending with segment s
+    for s in range(n_seg):
+        last_train[s] = last[s] if seg_train[s] else (last_train[par[s]] if par[s] >= 0 else -1)
+
+    n_tok = int(seg_len.sum())
+    seg_of = np.repeat(np.arange(n_seg), seg_len)
+    offset = np.arange(n_tok) - seg_start[seg_of]
+    seg_last = np.asarray(last, np.int64)
+    first_parent = np.where(seg_parent[seg_of] >= 0, seg_last[np.maximum(seg_parent[seg_of], 0)], -1)
+    tok_parent = np.where(offset > 0, np.arange(n_tok) - 1, first_parent)
+    keep = np.asarray(kept, bool)[seg_of]
+    new = np.cumsum(keep) - 1 + base
+    parent = np.where(tok_parent >= 0, new[np.maximum(tok_parent, 0)], -1)[keep]
+    reward_tok = np.zeros(n_tok, dtype=bool)
+    for i, leaf in enumerate(tree.leaves):
+        if leaf.status == "kept" and last_train[leaf.node] >= 0:
+            reward_tok[last_train[leaf.node]] = True
+    return {
+        "parent": parent,
+        "rollout": np.full(int(keep.sum()), g, np.int64),
+        "depth": (np.asarray(tree.seg_depth, np.int64)[seg_of] + offset)[keep],
+        "tokens": np.asarray(tree.tokens, np.int64)[keep],
+        "trainable": np.asarray(seg_train, bool)[seg_of][keep],
+        "reward_row": reward_tok[keep],
+        "minleaf": np.asarray(minleaf, np.int64)[seg_of][keep],
+    }
+
+
+def ppo_advantages(forest: KeptForest, values: torch.Tensor, rewards: Sequence[float], *, gamma: float = 1.0,
+                   lam: float = 1.0, mode: str = "path") -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages[R], returns[R]) of every forest row by `clawfast.kernels.tree_gae`.
+
+    ``values[R]``: the old value of every row (only trainable rows are read); ``rewards``: one per
+    tree, placed on the forest's ``reward_row`` rows.
+    """
+    if values.shape != (forest.num_rows,):
+        raise ValueError(f"values must be [{forest.num_rows}], got {tuple(values.shape)}")
+    r = np.asarray(rewards, dtype=np.float64)
+    row_reward = np.where(forest.reward_row, r[forest.rollout] if r.size else 0.0, 0.0)
+    dev = values.device
+    return tree_gae(torch.as_tensor(row_reward, dtype=values.dtype, device=dev), values,
+                    torch.as_tensor(forest.parent, device=dev),
+                    mask=torch.as_tensor(forest.trainable, dtype=values.dtype, device=dev),
+                    gamma=gamma, lam=lam, mode=mode)
+
+
+def value_loss_terms(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
+                     clip: float | None) -> torch.Tensor:
+    """Per-target PPO value loss ``0.5 max((v - R)^2, (clip(v, v_old +- clip) - R)^2)`` (no clip: the first)."""
+    err = (values - returns) ** 2
+    if clip is not None:
+        clipped = old_values + (values - old_values).clamp(-clip, clip)
+        err = torch.maximum(err, (clipped - returns) ** 2)
+    return 0.5 * err

@@ -1,0 +1,133 @@
+"""The policy: any Hugging Face causal LM run on a packed prefix-tree batch (docs/TREE.md).
+
+`Policy` wraps a causal LM (Qwen3 first; anything `AutoModelForCausalLM` loads and whose backbone
+accepts a 4-D additive ``attention_mask`` and explicit ``position_ids``). One call of `Policy`
+runs the backbone on the rows of a `PackedBatch` under the tree mask (row j visible to row i iff
+``j <= i <= kv_end[j]``; position ids are depths, so every path sees the positions it would see
+alone), and turns the final hidden states into the log-probs of the (row, token) targets with the
+fused `clawfast.kernels.tree_logprobs` using the LM head weight: the [N, V] logits are never
+materialised. An optional value head (one Linear on the final hidden state) gives PPO its values.
+
+Everything happens inside ``forward`` on purpose: FSDP2 (`clawfast.train.fsdp`) gathers a sharded
+module's parameters only around its ``forward``, and the LM head weight must be whole when the
+fused kernel reads it.
+
+Guaranteed: for every target, the log-prob its path gives when run alone as a plain causal
+sequence (tests/test_keystone.py, tests/train/test_step_equivalence.py). Not guaranteed: memory
+below O(N^2) in the attention mask: the dense additive mask (clawfast.tree_mask) is what HF's
+eager/SDPA attention accepts; a kernel reading ``kv_end`` directly is the way to long batches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from clawfast.kernels import tree_logprobs
+from clawfast.tree_mask import dense_tree_mask
+
+
+@dataclass
+class PolicyOutput:
+    """logprobs[M] and entropy[N] (float32 or float64, with grad), values[N] (None without a value head)."""
+
+    logprobs: torch.Tensor
+    entropy: torch.Tensor
+    values: torch.Tensor | None
+
+
+@dataclass
+class BatchTensors:
+    """The PackedBatch fields the forward needs, as long tensors on one device."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    kv_end: torch.Tensor
+    target_rows: torch.Tensor
+    target_ids: torch.Tensor
+
+    @classmethod
+    def from_batch(cls, batch, device: torch.device | str) -> "BatchTensors":
+        def t(a: np.ndarray) -> torch.Tensor:
+            return torch.as_tensor(np.asarray(a), dtype=torch.long, device=device)
+
+        return cls(t(batch.input_ids), t(batch.position_ids), t(batch.kv_end), t(batch.target_rows),
+                   t(batch.target_ids))
+
+
+class Policy(nn.Module):
+    """A causal LM (``lm``) plus an optional scalar value head, run on packed tree batches."""
+
+    def __init__(self, lm: nn.Module, *, value_head: bool = False, temperature: float = 1.0):
+        super().__init__()
+        if lm.get_output_embeddings() is None:
+            raise ValueError(f"{type(lm).__name__} has no output embedding (LM head)")
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        self.lm = lm
+        self.temperature = float(temperature)
+        hidden = lm.get_output_embeddings().weight.shape[1]
+        self.value_head = nn.Linear(hidden, 1) if value_head else None
+        if self.value_head is not None:
+            # A zero head starts every value at 0: no random bias in the first advantages.
+            nn.init.zeros_(self.value_head.weight)
+            nn.init.zeros_(self.value_head.bias)
+            self.value_head.to(dtype=lm.get_output_embeddings().weight.dtype)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, *, dtype: torch.dtype = torch.float32,
+                        attn_implementation: str = "sdpa", value_head: bool = False,
+                        temperature: float = 1.0) -> "Policy":
+        """Load a local HF causal-LM directory (config + weights). Nothing is downloaded."""
+        from transformers import AutoModelForCausalLM
+
+        path = Path(path)
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{path} is not a Hugging Face model directory (no config.json)")
+        lm = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation,
+                                                  local_files_only=True)
+        return cls(lm, value_head=value_head, temperature=temperature)
+
+    @property
+    def backbone(self) -> nn.Module:
+        """The decoder stack without the LM head (``lm.model`` for Qwen3/Llama-style models)."""
+        return self.lm.base_model
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm.get_output_embeddings().weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm.get_output_embeddings().weight.device
+
+    def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor, kv_end: torch.Tensor) -> torch.Tensor:
+        """Final hidden states [N, d] of the rows under the tree mask (final norm applied)."""
+        n = kv_end.shape[0]
+        if n and bool((kv_end == n - 1).all()):
+            mask = None  # one causal chain (a flat sample): the model's own causal path, no [N, N] mask
+        else:
+            mask = dense_tree_mask(kv_end, self.dtype, device=input_ids.device)
+        out = self.backbone(input_ids=input_ids[None], position_ids=position_ids[None], attention_mask=mask,
+                            use_cache=False)
+        return out.last_hidden_state[0]
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, kv_end: torch.Tensor,
+                target_rows: torch.Tensor, target_ids: torch.Tensor) -> PolicyOutput:
+        """Log-probs of the targets, entropy of every row, values of every row (see module docstring)."""
+        hidden = self.hidden_states(input_ids, position_ids, kv_end)
+        weight = self.lm.get_output_embeddings().weight
+        logprobs, entropy = tree_logprobs(hidden, weight, target_rows, target_ids, temperature=self.temperature)
+        values = None
+        if self.value_head is not None:
+            values = self.value_head(hidden)[:, 0].float()
+        return PolicyOutput(logprobs, entropy, values)
+
+    def run(self, batch) -> PolicyOutput:
+        """``forward`` on a PackedBatch (numpy arrays moved to the policy's device)."""
+        bt = BatchTensors.from_batch(batch, self.device)
+        return self(bt.input_ids, bt.position_ids, bt.kv_end, bt.target_rows, bt.target_ids)

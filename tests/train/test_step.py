@@ -1,0 +1,220 @@
+"""train_step end to end (optimizer step, filters, metrics, errors) and the pieces it relies on."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_step_equivalence import flat_loss, harness_rollouts, longest_kept, tiny_policy
+
+from clawfast.kernels import tree_gae_ref
+from clawfast.pack import pack
+from clawfast.records import RolloutResult
+from clawfast.synthetic import random_group
+from clawfast.train.algorithms import KeptForest, group_ids, grpo_rollout_advantages, ppo_advantages, stale_rollouts
+from clawfast.train.policy import Policy
+from clawfast.train.step import StepConfig, prepare_step, train_step
+from clawfast.tree import build_tree
+from clawfast.tree_ref import trainable_mask_ref
+
+
+@pytest.fixture(scope="module")
+def policy():
+    return tiny_policy(0)
+
+
+@pytest.fixture(scope="module")
+def rollouts(policy):
+    return harness_rollouts(policy, seed=2)
+
+
+def adamw(p):
+    # eps far above the gradient noise floor: the first Adam step is ~lr * sign(g), which would turn
+    # 1e-9 rounding differences of near-zero gradients into lr-sized differences.
+    return torch.optim.AdamW(p.parameters(), lr=1e-3, eps=1e-2, weight_decay=0.01)
+
+
+def test_train_step_matches_flat_reference_optimizer_step(policy, rollouts):
+    config = StepConfig(max_tokens=longest_kept(rollouts) + 40, max_grad_norm=0.05, entropy_coef=0.01)
+    packed, flat = copy.deepcopy(policy), copy.deepcopy(policy)
+    metrics = train_step(packed, adamw(packed), rollouts, None, config)
+
+    opt = adamw(flat)
+    loss = flat_loss(flat, rollouts, config)
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(flat.parameters(), 0.05)
+    opt.step()
+    assert metrics["stepped"] == 1.0 and metrics["grad_norm"] > 0.05, "clipping was not exercised"
+    assert metrics["grad_norm"] == pytest.approx(float(norm), rel=1e-4)
+    assert metrics["loss"] == pytest.approx(loss.item(), abs=1e-4)
+    for (name, a), b in zip(packed.named_parameters(), flat.parameters()):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
+        assert a.grad is None  # zeroed after the step
+    moved = sum(float((a - b).detach().abs().max()) for a, b in zip(packed.parameters(), policy.parameters()))
+    assert moved > 0
+
+
+def test_metrics_report_tokens_dedup_and_timings(policy, rollouts):
+    config = StepConfig(max_tokens=4096)
+    metrics = train_step(copy.deepcopy(policy), adamw(policy), rollouts, None, config)
+    trees = [build_tree(r.calls) for r in rollouts]
+    assert metrics["tokens_per_call_flat"] == sum(t.num_call_tokens for t in trees)
+    assert metrics["tokens_per_leaf_flat"] == sum(t.num_flat_tokens for t in trees)
+    # one batch holds everything: packed rows are the merged forest, below the per-rollout sum
+    # because the samples of a task share their system prompt
+    assert metrics["num_microbatches"] == 1
+    kept_rows = KeptForest.build(trees).num_rows  # the kept sets, one per rollout, unmerged
+    assert metrics["tokens_packed"] < kept_rows < metrics["tokens_per_leaf_flat"]
+    assert metrics["dedup_ratio_call"] == pytest.approx(metrics["tokens_per_call_flat"] / metrics["tokens_packed"])
+    assert metrics["num_targets"] == sum(int(trainable_mask_ref(t).sum()) for t in trees)
+    for key in ("loss", "entropy", "kl_ref", "clip_frac", "is_ratio_mean", "is_frac_above", "mismatch_k3",
+                "grad_norm", "time_total_s", "time_fwd_bwd_s", "time_prepare_s"):
+        assert np.isfinite(metrics[key]), key
+    assert metrics["entropy"] > 0 and metrics["rollouts_trained"] == len(rollouts)
+
+
+def test_filters_status_staleness_and_groups(policy, rollouts):
+    rs = [dataclasses.replace(r) for r in rollouts]
+    rs[0] = dataclasses.replace(rs[0], status="timeout")
+    old = [dataclasses.replace(c, weight_version=3) for c in rs[1].calls]
+    rs[1] = dataclasses.replace(rs[1], calls=old)
+    for r in rs[2:]:
+        r.calls = [dataclasses.replace(c, weight_version=9) for c in r.calls]
+    assert stale_rollouts(rs, 10, 2).tolist() == [True, True] + [False] * (len(rs) - 2)
+    assert not stale_rollouts(rs, 10, None).any() and not stale_rollouts(rs, None, 2).any()
+    data = prepare_step(rs, None, StepConfig(max_staleness=2), weight_version=10)
+    # rs[0] is stale too, but counted once, under its status
+    assert data.counts["dropped_status"] == 1 and data.counts["dropped_stale"] == 1
+    assert [r.rollout_id for r in data.rollouts] == [r.rollout_id for r in rs[2:]]
+    # GRPO over what is left: task0 keeps one sample (advantage 0), task1 keeps three
+    adv = {int(g): set() for g in np.unique(np.concatenate([b.target_rollout for b in data.batches]))}
+    for b, a in zip(data.batches, data.advantages):
+        for g, v in zip(b.target_rollout, a):
+            adv[int(g)].add(round(float(v), 9))
+    assert adv[0] == {0.0} and all(len(v) == 1 for v in adv.values())
+    # task x harness: the "codex" sample of each task is alone in its group
+    ids = group_ids(rollouts, "task_harness")
+    assert len(set(ids.tolist())) == 4
+    adv_th = grpo_rollout_advantages([r.reward for r in rollouts], ids)
+    assert adv_th[2] == 0.0 and adv_th[5] == 0.0 and adv_th[0] == -adv_th[1] != 0.0
+
+
+def test_nothing_trainable_skips_the_optimizer(policy, rollouts):
+    failed = [dataclasses.replace(r, status="harness_error") for r in rollouts]
+    p = copy.deepcopy(policy)
+    metrics = train_step(p, adamw(p), failed, None, StepConfig())
+    assert metrics["stepped"] == 0.0 and metrics["loss"] == 0.0 and metrics["dropped_status"] == len(rollouts)
+    for a, b in zip(p.parameters(), policy.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_bad_config_and_inputs_raise(policy, rollouts):
+    with pytest.raises(ValueError, match="algorithm"):
+        StepConfig(algorithm="dpo")
+    with pytest.raises(ValueError, match="max_tokens"):
+        StepConfig(max_tokens=0)
+    with pytest.raises(ValueError, match="keep_statuses"):
+        StepConfig(keep_statuses=("done",))
+    with pytest.raises(ValueError, match="is_cap|cap"):
+        StepConfig(is_cap=0.0)
+    with pytest.raises(ValueError, match="value head"):
+        train_step(policy, adamw(policy), rollouts, None, StepConfig(algorithm="ppo"))
+    with pytest.raises(ValueError, match="ref_policy"):
+        train_step(policy, adamw(policy), rollouts, None, StepConfig(kl_coef=0.1))
+    with pytest.raises(ValueError, match="group keys"):
+        prepare_step(rollouts, ["a"], StepConfig())
+
+
+
+def test_overlong_and_overbranching_rollouts_are_dropped_and_counted(rollouts):
+    depth = [max(lf.depth for lf in build_tree(r.calls).leaves if lf.status == "kept") for r in rollouts]
+    cut = sorted(depth)[len(depth) // 2]
+    data = prepare_step(rollouts, None, StepConfig(max_tokens=cut))
+    assert data.counts["dropped_too_long"] == sum(d > cut for d in depth) > 0
+    trained = {int(g) for b in data.batches for g in b.target_rollout}
+    assert trained == {g for g, d in enumerate(depth) if d <= cut}
+    assert prepare_step(rollouts, None, StepConfig(max_tokens=16)).denominator == 0
+    leaves = [len(build_tree(r.calls).kept_leaves) for r in rollouts]
+    data = prepare_step(rollouts, None, StepConfig(max_kept_leaves=min(leaves)))
+    assert data.counts["dropped_branching"] == sum(n > min(leaves) for n in leaves)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), k=st.integers(1, 4), n_calls=st.integers(1, 8), slack=st.integers(0, 8))
+def test_kept_forest_locates_every_target_once(seed, k, n_calls, slack):
+    rng = np.random.default_rng(seed)
+    trees = [build_tree(c, max_kept_leaves=3) for c in random_group(rng, k, n_calls, vocab_size=3, max_len=24)]
+    forest = KeptForest.build(trees)
+    longest = max((lf.depth for t in trees if not t.dropped for lf in t.leaves if lf.status == "kept"), default=1)
+    rows = np.concatenate([forest.locate(b) for b in pack(trees, longest + slack)] + [np.zeros(0, np.int64)])
+    assert sorted(rows.tolist()) == np.flatnonzero(forest.trainable).tolist()
+    want = sum(int(trainable_mask_ref(t).sum()) for t in trees if not t.dropped)
+    assert forest.trainable.sum() == want
+    assert np.all(forest.parent < np.arange(forest.num_rows))
+
+
+@pytest.mark.parametrize("mode", ["path", "tree"])
+def test_ppo_advantages_match_reference_gae(mode):
+    # tree GAE on the unmerged kept forest == the kernels' plain per-path / per-node loops
+    rng = np.random.default_rng(5)
+    trees = [build_tree(c) for c in random_group(rng, 3, 8, vocab_size=3, max_len=24)]
+    forest = KeptForest.build(trees)
+    values = torch.as_tensor(rng.normal(size=forest.num_rows))
+    rewards = rng.normal(size=len(trees))
+    adv, ret = ppo_advantages(forest, values, rewards, gamma=0.9, lam=0.8, mode=mode)
+    row_r = torch.as_tensor(np.where(forest.reward_row, rewards[forest.rollout], 0.0))
+    want_adv, want_ret = tree_gae_ref(row_r, values, torch.as_tensor(forest.parent),
+                                      mask=torch.as_tensor(forest.trainable, dtype=torch.float64), gamma=0.9,
+                                      lam=0.8, mode=mode)
+    torch.testing.assert_close(adv, want_adv, atol=1e-9, rtol=1e-9)
+    torch.testing.assert_close(ret, want_ret, atol=1e-9, rtol=1e-9)
+    assert forest.reward_row.sum() >= len(trees) - 1
+
+
+def test_ppo_step_trains_the_value_head():
+    p = tiny_policy(3, value_head=True)
+    rs = harness_rollouts(p, seed=6)
+    before = p.value_head.weight.detach().clone()
+    cfg = StepConfig(algorithm="ppo", max_tokens=longest_kept(rs) + 40, gae_mode="tree")
+    metrics = train_step(p, adamw(p), rs, None, cfg)
+    assert metrics["value_loss"] > 0 and np.isfinite(metrics["advantage_mean"])
+    assert not torch.equal(before, p.value_head.weight)
+
+
+def test_explicit_group_keys_override_group_by(policy, rollouts):
+    keys = ["x"] * len(rollouts)  # one group over everything
+    data = prepare_step(rollouts, keys, StepConfig())
+    rewards = np.array([r.reward for r in rollouts])
+    want = (rewards - rewards.mean()) / (rewards.std(ddof=1) + 1e-6)
+    for b, a in zip(data.batches, data.advantages):
+        np.testing.assert_allclose(a, want[b.target_rollout], rtol=1e-9)
+    assert isinstance(rollouts[0], RolloutResult)
+
+
+def test_policy_from_pretrained_directory_runs_packed_batches(tmp_path, policy, rollouts):
+    policy.lm.save_pretrained(tmp_path)
+    loaded = Policy.from_pretrained(tmp_path, value_head=True)
+    batch = prepare_step(rollouts, None, StepConfig(max_tokens=4096)).batches[0]
+    with torch.no_grad():
+        want, got = policy.run(batch), loaded.run(batch)
+    torch.testing.assert_close(got.logprobs, want.logprobs, atol=1e-6, rtol=0)
+    torch.testing.assert_close(got.entropy, want.entropy, atol=1e-6, rtol=0)
+    assert want.values is None and got.values.shape == (len(batch.input_ids),) and not got.values.any()
+    with pytest.raises(ValueError, match="config.json"):
+        Policy.from_pretrained(tmp_path / "missing")
+
+
+def test_single_chain_takes_the_causal_path_with_the_same_result(policy):
+    # kv_end all N-1 is plain causal attention; appending a separate root forces the dense tree mask
+    ids = torch.randint(0, 64, (37,))
+    chain = policy.hidden_states(ids, torch.arange(37), torch.full((37,), 36))
+    pos = torch.cat([torch.arange(37), torch.zeros(1, dtype=torch.long)])
+    kv_end = torch.cat([torch.full((37,), 36), torch.tensor([37])])
+    forest = policy.hidden_states(torch.cat([ids, ids[:1]]), pos, kv_end)
+    torch.testing.assert_close(chain, forest[:37], atol=1e-5, rtol=0)
+    torch.testing.assert_close(forest[37], chain[0], atol=1e-5, rtol=0)

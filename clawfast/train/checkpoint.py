@@ -1,0 +1,226 @@
+"""Checkpoints of a training run, written atomically, and exact resume.
+
+Layout (``<run_dir>/checkpoints/``)::
+
+    step-000005/
+        model/            the policy LM as a Hugging Face directory (safetensors + config + the
+                          tokenizer files of the source model): `clawfast eval`, the engines and
+                          `transformers` load it directly
+        value_head.safetensors   PPO only
+        trainer.pt        optimizer state and torch RNG state (loaded with weights_only=True)
+        state.json        step, data position, weight version, Python and NumPy RNG states
+        COMPLETE          written last; a directory without it is never loaded
+    LATEST                the name of the newest complete checkpoint
+
+A checkpoint is built in ``.tmp-step-N`` (every file fsynced), renamed into place, and only then is
+``LATEST`` replaced (temp file + rename), so a SIGKILL at any instant leaves either the previous
+checkpoint or the new one as LATEST, never a half-written one.
+
+Guaranteed: `load_checkpoint` restores the policy parameters and optimizer state bit for bit, the
+step and data position, the weight version, and the RNG states of `random`, NumPy's global
+generator and torch's CPU generator (tests/train/test_resume.py kills a run with SIGKILL and checks
+that the resumed run's checkpoints equal an uninterrupted run's). Not guaranteed: CUDA RNG states
+(not saved: the trainer's randomness is on the CPU), or determinism of rollouts that real harnesses
+produce (timing-dependent: a resumed run continues at the same data position with the same
+seeds, but a harness may not repeat itself).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+CHECKPOINTS = "checkpoints"
+LATEST = "LATEST"
+COMPLETE = "COMPLETE"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                    "vocab.json", "merges.txt", "added_tokens.json")
+
+
+@dataclass
+class TrainState:
+    """step: optimizer steps done. data_position: training tasks consumed by the sampler (the next
+    step starts there). weight_version: the version the engine serves. extra: small JSON facts."""
+
+    step: int = 0
+    data_position: int = 0
+    weight_version: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+def _fsync_tree(path: Path) -> None:
+    for p in sorted(path.rglob("*")):
+        if p.is_file():
+            with open(p, "rb") as fh:
+                os.fsync(fh.fileno())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def rng_state() -> dict[str, Any]:
+    """The Python and NumPy global RNG states as JSON-able values (torch's goes in trainer.pt)."""
+    version, internal, gauss = random.getstate()
+    np_state = np.random.get_state(legacy=False)  # MT19937: {"key": uint32[624], "pos": int}
+    return {
+        "python": [version, list(internal), gauss],
+        "numpy": {**np_state, "state": {"key": np_state["state"]["key"].tolist(), "pos": int(np_state["state"]["pos"])}},
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    np_state = dict(state["numpy"])
+    np_state["state"] = {"key": np.asarray(np_state["state"]["key"], dtype=np.uint32), "pos": np_state["state"]["pos"]}
+    np.random.set_state(np_state)
+
+
+def copy_tokenizer(source: Path, dest: Path) -> None:
+    """Copy the tokenizer files of a model directory (those that exist) into `dest`."""
+    for name in _TOKENIZER_FILES:
+        if (source / name).is_file():
+            shutil.copy2(source / name, dest / name)
+
+
+def save_checkpoint(run_dir: str | Path, policy, optimizer: torch.optim.Optimizer, state: TrainState, *,
+                    tokenizer_dir: str | Path | None = None, keep: int | None = None) -> Path:
+    """Write the checkpoint of `state.step` (see the module docstring); returns its directory.
+
+    policy: a `clawfast.train.policy.Policy` (its `lm` is saved as a HF directory). tokenizer_dir:
+    where the tokenizer files are copied from. keep: delete older complete checkpoints beyond this
+    many (None: keep all)."""
+    from safetensors.torch import save_file
+
+    root = Path(run_dir) / CHECKPOINTS
+    root.mkdir(parents=True, exist_ok=True)
+    name = checkpoint_name(state.step)
+    final = root / name
+    tmp = root / f".tmp-{name}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    policy.lm.save_pretrained(tmp / "model", safe_serialization=True)
+    if tokenizer_dir is not None:
+        copy_tokenizer(Path(tokenizer_dir), tmp / "model")
+    if getattr(policy, "value_head", None) is not None:
+        save_file({k: v.detach().contiguous().cpu() for k, v in policy.value_head.state_dict().items()},
+                  str(tmp / "value_head.safetensors"))
+    torch.save({"optimizer": optimizer.state_dict(), "torch_rng": torch.get_rng_state()}, tmp / "trainer.pt")
+    (tmp / "state.json").write_text(json.dumps({**asdict(state), "rng": rng_state()}) + "\n")
+    (tmp / COMPLETE).write_text(name + "\n")
+    _fsync_tree(tmp)
+    if final.exists():  # a re-run of the same step after a crash between rename and LATEST
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _write_text_atomic(root / LATEST, name + "\n")
+    if keep is not None:
+        _prune(root, keep)
+    return final
+
+
+def _prune(root: Path, keep: int) -> None:
+    complete = list_checkpoints(root.parent)
+    for old in complete[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def list_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Complete checkpoint directories of a run, oldest first."""
+    root = Path(run_dir) / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.glob("step-*") if (p / COMPLETE).is_file())
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The checkpoint LATEST names (falling back to the newest complete one), or None."""
+    root = Path(run_dir) / CHECKPOINTS
+    pointer = root / LATEST
+    if pointer.is_file():
+        candidate = root / pointer.read_text().strip()
+        if (candidate / COMPLETE).is_file():
+            return candidate
+    complete = list_checkpoints(run_dir)
+    return complete[-1] if complete else None
+
+
+def read_state(checkpoint: str | Path) -> TrainState:
+    raw = json.loads((Path(checkpoint) / "state.json").read_text())
+    raw.pop("rng", None)
+    return TrainState(**raw)
+
+
+def load_checkpoint(checkpoint: str | Path, policy, optimizer: torch.optim.Optimizer | None = None, *,
+                    restore_rng: bool = True) -> TrainState:
+    """Load a checkpoint into `policy` (and `optimizer`), restore the RNG states, return its state.
+
+    Raises ValueError for a directory that is not a complete checkpoint."""
+    from safetensors.torch import load_file
+
+    checkpoint = Path(checkpoint)
+    if not (checkpoint / COMPLETE).is_file():
+        raise ValueError(f"{checkpoint} is not a complete checkpoint (no {COMPLETE} marker)")
+    weights = load_model_weights(checkpoint / "model")
+    missing, unexpected = policy.lm.load_state_dict(weights, strict=False)
+    # Tied weights (the LM head sharing the embedding) are saved once; anything else missing is an error.
+    tied = set(getattr(policy.lm, "_tied_weights_keys", None) or ())
+    missing = [k for k in missing if k not in tied and not _is_tied_copy(policy.lm, k)]
+    if missing or unexpected:
+        raise ValueError(f"{checkpoint}: weights do not match the policy (missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]})")
+    if getattr(policy, "value_head", None) is not None:
+        policy.value_head.load_state_dict(load_file(str(checkpoint / "value_head.safetensors")))
+    trainer = torch.load(checkpoint / "trainer.pt", weights_only=True)
+    if optimizer is not None:
+        optimizer.load_state_dict(trainer["optimizer"])
+    raw = json.loads((checkpoint / "state.json").read_text())
+    if restore_rng:
+        torch.set_rng_state(trainer["torch_rng"])
+        set_rng_state(raw["rng"])
+    raw.pop("rng")
+    return TrainState(**raw)
+
+
+def _is_tied_copy(lm: torch.nn.Module, key: str) -> bool:
+    """True if parameter `key` is the same tensor as another parameter (a tied LM head)."""
+    params = dict(lm.named_parameters(remove_duplicate=False))
+    target = params.get(key)
+    return target is not None and any(v is target and k != key for k, v in params.items())
+
+
+def load_model_weights(model_dir: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a HF safetensors model directory (one file or an index of shards)."""
+    from safetensors.torch import load_file
+
+    model_dir = Path(model_dir)
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{model_dir}: no safetensors weights")
+    weights: dict[str, torch.Tensor] = {}
+    for f in files:
+        weights.update(load_file(str(f)))
+    return weights

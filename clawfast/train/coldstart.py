@@ -1,0 +1,178 @@
+"""Cold start: supervised warm-up on demonstrations captured through the real harness.
+
+1. **Demonstrations.** The training-split tasks of the built-in suite, for each seed in
+   ``coldstart.suite_seeds`` (the generator draws new files, words and numbers per seed; task ids and
+   templates stay), minus any task whose instruction equals an instruction of the held-out eval
+   split. Eval-split ids are never demonstrated.
+2. **Capture.** Each demonstration runs through the real harness in a real sandbox behind the real
+   proxy, whose engine is the scripted one playing the task's oracle as that harness's own tool
+   calls (`clawfast.harness.check.OracleResponder`, built on the adapter's `scripted_turns`). The
+   proxy records every call token for token, exactly as in RL; only rollouts the verifier scored
+   1.0 are kept.
+3. **SFT.** The captured calls become prefix trees, are packed (`clawfast.pack`: shared prompts
+   once) and the policy is trained on exactly those tokens: the mean negative log-likelihood of
+   every trainable (model-generated) target of the packed trees, under the tree mask
+   (`Policy.run`), AdamW, one update per ``batch_rollouts`` demonstrations, ``epochs`` passes.
+
+What is scripted is only the choice of each output (the oracle); tokenizer, chat template, protocol,
+harness, sandbox and verifier are the real ones, so the tokens trained on are the tokens the policy
+will have to produce through that harness. Not guaranteed: that the policy generalises from the
+training templates to held-out tasks (measure it: `clawfast eval`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from clawfast.records import RolloutResult
+from clawfast.train.config import RunConfig
+
+
+def demonstration_tasks(config: RunConfig) -> list:
+    """The tasks to demonstrate (see the module docstring), in a deterministic order."""
+    from clawfast.tasks import clawbench_mini, load_suite
+
+    cs = config.coldstart
+    if config.tasks.suite == "clawbench-mini":
+        held_out = {t.instruction for t in clawbench_mini(config.tasks.suite_seed) if t.split == config.eval.split}
+        pools = [[t for t in clawbench_mini(seed) if t.split == config.tasks.split] for seed in cs.suite_seeds]
+    else:  # a task directory has no generator seed: its training split, once
+        held_out = {t.instruction for t in load_suite(config.tasks.suite, config.eval.split)}
+        pools = [load_suite(config.tasks.suite, config.tasks.split)]
+    seen: set[str] = set()
+    out = []
+    for pool in pools:
+        for task in pool:
+            if cs.difficulties and task.tags.get("difficulty") not in cs.difficulties:
+                continue
+            if task.instruction in held_out or task.instruction in seen or not task.oracle:
+                continue
+            seen.add(task.instruction)
+            out.append(task)
+    return out
+
+
+def capture_demonstrations(config: RunConfig, model_dir: Path, tasks: list, records_dir: Path,
+                           harness_name: str) -> list[RolloutResult]:
+    """Run every task once through `harness_name` with its oracle scripted; returns every rollout."""
+    from transformers import AutoTokenizer
+
+    from clawfast.engines.scripted import ScriptedEngine
+    from clawfast.harness.check import FINAL_TEXT, OracleResponder
+    from clawfast.proxy.core import ProxyConfig, ProxyCore
+    from clawfast.proxy.render import ChatRenderer
+    from clawfast.proxy.rollouts import RolloutRegistry
+    from clawfast.proxy.server import ProxyApp, ProxyServer
+    from clawfast.rollout import RolloutConfig, RolloutScheduler, RolloutSpec, RolloutWorker
+    from clawfast.sandbox import create_backend
+    from clawfast.tasks.sandbox_runner import SandboxRunner
+
+    from clawfast.train.loop import make_harness
+
+    rc = config.rollout
+    longest = max(len(t.oracle) for t in tasks)
+    steps = max(rc.harness_max_steps, longest + 2)
+    harness = make_harness(harness_name, config.model_copy(update={"rollout": rc.model_copy(update={"harness_max_steps": steps})}))
+    harness.installation
+    renderer = ChatRenderer(AutoTokenizer.from_pretrained(model_dir))
+    engine = ScriptedEngine(renderer.encode, renderer.turn_end_id,
+                            responder=OracleResponder(renderer, harness, tasks, FINAL_TEXT), seed=config.seed)
+    registry = RolloutRegistry(records_dir)
+    app = ProxyApp(ProxyCore(engine, renderer, ProxyConfig(max_tokens_cap=config.engine.max_tokens)), registry,
+                   model_name="policy")
+    backend = create_backend(rc.sandbox, **({"allow_unsafe": True} if rc.sandbox == "local" else {}))
+    try:
+        with ProxyServer(app):
+            runner = SandboxRunner(create_backend(rc.sandbox)) if rc.sandbox != "local" else None
+            try:
+                worker = RolloutWorker(registry, backend, {harness_name: harness},
+                                       config=RolloutConfig(model="policy", timeout_s=rc.timeout_s),
+                                       verifier_runner=runner)
+                scheduler = RolloutScheduler(worker, concurrency=config.coldstart.concurrency)
+                return asyncio.run(scheduler.run([RolloutSpec(t, harness_name, 0) for t in tasks]))
+            finally:
+                if runner is not None:
+                    runner.close()
+    finally:
+        backend.close()
+
+
+def sft_epoch(policy, optimizer: torch.optim.Optimizer, demos: list[RolloutResult], *, max_tokens: int,
+              batch_rollouts: int, rng: np.random.Generator, max_grad_norm: float | None = 1.0) -> dict[str, float]:
+    """One pass of masked NLL over the demonstrations' generated tokens; returns mean loss and counts.
+
+    Each update: the trees of `batch_rollouts` demonstrations, packed into micro-batches of at most
+    `max_tokens` rows; loss = sum over every trainable target of -log p / number of targets
+    (gradients accumulate over the micro-batches, one optimizer step per update)."""
+    from clawfast.pack import pack
+    from clawfast.tree import build_tree
+
+    order = rng.permutation(len(demos))
+    losses, targets, tokens = [], 0, 0
+    policy.train()
+    for start in range(0, len(order), batch_rollouts):
+        chunk = [demos[i] for i in order[start:start + batch_rollouts]]
+        trees = [build_tree(r.calls) for r in chunk]
+        batches = pack(trees, max_tokens)
+        total = float(sum(b.loss_mask.sum() for b in batches))
+        if total == 0:
+            continue
+        optimizer.zero_grad(set_to_none=True)
+        step_loss = 0.0
+        for b in batches:
+            out = policy.run(b)
+            mask = torch.as_tensor(b.loss_mask * b.weight, dtype=out.logprobs.dtype, device=out.logprobs.device)
+            loss = -(out.logprobs * mask).sum() / total
+            loss.backward()
+            step_loss += float(loss.detach())
+            tokens += int(b.num_tokens)
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(policy.parameters(), max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(step_loss)
+        targets += int(total)
+    return {"nll": float(np.mean(losses)) if losses else float("nan"), "targets": float(targets),
+            "tokens_packed": float(tokens), "updates": float(len(losses))}
+
+
+def run_coldstart(config: RunConfig, policy, model_dir: Path, run_dir: Path, *, logger=None, view=None) -> dict[str, Any]:
+    """Capture demonstrations through every configured harness, then SFT `policy` on them (in place)."""
+    cs = config.coldstart
+    tasks = demonstration_tasks(config)
+    if not tasks:
+        raise ValueError("coldstart: no demonstration tasks (check coldstart.suite_seeds and difficulties)")
+    t0 = time.monotonic()
+    demos: list[RolloutResult] = []
+    captured = 0
+    for name in config.rollout.harnesses:
+        results = capture_demonstrations(config, model_dir, tasks, Path(run_dir) / "coldstart-records", name)
+        captured += len(results)
+        demos += [r for r in results if r.status == "ok" and r.reward >= 1.0 and r.calls]
+    t_capture = time.monotonic() - t0
+    if not demos:
+        raise RuntimeError(f"coldstart: none of the {captured} demonstrations solved its task; "
+                           f"run `clawfast harness check {config.rollout.harnesses[0]}` to see why")
+    summary: dict[str, Any] = {"tasks": len(tasks), "captured": captured, "kept": len(demos),
+                               "time_capture_s": t_capture}
+    if view is not None:
+        view.set_phase(f"cold start: {len(demos)}/{captured} demonstrations solved their task; SFT")
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=cs.lr, weight_decay=0.0)
+    rng = np.random.default_rng([config.seed, 17])
+    t1 = time.monotonic()
+    for epoch in range(cs.epochs):
+        m = sft_epoch(policy, optimizer, demos, max_tokens=cs.max_tokens, batch_rollouts=cs.batch_rollouts, rng=rng)
+        m["time_s"] = time.monotonic() - t1
+        if logger is not None:
+            logger.log("coldstart", 0, {"epoch": epoch + 1, **m, **({"demos": float(len(demos))} if epoch == 0 else {})})
+        if view is not None:
+            view.set_phase(f"cold start: epoch {epoch + 1}/{cs.epochs} nll {m['nll']:.3f}")
+        summary[f"nll_epoch_{epoch + 1}"] = m["nll"]
+    summary["time_sft_s"] = time.monotonic() - t1
+    return summary

@@ -1,0 +1,394 @@
+"""The training run's configuration: typed sections loaded from TOML and validated on load.
+
+    config = load_config("examples/quickstart.toml")        # -> RunConfig
+    config = load_config(path, overrides=["steps=3", "rollout.concurrency=2"])
+
+Every section is a pydantic model with ``extra="forbid"``: a misspelt key is an error, never a silent
+default. Any problem raises `ConfigError` (a `ValueError`) naming the file and the field, e.g.
+``quickstart.toml: field 'optim.lr': Input should be greater than 0``.
+
+Relative input paths in the file (``model.path``, ``tasks.suite`` when it is a directory,
+``rollout.recorded_dir``) are resolved against the directory of the TOML file, so a config reads the
+same inputs from any working directory; ``run_dir`` (an output) is relative to the working directory.
+
+Guaranteed: a `RunConfig` that loaded is internally consistent (the cross-field checks at the end of
+`RunConfig`), and `RunConfig.step_config()` builds the trainer's `StepConfig` without error. Not
+guaranteed: that the model, harnesses or sandbox backend exist on this machine (checked when the run
+starts, where the error can say how to install them).
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from clawfast.records import STATUSES
+
+HARNESS_NAMES = ("claude-code", "openclaw", "codex", "mini-swe-agent")
+
+
+class ConfigError(ValueError):
+    """A configuration file is malformed; the message names the file and the field."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+class ModelConfig(_Section):
+    """path: a Hugging Face model directory (weights + tokenizer), or "embedded" for the tiny Qwen3
+    built locally by `clawfast.embedded.ensure_embedded_model`. dtype: training and serving dtype."""
+
+    path: str = "embedded"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+
+class EngineConfig(_Section):
+    """kind: "torch" (in-process Hugging Face engine, weights pushed after every step), "vllm"
+    (vLLM in a child process, weights pushed by collective RPC) or "remote" (a server at `url`;
+    it cannot take weight pushes, so `remote` needs `sync_weights = false`: rollouts then come from
+    fixed weights, which is off-policy and only sensible for evaluation or offline data).
+    temperature / top_p: sampling for training rollouts (overrides what the harness asks for).
+    max_tokens: cap on one call's output. max_batch: torch engine batch size. max_model_len:
+    prompt + output limit (None: unchecked)."""
+
+    kind: Literal["torch", "vllm", "remote"] = "torch"
+    url: str | None = None
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_tokens: int = Field(256, ge=1)
+    max_batch: int = Field(8, ge=1)
+    max_model_len: int | None = Field(None, ge=16)
+    sync_weights: bool = True
+
+    @model_validator(mode="after")
+    def _remote(self) -> "EngineConfig":
+        if self.kind == "remote":
+            if not self.url:
+                raise ValueError("kind = 'remote' needs url")
+            if self.sync_weights:
+                raise ValueError("kind = 'remote' cannot take weight pushes: set sync_weights = false")
+        elif self.url is not None:
+            raise ValueError(f"url is only used with kind = 'remote', not {self.kind!r}")
+        return self
+
+
+class TasksConfig(_Section):
+    """suite: "clawbench-mini" or a task directory. split: the training split. suite_seed: the
+    generator seed of a built-in suite. difficulties: train only on tasks with these
+    ``difficulty`` tags (empty: all). The eval split is `EvalConfig.split`."""
+
+    suite: str = "clawbench-mini"
+    split: Literal["train", "eval"] = "train"
+    suite_seed: int = 0
+    difficulties: tuple[str, ...] = ()
+
+
+class RolloutSection(_Section):
+    """source: "harness" (real harnesses in sandboxes behind the proxy) or "recorded" (rollouts
+    read from `recorded_dir`, a directory of .cfr files, picked by task id: offline RL and fast
+    tests of the loop). harnesses: adapters by name; several mean a mixed-harness run (GRPO groups
+    by task x harness unless `algorithm.group_by` says otherwise). tasks_per_step x
+    samples_per_task x len(harnesses) rollouts per step. concurrency: rollouts in flight.
+    sandbox: "bwrap", "docker" or "local" (no isolation). timeout_s: harness wall clock.
+    harness_max_steps: the harness's own turn limit. mini_instance_template: mini-swe-agent only: its
+    ``agent.instance_template`` (the first user message, Jinja, must hold ``{{task}}``), set through
+    the harness's own ``-c`` config layers; None keeps the harness default (~1,300 tokens of
+    workflow advice, which dominates the compute of a tiny model on CPU)."""
+
+    source: Literal["harness", "recorded"] = "harness"
+    recorded_dir: str | None = None
+    harnesses: tuple[str, ...] = ("mini-swe-agent",)
+    tasks_per_step: int = Field(8, ge=1)
+    samples_per_task: int = Field(4, ge=1)
+    concurrency: int = Field(4, ge=1)
+    sandbox: Literal["bwrap", "docker", "local"] = "bwrap"
+    timeout_s: float = Field(120.0, gt=0)
+    harness_max_steps: int = Field(4, ge=1)
+    mini_instance_template: str | None = None
+    keep_logs: bool = False
+
+    @field_validator("harnesses")
+    @classmethod
+    def _harnesses(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if not value:
+            raise ValueError("at least one harness is needed")
+        unknown = [h for h in value if h not in HARNESS_NAMES]
+        if unknown:
+            raise ValueError(f"unknown harness(es) {unknown}; known: {list(HARNESS_NAMES)}")
+        if len(set(value)) != len(value):
+            raise ValueError(f"harnesses repeat: {list(value)}")
+        return value
+
+    @model_validator(mode="after")
+    def _recorded(self) -> "RolloutSection":
+        if (self.source == "recorded") != (self.recorded_dir is not None):
+            raise ValueError("recorded_dir is required with source = 'recorded' and only then")
+        if self.mini_instance_template is not None:
+            if "mini-swe-agent" not in self.harnesses:
+                raise ValueError("mini_instance_template needs 'mini-swe-agent' among the harnesses")
+            if "{{task}}" not in self.mini_instance_template.replace(" ", ""):
+                raise ValueError("mini_instance_template must contain {{task}}")
+        return self
+
+
+class AlgorithmConfig(_Section):
+    """The trainer's `StepConfig` fields (see clawfast.train.step for each); `name` is its
+    `algorithm`. group_by "auto": by task, or by task x harness when several harnesses run."""
+
+    name: Literal["grpo", "ppo"] = "grpo"
+    group_by: Literal["auto", "task", "task_harness"] = "auto"
+    normalize_std: bool = True
+    aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    gae_mode: Literal["path", "tree"] = "path"
+    gamma: float = Field(1.0, ge=0, le=1)
+    lam: float = Field(1.0, ge=0, le=1)
+    value_coef: float = Field(0.5, ge=0)
+    value_clip: float | None = Field(0.2, gt=0)
+    kl_coef: float = Field(0.0, ge=0)
+    entropy_coef: float = Field(0.0, ge=0)
+    is_mode: Literal["truncate", "mask", "off"] = "truncate"
+    is_cap: float = Field(2.0, gt=0)
+    is_lo: float = Field(0.5, ge=0)
+    is_hi: float = Field(2.0, gt=0)
+    clip_low: float = Field(0.2, ge=0, lt=1)
+    clip_high: float | None = Field(None, ge=0)
+    dual_clip: float | None = Field(None, gt=1)
+    max_kept_leaves: int | None = Field(None, ge=1)
+    drop_dead: bool = True
+    keep_statuses: tuple[str, ...] = ("ok",)
+    max_staleness: int | None = Field(None, ge=0)
+
+    @field_validator("keep_statuses")
+    @classmethod
+    def _statuses(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        bad = [s for s in value if s not in STATUSES]
+        if bad or not value:
+            raise ValueError(f"must be a non-empty list of {list(STATUSES)}, got {list(value)}")
+        return value
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "AlgorithmConfig":
+        if self.is_mode == "mask" and not self.is_lo < self.is_hi:
+            raise ValueError(f"is_lo ({self.is_lo}) must be below is_hi ({self.is_hi})")
+        return self
+
+
+class OptimConfig(_Section):
+    """AdamW. max_tokens: rows per packed micro-batch; the step accumulates gradients over every
+    micro-batch of its rollouts and normalises once (exact, whatever the micro-batching), so this is
+    the gradient-accumulation knob. updates_per_step: split the step's GRPO groups into this many
+    mini-batches, one optimizer update each (1: one update per step, fully on-policy)."""
+
+    lr: float = Field(1e-5, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0)
+    max_grad_norm: float | None = Field(1.0, gt=0)
+    max_tokens: int = Field(4096, ge=16)
+    updates_per_step: int = Field(1, ge=1)
+
+    @field_validator("betas")
+    @classmethod
+    def _betas(cls, value: tuple[float, float]) -> tuple[float, float]:
+        if not all(0 <= b < 1 for b in value):
+            raise ValueError(f"each beta must lie in [0, 1), got {list(value)}")
+        return value
+
+
+class ColdStartConfig(_Section):
+    """Supervised warm-up on demonstrations captured through the real harness (clawfast.train.coldstart).
+
+    suite_seeds: generator seeds of the built-in suite whose *training-split* oracles are replayed
+    (the eval-split ids are never used, and a demonstration whose instruction equals an eval task's
+    instruction is dropped). epochs / lr / max_tokens: the SFT. difficulties: demonstrate only these
+    (empty: all)."""
+
+    enabled: bool = False
+    suite_seeds: tuple[int, ...] = (0,)
+    difficulties: tuple[str, ...] = ()
+    epochs: int = Field(3, ge=1)
+    lr: float = Field(1e-3, gt=0)
+    max_tokens: int = Field(8192, ge=16)
+    batch_rollouts: int = Field(16, ge=1)
+    concurrency: int = Field(4, ge=1)
+
+
+class EvalConfig(_Section):
+    """split: evaluated split. samples_per_task: attempts per task (pass@1 is their mean).
+    temperature: 0 is greedy. before / after: evaluate before training and after the last step.
+    after_coldstart: also between the cold start and RL. interval: also every N steps (0: never)."""
+
+    split: Literal["train", "eval"] = "eval"
+    samples_per_task: int = Field(1, ge=1)
+    temperature: float = Field(0.0, ge=0)
+    before: bool = True
+    after_coldstart: bool = True
+    after: bool = True
+    interval: int = Field(0, ge=0)
+
+
+class CheckpointConfig(_Section):
+    """interval: save every N steps (the last step is always saved). keep: newest checkpoints kept."""
+
+    interval: int = Field(5, ge=1)
+    keep: int = Field(2, ge=1)
+
+
+class DistributedConfig(_Section):
+    """rollouts: "local" (asyncio in this process) or "ray" (`ray_address`). fsdp: shard the policy
+    with torch.distributed FSDP2 (launch with torchrun)."""
+
+    rollouts: Literal["local", "ray"] = "local"
+    ray_address: str | None = None
+    fsdp: bool = False
+
+
+class RunConfig(_Section):
+    """The whole run. steps: optimizer steps of RL. seed: seeds the data order, sampling and torch."""
+
+    run_dir: str = "runs/run"
+    seed: int = 0
+    steps: int = Field(10, ge=0)
+    model: ModelConfig = ModelConfig()
+    engine: EngineConfig = EngineConfig()
+    tasks: TasksConfig = TasksConfig()
+    rollout: RolloutSection = RolloutSection()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    optim: OptimConfig = OptimConfig()
+    coldstart: ColdStartConfig = ColdStartConfig()
+    eval: EvalConfig = EvalConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    distributed: DistributedConfig = DistributedConfig()
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "RunConfig":
+        if self.algorithm.name == "grpo" and self.rollout.samples_per_task < 2 and self.rollout.source == "harness":
+            raise ValueError("GRPO needs rollout.samples_per_task >= 2 (a group of one has no advantage)")
+        if self.distributed.rollouts == "ray" and not self.distributed.ray_address:
+            raise ValueError("distributed.rollouts = 'ray' needs distributed.ray_address")
+        if self.rollout.source == "recorded" and self.coldstart.enabled:
+            raise ValueError("coldstart needs rollout.source = 'harness' (demonstrations run through a harness)")
+        return self
+
+    @property
+    def group_by(self) -> str:
+        if self.algorithm.group_by != "auto":
+            return self.algorithm.group_by
+        return "task_harness" if len(self.rollout.harnesses) > 1 else "task"
+
+    def step_config(self):
+        """The trainer's `StepConfig` for this run."""
+        from clawfast.train.step import StepConfig
+
+        a, o = self.algorithm, self.optim
+        return StepConfig(
+            algorithm=a.name, max_tokens=o.max_tokens, aggregation=a.aggregation,
+            max_kept_leaves=a.max_kept_leaves, drop_dead=a.drop_dead, keep_statuses=tuple(a.keep_statuses),
+            max_staleness=a.max_staleness, group_by=self.group_by, normalize_std=a.normalize_std,
+            is_mode=a.is_mode, is_cap=a.is_cap, is_lo=a.is_lo, is_hi=a.is_hi, clip_low=a.clip_low,
+            clip_high=a.clip_high, dual_clip=a.dual_clip, entropy_coef=a.entropy_coef, kl_coef=a.kl_coef,
+            value_coef=a.value_coef, value_clip=a.value_clip, gamma=a.gamma, lam=a.lam, gae_mode=a.gae_mode,
+            max_grad_norm=o.max_grad_norm,
+        )  # fmt: skip
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading
+
+# Inputs resolve against the config file's directory; `run_dir` (an output) against the working directory.
+_PATH_FIELDS = (("model", "path"), ("tasks", "suite"), ("rollout", "recorded_dir"))
+
+
+def _resolve_paths(raw: dict[str, Any], base: Path) -> None:
+    """Make relative paths in `raw` relative to `base` (the TOML file's directory), in place.
+    "embedded" (model) and built-in suite names are names, not paths."""
+    from clawfast.tasks.suites import BUILTIN_SUITES
+
+    for keys in _PATH_FIELDS:
+        node = raw
+        for key in keys[:-1]:
+            node = node.get(key) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or not isinstance(node.get(keys[-1]), str):
+            continue
+        value = node[keys[-1]]
+        if keys == ("model", "path") and value == "embedded":
+            continue
+        if keys == ("tasks", "suite") and value in BUILTIN_SUITES:
+            continue
+        if not Path(value).expanduser().is_absolute():
+            node[keys[-1]] = str((base / Path(value).expanduser()).resolve())
+
+
+def _parse_override(item: str) -> tuple[list[str], Any]:
+    """``a.b=value``: the value is parsed as a TOML value, falling back to a bare string."""
+    if "=" not in item:
+        raise ConfigError(f"override {item!r}: expected KEY=VALUE")
+    key, text = item.split("=", 1)
+    keys = key.strip().split(".")
+    if not all(keys):
+        raise ConfigError(f"override {item!r}: empty key")
+    try:
+        value = tomllib.loads(f"v = {text.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text.strip()
+    return keys, value
+
+
+def _apply(raw: dict[str, Any], keys: list[str], value: Any) -> None:
+    node = raw
+    for key in keys[:-1]:
+        node = node.setdefault(key, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {'.'.join(keys)}: {key!r} is not a section")
+    node[keys[-1]] = value
+
+
+def _describe(exc: ValidationError, source: str) -> ConfigError:
+    lines = []
+    for err in exc.errors():
+        field = ".".join(str(p) for p in err["loc"]) or "<root>"
+        message = err["msg"]
+        if err["type"] == "extra_forbidden":
+            message = "unknown key"
+        lines.append(f"{source}: field {field!r}: {message}")
+    return ConfigError("\n".join(lines))
+
+
+def config_from_dict(raw: dict[str, Any], *, source: str = "<config>", base_dir: str | Path | None = None) -> RunConfig:
+    """Validate a parsed config (paths relative to `base_dir`, default: the working directory)."""
+    raw = _deep_copy(raw)
+    _resolve_paths(raw, Path(base_dir) if base_dir is not None else Path.cwd())
+    try:
+        return RunConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise _describe(exc, source) from None
+
+
+def load_config(path: str | Path, *, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Load, override (``section.key=value``, values in TOML syntax) and validate a TOML config."""
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    for item in overrides:
+        keys, value = _parse_override(item)
+        _apply(raw, keys, value)
+    return config_from_dict(raw, source=path.name, base_dir=path.parent)
+
+
+def _deep_copy(raw: Any) -> Any:
+    if isinstance(raw, dict):
+        return {k: _deep_copy(v) for k, v in raw.items()}
+    if isinstance(raw, list):
+        return [_deep_copy(v) for v in raw]
+    return raw

@@ -1,0 +1,67 @@
+"""A tiny model directory and recorded rollouts for fast, deterministic tests of the training loop.
+
+The rollouts are `clawfast.synthetic` harness-shaped sessions (shared system prompt, retries,
+subagent calls) over a 64-token vocabulary; the model is a 2-layer Qwen3 of that vocabulary. No
+engine, harness or sandbox is involved: the loop reads them through `RecordedRollouts`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from clawfast.records import write_rollouts
+from clawfast.synthetic import group_results, task_group
+
+VOCAB = 64
+
+
+def make_tiny_model(path: Path, seed: int = 0) -> Path:
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=2048,
+                         tie_word_embeddings=True)
+    torch.manual_seed(seed)
+    Qwen3ForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def make_recorded(path: Path, *, tasks: int = 5, k: int = 3, harnesses=("claude-code",), seed: int = 0) -> Path:
+    rng = np.random.default_rng(seed)
+    for t in range(tasks):
+        for h in harnesses:
+            group = task_group(rng, k, task_id=f"task{t}-{h}", n_calls=5, max_prompt_tokens=120, vocab_size=VOCAB,
+                               retry_frac=0.2, subagent_chains=1, subagent_calls=1)
+            rewards = [float(x) for x in rng.integers(0, 2, size=k)]
+            results = group_results(group, task_id=f"task{t}", rewards=rewards, harness=h)
+            write_rollouts(path, results)
+    return path
+
+
+def recorded_config_text(model_dir: Path, recorded_dir: Path, run_dir: Path, *, steps: int = 6,
+                         interval: int = 2, harnesses=("claude-code",), extra: str = "") -> str:
+    return f"""
+run_dir = "{run_dir}"
+seed = 3
+steps = {steps}
+[model]
+path = "{model_dir}"
+[rollout]
+source = "recorded"
+recorded_dir = "{recorded_dir}"
+harnesses = {list(harnesses)!r}
+tasks_per_step = 2
+samples_per_task = 3
+[optim]
+lr = 1e-3
+max_tokens = 256
+[eval]
+before = false
+after = false
+[checkpoint]
+interval = {interval}
+keep = 10
+{extra}
+""".replace("'", '"')

@@ -1,0 +1,117 @@
+"""Checkpoints: exact round trip of weights, optimizer, state and RNG; atomic LATEST; pruning."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from clawfast.train.checkpoint import (
+    COMPLETE,
+    TrainState,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    read_state,
+    save_checkpoint,
+)
+from clawfast.train.policy import Policy
+
+from loop_fixtures import VOCAB, make_tiny_model
+
+
+def _policy(tmp_path, value_head=False) -> Policy:
+    model_dir = make_tiny_model(tmp_path / "model")
+    return Policy.from_pretrained(model_dir, value_head=value_head)
+
+
+def _train_a_bit(policy: Policy, optimizer: torch.optim.Optimizer, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (1, 17), generator=g)
+    for _ in range(2):
+        out = policy.lm(input_ids=ids).logits
+        loss = out.logsumexp(-1).mean() - out[0, :, 3].mean()
+        if policy.value_head is not None:
+            loss = loss + policy.value_head(out[0, :, :32].detach()).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+@pytest.mark.parametrize("value_head", [False, True])
+def test_round_trip_is_exact(tmp_path, value_head):
+    policy = _policy(tmp_path, value_head)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-2)
+    _train_a_bit(policy, optimizer, 1)
+    random.seed(11), np.random.seed(12), torch.manual_seed(13)
+    state = TrainState(step=4, data_position=8, weight_version=5, extra={"coldstart_done": True})
+    path = save_checkpoint(tmp_path / "run", policy, optimizer, state, tokenizer_dir=None)
+    expected_draws = (random.random(), np.random.rand(), torch.rand(1).item())
+
+    fresh = _policy(tmp_path / "other", value_head)  # different random init? same seed: perturb it
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.add_(1.0)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    loaded = load_checkpoint(path, fresh, fresh_opt)
+    assert loaded == state
+    for (name, a), (_, b) in zip(policy.state_dict().items(), fresh.state_dict().items()):
+        assert torch.equal(a, b), name
+    sa, sb = optimizer.state_dict(), fresh_opt.state_dict()
+    assert sa["param_groups"] == sb["param_groups"]
+    for k in sa["state"]:
+        for key in sa["state"][k]:
+            assert torch.equal(torch.as_tensor(sa["state"][k][key]), torch.as_tensor(sb["state"][k][key]))
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected_draws
+    # The two continue identically.
+    _train_a_bit(policy, optimizer, 2)
+    _train_a_bit(fresh, fresh_opt, 2)
+    for a, b in zip(policy.parameters(), fresh.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_checkpoint_model_dir_loads_with_transformers(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    policy = _policy(tmp_path)
+    path = save_checkpoint(tmp_path / "run", policy, torch.optim.AdamW(policy.parameters()), TrainState(step=1))
+    lm = AutoModelForCausalLM.from_pretrained(path / "model")
+    for (name, a), b in zip(policy.lm.state_dict().items(), lm.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_latest_pruning_and_incomplete_dirs(tmp_path):
+    policy = _policy(tmp_path)
+    opt = torch.optim.AdamW(policy.parameters())
+    run = tmp_path / "run"
+    assert latest_checkpoint(run) is None
+    for step in (2, 4, 6):
+        save_checkpoint(run, policy, opt, TrainState(step=step, data_position=2 * step), keep=2)
+    assert [p.name for p in list_checkpoints(run)] == ["step-000004", "step-000006"]
+    assert latest_checkpoint(run).name == "step-000006"
+    assert read_state(latest_checkpoint(run)).data_position == 12
+    # A torn write (no COMPLETE marker) is never picked, even if LATEST pointed at it.
+    torn = run / "checkpoints" / "step-000008"
+    torn.mkdir()
+    (run / "checkpoints" / "LATEST").write_text("step-000008\n")
+    assert latest_checkpoint(run).name == "step-000006"
+    with pytest.raises(ValueError, match="not a complete checkpoint"):
+        load_checkpoint(torn, policy)
+    assert not any(p.name.startswith(".tmp") for p in (run / "checkpoints").iterdir())
+    assert json.loads((run / "checkpoints" / "step-000006" / "state.json").read_text())["step"] == 6
+    assert (run / "checkpoints" / "step-000006" / COMPLETE).is_file()
+
+
+def test_mismatched_weights_are_refused(tmp_path):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    policy = _policy(tmp_path)
+    path = save_checkpoint(tmp_path / "run", policy, torch.optim.AdamW(policy.parameters()), TrainState(step=1))
+    other = Policy(Qwen3ForCausalLM(Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+                                                num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                                                head_dim=8)))
+    with pytest.raises(ValueError, match="do not match"):
+        load_checkpoint(path, other)

@@ -1,0 +1,103 @@
+"""Config loading: TOML -> typed sections, errors that name the file and the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from clawfast.train.config import ConfigError, RunConfig, config_from_dict, load_config
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "run.toml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in EXAMPLES.glob("*.toml")))
+def test_examples_load_and_build_a_step_config(name):
+    config = load_config(EXAMPLES / name)
+    assert isinstance(config, RunConfig)
+    step = config.step_config()
+    assert step.algorithm == config.algorithm.name
+    assert step.max_tokens == config.optim.max_tokens
+
+
+def test_defaults_and_sections(tmp_path):
+    config = load_config(write(tmp_path, 'steps = 3\n[optim]\nlr = 0.5\n[rollout]\nharnesses = ["codex", "openclaw"]\n'))
+    assert config.steps == 3 and config.optim.lr == 0.5
+    assert config.group_by == "task_harness"  # auto: several harnesses
+    assert config.step_config().group_by == "task_harness"
+    assert load_config(write(tmp_path, "")).group_by == "task"
+
+
+@pytest.mark.parametrize("text, field", [
+    ("[optim]\nlr = -1\n", "optim.lr"),
+    ("[optim]\nlr = \"fast\"\n", "optim.lr"),
+    ("[rollout]\nharnesses = [\"nope\"]\n", "rollout.harnesses"),
+    ("[rollout]\nharnesses = []\n", "rollout.harnesses"),
+    ("[rollout]\nsamples_per_task = 1\n", "<root>"),  # GRPO with groups of one
+    ("[engine]\nkind = \"sglang\"\n", "engine.kind"),
+    ("[engine]\nkind = \"remote\"\n", "engine"),
+    ("[algorithm]\nkeep_statuses = [\"fine\"]\n", "algorithm.keep_statuses"),
+    ("[algorithm]\nis_mode = \"mask\"\nis_lo = 3.0\n", "algorithm"),
+    ("[algorithm]\nclip_low = 1.5\n", "algorithm.clip_low"),
+    ("[optim]\nbetas = [0.9, 1.0]\n", "optim.betas"),
+    ("[tasks]\nsplit = \"test\"\n", "tasks.split"),
+    ("[eval]\nsamples = 3\n", "eval.samples"),
+    ("stepz = 3\n", "stepz"),
+    ("[rollout]\nsource = \"recorded\"\n", "rollout"),
+    ("[rollout]\nmini_instance_template = \"no task here\"\n", "rollout"),
+    ("[rollout]\nharnesses = [\"codex\"]\nmini_instance_template = \"{{task}}\"\n", "rollout"),
+    ("[distributed]\nrollouts = \"ray\"\n", "<root>"),
+])
+def test_bad_field_is_named(tmp_path, text, field):
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, text))
+    message = str(info.value)
+    assert "run.toml" in message
+    assert f"field {field!r}" in message
+
+
+def test_unknown_key_says_so(tmp_path):
+    with pytest.raises(ConfigError, match=r"field 'optim.learning_rate': unknown key"):
+        load_config(write(tmp_path, "[optim]\nlearning_rate = 1e-4\n"))
+
+
+def test_not_toml_and_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(write(tmp_path, "steps = = 3"))
+    with pytest.raises(ConfigError, match="no such config file"):
+        load_config(tmp_path / "absent.toml")
+
+
+def test_overrides_use_toml_values(tmp_path):
+    path = write(tmp_path, "steps = 3\n")
+    config = load_config(path, overrides=["steps=7", "rollout.harnesses=[\"codex\"]", "run_dir=out/x", "optim.lr=2e-3"])
+    assert config.steps == 7 and config.rollout.harnesses == ("codex",) and config.optim.lr == 2e-3
+    assert config.run_dir == "out/x"
+    with pytest.raises(ConfigError, match="field 'steps'"):
+        load_config(path, overrides=["steps=-2"])
+    with pytest.raises(ConfigError, match="KEY=VALUE"):
+        load_config(path, overrides=["steps"])
+
+
+def test_input_paths_resolve_against_the_config_file(tmp_path):
+    (tmp_path / "sub").mkdir()
+    path = tmp_path / "sub" / "run.toml"
+    path.write_text('[model]\npath = "models/m"\n[tasks]\nsuite = "my-tasks"\n')
+    config = load_config(path)
+    assert config.model.path == str((tmp_path / "sub" / "models" / "m").resolve())
+    assert config.tasks.suite == str((tmp_path / "sub" / "my-tasks").resolve())
+    # Names are not paths.
+    config = config_from_dict({"model": {"path": "embedded"}, "tasks": {"suite": "clawbench-mini"}})
+    assert config.model.path == "embedded" and config.tasks.suite == "clawbench-mini"
+
+
+def test_config_is_frozen():
+    config = RunConfig()
+    with pytest.raises(Exception):
+        config.steps = 4

@@ -1,0 +1,241 @@
+"""The RL loop: deterministic data order, the step on recorded rollouts, mixed harnesses, the real
+harness path (proxy + sandbox + harness) with weight versions recorded on every call."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from clawfast.train.checkpoint import list_checkpoints
+from clawfast.train.config import config_from_dict, load_config
+from clawfast.train.loop import TaskSampler, train
+from clawfast.train.metrics import read_metrics
+
+from loop_fixtures import make_recorded, make_tiny_model, recorded_config_text
+
+
+@given(n=st.integers(1, 9), seed=st.integers(0, 2**31), position=st.integers(0, 40), size=st.integers(1, 12))
+@settings(max_examples=60, deadline=None)
+def test_sampler_is_a_function_of_seed_and_position(n, seed, position, size):
+    ids = [f"t{i}" for i in range(n)]
+    sampler = TaskSampler(list(reversed(ids)), seed)
+    window = sampler.take(position, size)
+    # The same window from a fresh sampler, and as the concatenation of two smaller takes.
+    assert TaskSampler(ids, seed).take(position, size) == window
+    cut = size // 2
+    assert sampler.take(position, cut) + sampler.take(position + cut, size - cut) == window
+    # Every epoch visits every task exactly once.
+    for epoch in range(2):
+        assert Counter(sampler.take(epoch * n, n)) == Counter(ids)
+
+
+def test_sampler_refuses_no_tasks():
+    with pytest.raises(ValueError, match="no training tasks"):
+        TaskSampler([], 0)
+
+
+def _load(tmp_path: Path, **kwargs):
+    model = make_tiny_model(tmp_path / "model")
+    harnesses = kwargs.pop("harnesses", ("claude-code",))
+    recorded = make_recorded(tmp_path / "recorded", tasks=4, k=3, harnesses=harnesses)
+    path = tmp_path / "run.toml"
+    path.write_text(recorded_config_text(model, recorded, tmp_path / "run", harnesses=harnesses, **kwargs))
+    return load_config(path)
+
+
+def test_recorded_run_trains_logs_checkpoints_and_plots(tmp_path):
+    from safetensors.torch import load_file
+
+    config = _load(tmp_path, steps=3, interval=2)
+    before = load_file(str(tmp_path / "model" / "model.safetensors"))
+    summary = train(config, progress=False)
+    assert summary["steps"] == 3
+    records = [r for r in read_metrics(tmp_path / "run") if r["kind"] == "train"]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for r in records:
+        assert r["rollouts"] == 2 * 3  # tasks_per_step x samples_per_task
+        assert 0.0 <= r["pass@1/claude-code"] <= 1.0
+        assert r["stepped"] == 1.0 and np.isfinite(r["loss"]) and r["grad_norm"] > 0
+        # Shared prefixes are packed once: fewer rows than the calls' tokens.
+        assert r["tokens_packed"] < r["tokens_per_call_flat"] and r["dedup_ratio_call"] > 1
+        assert r["weight_version"] == 0  # no engine: nothing to push
+    assert [r["data_position"] for r in records] == [2, 4, 6]
+    assert [p.name for p in list_checkpoints(tmp_path / "run")] == ["step-000002", "step-000003"]
+    after = load_file(str(list_checkpoints(tmp_path / "run")[-1] / "model" / "model.safetensors"))
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    assert Path(summary["curves"]).stat().st_size > 10_000
+
+
+def test_fresh_run_refuses_a_run_dir_with_checkpoints(tmp_path):
+    config = _load(tmp_path, steps=2, interval=2)
+    train(config, progress=False)
+    with pytest.raises(ValueError, match="--resume"):
+        train(config, progress=False)
+    # Resuming a finished run does nothing more.
+    assert train(config, resume=True, progress=False)["steps"] == 2
+
+
+def test_mixed_harness_groups_by_task_and_harness(tmp_path):
+    from clawfast.train import loop
+
+    config = _load(tmp_path, steps=1, harnesses=("claude-code", "codex"))
+    assert config.group_by == "task_harness"
+    seen = {}
+    real = loop.training_step
+
+    def spy(policy, optimizer, results, cfg, state, ref_policy=None):
+        seen["harnesses"] = [r.harness for r in results]
+        return real(policy, optimizer, results, cfg, state, ref_policy)
+
+    loop.training_step = spy
+    try:
+        train(config, progress=False)
+    finally:
+        loop.training_step = real
+    (record,) = [r for r in read_metrics(tmp_path / "run") if r["kind"] == "train"]
+    assert record["rollouts"] == 2 * 2 * 3
+    assert "pass@1/claude-code" in record and "pass@1/codex" in record
+    # Mixed at random in the batch, not harness-major.
+    hs = seen["harnesses"]
+    assert sorted(hs) == sorted(["claude-code"] * 6 + ["codex"] * 6) and hs != sorted(hs)
+
+
+@pytest.mark.harness
+def test_harness_rollouts_record_the_weight_version(tmp_path):
+    """The real path (proxy, mini-swe-agent, local sandbox, verifier) with the scripted engine
+    playing the oracle: rollouts are scored, and every call records the version being served."""
+    from transformers import AutoTokenizer
+
+    from clawfast.embedded import ensure_embedded_model
+    from clawfast.engines.scripted import ScriptedEngine
+    from clawfast.harness import get_harness
+    from clawfast.harness.check import OracleResponder
+    from clawfast.proxy.render import ChatRenderer
+    from clawfast.train.loop import HarnessRollouts
+    from clawfast.tasks import clawbench_mini
+
+    config = config_from_dict({"rollout": {"sandbox": "local", "concurrency": 2, "harness_max_steps": 4},
+                               "run_dir": str(tmp_path / "run")})
+    tasks = {t.id: t for t in clawbench_mini() if t.id in ("files-create-1", "shell-chmod-1")}
+    renderer = ChatRenderer(AutoTokenizer.from_pretrained(ensure_embedded_model()))
+    engine = ScriptedEngine(renderer.encode, renderer.turn_end_id,
+                            responder=OracleResponder(renderer, get_harness("mini-swe-agent"), list(tasks.values())))
+    with HarnessRollouts(config, engine, renderer, tasks, tmp_path / "records", None) as source:
+        first = source.run(sorted(tasks), ["mini-swe-agent"], 1)
+        engine.update_weights({}, 7)
+        second = source.run(["files-create-1"], ["mini-swe-agent"], 1)
+    assert [r.status for r in first.results] == ["ok", "ok"]
+    assert [r.reward for r in first.results + second.results] == [1.0, 1.0, 1.0]
+    assert {c.weight_version for r in first.results for c in r.calls} == {0}
+    assert {c.weight_version for r in second.results for c in r.calls} == {7}
+
+
+def test_mini_instance_template_is_one_more_config_layer(tmp_path):
+    """The compact prompt is set through mini-swe-agent's own `-c` layers, after the adapter's."""
+    import json
+
+    from clawfast.harness.base import RunLayout
+    from clawfast.train.loop import make_harness
+
+    config = config_from_dict({"rollout": {"mini_instance_template": "Do: {{task}}", "harness_max_steps": 5}})
+    harness = make_harness("mini-swe-agent", config)
+    layout = RunLayout(home=tmp_path / "home", workspace=tmp_path / "ws", home_inside="/run/home",
+                       workspace_inside="/run/ws")
+    prepared = harness.prepare(layout, "http://127.0.0.1:9", "key", "policy")
+    layer = json.loads((tmp_path / "home" / MINI_LAYER).read_text())
+    assert layer == {"agent": {"instance_template": "Do: {{task}}"}}
+    argv = harness.command("a task", layout)
+    assert argv[-2:] == ["-c", f"/run/home/{MINI_LAYER}"] and argv.index("mini.yaml") < len(argv) - 2
+    assert tmp_path / "home" / MINI_LAYER in prepared.files
+    assert harness.max_steps == 5
+
+
+MINI_LAYER = ".clawfast/mini-instance-template.yaml"
+
+
+def test_updates_per_step_split_whole_groups():
+    from clawfast.records import RolloutResult
+    from clawfast.train.loop import _chunks
+
+    rs = [RolloutResult(f"r{i}", f"t{i % 5}", "codex" if i % 2 else "claude-code", i) for i in range(20)]
+    for group_by in ("task", "task_harness"):
+        for n in (1, 2, 3, 7):
+            parts = _chunks(rs, group_by, n)
+            assert sorted(r.rollout_id for p in parts for r in p) == sorted(r.rollout_id for r in rs)
+            key = (lambda r: r.task_id) if group_by == "task" else (lambda r: (r.task_id, r.harness))
+            owners = {}
+            for i, p in enumerate(parts):
+                for r in p:
+                    assert owners.setdefault(key(r), i) == i  # a group never straddles two updates
+            assert len(parts) == min(n, len({key(r) for r in rs}))
+
+
+def test_ppo_run_with_two_updates_per_step_checkpoints_the_value_head(tmp_path):
+    config = _load(tmp_path, steps=1, interval=1, extra='[algorithm]\nname = "ppo"\n').model_copy()
+    config = config.model_copy(update={"optim": config.optim.model_copy(update={"updates_per_step": 2})})
+    train(config, progress=False)
+    (record,) = [r for r in read_metrics(tmp_path / "run") if r["kind"] == "train"]
+    assert np.isfinite(record["value_loss"]) and record["stepped"] == 1.0
+    assert (list_checkpoints(tmp_path / "run")[-1] / "value_head.safetensors").is_file()
+
+
+def test_coldstart_never_demonstrates_held_out_tasks():
+    from clawfast.tasks import clawbench_mini
+    from clawfast.train.coldstart import demonstration_tasks
+
+    config = config_from_dict({"coldstart": {"enabled": True, "suite_seeds": [0, 1, 2, 3], "difficulties": ["easy"]}})
+    demos = demonstration_tasks(config)
+    held_out = [t for t in clawbench_mini(0) if t.split == "eval"]
+    assert demos and all(t.split == "train" and t.tags["difficulty"] == "easy" for t in demos)
+    assert not {t.instruction for t in demos} & {t.instruction for t in held_out}
+    assert not {t.id for t in demos} & {t.id for t in held_out}
+    assert len({t.instruction for t in demos}) == len(demos)
+
+
+def test_sft_loss_is_the_nll_of_exactly_the_generated_tokens(tmp_path):
+    """Two calls of one session (the second prompt extends the first call's path by a tool result):
+    the SFT loss equals the mean NLL of both outputs' tokens read off one plain causal forward."""
+    from clawfast.records import CallRecord, RolloutResult
+    from clawfast.train.coldstart import sft_epoch
+    from clawfast.train.policy import Policy
+
+    rng = np.random.default_rng(5)
+    ids = lambda n: rng.integers(0, 64, size=n).astype(np.int32)  # noqa: E731
+    p1, o1, tool, o2 = ids(23), ids(7), ids(5), ids(9)
+    p2 = np.concatenate([p1, o1, tool])
+    lp = lambda n: np.full(n, -1.0, np.float32)  # noqa: E731
+    calls = [CallRecord("r", 0, "h", p1, o1, lp(7)), CallRecord("r", 1, "h", p2, o2, lp(9))]
+    demo = RolloutResult("r", "t", "h", calls=calls, reward=1.0)
+    policy = Policy.from_pretrained(make_tiny_model(tmp_path / "m"))
+    path = torch.as_tensor(np.concatenate([p2, o2]), dtype=torch.long)
+    with torch.no_grad():
+        logp = torch.log_softmax(policy.lm(input_ids=path[None]).logits[0].double(), -1)
+    positions = list(range(len(p1), len(p1) + 7)) + list(range(len(p2), len(p2) + 9))
+    want = -np.mean([float(logp[i - 1, path[i]]) for i in positions])
+    m = sft_epoch(policy, torch.optim.SGD(policy.parameters(), lr=0.0), [demo], max_tokens=64, batch_rollouts=1,
+                  rng=np.random.default_rng(0))
+    assert m["targets"] == 16 and m["updates"] == 1
+    assert abs(m["nll"] - want) < 1e-4  # fp32 forward vs a float64 log-softmax of the same logits
+
+
+def test_eval_finds_the_model_of_a_run_a_checkpoint_or_a_model_dir(tmp_path, capsys):
+    from clawfast.cli import main
+    from clawfast.commands.eval import model_dir_of
+
+    config = _load(tmp_path, steps=2, interval=1)
+    train(config, progress=False)
+    run = tmp_path / "run"
+    latest = list_checkpoints(run)[-1]
+    assert model_dir_of(run) == latest / "model"  # not the run's own config.json
+    assert model_dir_of(latest) == latest / "model"
+    assert model_dir_of(tmp_path / "model") == tmp_path / "model"
+    with pytest.raises(ValueError, match="not a checkpoint"):
+        model_dir_of(tmp_path / "recorded")
+    assert main(["eval", str(tmp_path / "run.toml"), "--checkpoint", str(tmp_path / "recorded")]) == 2
+    assert "not a checkpoint" in capsys.readouterr().err

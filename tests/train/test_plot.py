@@ -1,0 +1,72 @@
+"""Metrics files, their truncation on resume, and `clawfast plot`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from clawfast.cli import main
+from clawfast.records import RolloutResult
+from clawfast.train.metrics import MetricsLogger, plot_run, read_metrics, rollout_metrics
+
+
+def _fill(run_dir, steps=6):
+    with MetricsLogger(run_dir, tensorboard=False) as log:
+        log.log("eval", 0, {"pass@1": 0.0, "pass@1/mini-swe-agent": 0.0, "label": "before"})
+        log.log("coldstart", 0, {"epoch": 1, "nll": 2.5})
+        for s in range(1, steps + 1):
+            log.log("train", s, {"reward/mean": s / steps, "pass@1/mini-swe-agent": s / steps, "loss": 1.0 / s,
+                                 "entropy": 3.0 - s * 0.1, "is_ratio_mean": 1.0, "clip_frac": 0.01,
+                                 "tokens_per_call_flat": 1000.0, "tokens_packed": 250.0, "time/rollout_s": 30.0,
+                                 "mismatch_k3": float("nan")})
+        log.log("eval", steps, {"pass@1": 0.25, "pass@1/mini-swe-agent": 0.25, "label": "after"})
+
+
+def test_jsonl_records_and_nan(tmp_path):
+    _fill(tmp_path)
+    records = read_metrics(tmp_path)
+    assert [r["kind"] for r in records][:2] == ["eval", "coldstart"]
+    train = [r for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in train] == list(range(1, 7))
+    assert train[0]["mismatch_k3"] is None  # NaN is not JSON
+
+
+def test_resume_truncates_later_steps_and_tolerates_a_torn_line(tmp_path):
+    _fill(tmp_path)
+    with open(tmp_path / "metrics.jsonl", "a") as fh:
+        fh.write('{"kind": "train", "st')  # killed mid-write
+    with MetricsLogger(tmp_path, resume_step=3, tensorboard=False) as log:
+        log.log("train", 4, {"loss": 0.5})
+    steps = [(r["kind"], r["step"]) for r in read_metrics(tmp_path)]
+    assert steps == [("eval", 0), ("coldstart", 0), ("train", 1), ("train", 2), ("train", 3), ("train", 4)]
+
+
+def test_plot_writes_a_png(tmp_path):
+    _fill(tmp_path)
+    path = plot_run(tmp_path)
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
+
+
+def test_plot_cli(tmp_path, capsys):
+    _fill(tmp_path)
+    assert main(["plot", str(tmp_path), "--out", str(tmp_path / "x.png")]) == 0
+    assert (tmp_path / "x.png").is_file()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["plot", str(empty)]) == 2
+    assert "no metrics file" in capsys.readouterr().err
+    (empty / "metrics.jsonl").write_text(json.dumps({"kind": "coldstart", "step": 0, "nll": 1.0}) + "\n")
+    assert main(["plot", str(empty)]) == 2
+
+
+def test_rollout_metrics_per_harness():
+    rs = [RolloutResult(f"r{i}", "t", h, i, reward=rw, status=st)
+          for i, (h, rw, st) in enumerate([("codex", 1.0, "ok"), ("codex", 0.0, "timeout"),
+                                           ("openclaw", 1.0, "ok"), ("openclaw", 0.5, "ok")])]
+    m = rollout_metrics(rs)
+    assert m["pass@1/codex"] == 0.5 and m["pass@1/openclaw"] == 0.5 and m["pass@1"] == 0.5
+    assert m["reward/openclaw"] == 0.75 and m["status/timeout"] == 1.0 and m["status/ok"] == 3.0
+    with pytest.raises(FileNotFoundError):
+        read_metrics("/nonexistent-run")

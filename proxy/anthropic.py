@@ -121,7 +121,7 @@ class AnthropicFront(Front):
     id_prefix = "msg_"
 
     def parse(self, body: bytes, query: dict[str, str], memory: UnitMemory | None = None) -> Request:
-        req = load_body(body, MessagesRequest)
+        req = load_body(body, MessagesRequest, memory)
         return Request(
             protocol=self.name,
             conversation=conversation(req.system, req.messages, req.tools, memory),
@@ -135,7 +135,7 @@ class AnthropicFront(Front):
         )
 
     def parse_count_tokens(self, body: bytes, memory: UnitMemory | None = None) -> Conversation:
-        req = load_body(body, CountTokensRequest)
+        req = load_body(body, CountTokensRequest, memory)
         return conversation(req.system, req.messages, req.tools, memory)
 
     def new_tool_call_id(self) -> str:

@@ -81,7 +81,7 @@ class ChatFront(Front):
     id_prefix = "chatcmpl-"
 
     def parse(self, body: bytes, query: dict[str, str], memory: UnitMemory | None = None) -> Request:
-        req = load_body(body, ChatRequest)
+        req = load_body(body, ChatRequest, memory)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return Request(
             protocol=self.name,

@@ -124,7 +124,7 @@ class ResponsesFront(Front):
     id_prefix = "resp_"
 
     def parse(self, body: bytes, query: dict[str, str], memory: UnitMemory | None = None) -> Request:
-        req = load_body(body, ResponsesRequest)
+        req = load_body(body, ResponsesRequest, memory, "input")
         conv, custom = _conversation(req, memory)
         return Request(
             protocol=self.name,

@@ -26,8 +26,9 @@ import select
 import shutil
 import stat
 import subprocess
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
@@ -273,6 +274,32 @@ def warm_key(spec: SandboxSpec) -> SandboxSpec:
     return dataclasses.replace(spec, files={}, source_dir=None, home_files={}, name="warm")
 
 
+def capped_result(
+    exit_code: int | None, stdout: bytes, stderr: bytes, cap: int, *, timed_out: bool, duration_s: float
+) -> RunResult:
+    """A RunResult keeping the first `cap` bytes of each output; pass a little more than `cap` of each
+    so that truncation is detected."""
+    return RunResult(
+        exit_code=exit_code,
+        stdout=stdout[:cap],
+        stderr=stderr[:cap],
+        timed_out=timed_out,
+        duration_s=duration_s,
+        stdout_truncated=len(stdout) > cap,
+        stderr_truncated=len(stderr) > cap,
+    )
+
+
+def rlimit_enforced(limits: Limits) -> dict[str, str]:
+    """The `Sandbox.enforced` entries of the limits a backend applies with `ulimit` before the command."""
+    enforced = {}
+    if limits.max_file_bytes is not None:
+        enforced["file_size"] = "RLIMIT_FSIZE"
+    if limits.address_space_bytes is not None:
+        enforced["address_space"] = "RLIMIT_AS"
+    return enforced
+
+
 def wait_exit(proc: subprocess.Popen, timeout: float) -> bool:
     """Wait for `proc` to exit (and reap it); False if it still runs after `timeout` seconds.
 
@@ -319,7 +346,6 @@ class Sandbox(abc.ABC):
     # Set by SandboxPool so that `arun` never competes for the small default executor.
     executor: Executor | None = None
 
-    @abc.abstractmethod
     def run(
         self,
         cmd: Sequence[str],
@@ -328,7 +354,19 @@ class Sandbox(abc.ABC):
         timeout: float | None = None,
         stdin: bytes | None = None,
     ) -> RunResult:
-        """Run `cmd` (argv, no shell) in `workdir`. Raises SandboxError if the sandbox failed."""
+        """Run `cmd` (argv, no shell) in `workdir`. Raises SandboxError if the sandbox failed,
+        ValueError on a bad command or a timeout that is not > 0 (None: the spec's default)."""
+        argv = check_command(cmd)
+        timeout = self.spec.default_timeout if timeout is None else timeout
+        if not timeout > 0:
+            raise ValueError(f"timeout must be > 0, got {timeout!r}")
+        return self._run_command(argv, env, timeout, stdin)
+
+    @abc.abstractmethod
+    def _run_command(
+        self, argv: list[str], env: Mapping[str, str] | None, timeout: float, stdin: bytes | None
+    ) -> RunResult:
+        """`run` after its arguments were checked: the backend's way of running one command."""
 
     async def arun(
         self,
@@ -396,6 +434,44 @@ class SandboxBackend(abc.ABC):
     Docker client) and closes sandboxes still open."""
 
     name: str
+
+    def __init__(self) -> None:
+        # The sandboxes created and not yet closed, so that `close()` can close them.
+        self._live: set[Sandbox] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def _check_can_create(self, spec: SandboxSpec) -> None:
+        """ValueError on a bad spec, SandboxError once the backend is closed."""
+        spec.validate()
+        if self._closed:
+            raise SandboxError("backend is closed")
+
+    def _start_tracked(self, sandbox: Sandbox, start: Callable[[], None]) -> None:
+        """Remember `sandbox` as live and call `start`; if that raises, close the sandbox and re-raise."""
+        with self._lock:
+            self._live.add(sandbox)
+        try:
+            start()
+        except BaseException:
+            sandbox.close()
+            raise
+
+    def forget(self, sandbox: Sandbox) -> None:
+        """Called by a sandbox's `close()`: it is no longer live."""
+        with self._lock:
+            self._live.discard(sandbox)
+
+    def _close_live(self) -> bool:
+        """Mark the backend closed and close its live sandboxes. False if it was already closed."""
+        if self._closed:
+            return False
+        self._closed = True
+        with self._lock:
+            live = list(self._live)
+        for sandbox in live:
+            sandbox.close()
+        return True
 
     @abc.abstractmethod
     def create(self, spec: SandboxSpec) -> Sandbox:

@@ -55,16 +55,15 @@ from clawfast.sandbox.base import (
     WORKDIR,
     RunResult,
     Sandbox,
-    SandboxBackend,
     SandboxError,
     SandboxSpec,
-    check_command,
+    rlimit_enforced,
     wait_exit,
 )
 from clawfast.sandbox.cgroup import Cgroup, sweep_stale
-from clawfast.sandbox.forward import HostForwarder
 from clawfast.sandbox.hostdir import (
     READY,
+    ForwardingBackend,
     HostDir,
     merge_env,
     start_script,
@@ -74,7 +73,7 @@ from clawfast.sandbox.hostdir import (
 KILL_GRACE_S = 5.0
 
 
-class BwrapBackend(SandboxBackend):
+class BwrapBackend(ForwardingBackend):
     """Options:
     base_dir: where sandbox directories are made (default: the system temp dir). It is hidden inside.
         A tmpfs such as /dev/shm makes create+destroy cheaper where the disk is slow (each rmdir was
@@ -110,47 +109,20 @@ class BwrapBackend(SandboxBackend):
             sweep_stale()
         sweep_stale_dirs(base_dir, "clawfast-sandbox-")
         self.base_dir = tempfile.mkdtemp(prefix=f"clawfast-sandbox-{os.getpid()}-", dir=base_dir)
-        self._forwarder: HostForwarder | None = None
-        self._live: set[BwrapSandbox] = set()
-        self._lock = threading.Lock()
-        self._closed = False
-
-    def forwarder(self) -> HostForwarder:
-        with self._lock:
-            if self._forwarder is None:
-                self._forwarder = HostForwarder()
-            return self._forwarder
+        super().__init__()
 
     def create(self, spec: SandboxSpec) -> BwrapSandbox:
-        spec.validate()
-        if self._closed:
-            raise SandboxError("backend is closed")
+        self._check_can_create(spec)
         if spec.allow_ports and self.socat is None:
             raise SandboxError("allow_ports needs socat inside the sandbox (Debian: apt-get install socat)")
         sandbox = BwrapSandbox(self, spec)
-        with self._lock:
-            self._live.add(sandbox)
-        try:
-            sandbox.start()
-        except BaseException:
-            sandbox.close()
-            raise
+        self._start_tracked(sandbox, sandbox.start)
         return sandbox
 
-    def forget(self, sandbox: BwrapSandbox) -> None:
-        with self._lock:
-            self._live.discard(sandbox)
-
     def close(self) -> None:
-        if self._closed:
+        if not self._close_live():
             return
-        self._closed = True
-        with self._lock:
-            live = list(self._live)
-        for sandbox in live:
-            sandbox.close()
-        if self._forwarder is not None:
-            self._forwarder.close()
+        self._close_forwarder()
         shutil.rmtree(self.base_dir, ignore_errors=True)
 
 
@@ -179,11 +151,7 @@ class BwrapSandbox(Sandbox):
             self.cgroup = Cgroup.create(self.spec.limits)
             if self.cgroup is not None:
                 self.enforced.update(self.cgroup.enforced)
-        limits = self.spec.limits
-        if limits.max_file_bytes is not None:
-            self.enforced["file_size"] = "RLIMIT_FSIZE"
-        if limits.address_space_bytes is not None:
-            self.enforced["address_space"] = "RLIMIT_AS"
+        self.enforced.update(rlimit_enforced(self.spec.limits))
         self._argv = self._bwrap_argv(forwarders=True)
         if self.backend.probe:
             # The probe checks that bwrap starts with these mounts and namespaces and that socat
@@ -237,18 +205,9 @@ class BwrapSandbox(Sandbox):
 
     # -- commands ------------------------------------------------------------------------------
 
-    def run(
-        self,
-        cmd: Sequence[str],
-        *,
-        env: Mapping[str, str] | None = None,
-        timeout: float | None = None,
-        stdin: bytes | None = None,
+    def _run_command(
+        self, argv: list[str], env: Mapping[str, str] | None, timeout: float, stdin: bytes | None
     ) -> RunResult:
-        argv = check_command(cmd)
-        timeout = self.spec.default_timeout if timeout is None else timeout
-        if not timeout > 0:
-            raise ValueError(f"timeout must be > 0, got {timeout!r}")
         return self._run(self._argv, argv, env, timeout, stdin)
 
     def _run(

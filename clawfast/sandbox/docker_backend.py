@@ -25,7 +25,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 from clawfast.sandbox.base import (
     HOMEDIR,
@@ -33,13 +33,18 @@ from clawfast.sandbox.base import (
     WORKDIR,
     RunResult,
     Sandbox,
-    SandboxBackend,
     SandboxError,
     SandboxSpec,
-    check_command,
+    capped_result,
+    rlimit_enforced,
 )
-from clawfast.sandbox.forward import HostForwarder
-from clawfast.sandbox.hostdir import HostDir, merge_env, split_ready, start_script
+from clawfast.sandbox.hostdir import (
+    ForwardingBackend,
+    HostDir,
+    merge_env,
+    split_ready,
+    start_script,
+)
 
 LABEL = "clawfast.sandbox.owner"
 IO_DIR = "/run/io"
@@ -59,7 +64,7 @@ def connect(timeout: float = 5.0):
     return client
 
 
-class DockerBackend(SandboxBackend):
+class DockerBackend(ForwardingBackend):
     """Options: image (must exist locally), base_dir (host dir for workspaces), probe (run `true`
     in each new container so `create` fails rather than the first command)."""
 
@@ -70,45 +75,18 @@ class DockerBackend(SandboxBackend):
         self.image = image
         self.probe = probe
         self.base_dir = tempfile.mkdtemp(prefix=f"clawfast-docker-{os.getpid()}-", dir=base_dir)
-        self._forwarder: HostForwarder | None = None
-        self._live: set[DockerSandbox] = set()
-        self._lock = threading.Lock()
-        self._closed = False
-
-    def forwarder(self) -> HostForwarder:
-        with self._lock:
-            if self._forwarder is None:
-                self._forwarder = HostForwarder()
-            return self._forwarder
+        super().__init__()
 
     def create(self, spec: SandboxSpec) -> DockerSandbox:
-        spec.validate()
-        if self._closed:
-            raise SandboxError("backend is closed")
+        self._check_can_create(spec)
         sandbox = DockerSandbox(self, spec)
-        with self._lock:
-            self._live.add(sandbox)
-        try:
-            sandbox.start()
-        except BaseException:
-            sandbox.close()
-            raise
+        self._start_tracked(sandbox, sandbox.start)
         return sandbox
 
-    def forget(self, sandbox: DockerSandbox) -> None:
-        with self._lock:
-            self._live.discard(sandbox)
-
     def close(self) -> None:
-        if self._closed:
+        if not self._close_live():
             return
-        self._closed = True
-        with self._lock:
-            live = list(self._live)
-        for sandbox in live:
-            sandbox.close()
-        if self._forwarder is not None:
-            self._forwarder.close()
+        self._close_forwarder()
         shutil.rmtree(self.base_dir, ignore_errors=True)
         self.client.close()
 
@@ -124,10 +102,7 @@ class DockerSandbox(Sandbox):
         self.enforced = {"wall": "container kill at the timeout", "processes": "docker pids_limit"}
         if spec.limits.memory_bytes is not None:
             self.enforced["memory"] = "docker mem_limit"
-        if spec.limits.max_file_bytes is not None:
-            self.enforced["file_size"] = "RLIMIT_FSIZE"
-        if spec.limits.address_space_bytes is not None:
-            self.enforced["address_space"] = "RLIMIT_AS"
+        self.enforced.update(rlimit_enforced(spec.limits))
         if spec.limits.max_processes is None:
             del self.enforced["processes"]
         self._closed = False
@@ -182,20 +157,11 @@ class DockerSandbox(Sandbox):
     def closed(self) -> bool:
         return self._closed
 
-    def run(
-        self,
-        cmd: Sequence[str],
-        *,
-        env: Mapping[str, str] | None = None,
-        timeout: float | None = None,
-        stdin: bytes | None = None,
+    def _run_command(
+        self, argv: list[str], env: Mapping[str, str] | None, timeout: float, stdin: bytes | None
     ) -> RunResult:
         from docker.errors import DockerException
 
-        argv = check_command(cmd)
-        timeout = self.spec.default_timeout if timeout is None else timeout
-        if not timeout > 0:
-            raise ValueError(f"timeout must be > 0, got {timeout!r}")
         full_env = merge_env(self.spec, env)
         with self._lock:
             if self._closed:
@@ -257,15 +223,8 @@ class DockerSandbox(Sandbox):
         ready, stderr = split_ready(bytes(chunks["err"]))
         if not ready and not timed_out:
             raise SandboxError(f"sandbox failed to start (exit {exit_code}): {stderr[-2000:].decode(errors='replace')}")
-        stdout = bytes(chunks["out"])
-        return RunResult(
-            exit_code=exit_code,
-            stdout=stdout[:cap],
-            stderr=stderr[:cap],
-            timed_out=timed_out,
-            duration_s=duration,
-            stdout_truncated=len(stdout) > cap,
-            stderr_truncated=len(stderr) > cap,
+        return capped_result(
+            exit_code, bytes(chunks["out"]), stderr, cap, timed_out=timed_out, duration_s=duration
         )
 
     def close(self) -> None:

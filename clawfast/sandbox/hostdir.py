@@ -23,6 +23,7 @@ from clawfast.sandbox.base import (
     DEFAULT_PATH,
     HOMEDIR,
     PROXYDIR,
+    SandboxBackend,
     SandboxError,
     SandboxSpec,
     check_env_entry,
@@ -78,6 +79,25 @@ def merge_env(spec: SandboxSpec, env: Mapping[str, str] | None, *, home: str = H
         check_env_entry(key, value)
         full[key] = value
     return full
+
+
+class ForwardingBackend(SandboxBackend):
+    """A backend whose sandboxes reach allowed host ports through one shared HostForwarder, started
+    the first time a sandbox needs it and stopped by `_close_forwarder` (bwrap and docker)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._forwarder: HostForwarder | None = None
+
+    def forwarder(self) -> HostForwarder:
+        with self._lock:
+            if self._forwarder is None:
+                self._forwarder = HostForwarder()
+            return self._forwarder
+
+    def _close_forwarder(self) -> None:
+        if self._forwarder is not None:
+            self._forwarder.close()
 
 
 def start_script(spec: SandboxSpec, socat: str, forwarders: bool = True) -> str:

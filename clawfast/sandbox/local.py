@@ -18,7 +18,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 from clawfast.sandbox.base import (
     DEFAULT_PATH,
@@ -27,9 +27,10 @@ from clawfast.sandbox.base import (
     SandboxBackend,
     SandboxError,
     SandboxSpec,
-    check_command,
+    capped_result,
     check_env_entry,
     populate,
+    rlimit_enforced,
     wait_exit,
 )
 
@@ -41,37 +42,17 @@ class LocalBackend(SandboxBackend):
         if not allow_unsafe:
             raise ValueError("the local backend does not isolate anything; pass allow_unsafe=True to use it")
         self.base_dir = tempfile.mkdtemp(prefix=f"clawfast-local-{os.getpid()}-", dir=base_dir)
-        self._live: set[LocalSandbox] = set()
-        self._lock = threading.Lock()
-        self._closed = False
+        super().__init__()
 
     def create(self, spec: SandboxSpec) -> LocalSandbox:
-        spec.validate()
-        if self._closed:
-            raise SandboxError("backend is closed")
+        self._check_can_create(spec)
         sandbox = LocalSandbox(self, spec)
-        with self._lock:
-            self._live.add(sandbox)
-        try:
-            populate(sandbox.host_workdir, spec.source_dir, spec.files)
-            populate(sandbox.home, None, spec.home_files)
-        except BaseException:
-            sandbox.close()
-            raise
+        self._start_tracked(sandbox, sandbox.fill_from_spec)
         return sandbox
 
-    def forget(self, sandbox: LocalSandbox) -> None:
-        with self._lock:
-            self._live.discard(sandbox)
-
     def close(self) -> None:
-        if self._closed:
+        if not self._close_live():
             return
-        self._closed = True
-        with self._lock:
-            live = list(self._live)
-        for sandbox in live:
-            sandbox.close()
         shutil.rmtree(self.base_dir, ignore_errors=True)
 
 
@@ -83,30 +64,23 @@ class LocalSandbox(Sandbox):
         self.host_workdir = self.workdir = os.path.join(self.dir, "ws")
         self.home = self.host_home = os.path.join(self.dir, "home")
         self.enforced = {"wall": "SIGKILL of the process group at the timeout"}
-        if spec.limits.max_file_bytes is not None:
-            self.enforced["file_size"] = "RLIMIT_FSIZE"
-        if spec.limits.address_space_bytes is not None:
-            self.enforced["address_space"] = "RLIMIT_AS"
+        self.enforced.update(rlimit_enforced(spec.limits))
         self._closed = False
         self._lock = threading.Lock()
         self._running: set[subprocess.Popen] = set()
+
+    def fill_from_spec(self) -> None:
+        """Fill the new workspace and home from the spec (`LocalBackend.create` calls it once)."""
+        populate(self.host_workdir, self.spec.source_dir, self.spec.files)
+        populate(self.home, None, self.spec.home_files)
 
     @property
     def closed(self) -> bool:
         return self._closed
 
-    def run(
-        self,
-        cmd: Sequence[str],
-        *,
-        env: Mapping[str, str] | None = None,
-        timeout: float | None = None,
-        stdin: bytes | None = None,
+    def _run_command(
+        self, argv: list[str], env: Mapping[str, str] | None, timeout: float, stdin: bytes | None
     ) -> RunResult:
-        argv = check_command(cmd)
-        timeout = self.spec.default_timeout if timeout is None else timeout
-        if not timeout > 0:
-            raise ValueError(f"timeout must be > 0, got {timeout!r}")
         full_env = {"PATH": DEFAULT_PATH, "HOME": self.home, "TMPDIR": self.dir, "LANG": "C.UTF-8"}
         full_env.update(self.spec.env)
         for key, value in (env or {}).items():
@@ -151,15 +125,8 @@ class LocalSandbox(Sandbox):
         if self._closed:
             raise SandboxError("sandbox was closed while the command ran")
         code = proc.returncode
-        return RunResult(
-            exit_code=None if timed_out else (128 - code if code < 0 else code),
-            stdout=stdout[:cap],
-            stderr=stderr[:cap],
-            timed_out=timed_out,
-            duration_s=duration,
-            stdout_truncated=len(stdout) > cap,
-            stderr_truncated=len(stderr) > cap,
-        )
+        exit_code = None if timed_out else (128 - code if code < 0 else code)
+        return capped_result(exit_code, stdout, stderr, cap, timed_out=timed_out, duration_s=duration)
 
     def close(self) -> None:
         with self._lock:

@@ -3,9 +3,10 @@ litellm, one `bash` tool, non-streaming calls.
 
 Configured with the harness's own mechanisms only: ``MSWEA_*`` environment variables (no first-run
 wizard, no cost look-ups, global config dir inside the sandbox HOME) and ``-c`` config layers: the
-builtin ``mini.yaml`` and a small YAML file of overrides written into HOME (model name, API base and
-key, step limit). A run ends when the model runs ``echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT``; the
-trajectory is written to ``$HOME/mini.traj.json``.
+builtin ``mini.yaml``, a small YAML file of overrides written into HOME (model name, API base and
+key, step limit) and, when ``instance_template`` is given, one more layer replacing the builtin's
+long ``agent.instance_template`` (the first user message). A run ends when the model runs
+``echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT``; the trajectory is written to ``$HOME/mini.traj.json``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from clawfast.harness.pip_install import ensure_pip_harness
 
 SUBMIT_COMMAND = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
 _OVERRIDES = ".clawfast/mini-overrides.yaml"
+_TEMPLATE_LAYER = ".clawfast/mini-instance-template.yaml"
 _TRAJECTORY = "mini.traj.json"
 
 
@@ -25,6 +27,19 @@ class MiniSweAgent(Harness):
     name = "mini-swe-agent"
     version = "2.4.6"
     protocol = "openai-chat"
+
+    def __init__(self, *, instance_template: str | None = None, **options) -> None:
+        """instance_template: mini-swe-agent's ``agent.instance_template`` (a Jinja template that
+        must hold ``{{task}}``), set as the last ``-c`` layer so it wins over ``mini.yaml``; None
+        keeps the harness default (~1,300 tokens of workflow advice). Other options: `Harness`."""
+        super().__init__(**options)
+        if instance_template is not None:
+            if not isinstance(instance_template, str):
+                raise ValueError(f"instance_template must be a string, got {type(instance_template).__name__}")
+            # Without {{task}} the agent would never see the task: reject rather than run blind.
+            if "{{task}}" not in instance_template.replace(" ", ""):
+                raise ValueError("instance_template must contain {{task}}")
+        self.instance_template = instance_template
 
     def install(self) -> HarnessInstall:
         venv = ensure_pip_harness("mini-swe-agent", self.version)
@@ -45,6 +60,9 @@ class MiniSweAgent(Harness):
             "environment": {"cwd": layout.workspace_inside},
         }
         self._write(layout.home / _OVERRIDES, json.dumps(overrides, indent=2) + "\n", written)
+        if self.instance_template is not None:
+            layer = {"agent": {"instance_template": self.instance_template}}
+            self._write(layout.home / _TEMPLATE_LAYER, json.dumps(layer, indent=2) + "\n", written)
         env = self._base_env(layout)
         env.update(
             {
@@ -58,12 +76,16 @@ class MiniSweAgent(Harness):
         return PreparedRun(env=env, files=written)
 
     def command(self, task_instruction: str, layout: RunLayout) -> list[str]:
-        return [
+        argv = [
             str(self.installation.executable), "-m", "minisweagent",
             "-t", task_instruction, "-y", "--exit-immediately",
             "-c", "mini.yaml", "-c", f"{layout.home_inside}/{_OVERRIDES}",
             "-o", f"{layout.home_inside}/{_TRAJECTORY}",
         ]  # fmt: skip
+        if self.instance_template is not None:
+            # Later `-c` layers override earlier ones, so this one replaces mini.yaml's template.
+            argv += ["-c", f"{layout.home_inside}/{_TEMPLATE_LAYER}"]
+        return argv
 
     def artifacts(self, layout: RunLayout) -> list[Path]:
         path = layout.home / _TRAJECTORY

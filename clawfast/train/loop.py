@@ -43,7 +43,6 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from clawfast.harness.mini_swe_agent import MiniSweAgent
 from clawfast.records import RolloutResult, read_rollouts
 from clawfast.train.checkpoint import TrainState, latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
 from clawfast.train.config import RunConfig
@@ -272,29 +271,10 @@ def make_harness(name: str, config: RunConfig):
     from clawfast.harness import get_harness
 
     rc = config.rollout
+    options: dict = {"timeout_s": rc.timeout_s, "max_steps": rc.harness_max_steps}
     if name == "mini-swe-agent" and rc.mini_instance_template is not None:
-        return MiniWithTemplate(rc.mini_instance_template, timeout_s=rc.timeout_s, max_steps=rc.harness_max_steps)
-    return get_harness(name, timeout_s=rc.timeout_s, max_steps=rc.harness_max_steps)
-
-
-class MiniWithTemplate(MiniSweAgent):
-    """mini-swe-agent with its ``agent.instance_template`` replaced through one more of its own
-    ``-c`` config layers (a JSON file in the sandbox HOME); the harness itself is untouched."""
-
-    _LAYER = ".clawfast/mini-instance-template.yaml"
-
-    def __init__(self, instance_template: str, **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.instance_template = instance_template
-
-    def prepare(self, layout, base_url, key, model):
-        prepared = super().prepare(layout, base_url, key, model)
-        layer = {"agent": {"instance_template": self.instance_template}}
-        self._write(layout.home / self._LAYER, json.dumps(layer, indent=2) + "\n", prepared.files)
-        return prepared
-
-    def command(self, task_instruction, layout):
-        return super().command(task_instruction, layout) + ["-c", f"{layout.home_inside}/{self._LAYER}"]
+        options["instance_template"] = rc.mini_instance_template
+    return get_harness(name, **options)
 
 
 def load_tasks(config: RunConfig, split: str, difficulties: Sequence[str] = ()) -> dict:

@@ -108,6 +108,25 @@ def test_mini_swe_agent_overrides_and_argv(layout, tmp_path):
     assert argv[1:3] == ["-m", "minisweagent"]
     assert argv[argv.index("-t") + 1] == "do it" and "-y" in argv and "--exit-immediately" in argv
     assert argv[argv.index("-o") + 1] == "/run/home/mini.traj.json"
+    # Without an instance template there is no extra layer: mini.yaml's own template is used.
+    assert argv.count("-c") == 2 and not (layout.home / ".clawfast" / "mini-instance-template.yaml").exists()
+
+
+def test_mini_swe_agent_instance_template_is_the_last_config_layer(layout, tmp_path):
+    template = 'Task:\n{{task}}\nQuote "this" and {{ task }} again.'
+    harness = get_harness("mini-swe-agent", install=fake_install(tmp_path, "mini"), instance_template=template)
+    prepared = harness.prepare(layout, BASE, KEY, "policy")
+    path = layout.home / ".clawfast" / "mini-instance-template.yaml"
+    assert json.loads(path.read_text()) == {"agent": {"instance_template": template}}
+    assert path in prepared.files
+    argv = harness.command("do it", layout)
+    layers = [argv[i + 1] for i, arg in enumerate(argv) if arg == "-c"]
+    # mini-swe-agent merges -c layers in order: the template layer must come after mini.yaml.
+    assert layers == ["mini.yaml", "/run/home/.clawfast/mini-overrides.yaml",
+                      "/run/home/.clawfast/mini-instance-template.yaml"]  # fmt: skip
+    for bad in ["no placeholder", "{{ tasks }}"]:
+        with pytest.raises(ValueError, match="task"):
+            get_harness("mini-swe-agent", instance_template=bad)
 
 
 @pytest.mark.parametrize("name", sorted(HARNESSES))

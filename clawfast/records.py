@@ -394,8 +394,8 @@ class RolloutLog:
         self._closed = False
         self._write(encode_header({"format_version": FORMAT_VERSION, **header}))
 
-    def _write(self, data: bytes) -> None:
-        self._fh.write(data)
+    def _write(self, *parts: bytes | memoryview) -> None:
+        self._fh.writelines(parts)
         self._fh.flush()
         if self._fsync:
             os.fsync(self._fh.fileno())
@@ -403,8 +403,7 @@ class RolloutLog:
     def append(self, call: CallRecord) -> None:
         if self._closed:
             raise ValueError(f"{self.path}: log is closed")
-        self._fh.writelines(_call_parts(call))
-        self._write(b"")
+        self._write(*_call_parts(call))
 
     def close(self, reward: float = 0.0, status: str = "ok", info: dict[str, Any] | None = None) -> None:
         if self._closed:

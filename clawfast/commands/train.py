@@ -5,7 +5,12 @@
 `--set` overrides any config field (``--set steps=3 --set rollout.concurrency=2``; values in TOML
 syntax). `--resume` continues from the run directory's latest checkpoint (model, optimizer, step,
 data position, RNG states); without it a run directory that holds checkpoints is refused.
-Exit status: 0 when the run finished, 2 on a bad config.
+Exit status: 0 when the run finished, 2 on a bad config, 1 on a follower whose rank 0 failed.
+
+With ``distributed.fsdp = true`` launch it once per process with torchrun (rank 0 prints the
+summary; see clawfast.train.distributed):
+
+    torchrun --nproc-per-node 8 -m clawfast.cli train CONFIG
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from clawfast.train.config import ConfigError, load_config
+    from clawfast.train.distributed import LeaderFailed
     from clawfast.train.loop import train
 
     overrides = list(args.overrides) + ([f"run_dir={json.dumps(args.run_dir)}"] if args.run_dir else [])
@@ -39,7 +45,13 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"clawfast train: {exc}", file=sys.stderr)
         return 2
-    for label in ("eval_before", "eval_coldstart", "eval_after"):
+    except LeaderFailed as exc:
+        print(f"clawfast train: {exc}", file=sys.stderr)
+        return 1
+    if summary.get("rank", 0) != 0:
+        return 0  # an FSDP follower: rank 0 reports the run
+    # Without the live display the loop already printed each eval as it finished.
+    for label in ("eval_before", "eval_coldstart", "eval_after") if not args.no_progress else ():
         if label in summary:
             m = summary[label]
             per = ", ".join(f"{k[7:]} {v:.3f}" for k, v in sorted(m.items()) if k.startswith("pass@1/"))

@@ -239,8 +239,12 @@ class CheckpointConfig(_Section):
 
 
 class DistributedConfig(_Section):
-    """rollouts: "local" (asyncio in this process) or "ray" (`ray_address`). fsdp: shard the policy
-    with torch.distributed FSDP2 (launch with torchrun)."""
+    """rollouts: "local" (asyncio in this process) or "ray": one rollout actor per live node of the
+    cluster at `ray_address` ("auto", "ray://host:port", or "local" to start a private one here),
+    each running `rollout.concurrency` rollouts at once (so under Ray that setting is per node).
+    fsdp: shard the policy with torch.distributed FSDP2; launch with
+    ``torchrun --nproc-per-node N -m clawfast.cli train CONFIG``. The cold start is refused under
+    FSDP: run it with fsdp = false, then `--resume` with fsdp = true."""
 
     rollouts: Literal["local", "ray"] = "local"
     ray_address: str | None = None

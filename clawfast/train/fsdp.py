@@ -13,7 +13,8 @@ sharded step computes the same loss and gradients as one process (tests/train/te
 gloo processes on CPU against one process, within 1e-5).
 
 Guaranteed: parameters and gradients are DTensors sharded on dim 0; ``full_state_dict`` returns
-plain full tensors on every rank (for checkpoints and for pushing weights to an engine). Not
+plain full CPU tensors on rank 0 and an empty dict elsewhere (for checkpoints and for pushing weights
+to an engine, which rank 0 does; `clawfast.train.distributed` drives this in `clawfast train`). Not
 guaranteed: mixed precision or CPU offload (not configured here); the same rollouts must be given
 to every rank.
 """
@@ -55,5 +56,6 @@ def shard_policy(policy: Policy, mesh: DeviceMesh | None = None, *, reshard_afte
 
 
 def full_state_dict(policy: Policy) -> dict[str, torch.Tensor]:
-    """The whole policy's parameters as plain CPU tensors on every rank (a collective: call it on all)."""
+    """The whole policy's parameters as plain CPU tensors on rank 0, ``{}`` on the other ranks
+    (a collective: call it on all; offloading to rank 0 alone keeps the other ranks' memory flat)."""
     return get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

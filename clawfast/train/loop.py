@@ -20,6 +20,16 @@ Per step:
 5. **Log** (`clawfast.train.metrics`), **checkpoint** every ``checkpoint.interval`` steps and at the
    end (`clawfast.train.checkpoint`), **evaluate** on the eval split when configured.
 
+Distributed (the ``[distributed]`` section; clawfast.train.distributed): ``rollouts = "ray"`` runs
+step 2's harness rollouts in Ray actors, one per alive node of the cluster at ``ray_address``
+(``"auto"``, ``"ray://host:port"``, or ``"local"`` to start one here), each with
+``rollout.concurrency`` rollouts in flight; the engine and proxy stay in this process.
+``fsdp = true`` shards the policy with FSDP2 over the processes of
+``torchrun --nproc-per-node N -m clawfast.cli train CONFIG``: rank 0 runs everything above and
+hands each step's rollouts to the other ranks, every rank trains its shard, and rank 0 alone pushes
+weights and writes metrics and checkpoints (in the one-process format, so either kind resumes in
+either). examples/multi_node.toml has the commands for a cluster.
+
 Guaranteed: a run resumed from its latest checkpoint (``resume=True``) continues at the saved step
 and data position with the saved weights, optimizer and RNG states; with a deterministic rollout
 source (recorded rollouts) it produces the same checkpoints as an uninterrupted run
@@ -44,7 +54,7 @@ import numpy as np
 import torch
 
 from clawfast.records import RolloutResult, read_rollouts
-from clawfast.train.checkpoint import TrainState, latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
+from clawfast.train.checkpoint import TrainState, latest_checkpoint, list_checkpoints, load_checkpoint
 from clawfast.train.config import RunConfig
 from clawfast.train.metrics import MetricsLogger, ProgressView, plot_run, rollout_metrics
 
@@ -187,7 +197,9 @@ class RecordedRollouts:
 
 class HarnessRollouts:
     """The real thing: the proxy (in this process, on a loopback port) serving `engine`, a sandbox
-    backend, harness adapters and the verifier runner, driven by `RolloutScheduler`.
+    backend, harness adapters and the verifier runner, driven by `RolloutScheduler`; or, under
+    ``distributed.rollouts = "ray"``, the same worker in Ray actors on the cluster's nodes
+    (`clawfast.train.distributed.RayRollouts`; the proxy then listens on all interfaces).
 
     Use as a context manager (which closes the engine on exit); `run(task_ids, harnesses, k)`
     returns one result per spec. Records are written to ``<records_dir>/<rollout_id>.cfr`` as calls
@@ -200,6 +212,7 @@ class HarnessRollouts:
         self.tasks = tasks
         self.records_dir = records_dir
         self.logs_dir = logs_dir
+        self.ray = None  # clawfast.train.distributed.RayRollouts under distributed.rollouts = "ray"
         self._stack = None
 
     def __enter__(self) -> "HarnessRollouts":
@@ -223,16 +236,24 @@ class HarnessRollouts:
                                             max_model_len=cfg.engine.max_model_len, temperature=cfg.engine.temperature)
             registry = RolloutRegistry(self.records_dir)
             app = ProxyApp(ProxyCore(self.engine, self.renderer, self.proxy_config), registry, model_name="policy")
-            self.server = stack.enter_context(ProxyServer(app))
-            options = {"allow_unsafe": True} if rc.sandbox == "local" else {}
-            backend = create_backend(rc.sandbox, **options)
-            stack.callback(backend.close)
-            verifier_runner = None if rc.sandbox == "local" else stack.enter_context(SandboxRunner(create_backend(rc.sandbox)))
-            self.worker = RolloutWorker(
-                registry, backend, harnesses,
-                config=RolloutConfig(model="policy", timeout_s=rc.timeout_s, logs_dir=self.logs_dir),
-                verifier_runner=verifier_runner,
-            )  # fmt: skip
+            on_ray = cfg.distributed.rollouts == "ray"
+            # Ray: the actors' relays on other nodes reach the proxy through this node's address.
+            self.server = stack.enter_context(ProxyServer(app, host="0.0.0.0" if on_ray else "127.0.0.1"))
+            if on_ray:
+                from clawfast.train.distributed import RayRollouts
+
+                self.ray = stack.enter_context(RayRollouts(cfg, registry, self.server.port, self.logs_dir))
+            else:
+                options = {"allow_unsafe": True} if rc.sandbox == "local" else {}
+                backend = create_backend(rc.sandbox, **options)
+                stack.callback(backend.close)
+                verifier_runner = (None if rc.sandbox == "local"
+                                   else stack.enter_context(SandboxRunner(create_backend(rc.sandbox))))
+                self.worker = RolloutWorker(
+                    registry, backend, harnesses,
+                    config=RolloutConfig(model="policy", timeout_s=rc.timeout_s, logs_dir=self.logs_dir),
+                    verifier_runner=verifier_runner,
+                )  # fmt: skip
         except BaseException:
             stack.close()
             raise
@@ -253,14 +274,18 @@ class HarnessRollouts:
         from clawfast.rollout import RolloutScheduler, make_specs
 
         specs = make_specs([self.tasks[t] for t in task_ids], harnesses, k)
-        scheduler = RolloutScheduler(self.worker, concurrency=self.config.rollout.concurrency, on_result=on_result)
         saved = self.proxy_config.temperature
         if temperature is not None:
             # The proxy reads its config per call; no call is in flight between steps.
             self.proxy_config.temperature = temperature
         t0 = time.monotonic()
         try:
-            results = asyncio.run(scheduler.run(specs))
+            if self.ray is not None:
+                results = self.ray.run(specs, on_result=on_result)
+            else:
+                scheduler = RolloutScheduler(self.worker, concurrency=self.config.rollout.concurrency,
+                                             on_result=on_result)
+                results = asyncio.run(scheduler.run(specs))
         finally:
             self.proxy_config.temperature = saved
         return Batch(results, time.monotonic() - t0)
@@ -270,11 +295,16 @@ def make_harness(name: str, config: RunConfig):
     """The adapter for `name` with the run's limits (and mini-swe-agent's instance template)."""
     from clawfast.harness import get_harness
 
+    return get_harness(name, **harness_options(name, config))
+
+
+def harness_options(name: str, config: RunConfig) -> dict:
+    """`get_harness` keyword arguments for `name` in this run (plain data: Ray actors get them too)."""
     rc = config.rollout
     options: dict = {"timeout_s": rc.timeout_s, "max_steps": rc.harness_max_steps}
     if name == "mini-swe-agent" and rc.mini_instance_template is not None:
         options["instance_template"] = rc.mini_instance_template
-    return get_harness(name, **options)
+    return options
 
 
 def load_tasks(config: RunConfig, split: str, difficulties: Sequence[str] = ()) -> dict:
@@ -312,6 +342,14 @@ def run_eval(source, config: RunConfig, eval_tasks: dict) -> dict[str, float]:
 def _eval_line(label: str, metrics: dict[str, float]) -> str:
     per = ", ".join(f"{k.split('/', 1)[1]} {v:.3f}" for k, v in sorted(metrics.items()) if k.startswith("pass@1/"))
     return f"eval {label}: pass@1 {metrics.get('pass@1', 0.0):.3f} ({per}) over {int(metrics.get('rollouts', 0))} rollouts"
+
+
+def _step_line(step: int, record: dict[str, float]) -> str:
+    """One line per step for runs without the live display (logs, CI, --no-progress)."""
+    per = ", ".join(f"{k.split('/', 1)[1]} {v:.3f}" for k, v in sorted(record.items()) if k.startswith("pass@1/"))
+    return (f"step {step}: pass@1 {record.get('pass@1', 0.0):.3f} ({per}) loss {record.get('loss', float('nan')):.4f} "
+            f"over {int(record.get('rollouts', 0))} rollouts; rollout {record.get('time/rollout_s', 0.0):.1f} s, "
+            f"train {record.get('time/train_s', 0.0):.1f} s")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -373,16 +411,22 @@ def prepare_run_dir(config: RunConfig, resume: bool) -> tuple[Path, Path | None]
 
 def train(config: RunConfig, *, resume: bool = False, progress: bool = True) -> dict[str, object]:
     """Run (or resume) the training run `config` describes; returns a summary (eval before/after,
-    steps done, run directory, curves PNG)."""
+    steps done, run directory, curves PNG). Under ``distributed.fsdp`` every torchrun process calls
+    this; rank 0 runs the loop below and the others follow it (clawfast.train.distributed)."""
+    if config.distributed.fsdp:
+        from clawfast.train.distributed import train_sharded
+
+        return train_sharded(config, resume=resume, progress=progress)
+    return _train(config, resume=resume, progress=progress)
+
+
+def _train(config: RunConfig, *, resume: bool, progress: bool, group=None) -> dict[str, object]:
+    """The loop of `train`; `group`: rank 0's `FsdpGroup` in an FSDP run (None: one process)."""
     from transformers import AutoTokenizer
 
     from clawfast.proxy.render import ChatRenderer
+    from clawfast.train.distributed import make_trainer
 
-    if config.distributed.rollouts != "local" or config.distributed.fsdp:
-        # The pieces exist (clawfast.rollout.ray_backend, clawfast.train.fsdp); this loop does not
-        # drive them yet, and a run that silently fell back to one process would mislead.
-        raise ValueError("distributed.rollouts = 'ray' and distributed.fsdp = true are not wired into "
-                         "`clawfast train` yet; use rollouts = 'local' and fsdp = false")
     run_dir, ckpt = prepare_run_dir(config, resume)
     _seed_everything(config.seed)
     model_dir = resolve_model_dir(config)
@@ -391,6 +435,8 @@ def train(config: RunConfig, *, resume: bool = False, progress: bool = True) -> 
     state = TrainState()
     if ckpt is not None:
         state = load_checkpoint(ckpt, policy, optimizer)
+    # FSDP: shards the policy over the ranks; `policy` stays rank 0's plain copy of the weights.
+    trainer = make_trainer(config, policy, optimizer, state, group)
     view = ProgressView(config.steps) if progress else None
     logger = MetricsLogger(run_dir, resume_step=state.step if ckpt is not None else None)
     summary: dict[str, object] = {"run_dir": str(run_dir), "resumed_from": str(ckpt) if ckpt else None}
@@ -429,11 +475,11 @@ def train(config: RunConfig, *, resume: bool = False, progress: bool = True) -> 
                 cs = run_coldstart(config, policy, model_dir, run_dir, logger=logger, view=view)
                 summary["coldstart"] = cs
                 state.extra["coldstart_done"] = True
-                optimizer = build_optimizer(config, policy)  # fresh AdamW moments for RL
+                trainer.optimizer = build_optimizer(config, policy)  # fresh AdamW moments for RL
                 state.weight_version += 1
                 if engine is not None:
                     push_weights(engine, policy, state.weight_version)
-                save_checkpoint(run_dir, policy, optimizer, state, tokenizer_dir=model_dir, keep=config.checkpoint.keep)
+                trainer.save_checkpoint(run_dir, state, tokenizer_dir=model_dir, keep=config.checkpoint.keep)
                 if config.eval.after_coldstart and eval_tasks:
                     if view:
                         view.set_phase("eval after cold start")
@@ -441,17 +487,19 @@ def train(config: RunConfig, *, resume: bool = False, progress: bool = True) -> 
                     logger.log("eval", 0, {**m, "label": "coldstart"})
                     summary["eval_coldstart"] = m
                     _say(view, _eval_line("after cold start", m))
-            ref_policy = _reference_policy(config, policy, run_dir, model_dir)
+            ref_policy = trainer.share_reference(_reference_policy(config, policy, run_dir, model_dir))
             done_here = 0
             while state.step < config.steps:
-                record = _one_step(config, policy, optimizer, source, sampler, state, engine, ref_policy, view)
+                record = _one_step(config, trainer, source, sampler, state, engine, ref_policy, view)
                 logger.log("train", state.step, record)
                 if view:
                     view.add_step({"step": state.step, **record})
+                else:
+                    print(_step_line(state.step, record), flush=True)
                 done_here += 1
                 last = state.step == config.steps
                 if state.step % config.checkpoint.interval == 0 or last:
-                    save_checkpoint(run_dir, policy, optimizer, state, tokenizer_dir=model_dir, keep=config.checkpoint.keep)
+                    trainer.save_checkpoint(run_dir, state, tokenizer_dir=model_dir, keep=config.checkpoint.keep)
                 if eval_tasks and not last and config.eval.interval and state.step % config.eval.interval == 0:
                     m = run_eval(source, config, eval_tasks)
                     logger.log("eval", state.step, {**m, "label": f"step {state.step}"})
@@ -501,7 +549,7 @@ def _reference_policy(config: RunConfig, policy, run_dir: Path, model_dir: Path)
     return ref.eval()
 
 
-def _one_step(config: RunConfig, policy, optimizer, source, sampler: TaskSampler, state: TrainState, engine,
+def _one_step(config: RunConfig, trainer, source, sampler: TaskSampler, state: TrainState, engine,
               ref_policy, view: ProgressView | None) -> dict[str, float]:
     rc = config.rollout
     task_ids = sampler.take(state.data_position, rc.tasks_per_step)
@@ -520,14 +568,14 @@ def _one_step(config: RunConfig, policy, optimizer, source, sampler: TaskSampler
     if view:
         view.set_phase(f"step {state.step + 1}: training on {len(batch.results)} rollouts")
     t0 = time.monotonic()
-    metrics = training_step(policy, optimizer, batch.results, config, state, ref_policy)
+    metrics = trainer.step(batch.results, config, state, ref_policy)
     t_train = time.monotonic() - t0
     state.step += 1
     state.data_position += rc.tasks_per_step
     t1 = time.monotonic()
     if engine is not None and config.engine.sync_weights:
         state.weight_version += 1
-        push_weights(engine, policy, state.weight_version)
+        push_weights(engine, trainer.current_policy(), state.weight_version)
     t_sync = time.monotonic() - t1
     record = {**rollout_metrics(batch.results), **metrics}
     record.update({"time/rollout_s": batch.seconds, "time/train_s": t_train, "time/sync_s": t_sync,

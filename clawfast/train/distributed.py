@@ -1,0 +1,447 @@
+"""Scale-out for `clawfast train`: the policy sharded with FSDP2 over torchrun processes
+(``distributed.fsdp = true``) and the harness rollouts on a Ray cluster (``distributed.rollouts =
+"ray"``). `clawfast.train.loop` calls in here; a one-process run uses `LocalTrainer` only.
+
+**FSDP.** ``torchrun --nproc-per-node N -m clawfast.cli train CONFIG`` starts N processes; each
+joins the default process group (NCCL on GPUs, each rank on ``cuda:LOCAL_RANK``; gloo on CPUs).
+Rank 0, the *leader*, runs everything a one-process run does (run directory, engine, proxy,
+harnesses, rollouts, evaluation, metrics, checkpoints, plots) with a `ShardedTrainer`; every other
+rank, a *follower*, runs `follow`: it does only what the leader tells it. The leader sends each
+command as a pickled tuple over a gloo group (``broadcast_object_list``), so followers wait on the
+CPU, not in an NCCL collective, while rank 0 runs rollouts:
+
+- ``setup``: every rank builds the policy from ``model.path``, takes rank 0's weights (a broadcast:
+  rank 0 may have loaded a checkpoint), shards it with `clawfast.train.fsdp.shard_policy`, builds
+  AdamW *after* sharding and, on resume, takes rank 0's optimizer state (`load_full_optimizer_state`).
+- ``step``: carries the step's rollouts and `TrainState`; every rank runs
+  `clawfast.train.loop.training_step` on the same rollouts (`train_step` splits the micro-batches
+  over ranks and keeps the loss a global average).
+- ``weights`` / ``optimizer``: the collectives that gather full weights (`full_state_dict`) and full
+  optimizer state (`gather_full_optimizer_state`); rank 0 alone keeps them: in a plain CPU copy of
+  the policy (`ShardedTrainer.view`), from which it pushes weights to the engine and writes
+  checkpoints in the one-process format (so a checkpoint of either kind resumes in either).
+- ``reference``: the frozen KL reference (``kl_coef > 0``), broadcast from rank 0.
+- ``stop`` / ``error``: the leader finished, or failed (then every follower raises `LeaderFailed`).
+
+**Ray.** `ray_rollouts` runs the step's rollouts in one `clawfast.rollout.ray_backend` actor per
+alive Ray node (``ray_address``: ``"auto"`` or ``"ray://..."`` for a running cluster, ``"local"``
+to start one in this process), each with ``rollout.concurrency`` rollouts in flight. The proxy and
+its gRPC control plane stay in the trainer's process, listening on all interfaces; each actor
+relays a loopback port of its node to the proxy (a sandbox reaches only its host's loopback).
+
+Guaranteed: an FSDP run computes the one-process run's losses and weights up to the order of float
+sums across ranks (tests/train/test_train_fsdp.py: 2 gloo processes against 1, within 1e-5, also
+across a resume). Not guaranteed: the cold start under FSDP (refused at start: run it in one
+process, then ``--resume`` with ``fsdp = true``); memory: rank 0 holds a full CPU copy of the
+policy besides its shard (and the engine its own); a follower reads nothing from disk but
+``model.path`` (which must exist on its node). The Ray proxy ports are open to the cluster's
+network: the control plane needs its token and the proxy a rollout's key, but neither uses TLS.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import gc
+import os
+import secrets
+from datetime import timedelta
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from clawfast.records import RolloutResult
+from clawfast.train.checkpoint import TrainState, rng_state, save_checkpoint, set_rng_state
+from clawfast.train.config import RunConfig
+
+# Followers wait in a broadcast while rank 0 runs a step's rollouts and evaluations, which may take
+# hours on a large suite; the default (30 min for gloo) would kill a healthy run.
+COLLECTIVE_TIMEOUT = timedelta(hours=12)
+
+
+class LeaderFailed(RuntimeError):
+    """Raised on a follower when rank 0 stopped with an error (its message says which)."""
+
+
+# ----------------------------------------------------------------------------------------------
+# What the loop trains through
+
+
+class LocalTrainer:
+    """One process: `policy` and `optimizer` are the trained objects themselves."""
+
+    def __init__(self, policy, optimizer: torch.optim.Optimizer) -> None:
+        self.policy = policy
+        self.optimizer = optimizer
+
+    def step(self, results: list[RolloutResult], config: RunConfig, state: TrainState, ref_policy=None) -> dict:
+        from clawfast.train import loop
+
+        return loop.training_step(self.policy, self.optimizer, results, config, state, ref_policy)
+
+    def current_policy(self):
+        """A plain `Policy` holding the current weights (to push to an engine or save)."""
+        return self.policy
+
+    def share_reference(self, ref_policy):
+        return ref_policy
+
+    def save_checkpoint(self, run_dir: str | Path, state: TrainState, **kwargs) -> Path:
+        return save_checkpoint(run_dir, self.policy, self.optimizer, state, **kwargs)
+
+
+class _FullOptimizerState:
+    """What `save_checkpoint` reads of an optimizer (``state_dict()``), for the gathered state."""
+
+    def __init__(self, state: dict) -> None:
+        self._state = state
+
+    def state_dict(self) -> dict:
+        return self._state
+
+
+class ShardedTrainer:
+    """Rank 0 of an FSDP run: trains its shard in step with the followers (each collective is
+    announced to them first) and keeps `view`, a plain CPU policy, in sync on demand."""
+
+    def __init__(self, group: "FsdpGroup", config: RunConfig, policy, optimizer: torch.optim.Optimizer,
+                 state: TrainState) -> None:
+        if config.coldstart.enabled and not state.extra.get("coldstart_done"):
+            raise ValueError("the cold start does not run under distributed.fsdp: run it in one process "
+                             "(fsdp = false), then continue the run with --resume and fsdp = true")
+        self.group = group
+        self.config = config
+        self.view = policy  # plain, on the CPU: rank 0's copy of the full weights
+        full_optim = optimizer.state_dict() if optimizer.state else None  # loaded from a checkpoint
+        group.send("setup", {"rng": rng_state(), "torch_rng": torch.get_rng_state(), "step": state.step,
+                             "optimizer_state": full_optim is not None})
+        self.shard = _Shard(group, config, copy.deepcopy(policy), full_optim)
+        optimizer.state.clear()  # rank 0's plain optimizer is not used again: free its moments
+        self._view_stale = False
+
+    def step(self, results: list[RolloutResult], config: RunConfig, state: TrainState, ref_policy=None) -> dict:
+        self.group.send("step", results, copy.deepcopy(state))
+        self._view_stale = True
+        return {**self.shard.step(results, state, ref_policy), "fsdp_world_size": float(self.group.world_size)}
+
+    def current_policy(self):
+        if self._view_stale:
+            self.group.send("weights")
+            self.view.load_state_dict(self.shard.full_weights())
+            self._view_stale = False
+        return self.view
+
+    def share_reference(self, ref_policy):
+        if ref_policy is None:
+            return None
+        self.group.send("reference")
+        return self.shard.receive_reference(ref_policy)
+
+    def save_checkpoint(self, run_dir: str | Path, state: TrainState, **kwargs) -> Path:
+        view = self.current_policy()
+        self.group.send("optimizer")
+        full = gather_full_optimizer_state(self.shard.optimizer, self.group)
+        return save_checkpoint(run_dir, view, _FullOptimizerState(full), state, **kwargs)
+
+
+# ----------------------------------------------------------------------------------------------
+# The process group and the shard every rank holds
+
+
+class FsdpGroup:
+    """This process's place in a torchrun launch, with the gloo group that carries commands."""
+
+    def __init__(self, backend: str, device: torch.device) -> None:
+        self.backend = backend
+        self.device = device
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        # Commands travel on CPU gloo even under NCCL (followers then wait without a GPU collective).
+        self.control = None if backend == "gloo" else dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
+
+    @classmethod
+    def start(cls, config: RunConfig) -> "FsdpGroup":
+        """Join the process group torchrun describes (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR...).
+
+        On GPUs rank r of a node uses ``cuda:LOCAL_RANK``, or ``cuda:LOCAL_RANK+1`` when the engine is
+        vLLM: rank 0's vLLM process takes GPU 0 of its node (launch one process fewer than GPUs)."""
+        missing = [k for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+        if missing:
+            raise ValueError(f"distributed.fsdp = true needs a torchrun launch (missing {', '.join(missing)}): "
+                             "torchrun --nproc-per-node N -m clawfast.cli train CONFIG")
+        if torch.cuda.is_available():
+            index = int(os.environ["LOCAL_RANK"]) + (1 if config.engine.kind == "vllm" else 0)
+            if index >= torch.cuda.device_count():
+                raise ValueError(f"local rank {os.environ['LOCAL_RANK']} needs GPU {index} but {torch.cuda.device_count()} "
+                                 "are visible (with engine.kind = 'vllm', GPU 0 is the engine's: launch "
+                                 "--nproc-per-node = GPUs - 1)")
+            device = torch.device("cuda", index)
+            torch.cuda.set_device(device)
+            backend = "nccl"
+        else:
+            device, backend = torch.device("cpu"), "gloo"
+        if not dist.is_initialized():
+            dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT)
+        return cls(backend, device)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def send(self, *command) -> None:
+        """Rank 0: announce `command` (a tuple of picklable values) to every follower."""
+        dist.broadcast_object_list([command], src=0, group=self.control)
+
+    def receive(self) -> tuple:
+        box: list = [None]
+        dist.broadcast_object_list(box, src=0, group=self.control)
+        return box[0]
+
+    def close(self, *, finished: bool = False) -> None:
+        """Leave the process group. finished: every rank got here normally; they meet at a barrier
+        first, so no rank tears its connections down while another is still in a collective."""
+        if dist.is_initialized():
+            if finished:
+                dist.barrier(group=self.control)
+            dist.destroy_process_group()
+        # The sharded modules sit in reference cycles that hold gloo's last async work objects; freed
+        # at interpreter exit instead, they may abort the process ("terminate called without an
+        # active exception", seen in a few percent of runs). Free them now, while all is alive.
+        gc.collect()
+
+
+class _Shard:
+    """The sharded policy and its optimizer, built the same way on every rank from rank 0's weights
+    (`full_optim`: rank 0's one-process optimizer state, or None for a fresh optimizer)."""
+
+    def __init__(self, group: FsdpGroup, config: RunConfig, policy, full_optim: dict | None,
+                 has_optimizer_state: bool | None = None) -> None:
+        from clawfast.train.fsdp import shard_policy
+        from clawfast.train.loop import build_optimizer
+
+        self.group = group
+        self.config = config
+        policy = policy.to(group.device)
+        _broadcast_module(policy)
+        self.policy = shard_policy(policy)
+        self.optimizer = build_optimizer(config, self.policy)
+        if has_optimizer_state is None:
+            has_optimizer_state = full_optim is not None
+        if has_optimizer_state:
+            load_full_optimizer_state(self.optimizer, full_optim, group)
+
+    def step(self, results: list[RolloutResult], state: TrainState, ref_policy) -> dict:
+        from clawfast.train import loop
+
+        return loop.training_step(self.policy, self.optimizer, results, self.config, state, ref_policy)
+
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        from clawfast.train.fsdp import full_state_dict
+
+        return full_state_dict(self.policy)
+
+    def receive_reference(self, ref_policy):
+        """Rank 0 passes its reference policy; the others build one from ``model.path`` and take
+        rank 0's weights. Every rank keeps it whole (it only runs forward) on its device."""
+        if ref_policy is None:
+            from clawfast.train.loop import _DTYPES, resolve_model_dir
+            from clawfast.train.policy import Policy
+
+            ref_policy = Policy.from_pretrained(resolve_model_dir(self.config),
+                                                dtype=_DTYPES[self.config.model.dtype])
+            ref_policy.requires_grad_(False)
+        ref = copy.deepcopy(ref_policy) if self.group.is_main else ref_policy
+        ref = ref.to(self.group.device)
+        _broadcast_module(ref)
+        return ref.eval()
+
+
+def _broadcast_module(module: torch.nn.Module) -> None:
+    """Every rank's parameters and buffers become rank 0's (a collective; same architecture on all)."""
+    with torch.no_grad():
+        for _, tensor in sorted(module.state_dict(keep_vars=True).items()):
+            dist.broadcast(tensor.data, src=0)
+
+
+def gather_full_optimizer_state(optimizer: torch.optim.Optimizer, group: FsdpGroup) -> dict | None:
+    """The sharded optimizer's state in the one-process ``optimizer.state_dict()`` layout (full CPU
+    tensors), on rank 0; None elsewhere. A collective: every rank calls it."""
+    from torch.distributed.tensor import DTensor
+
+    sd = optimizer.state_dict()
+    state = {}
+    for index in sorted(sd["state"]):
+        entry = {}
+        for key, value in sd["state"][index].items():
+            if isinstance(value, DTensor):
+                value = value.full_tensor()  # all-gather: every rank takes part
+            entry[key] = value.detach().cpu() if isinstance(value, torch.Tensor) else value
+        state[index] = entry
+    return {"state": state, "param_groups": sd["param_groups"]} if group.is_main else None
+
+
+def load_full_optimizer_state(optimizer: torch.optim.Optimizer, full: dict | None, group: FsdpGroup) -> None:
+    """Load rank 0's one-process optimizer state (`full`; None on other ranks) into the sharded
+    optimizer of every rank: each state tensor is scattered like its parameter. A collective."""
+    from torch.distributed.tensor import distribute_tensor
+
+    skeleton = None
+    if group.is_main:
+        skeleton = {
+            "param_groups": full["param_groups"],
+            "state": {i: {k: (("tensor", tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) and v.dim() else v)
+                          for k, v in entry.items()} for i, entry in full["state"].items()},
+        }
+    box = [skeleton]
+    dist.broadcast_object_list(box, src=0, group=group.control)
+    skeleton = box[0]
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    state = {}
+    for index in sorted(skeleton["state"]):
+        if index >= len(params):
+            raise ValueError(f"optimizer state names parameter {index}; the policy has {len(params)}")
+        param = params[index]
+        entry = {}
+        for key, value in skeleton["state"][index].items():
+            if isinstance(value, tuple) and value and value[0] == "tensor":
+                _, shape, dtype = value
+                if shape != tuple(param.shape):
+                    raise ValueError(f"optimizer state {index}/{key} has shape {shape}, the parameter {tuple(param.shape)}")
+                source = (full["state"][index][key].to(param.device) if group.is_main
+                          else torch.empty(shape, dtype=dtype, device=param.device))
+                value = distribute_tensor(source, param.device_mesh, param.placements, src_data_rank=0)
+            entry[key] = value
+        state[index] = entry
+    optimizer.load_state_dict({"state": state, "param_groups": skeleton["param_groups"]})
+
+
+# ----------------------------------------------------------------------------------------------
+# Entry points
+
+
+def train_sharded(config: RunConfig, *, resume: bool, progress: bool) -> dict[str, object]:
+    """`clawfast.train.loop.train` under ``distributed.fsdp``: rank 0 leads, the others follow."""
+    from clawfast.train import loop
+
+    group = FsdpGroup.start(config)
+    finished = False
+    try:
+        if not group.is_main:
+            summary = follow(group, config)
+        else:
+            try:
+                summary = loop._train(config, resume=resume, progress=progress, group=group)
+            except BaseException as exc:
+                with contextlib.suppress(Exception):  # the original error matters more than this one
+                    group.send("error", f"{type(exc).__name__}: {exc}")
+                raise
+            group.send("stop")
+        finished = True
+        return summary
+    finally:
+        group.close(finished=finished)
+
+
+def follow(group: FsdpGroup, config: RunConfig) -> dict[str, object]:
+    """A follower's whole run: do what rank 0 announces until it stops (see the module docstring)."""
+    from clawfast.train import loop
+
+    command = _expect(group, "setup")
+    setup = command[1]
+    set_rng_state(setup["rng"])
+    torch.set_rng_state(setup["torch_rng"])
+    steps = setup["step"]
+    policy = loop.build_policy(config, loop.resolve_model_dir(config))
+    shard = _Shard(group, config, policy, None, has_optimizer_state=setup["optimizer_state"])
+    ref_policy = None
+    while True:
+        command = group.receive()
+        kind = command[0]
+        if kind == "step":
+            _, results, state = command
+            shard.step(results, state, ref_policy)
+            steps = state.step + 1
+        elif kind == "weights":
+            shard.full_weights()
+        elif kind == "optimizer":
+            gather_full_optimizer_state(shard.optimizer, group)
+        elif kind == "reference":
+            ref_policy = shard.receive_reference(None)
+        elif kind == "stop":
+            return {"run_dir": config.run_dir, "steps": steps, "rank": group.rank}
+        elif kind == "error":
+            raise LeaderFailed(f"rank 0 stopped: {command[1]}")
+        else:
+            raise RuntimeError(f"unknown command from rank 0: {kind!r}")
+
+
+def _expect(group: FsdpGroup, kind: str) -> tuple:
+    command = group.receive()
+    if command[0] == "error":
+        raise LeaderFailed(f"rank 0 stopped: {command[1]}")
+    if command[0] != kind:
+        raise RuntimeError(f"expected {kind!r} from rank 0, got {command[0]!r}")
+    return command
+
+
+def make_trainer(config: RunConfig, policy, optimizer: torch.optim.Optimizer, state: TrainState, group):
+    """`LocalTrainer`, or rank 0's `ShardedTrainer` when `group` (an `FsdpGroup`) is given."""
+    if group is None:
+        return LocalTrainer(policy, optimizer)
+    return ShardedTrainer(group, config, policy, optimizer, state)
+
+
+# ----------------------------------------------------------------------------------------------
+# Rollouts on Ray
+
+
+class RayRollouts:
+    """The Ray side of `clawfast.train.loop.HarnessRollouts`: the proxy's gRPC control plane (on
+    all interfaces, behind a fresh token) and a `RayRolloutPool` of one actor per alive node, which
+    relay their node's loopback to the proxy at ``<this node's IP>:proxy_port``. `run` takes the
+    specs of a step; the actors live as long as this object (a context manager)."""
+
+    def __init__(self, config: RunConfig, registry, proxy_port: int, logs_dir: Path | None) -> None:
+        self.config = config
+        self.registry = registry
+        self.proxy_port = proxy_port
+        self.logs_dir = logs_dir
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> "RayRollouts":
+        import ray
+
+        from clawfast.proxy.grpc_service import GrpcControlServer
+        from clawfast.rollout.ray_backend import RayRolloutPool, RaySetup
+        from clawfast.train.loop import harness_options
+
+        cfg, rc = self.config, self.config.rollout
+        try:
+            address = cfg.distributed.ray_address
+            if not ray.is_initialized():
+                ray.init(address=None if address == "local" else address)
+                self._stack.callback(ray.shutdown)
+            host = ray.util.get_node_ip_address()  # this node as the cluster reaches it
+            token = secrets.token_urlsafe(24)
+            control = self._stack.enter_context(GrpcControlServer(self.registry, token, host="0.0.0.0"))
+            setup = RaySetup(
+                control_address=f"{host}:{control.port}", control_token=token, suite=cfg.tasks.suite,
+                suite_seed=cfg.tasks.suite_seed, harnesses=tuple(rc.harnesses), backend=rc.sandbox,
+                timeout_s=rc.timeout_s, concurrency=rc.concurrency,
+                logs_dir=str(self.logs_dir) if self.logs_dir is not None else None,
+                harness_options={name: harness_options(name, cfg) for name in rc.harnesses},
+                proxy_address=f"{host}:{self.proxy_port}",
+            )  # fmt: skip
+            self.pool = self._stack.enter_context(RayRolloutPool(setup))
+        except BaseException:
+            self._stack.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+    def run(self, specs: Sequence, on_result: Callable[[RolloutResult], None] | None = None) -> list[RolloutResult]:
+        return self.pool.run(specs, on_result=on_result)

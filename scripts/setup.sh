@@ -15,9 +15,11 @@ fi
 python3 -m pip install -q torch==2.13.0
 python3 -m pip install -q -e ".[dev,ray]"
 
-# The four real harnesses, pinned, into the cache (npm for three, a private venv for mini-swe-agent).
+# The real harnesses, pinned, into the cache (npm for three, a private venv for mini-swe-agent);
+# all four unless CLAWFAST_HARNESSES names fewer (the quickstart needs only mini-swe-agent).
 # Installed read-only-mounted into sandboxes later; never modified.
-python3 -m clawfast.cli harness install mini-swe-agent claude-code openclaw codex
+# shellcheck disable=SC2086
+python3 -m clawfast.cli harness install ${CLAWFAST_HARNESSES:-mini-swe-agent claude-code openclaw codex}
 
 # vLLM (CPU build) pins older transformers and numpy, so it lives in its own venv that sees the
 # main environment's packages (clawfast included); the vllm-marked tests run there.

@@ -38,6 +38,7 @@ from clawfast.rollout.control import ProxyRollout
 from clawfast.rollout.progress import ProgressDisplay
 from clawfast.rollout.scheduler import RunStats
 from clawfast.rollout.worker import RolloutConfig, RolloutSpec, RolloutWorker
+from clawfast.sandbox.forward import relay
 
 
 @dataclass(frozen=True)
@@ -101,16 +102,7 @@ class LoopbackRelay:
         self.loop.run_forever()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            up_reader, up_writer = await asyncio.open_connection(*self.target)
-        except OSError:
-            writer.close()
-            return
-        try:
-            await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
-        finally:
-            writer.close()
-            up_writer.close()
+        await relay(reader, writer, *self.target)
 
     def close(self) -> None:
         async def stop() -> None:
@@ -124,18 +116,6 @@ class LoopbackRelay:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=30)
         self.loop.close()
-
-
-async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    """Copy until EOF, then half-close `writer` (HTTP keep-alive and streaming pass through)."""
-    try:
-        while data := await reader.read(1 << 16):
-            writer.write(data)
-            await writer.drain()
-        if writer.can_write_eof():
-            writer.write_eof()
-    except (ConnectionError, OSError):
-        writer.close()
 
 
 class _ActorControl:

@@ -103,10 +103,16 @@ class HostForwarder:
 
 
 async def _serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, port: int) -> None:
+    await relay(reader, writer, "127.0.0.1", port)
+
+
+async def relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, host: str, port: int) -> None:
+    """Splice one accepted connection to a new TCP connection to (host, port), both ways, until
+    both sides are done (half-closes pass through)."""
     try:
-        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", port)
+        up_reader, up_writer = await asyncio.open_connection(host, port)
     except OSError:
-        # The proxy is not listening: the sandbox sees its connection closed, as it would a refusal.
+        # The target is not listening: the client sees its connection closed, as it would a refusal.
         writer.close()
         return
     try:

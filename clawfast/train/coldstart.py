@@ -12,7 +12,8 @@
 3. **SFT.** The captured calls become prefix trees, are packed (`clawfast.pack`: shared prompts
    once) and the policy is trained on exactly those tokens: the mean negative log-likelihood of
    every trainable (model-generated) target of the packed trees, under the tree mask
-   (`Policy.run`), AdamW, one update per ``batch_rollouts`` demonstrations, ``epochs`` passes.
+   (`Policy.run`), AdamW with a short warm-up and a cosine decay over all updates, one update per
+   ``batch_rollouts`` demonstrations, ``epochs`` passes.
 
 What is scripted is only the choice of each output (the oracle); tokenizer, chat template, protocol,
 harness, sandbox and verifier are the real ones, so the tokens trained on are the tokens the policy
@@ -23,6 +24,7 @@ training templates to held-out tasks (measure it: `clawfast eval`).
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -104,7 +106,8 @@ def capture_demonstrations(config: RunConfig, model_dir: Path, tasks: list, reco
 
 
 def sft_epoch(policy, optimizer: torch.optim.Optimizer, demos: list[RolloutResult], *, max_tokens: int,
-              batch_rollouts: int, rng: np.random.Generator, max_grad_norm: float | None = 1.0) -> dict[str, float]:
+              batch_rollouts: int, rng: np.random.Generator, max_grad_norm: float | None = 1.0,
+              scheduler: torch.optim.lr_scheduler.LRScheduler | None = None) -> dict[str, float]:
     """One pass of masked NLL over the demonstrations' generated tokens; returns mean loss and counts.
 
     Each update: the trees of `batch_rollouts` demonstrations, packed into micro-batches of at most
@@ -135,11 +138,23 @@ def sft_epoch(policy, optimizer: torch.optim.Optimizer, demos: list[RolloutResul
         if max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(policy.parameters(), max_grad_norm)
         optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(step_loss)
         targets += int(total)
     return {"nll": float(np.mean(losses)) if losses else float("nan"), "targets": float(targets),
             "tokens_packed": float(tokens), "updates": float(len(losses))}
+
+
+def warmup_cosine(optimizer: torch.optim.Optimizer, total_updates: int, warmup: int = 10):
+    """`lr` ramps up linearly over `warmup` updates, then decays to 0 along a half cosine by the last
+    update, so that a small model trained for many epochs ends on small steps instead of a noisy
+    full-rate one."""
+    def factor(k: int) -> float:
+        return min(1.0, (k + 1) / warmup) * 0.5 * (1.0 + math.cos(math.pi * min(k, total_updates) / max(total_updates, 1)))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 def run_coldstart(config: RunConfig, policy, model_dir: Path, run_dir: Path, *, logger=None, view=None) -> dict[str, Any]:
@@ -164,10 +179,12 @@ def run_coldstart(config: RunConfig, policy, model_dir: Path, run_dir: Path, *, 
     if view is not None:
         view.set_phase(f"cold start: {len(demos)}/{captured} demonstrations solved their task; SFT")
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cs.lr, weight_decay=0.0)
+    scheduler = warmup_cosine(optimizer, cs.epochs * -(-len(demos) // cs.batch_rollouts))
     rng = np.random.default_rng([config.seed, 17])
     t1 = time.monotonic()
     for epoch in range(cs.epochs):
-        m = sft_epoch(policy, optimizer, demos, max_tokens=cs.max_tokens, batch_rollouts=cs.batch_rollouts, rng=rng)
+        m = sft_epoch(policy, optimizer, demos, max_tokens=cs.max_tokens, batch_rollouts=cs.batch_rollouts, rng=rng,
+                      scheduler=scheduler)
         m["time_s"] = time.monotonic() - t1
         if logger is not None:
             logger.log("coldstart", 0, {"epoch": epoch + 1, **m, **({"demos": float(len(demos))} if epoch == 0 else {})})

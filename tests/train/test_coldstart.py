@@ -1,0 +1,43 @@
+"""Cold start SFT schedule: warm-up, cosine decay to zero, one scheduler step per update."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from loop_fixtures import make_tiny_model
+
+from clawfast.records import CallRecord, RolloutResult
+from clawfast.train.coldstart import sft_epoch, warmup_cosine
+from clawfast.train.policy import Policy
+
+
+def test_warmup_cosine_ramps_then_decays_to_zero():
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.5)
+    sched = warmup_cosine(opt, total_updates=40, warmup=4)
+    lrs = []
+    for _ in range(41):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    want = [0.5 * min(1.0, (k + 1) / 4) * 0.5 * (1 + math.cos(math.pi * k / 40)) for k in range(41)]
+    assert np.allclose(lrs, want, rtol=1e-12, atol=0)
+    assert lrs[0] < lrs[1] < lrs[2] < lrs[3]  # the warm-up ramp
+    assert all(a >= b for a, b in zip(lrs[3:], lrs[4:]))  # then a monotone decay
+    assert lrs[40] == 0.0
+
+
+def test_sft_epoch_steps_the_schedule_once_per_update(tmp_path):
+    rng = np.random.default_rng(3)
+    demos = []
+    for i in range(5):
+        p, o = rng.integers(0, 64, 9).astype(np.int32), rng.integers(0, 64, 4).astype(np.int32)
+        call = CallRecord(f"r{i}", 0, "h", p, o, np.full(4, -1.0, np.float32))
+        demos.append(RolloutResult(f"r{i}", f"t{i}", "h", calls=[call], reward=1.0))
+    policy = Policy.from_pretrained(make_tiny_model(tmp_path / "m"))
+    opt = torch.optim.AdamW(policy.parameters(), lr=1e-3)
+    sched = warmup_cosine(opt, total_updates=3)
+    m = sft_epoch(policy, opt, demos, max_tokens=64, batch_rollouts=2, rng=rng, scheduler=sched)
+    assert m["updates"] == 3 and sched.last_epoch == 3
+    assert opt.param_groups[0]["lr"] == 0.0

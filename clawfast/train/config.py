@@ -94,7 +94,9 @@ class RolloutSection(_Section):
     by task x harness unless `algorithm.group_by` says otherwise). tasks_per_step x
     samples_per_task x len(harnesses) rollouts per step. concurrency: rollouts in flight.
     sandbox: "bwrap", "docker" or "local" (no isolation). timeout_s: harness wall clock.
-    harness_max_steps: the harness's own turn limit. mini_instance_template: mini-swe-agent only: its
+    harness_max_steps: the harness's own turn limit, where it has one (mini-swe-agent's step_limit,
+    Claude Code's --max-turns; Codex CLI's `exec` and OpenClaw take none, so only timeout_s bounds
+    them). mini_instance_template: mini-swe-agent only: its
     ``agent.instance_template`` (the first user message, Jinja, must hold ``{{task}}``), set through
     the harness's own ``-c`` config layers; None keeps the harness default (~1,300 tokens of
     workflow advice, which dominates the compute of a tiny model on CPU)."""

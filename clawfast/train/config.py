@@ -95,7 +95,8 @@ class RolloutSection(_Section):
     samples_per_task x len(harnesses) rollouts per step. concurrency: rollouts in flight.
     sandbox: "bwrap", "docker" or "local" (no isolation). timeout_s: harness wall clock.
     harness_max_steps: the harness's own turn limit, where it has one (mini-swe-agent's step_limit,
-    Claude Code's --max-turns; Codex CLI's `exec` and OpenClaw take none, so only timeout_s bounds
+    Claude Code's --max-turns; the Codex CLI adapter (`codex exec` has no such flag) and the OpenClaw
+    adapter set none, so only timeout_s bounds
     them). mini_instance_template: mini-swe-agent only: its
     ``agent.instance_template`` (the first user message, Jinja, must hold ``{{task}}``), set through
     the harness's own ``-c`` config layers; None keeps the harness default (~1,300 tokens of

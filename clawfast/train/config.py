@@ -96,9 +96,8 @@ class RolloutSection(_Section):
     sandbox: "bwrap", "docker" or "local" (no isolation). timeout_s: harness wall clock.
     harness_max_steps: the harness's own turn limit, where it has one (mini-swe-agent's step_limit,
     Claude Code's --max-turns; the Codex CLI adapter (`codex exec` has no such flag) and the OpenClaw
-    adapter set none, so only timeout_s bounds
-    them). mini_instance_template: mini-swe-agent only: its
-    ``agent.instance_template`` (the first user message, Jinja, must hold ``{{task}}``), set through
+    adapter set none, so only timeout_s bounds them). mini_instance_template: mini-swe-agent only:
+    its ``agent.instance_template`` (the first user message, Jinja, must hold ``{{task}}``), set through
     the harness's own ``-c`` config layers; None keeps the harness default (~1,300 tokens of
     workflow advice, which dominates the compute of a tiny model on CPU)."""
 

@@ -48,7 +48,7 @@ from clawfast.train.algorithms import group_ids, grpo_rollout_advantages
 from clawfast.train.policy import Policy
 from clawfast.train.step import StepConfig, StepData, accumulate_gradients, grad_norm, prepare_step, train_step
 from clawfast.tree import build_tree
-from clawfast.tree_ref import trainable_mask_ref
+from clawfast.tree_ref import kept_leaf_paths_ref, trainable_mask_ref
 
 RESULTS = Path(__file__).parent / "results" / "bench_train_step.json"
 
@@ -147,15 +147,7 @@ def flat_step_data(rollouts, layout: str, config: StepConfig) -> StepData:
         for g, r in enumerate(rollouts):
             tree = build_tree(r.calls, max_kept_leaves=config.max_kept_leaves, drop_dead=config.drop_dead)
             train = trainable_mask_ref(tree)
-            for leaf in tree.leaves:
-                if leaf.status != "kept":
-                    continue
-                chain, s = [], leaf.node
-                while s >= 0:
-                    chain.append(s)
-                    s = int(tree.seg_parent[s])
-                path = np.concatenate([np.arange(tree.seg_start[s], tree.seg_start[s] + tree.seg_len[s])
-                                       for s in reversed(chain)])
+            for path in kept_leaf_paths_ref(tree):
                 pos = np.flatnonzero(train[path])
                 pos = pos[pos > 0]
                 count.update((g, int(t)) for t in path[pos])

@@ -74,19 +74,31 @@ def ensure_npm_harness(
     npm = shutil.which("npm")
     if npm is None:
         raise FileNotFoundError("npm is not on PATH: install Node.js and npm to run real harnesses")
+
+    def build(staging: Path) -> None:
+        # Extras first: npm puts <prefix>/node_modules/.bin first on the PATH of install
+        # scripts, so a Node installed as an extra runs the harness's own install checks
+        # (OpenClaw's preinstall refuses Node < 24.16 and the system Node may be 20).
+        for group in ([*specs[1:]], [specs[0]]) if len(specs) > 1 else ([specs[0]],):
+            _npm_install(npm, staging, group, timeout)
+
+    return install_once(prefix, build, " ".join(specs))
+
+
+def install_once(prefix: Path, build, marker: str) -> Path:
+    """Run ``build(staging)`` in a fresh sibling folder of `prefix` and rename it into place, unless a
+    complete install is already there; return `prefix`. A file lock serialises processes installing
+    the same thing; the completion marker (holding `marker`) is written last, so a torn attempt is
+    rebuilt, never used."""
     prefix.parent.mkdir(parents=True, exist_ok=True)
     with open(prefix.parent / (prefix.name + ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be installing the same set
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be installing the same thing
         if (prefix / _COMPLETE).exists():
             return prefix
         staging = Path(tempfile.mkdtemp(prefix=prefix.name + ".", dir=prefix.parent))
         try:
-            # Extras first: npm puts <prefix>/node_modules/.bin first on the PATH of install
-            # scripts, so a Node installed as an extra runs the harness's own install checks
-            # (OpenClaw's preinstall refuses Node < 24.16 and the system Node may be 20).
-            for group in ([*specs[1:]], [specs[0]]) if len(specs) > 1 else ([specs[0]],):
-                _npm_install(npm, staging, group, timeout)
-            (staging / _COMPLETE).write_text(" ".join(specs) + "\n")
+            build(staging)
+            (staging / _COMPLETE).write_text(marker + "\n")
             if prefix.exists():  # a torn earlier attempt without the marker
                 shutil.rmtree(prefix)
             os.replace(staging, prefix)

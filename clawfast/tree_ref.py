@@ -287,3 +287,19 @@ def trainable_mask_ref(tree) -> np.ndarray:
         for t in range(a, a + n):
             mask[t] = int(tree.token_call[t]) not in excluded_calls
     return mask
+
+
+def kept_leaf_paths_ref(tree) -> list[np.ndarray]:
+    """Token indices (into ``tree.tokens``) of every kept leaf's root-to-leaf path, in leaf order: the
+    flat per-leaf trajectories a tree stands for. Works on any object with the PrefixTree fields."""
+    paths = []
+    for leaf in tree.leaves:
+        if leaf.status != "kept":
+            continue
+        chain, s = [], leaf.node
+        while s >= 0:
+            chain.append(s)
+            s = int(tree.seg_parent[s])
+        paths.append(np.concatenate([np.arange(tree.seg_start[s], tree.seg_start[s] + tree.seg_len[s])
+                                     for s in reversed(chain)]))
+    return paths

@@ -12,18 +12,13 @@ serialise on a lock file and install once. Not guaranteed: that the index still 
 
 from __future__ import annotations
 
-import fcntl
-import os
 import re
-import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-from clawfast.harness_install import cache_root
+from clawfast.harness_install import _COMPLETE, cache_root, install_once
 
-_COMPLETE = ".clawfast-install-complete"
 # PEP 508 distribution names and exact versions only: the cache key must pin the install.
 _NAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?$")
 _VERSION = re.compile(r"^[0-9][0-9A-Za-z.+!_-]*$")
@@ -48,27 +43,16 @@ def ensure_pip_harness(name: str, version: str, *, python: str | None = None, ti
     if (prefix / _COMPLETE).exists():
         return prefix
     python = python or sys.executable
-    prefix.parent.mkdir(parents=True, exist_ok=True)
-    with open(prefix.parent / (prefix.name + ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be installing the same version
-        if (prefix / _COMPLETE).exists():
-            return prefix
-        staging = Path(tempfile.mkdtemp(prefix=prefix.name + ".", dir=prefix.parent))
-        try:
-            for argv in (
-                [python, "-m", "venv", str(staging)],
-                [str(staging / "bin" / "python"), "-m", "pip", "install", "--quiet", "--no-input",
-                 "--disable-pip-version-check", f"{name}=={version}"],
-            ):
-                proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
-                if proc.returncode != 0:
-                    tail = (proc.stdout + proc.stderr)[-4000:]
-                    raise RuntimeError(f"{' '.join(argv[:4])} ... failed (exit {proc.returncode}):\n{tail}")
-            (staging / _COMPLETE).write_text(f"{name}=={version}\n")
-            if prefix.exists():  # a torn earlier attempt without the marker
-                shutil.rmtree(prefix)
-            os.replace(staging, prefix)
-        finally:
-            if staging.exists():
-                shutil.rmtree(staging, ignore_errors=True)
-    return prefix
+
+    def build(staging: Path) -> None:
+        for argv in (
+            [python, "-m", "venv", str(staging)],
+            [str(staging / "bin" / "python"), "-m", "pip", "install", "--quiet", "--no-input",
+             "--disable-pip-version-check", f"{name}=={version}"],
+        ):
+            proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+            if proc.returncode != 0:
+                tail = (proc.stdout + proc.stderr)[-4000:]
+                raise RuntimeError(f"{' '.join(argv[:4])} ... failed (exit {proc.returncode}):\n{tail}")
+
+    return install_once(prefix, build, f"{name}=={version}")

@@ -461,12 +461,8 @@ def _train(config: RunConfig, *, resume: bool, progress: bool, group=None) -> di
         with source_cm as source:
             fresh = ckpt is None
             if fresh and config.eval.before and eval_tasks:
-                if view:
-                    view.set_phase("eval before training")
-                m = run_eval(source, config, eval_tasks)
-                logger.log("eval", 0, {**m, "label": "before"})
-                summary["eval_before"] = m
-                _say(view, _eval_line("before", m))
+                summary["eval_before"] = _evaluate(source, config, eval_tasks, logger, view, 0, "before",
+                                                   "eval before training")
             if not state.extra.get("coldstart_done") and config.coldstart.enabled:
                 from clawfast.train.coldstart import run_coldstart
 
@@ -481,12 +477,8 @@ def _train(config: RunConfig, *, resume: bool, progress: bool, group=None) -> di
                     push_weights(engine, policy, state.weight_version)
                 trainer.save_checkpoint(run_dir, state, tokenizer_dir=model_dir, keep=config.checkpoint.keep)
                 if config.eval.after_coldstart and eval_tasks:
-                    if view:
-                        view.set_phase("eval after cold start")
-                    m = run_eval(source, config, eval_tasks)
-                    logger.log("eval", 0, {**m, "label": "coldstart"})
-                    summary["eval_coldstart"] = m
-                    _say(view, _eval_line("after cold start", m))
+                    summary["eval_coldstart"] = _evaluate(source, config, eval_tasks, logger, view, 0, "coldstart",
+                                                          "eval after cold start", shown="after cold start")
             ref_policy = trainer.share_reference(_reference_policy(config, policy, run_dir, model_dir))
             done_here = 0
             while state.step < config.steps:
@@ -501,17 +493,11 @@ def _train(config: RunConfig, *, resume: bool, progress: bool, group=None) -> di
                 if state.step % config.checkpoint.interval == 0 or last:
                     trainer.save_checkpoint(run_dir, state, tokenizer_dir=model_dir, keep=config.checkpoint.keep)
                 if eval_tasks and not last and config.eval.interval and state.step % config.eval.interval == 0:
-                    m = run_eval(source, config, eval_tasks)
-                    logger.log("eval", state.step, {**m, "label": f"step {state.step}"})
-                    _say(view, _eval_line(f"step {state.step}", m))
+                    _evaluate(source, config, eval_tasks, logger, view, state.step, f"step {state.step}", None)
             # A resumed run that had already finished does not evaluate again.
             if state.step == config.steps and (done_here or fresh) and config.eval.after and eval_tasks:
-                if view:
-                    view.set_phase("eval after training")
-                m = run_eval(source, config, eval_tasks)
-                logger.log("eval", state.step, {**m, "label": "after"})
-                summary["eval_after"] = m
-                _say(view, _eval_line("after", m))
+                summary["eval_after"] = _evaluate(source, config, eval_tasks, logger, view, state.step, "after",
+                                                  "eval after training")
     finally:
         if view:
             view.stop()
@@ -522,6 +508,18 @@ def _train(config: RunConfig, *, resume: bool, progress: bool, group=None) -> di
     except (ValueError, FileNotFoundError):
         summary["curves"] = None
     return summary
+
+
+def _evaluate(source, config: RunConfig, eval_tasks: dict, logger: MetricsLogger, view: ProgressView | None,
+              step: int, label: str, phase: str | None, *, shown: str | None = None) -> dict[str, float]:
+    """Evaluate, log the record under `label` at `step`, show `phase` while it runs and the result line
+    (named `shown`, default `label`) after; returns the metrics."""
+    if view and phase:
+        view.set_phase(phase)
+    m = run_eval(source, config, eval_tasks)
+    logger.log("eval", step, {**m, "label": label})
+    _say(view, _eval_line(shown or label, m))
+    return m
 
 
 def _say(view: ProgressView | None, text: str) -> None:

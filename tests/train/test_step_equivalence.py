@@ -34,7 +34,7 @@ from clawfast.train.algorithms import group_ids, grpo_rollout_advantages
 from clawfast.train.policy import Policy
 from clawfast.train.step import StepConfig, accumulate_gradients, prepare_step
 from clawfast.tree import build_tree
-from clawfast.tree_ref import trainable_mask_ref
+from clawfast.tree_ref import kept_leaf_paths_ref, trainable_mask_ref
 
 VOCAB = 64
 ATOL = 1e-4
@@ -101,21 +101,6 @@ def random_rollouts(policy: Policy, seed: int) -> list[RolloutResult]:
 # ------------------------------------------------------------------------- flat reference
 
 
-def kept_paths(tree) -> list[list[int]]:
-    """Token indices (into tree.tokens) of every kept leaf's root-to-leaf path."""
-    paths = []
-    for leaf in tree.leaves:
-        if leaf.status != "kept":
-            continue
-        chain, s = [], leaf.node
-        while s >= 0:
-            chain.append(s)
-            s = int(tree.seg_parent[s])
-        paths.append([t for s in reversed(chain)
-                      for t in range(tree.seg_start[s], tree.seg_start[s] + tree.seg_len[s])])
-    return paths
-
-
 def path_forward(policy: Policy, ids: torch.Tensor):
     """Plain causal run of one path: (log_softmax [T, V], hidden [T, d])."""
     hidden = policy.lm.model(input_ids=ids[None]).last_hidden_state[0]
@@ -133,7 +118,7 @@ def flat_loss(policy: Policy, rollouts, config: StepConfig, *, ref_policy: Polic
         if tree.dropped:
             continue
         train = trainable_mask_ref(tree)
-        for path in kept_paths(tree):
+        for path in kept_leaf_paths_ref(tree):
             copies.append((g, path, train))
             for t in path[1:]:
                 if train[t]:

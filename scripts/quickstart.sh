@@ -36,9 +36,12 @@ evals = {r.get("label"): r for r in read_metrics(sys.argv[1]) if r["kind"] == "e
 for label in ("before", "coldstart", "after"):
     if label in evals:
         r = evals[label]
-        print(f"held-out pass@1 {label:<10} {r['pass@1']:.3f}  ({int(r['rollouts'])} rollouts, mini-swe-agent)")
+        levels = ", ".join(f"{k.split('/', 1)[1]} {r[k]:.3f}" for k in sorted(r) if k.startswith("pass@1_difficulty/"))
+        print(f"held-out pass@1 {label:<10} {r['pass@1']:.3f}  ({int(r['rollouts'])} rollouts, mini-swe-agent; {levels})")
 if "before" in evals and "after" in evals:
-    gain = 100 * (evals["after"]["pass@1"] - evals["before"]["pass@1"])
-    print(f"gain: {gain:+.1f} points")
+    for key, name in [("pass@1", "all held-out tasks")] + [
+            (k, k.split("/", 1)[1] + " held-out tasks") for k in sorted(evals["after"]) if k.startswith("pass@1_difficulty/")]:
+        gain = 100 * (evals["after"].get(key, 0.0) - evals["before"].get(key, 0.0))
+        print(f"gain on {name}: {gain:+.1f} points")
 PY
 echo "total time: $(( $(date +%s) - START )) s"

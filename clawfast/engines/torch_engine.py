@@ -1,9 +1,10 @@
 """The in-process torch engine: a Hugging Face causal LM sampling token ids with exact log-probs.
 
-Concurrent `generate` calls are batched: a worker takes up to `max_batch` queued requests, left-pads
-them, and decodes them together with a KV cache on a worker thread (the event loop stays free for
-keep-alives). Requests that arrive while a batch runs wait for the next batch (static batching, not
-continuous batching: simple, and enough for the embedded CPU setup).
+Concurrent `generate` calls are batched: a worker takes the oldest queued request and up to
+`max_batch - 1` more of similar prompt length (`_take_batch`), left-pads them, and decodes them
+together with a KV cache on a worker thread (the event loop stays free for keep-alives). Requests that
+arrive while a batch runs wait for the next batch (static batching, not continuous batching: simple,
+and enough for the embedded CPU setup).
 
 Sampling, per request with its own seeded `torch.Generator` (so a request samples the same tokens
 alone or in a batch, up to float rounding of padded batched matmuls):
@@ -53,6 +54,10 @@ def sampling_logprobs(logits: torch.Tensor, temperature: float, top_k: int, top_
     return torch.log_softmax(logits, dim=-1)
 
 
+# Padding tokens a batch may carry beyond half its real prompt tokens: short prompts batch freely.
+PAD_SLACK = 512
+
+
 @dataclass
 class _Pending:
     prompt: np.ndarray
@@ -95,10 +100,27 @@ class TorchEngine(Engine):
             self._worker = loop.create_task(self._work())
         return await pending.future
 
+    def _take_batch(self) -> list[_Pending]:
+        """Remove and return the oldest request plus, in queue order, those that keep the batch's padding
+        within half its real tokens plus `PAD_SLACK`. Every row is padded to the longest prompt: two
+        12.2K-token Codex prompts batched with two 374-token mini-swe-agent prompts took 78.9 s, the
+        same four in two length groups 46.2 s (trainer issue notes)."""
+        batch, rest = [self._queue[0]], []
+        width, real = len(self._queue[0].prompt), len(self._queue[0].prompt)
+        for p in self._queue[1:]:
+            n = len(p.prompt)
+            wider = max(width, n)
+            if len(batch) < self.max_batch and wider * (len(batch) + 1) <= 1.5 * (real + n) + PAD_SLACK:
+                batch.append(p)
+                width, real = wider, real + n
+            else:
+                rest.append(p)
+        self._queue = rest
+        return batch
+
     async def _work(self) -> None:
         while self._queue:
-            batch, self._queue = self._queue[: self.max_batch], self._queue[self.max_batch :]
-            live = [p for p in batch if not p.future.cancelled()]
+            live = [p for p in self._take_batch() if not p.future.cancelled()]
             if not live:
                 continue
             try:

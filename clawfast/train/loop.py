@@ -56,7 +56,7 @@ import torch
 from clawfast.records import RolloutResult, read_rollouts
 from clawfast.train.checkpoint import TrainState, latest_checkpoint, list_checkpoints, load_checkpoint
 from clawfast.train.config import RunConfig
-from clawfast.train.metrics import MetricsLogger, ProgressView, plot_run, rollout_metrics
+from clawfast.train.metrics import MetricsLogger, ProgressView, pass_at_1_by_tag, plot_run, rollout_metrics
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -334,14 +334,17 @@ def pass_at_1(results: Sequence[RolloutResult]) -> dict[str, float]:
 def run_eval(source, config: RunConfig, eval_tasks: dict) -> dict[str, float]:
     batch = source.run(sorted(eval_tasks), config.rollout.harnesses, config.eval.samples_per_task,
                        temperature=config.eval.temperature)
-    metrics = pass_at_1(batch.results)
+    metrics = {**pass_at_1(batch.results), **pass_at_1_by_tag(batch.results, eval_tasks, "difficulty")}
     metrics["time/eval_s"] = batch.seconds
     return metrics
 
 
 def _eval_line(label: str, metrics: dict[str, float]) -> str:
     per = ", ".join(f"{k.split('/', 1)[1]} {v:.3f}" for k, v in sorted(metrics.items()) if k.startswith("pass@1/"))
-    return f"eval {label}: pass@1 {metrics.get('pass@1', 0.0):.3f} ({per}) over {int(metrics.get('rollouts', 0))} rollouts"
+    levels = ", ".join(f"{k.split('/', 1)[1]} {v:.3f}" for k, v in sorted(metrics.items())
+                       if k.startswith("pass@1_difficulty/"))
+    return (f"eval {label}: pass@1 {metrics.get('pass@1', 0.0):.3f} ({per}{'; ' + levels if levels else ''}) "
+            f"over {int(metrics.get('rollouts', 0))} rollouts")
 
 
 def _step_line(step: int, record: dict[str, float]) -> str:

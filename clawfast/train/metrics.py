@@ -55,6 +55,17 @@ def rollout_metrics(results: Sequence[RolloutResult], prefix: str = "") -> dict[
     return out
 
 
+def pass_at_1_by_tag(results: Sequence[RolloutResult], tasks: dict, tag: str) -> dict[str, float]:
+    """pass@1 per value of one task tag (``pass@1_difficulty/easy`` for tag ``difficulty``), so an
+    eval over mixed tasks shows where a change came from; tasks without the tag are left out."""
+    by_value: dict[str, list[float]] = defaultdict(list)
+    for r in results:
+        value = tasks[r.task_id].tags.get(tag)
+        if value is not None:
+            by_value[value].append(r.reward)
+    return {f"pass@1_{tag}/{v}": sum(x >= 1.0 for x in xs) / len(xs) for v, xs in sorted(by_value.items())}
+
+
 def _clean(metrics: dict[str, Any]) -> dict[str, Any]:
     """JSON-safe: non-finite floats become None (JSON has no NaN)."""
     out = {}

@@ -115,3 +115,25 @@ def test_torch_engine_behind_the_proxy(embedded_dir, renderer, tmp_path):
         assert call.finish_reason in ("stop", "length")
         question = renderer.decode(call.prompt_ids)
         assert question.startswith("<|im_start|>user\nquestion ") and question.endswith("<|im_start|>assistant\n")
+
+
+def test_batches_group_prompts_of_similar_length(engine):
+    """Rows are padded to the longest prompt, so a long prompt is not batched with short ones; the
+    oldest request always goes first and nothing is lost or reordered within a length group."""
+    rng = np.random.default_rng(2)
+    lengths = (40, 2000, 60, 2100, 50)
+    prompts = [rng.integers(10, 3000, size=n) for n in lengths]
+    params = SamplingParams(max_tokens=2, temperature=0.0, seed=0)
+
+    async def run():
+        return await asyncio.gather(*[engine.generate(p, params) for p in prompts])
+
+    before = engine.batches_run
+    out = asyncio.run(run())
+    assert engine.batches_run - before == 2
+    sizes = sorted(o.timings["batch_size"] for o in out)
+    assert sizes == [2.0, 2.0, 3.0, 3.0, 3.0]
+    for prompt, o in zip(prompts, out):
+        expected = 3.0 if len(prompt) < 100 else 2.0
+        assert o.timings["batch_size"] == expected
+        np.testing.assert_allclose(o.logprobs, reference_logprobs(engine.model, prompt, o.output_ids, params), atol=1e-4)

@@ -8,7 +8,8 @@ import pytest
 
 from clawfast.cli import main
 from clawfast.records import RolloutResult
-from clawfast.train.metrics import MetricsLogger, plot_run, read_metrics, rollout_metrics
+from clawfast.tasks import clawbench_mini
+from clawfast.train.metrics import MetricsLogger, pass_at_1_by_tag, plot_run, read_metrics, rollout_metrics
 
 
 def _fill(run_dir, steps=6):
@@ -70,3 +71,14 @@ def test_rollout_metrics_per_harness():
     assert m["reward/openclaw"] == 0.75 and m["status/timeout"] == 1.0 and m["status/ok"] == 3.0
     with pytest.raises(FileNotFoundError):
         read_metrics("/nonexistent-run")
+
+
+def test_pass_at_1_by_difficulty_counts_each_attempt_once():
+    tasks = {t.id: t for t in clawbench_mini() if t.id in ("files-create-0", "shell-chmod-0", "files-replace-1", "data-csv-json-0")}
+    assert sorted(t.tags["difficulty"] for t in tasks.values()) == ["easy", "easy", "hard", "medium"]
+    rs = [RolloutResult("a", "files-create-0", "m", 0, reward=1.0), RolloutResult("b", "files-create-0", "m", 1, reward=0.0),
+          RolloutResult("c", "shell-chmod-0", "m", 0, reward=1.0), RolloutResult("d", "files-replace-1", "m", 0, reward=0.5),
+          RolloutResult("e", "data-csv-json-0", "m", 0, reward=0.0, status="timeout")]
+    assert pass_at_1_by_tag(rs, tasks, "difficulty") == {
+        "pass@1_difficulty/easy": 2 / 3, "pass@1_difficulty/medium": 0.0, "pass@1_difficulty/hard": 0.0}
+    assert pass_at_1_by_tag(rs, tasks, "no-such-tag") == {}

@@ -32,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from clawfast.train.config import ConfigError, load_config
     from clawfast.train.distributed import LeaderFailed
-    from clawfast.train.loop import train
+    from clawfast.train.loop import eval_line, train
 
     overrides = list(args.overrides) + ([f"run_dir={json.dumps(args.run_dir)}"] if args.run_dir else [])
     try:
@@ -51,11 +51,10 @@ def run(args: argparse.Namespace) -> int:
     if summary.get("rank", 0) != 0:
         return 0  # an FSDP follower: rank 0 reports the run
     # Without the live display the loop already printed each eval as it finished.
-    for label in ("eval_before", "eval_coldstart", "eval_after") if not args.no_progress else ():
-        if label in summary:
-            m = summary[label]
-            per = ", ".join(f"{k[7:]} {v:.3f}" for k, v in sorted(m.items()) if k.startswith("pass@1/"))
-            print(f"{label.replace('_', ' ')}: pass@1 {m.get('pass@1', 0.0):.3f} ({per})")
+    shown = {"eval_before": "before", "eval_coldstart": "after cold start", "eval_after": "after"}
+    for key, label in shown.items() if not args.no_progress else ():
+        if key in summary:
+            print(eval_line(label, summary[key]))
     print(f"steps done: {summary['steps']}; run directory: {summary['run_dir']}")
     if summary.get("curves"):
         print(f"curves: {summary['curves']}")

@@ -106,7 +106,7 @@ class TorchEngine(Engine):
         12.2K-token Codex prompts batched with two 374-token mini-swe-agent prompts took 78.9 s, the
         same four in two length groups 46.2 s (trainer issue notes)."""
         batch, rest = [self._queue[0]], []
-        width, real = len(self._queue[0].prompt), len(self._queue[0].prompt)
+        width = real = len(self._queue[0].prompt)
         for p in self._queue[1:]:
             n = len(p.prompt)
             wider = max(width, n)

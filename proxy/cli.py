@@ -67,15 +67,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     serve.add_argument("--temperature", type=float, default=None, help="override every request's temperature")
     serve.add_argument("--max-tokens-cap", type=int, default=4096)
     serve.add_argument("--keepalive", type=float, default=5.0, help="seconds between keep-alive events")
+    serve.add_argument("--max-calls-per-rollout", type=_positive_int, default=None, metavar="N",
+                       help="refuse a rollout's model calls beyond N (side calls included); default: unlimited")
     serve.add_argument("--grpc-port", type=int, default=None, help="also serve the gRPC control plane on this port (0: any)")
     serve.add_argument("--grpc-token", default=None, help="shared token for the gRPC control plane (default: a fresh one, printed)")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:
     renderer, model_dir = load_renderer(args.model)
     engine = build_engine(args, renderer, model_dir)
     config = ProxyConfig(
-        max_tokens_cap=args.max_tokens_cap, temperature=args.temperature, keepalive_s=args.keepalive, parser=args.parser
+        max_tokens_cap=args.max_tokens_cap, temperature=args.temperature, keepalive_s=args.keepalive, parser=args.parser,
+        max_calls_per_rollout=args.max_calls_per_rollout,
     )
     registry = RolloutRegistry(args.records)
     app = ProxyApp(ProxyCore(engine, renderer, config), registry, model_name=args.model_name)

@@ -48,7 +48,9 @@ class ProxyConfig:
     request names none. max_model_len: prompt + output limit (None: unchecked). temperature: if set,
     overrides the request's (an RL run samples at its own temperature). keepalive_s: seconds between
     keep-alive events while the engine works. parser: tool-call parser family (None: from the
-    tokenizer's special tokens)."""
+    tokenizer's special tokens). max_calls_per_rollout: a rollout's model calls beyond this many
+    (answered or in flight, side calls included) are refused with a 400 in the caller's protocol, the
+    bound for harnesses with no turn limit of their own (None: unlimited)."""
 
     max_tokens_cap: int = 4096
     default_max_tokens: int = 1024
@@ -56,6 +58,7 @@ class ProxyConfig:
     temperature: float | None = None
     keepalive_s: float = 5.0
     parser: str | None = None
+    max_calls_per_rollout: int | None = None
 
 
 @dataclass
@@ -98,6 +101,9 @@ class ProxyCore:
 
     def prepare(self, front: Front, rollout: Rollout, request: Request, headers: dict[str, str]) -> PreparedCall:
         t0 = time.time()
+        budget = self.config.max_calls_per_rollout
+        if budget is not None and rollout.calls_started() >= budget:
+            raise ProtocolError(400, "invalid_request", f"this rollout's budget of {budget} model calls is spent")
         main_tools = rollout.state.get("main_tools")
         tagging = classify(request.conversation, headers, request.max_tokens, main_tools)
         if tagging.tag == "main" and main_tools is None and request.conversation.tools:
@@ -131,9 +137,11 @@ class ProxyCore:
     # -- generation ------------------------------------------------------------------------------
 
     def start(self, call: PreparedCall) -> asyncio.Task:
+        """The call's generation as a task; it is cancelled if the rollout closes before it ends."""
         task = asyncio.get_running_loop().create_task(self.engine.generate(call.prompt.ids, call.params))
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
+        call.rollout.track(task)
         return task
 
     @property

@@ -16,14 +16,16 @@ flushed) when it is answered, so a trainer crash loses nothing that was answered
 allocated in one place (`Rollout.append`), in answer order, without gaps.
 
 Guaranteed: a closed or unknown key is never resolved to a rollout (the proxy answers 401 and writes
-nothing); closing twice raises `KeyError`; a call that finishes after its rollout closed is dropped,
-never written elsewhere. Not guaranteed: persistence of the in-memory index across processes (the
-files are the durable copy; `clawfast.records.read_rollout(..., recover=True)` reads a live or
-orphaned one).
+nothing); closing twice raises `KeyError`; closing cancels the rollout's generations still in the
+engine (a killed harness's queued calls would otherwise hold the engine for nothing); a call that
+finishes after its rollout closed is dropped, never written elsewhere. Not guaranteed: persistence of
+the in-memory index across processes (the files are the durable copy;
+`clawfast.records.read_rollout(..., recover=True)` reads a live or orphaned one).
 """
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import threading
 import time
@@ -54,7 +56,36 @@ class Rollout:
     opened_at: float
     calls: list[CallRecord] = field(default_factory=list)
     state: dict[str, Any] = field(default_factory=dict)
+    closed: bool = False
+    _generations: set[asyncio.Task] = field(default_factory=set)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def track(self, generation: asyncio.Task) -> None:
+        """Remember a generation in flight for this rollout, so that `close` can cancel it. Call on the
+        task's loop; a rollout already closed cancels it at once."""
+        with self._lock:
+            if not self.closed:
+                self._generations.add(generation)
+                generation.add_done_callback(self._forget)
+                return
+        generation.cancel()
+
+    def calls_started(self) -> int:
+        """Calls answered plus generations in flight (what a call budget counts)."""
+        with self._lock:
+            return len(self.calls) + len(self._generations)
+
+    def _forget(self, generation: asyncio.Task) -> None:
+        with self._lock:
+            self._generations.discard(generation)
+
+    def _cancel_generations(self) -> None:
+        """Thread-safe: the tasks live on the server's loop, `close` may run on a gRPC worker thread."""
+        with self._lock:
+            self.closed = True
+            pending, self._generations = self._generations, set()
+        for task in pending:
+            task.get_loop().call_soon_threadsafe(task.cancel)
 
     def append(self, **fields: Any) -> CallRecord:
         """Build the next CallRecord (call_index and rollout_id filled in), write it, keep it."""
@@ -133,14 +164,16 @@ class RolloutRegistry:
     def close(
         self, rollout_id: str, *, reward: float = 0.0, status: str = "ok", info: dict[str, Any] | None = None
     ) -> RolloutResult:
-        """Revoke the key, write the result frame and return the rollout with all its calls. A call in
-        flight when the key is revoked is still appended to the in-memory list if it finishes before
-        the log closes, and is otherwise dropped (the log is closed under the rollout's lock)."""
+        """Revoke the key, cancel the rollout's generations in flight, write the result frame and return
+        the rollout with all its calls. A call whose generation already ended is still appended to the
+        in-memory list if it does so before the log closes, and is otherwise dropped (the log is closed
+        under the rollout's lock)."""
         with self._lock:
             rollout = self._by_id.pop(rollout_id, None)
             if rollout is None:
                 raise KeyError(f"no open rollout {rollout_id!r}")
             self._by_key.pop(rollout.key, None)
+        rollout._cancel_generations()
         result = RolloutResult(
             rollout_id=rollout_id,
             task_id=rollout.task_id,

@@ -12,6 +12,7 @@ Guaranteed: every error is in the caller's protocol shape (Anthropic ``{"type": 
 /v1/messages*, OpenAI ``{"error": {...}}`` elsewhere); an unknown or closed key is a 401 and writes
 nothing; a bad body is a 4xx naming the field. A disconnect while the engine works is noticed at once
 (the server listens for ``http.disconnect``), and the call is recorded, marked, when generation ends.
+Closing a rollout cancels its generations in the engine; a client still waiting gets a 401.
 """
 
 from __future__ import annotations
@@ -89,6 +90,19 @@ async def _watch_disconnect(receive) -> None:
         pass
 
 
+def _failure(task: asyncio.Task) -> ProtocolError | None:
+    """Why a finished generation has no answer, or None if it has one."""
+    if task.cancelled():  # its rollout closed meanwhile (Rollout.track)
+        return ProtocolError(401, "authentication", "the rollout was closed while this call was generating")
+    exc = task.exception()
+    if exc is None:
+        return None
+    if isinstance(exc, ValueError):  # the engine refused this request (e.g. prompt too long)
+        return ProtocolError(400, "invalid_request", f"engine refused the request: {exc}")
+    log.error("engine failed", exc_info=exc)
+    return ProtocolError(500, "api_error", f"engine error: {type(exc).__name__}: {exc}")
+
+
 class CallResponse:
     """ASGI response for one model call: starts generation, sends keep-alives, answers."""
 
@@ -121,19 +135,14 @@ class CallResponse:
                     return
                 if stream:
                     await send({"type": "http.response.body", "body": front.keepalive(), "more_body": True})
-            try:
-                gen = task.result()
-            except Exception as exc:  # the engine failed: say so in the protocol's shape, record nothing
-                if isinstance(exc, ValueError):  # the engine refused this request (e.g. prompt too long)
-                    err = ProtocolError(400, "invalid_request", f"engine refused the request: {exc}")
-                else:
-                    log.exception("engine failed")
-                    err = ProtocolError(500, "api_error", f"engine error: {type(exc).__name__}: {exc}")
+            err = _failure(task)
+            if err is not None:  # record nothing; say why in the protocol's shape
                 if head_sent:
                     await send({"type": "http.response.body", "body": front.stream_error(err)})
                 else:
                     await _send_json(send, err.status, front.error(err))
                 return
+            gen = task.result()
             core.complete(call, gen, disconnected=watcher is not None and watcher.done())
             if head_sent:
                 await send({"type": "http.response.body", "body": front.stream_body(call.answer)})

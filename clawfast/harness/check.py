@@ -179,10 +179,11 @@ class OracleResponder:
 
 @contextlib.contextmanager
 def scripted_proxy(
-    harnesses: Sequence[Harness], tasks: Sequence[Task], records_dir: Path
+    harnesses: Sequence[Harness], tasks: Sequence[Task], records_dir: Path, config=None
 ) -> Iterator[tuple[object, object]]:
     """The real proxy (HTTP, on a free loopback port, in this process) on a `ScriptedEngine` that
-    plays `tasks`' oracles through each of `harnesses`' tools. Yields (server, registry)."""
+    plays `tasks`' oracles through each of `harnesses`' tools. `config`: a `ProxyConfig` (default:
+    the defaults). Yields (server, registry)."""
     from transformers import AutoTokenizer
 
     from clawfast.embedded import ensure_embedded_model
@@ -195,7 +196,7 @@ def scripted_proxy(
     renderer = ChatRenderer(AutoTokenizer.from_pretrained(ensure_embedded_model()))
     engine = ScriptedEngine(renderer.encode, renderer.turn_end_id, responder=OracleResponder(renderer, harnesses, tasks))
     registry = RolloutRegistry(records_dir)
-    app = ProxyApp(ProxyCore(engine, renderer, ProxyConfig()), registry, model_name="policy")
+    app = ProxyApp(ProxyCore(engine, renderer, config or ProxyConfig()), registry, model_name="policy")
     with ProxyServer(app) as server:
         yield server, registry
 

@@ -95,8 +95,10 @@ class RolloutSection(_Section):
     samples_per_task x len(harnesses) rollouts per step. concurrency: rollouts in flight.
     sandbox: "bwrap", "docker" or "local" (no isolation). timeout_s: harness wall clock.
     harness_max_steps: the harness's own turn limit, where it has one (mini-swe-agent's step_limit,
-    Claude Code's --max-turns; the Codex CLI adapter (`codex exec` has no such flag) and the OpenClaw
-    adapter set none, so only timeout_s bounds them). mini_instance_template: mini-swe-agent only:
+    Claude Code's --max-turns; `codex exec` and OpenClaw have none). max_model_calls: the proxy
+    refuses a rollout's model calls beyond this many (side calls included) with a 400 in the harness's
+    protocol, which ends the harness's run: the step bound for Codex and OpenClaw (None: unlimited,
+    only timeout_s bounds them). mini_instance_template: mini-swe-agent only:
     its ``agent.instance_template`` (the first user message, Jinja, must hold ``{{task}}``), set through
     the harness's own ``-c`` config layers; None keeps the harness default (~1,300 tokens of
     workflow advice, which dominates the compute of a tiny model on CPU)."""
@@ -110,6 +112,7 @@ class RolloutSection(_Section):
     sandbox: Literal["bwrap", "docker", "local"] = "bwrap"
     timeout_s: float = Field(120.0, gt=0)
     harness_max_steps: int = Field(4, ge=1)
+    max_model_calls: int | None = Field(None, ge=1)
     mini_instance_template: str | None = None
     keep_logs: bool = False
 

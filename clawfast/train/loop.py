@@ -233,7 +233,8 @@ class HarnessRollouts:
                 harnesses[name] = make_harness(name, cfg)
                 harnesses[name].installation  # install (or find) before any clock starts
             self.proxy_config = ProxyConfig(max_tokens_cap=cfg.engine.max_tokens, default_max_tokens=cfg.engine.max_tokens,
-                                            max_model_len=cfg.engine.max_model_len, temperature=cfg.engine.temperature)
+                                            max_model_len=cfg.engine.max_model_len, temperature=cfg.engine.temperature,
+                                            max_calls_per_rollout=rc.max_model_calls)
             registry = RolloutRegistry(self.records_dir)
             app = ProxyApp(ProxyCore(self.engine, self.renderer, self.proxy_config), registry, model_name="policy")
             on_ray = cfg.distributed.rollouts == "ray"

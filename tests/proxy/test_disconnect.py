@@ -1,4 +1,4 @@
-"""Keep-alives while the engine works, and client disconnects mid-turn."""
+"""Keep-alives while the engine works, client disconnects mid-turn, and rollouts closed mid-turn."""
 
 from __future__ import annotations
 
@@ -11,21 +11,7 @@ import pytest
 
 from clawfast.engines.scripted import ScriptedEngine
 from clawfast.proxy import ProxyConfig
-
-
-class GatedScriptedEngine(ScriptedEngine):
-    """The scripted engine, holding each answer until the test opens `gate` (a slow engine)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.gate = threading.Event()
-        self.started = threading.Event()
-
-    async def generate(self, prompt_ids, params):
-        self.started.set()
-        while not self.gate.is_set():
-            await asyncio.sleep(0.01)
-        return await super().generate(prompt_ids, params)
+from gated_engine import GatedScriptedEngine, wait_for
 
 
 @pytest.fixture
@@ -34,13 +20,6 @@ def gated(proxy_factory, tmp_path):
     yield live
     live.engine.gate.set()
     live.server.stop()
-
-
-def wait_for(predicate, timeout=10.0):
-    deadline = time.time() + timeout
-    while not predicate():
-        assert time.time() < deadline, "timed out"
-        time.sleep(0.01)
 
 
 ANTHROPIC_BODY = {"model": "policy", "max_tokens": 16, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
@@ -104,6 +83,46 @@ def test_disconnect_mid_turn_is_recorded_and_leaks_nothing(gated, stream):
     assert call.metadata["client_disconnected"] is True
     assert len(call.output_ids) > 0
     wait_for(lambda: gated.core.pending == 0)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_closing_a_rollout_cancels_its_generation_and_answers_401(gated, stream):
+    """A harness killed on timeout leaves calls in the engine: closing its rollout must free the engine."""
+    body = dict(ANTHROPIC_BODY, stream=stream)
+    replies = []
+    thread = threading.Thread(target=lambda: replies.append(
+        httpx.post(gated.url + "/v1/messages", json=body, headers={"x-api-key": gated.key}, timeout=10)))
+    thread.start()
+    assert gated.engine.started.wait(5)
+    result = gated.registry.close(gated.rollout_id, reward=0.0, status="timeout")
+    thread.join(10)
+    wait_for(lambda: gated.core.pending == 0)
+    assert gated.engine.cancelled == 1
+    assert result.calls == []
+    (reply,) = replies
+    if stream:  # the head went out before the close: the 401 is an SSE error event
+        assert reply.status_code == 200 and reply.text.rstrip().split("\n")[-2] == "event: error"
+        assert '"authentication_error"' in reply.text
+    else:
+        assert reply.status_code == 401 and reply.json()["error"]["type"] == "authentication_error"
+        assert "closed while this call was generating" in reply.json()["error"]["message"]
+
+
+def test_closing_a_rollout_cancels_a_disconnected_call(gated):
+    """A call whose client left is recorded when it ends, unless its rollout closes first: then it is
+    cancelled, not run to the end for a record that would be dropped."""
+    with httpx.Client(timeout=10) as client:
+        with client.stream("POST", gated.url + "/v1/messages", json=ANTHROPIC_BODY, headers={"x-api-key": gated.key}) as r:
+            assert next(r.iter_lines()) == "event: message_start"
+    assert gated.engine.started.wait(5)
+    time.sleep(0.2)  # the server notices the disconnect
+    opened = gated.registry.open("r1", harness="test")  # a rollout that stays open keeps its calls
+    result = gated.registry.close(gated.rollout_id)
+    wait_for(lambda: gated.core.pending == 0)
+    assert gated.engine.cancelled == 1 and result.calls == []
+    gated.engine.gate.set()
+    r = httpx.post(gated.url + "/v1/messages", json=dict(ANTHROPIC_BODY, stream=False), headers={"x-api-key": opened.key}, timeout=10)
+    assert r.status_code == 200 and len(gated.calls("r1")) == 1
 
 
 class RefusingEngine(ScriptedEngine):

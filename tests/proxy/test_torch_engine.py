@@ -137,3 +137,26 @@ def test_batches_group_prompts_of_similar_length(engine):
         expected = 3.0 if len(prompt) < 100 else 2.0
         assert o.timings["batch_size"] == expected
         np.testing.assert_allclose(o.logprobs, reference_logprobs(engine.model, prompt, o.output_ids, params), atol=1e-4)
+
+
+def test_cancelled_requests_leave_the_queue_without_running(engine):
+    """What a closed rollout's cancelled calls rely on: a queued request whose caller was cancelled is
+    never generated, and the others in its batch are unaffected."""
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(10, 3000, size=n) for n in (30, 31, 32, 33)]
+    params = SamplingParams(max_tokens=3, temperature=0.0, seed=0)
+
+    async def run():
+        tasks = [asyncio.ensure_future(engine.generate(p, params)) for p in prompts]
+        await asyncio.sleep(0)  # every request is queued; the worker has not taken a batch yet
+        tasks[1].cancel()
+        tasks[3].cancel()
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+    before = engine.batches_run
+    out = asyncio.run(run())
+    assert engine.batches_run - before == 1
+    assert isinstance(out[1], asyncio.CancelledError) and isinstance(out[3], asyncio.CancelledError)
+    for i in (0, 2):
+        assert out[i].timings["batch_size"] == 2.0
+        np.testing.assert_allclose(out[i].logprobs, reference_logprobs(engine.model, prompts[i], out[i].output_ids, params), atol=1e-4)

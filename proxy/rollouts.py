@@ -85,7 +85,10 @@ class Rollout:
             self.closed = True
             pending, self._generations = self._generations, set()
         for task in pending:
-            task.get_loop().call_soon_threadsafe(task.cancel)
+            try:
+                task.get_loop().call_soon_threadsafe(task.cancel)
+            except RuntimeError:  # the server's loop is closed: nothing of it runs any more
+                pass
 
     def append(self, **fields: Any) -> CallRecord:
         """Build the next CallRecord (call_index and rollout_id filled in), write it, keep it."""

@@ -158,3 +158,4 @@ def test_engine_errors_answer_in_protocol_shape_and_record_nothing(proxy_factory
         assert live.calls() == []
     finally:
         live.server.stop()
+

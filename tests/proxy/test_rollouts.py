@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import numpy as np
@@ -66,3 +67,45 @@ def test_append_after_close_is_refused(tmp_path):
     reg.close("z")
     with pytest.raises(ValueError):
         rollout.append(**fields(0))
+
+
+def test_close_cancels_tracked_generations_from_another_thread(tmp_path):
+    """Generations run on the server's loop; `close` may come from a gRPC worker thread. A generation
+    tracked after the close is cancelled at once, and a loop already closed does not stop the close."""
+    reg = RolloutRegistry(tmp_path)
+    loop = asyncio.new_event_loop()
+    runner = threading.Thread(target=loop.run_forever)
+    runner.start()
+    try:
+        a, b = reg.open("a"), reg.open("b")
+
+        async def forever():
+            await asyncio.sleep(3600)
+
+        async def start(rollout_id):
+            task = asyncio.ensure_future(forever())
+            reg.get(rollout_id).track(task)
+            return task
+
+        task_a = asyncio.run_coroutine_threadsafe(start("a"), loop).result(5)
+        task_b = asyncio.run_coroutine_threadsafe(start("b"), loop).result(5)
+        rollout_a = reg.get("a")
+        assert rollout_a.calls_started() == 1
+        reg.close("a")  # from this thread, not the loop's
+        asyncio.run_coroutine_threadsafe(asyncio.sleep(0.05), loop).result(5)
+        assert task_a.cancelled() and not task_b.done() and rollout_a.calls_started() == 0
+
+        async def track_late():
+            late = asyncio.ensure_future(forever())
+            rollout_a.track(late)
+            await asyncio.sleep(0)
+            return late
+
+        assert asyncio.run_coroutine_threadsafe(track_late(), loop).result(5).cancelled()
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        runner.join(5)
+        loop.close()
+    assert not task_b.done()  # left pending on a closed loop
+    result = reg.close(b.rollout_id, status="proxy_error")
+    assert result.status == "proxy_error"

@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
-import socket
 
 import pytest
 import torch
@@ -23,12 +22,6 @@ from clawfast.train.step import StepConfig, accumulate_gradients, prepare_step, 
 
 ATOL = 1e-5
 WORLD = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _config(rollouts) -> StepConfig:
@@ -49,9 +42,10 @@ def _ppo(config: StepConfig) -> StepConfig:
     return dataclasses.replace(config, algorithm="ppo", gamma=0.99, lam=0.95)
 
 
-def _worker(rank: int, port: int, policy, ppo_policy, rollouts, config: StepConfig, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+def _worker(rank: int, store: str, policy, ppo_policy, rollouts, config: StepConfig, out_dir: str) -> None:
+    # A file rendezvous: a free TCP port picked before the spawn can be taken by then (a rank 0 that
+    # could not bind it aborted under load).
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
     try:
         from torch.distributed.tensor import DTensor
 
@@ -86,7 +80,7 @@ def test_fsdp2_two_cpu_processes_match_one_process(tmp_path):
     rollouts = harness_rollouts(policy, seed=3)
     config = _config(rollouts)
     ppo_policy = tiny_policy(1, value_head=True)
-    mp.spawn(_worker, args=(_free_port(), policy, ppo_policy, rollouts, config, str(tmp_path)), nprocs=WORLD,
+    mp.spawn(_worker, args=(str(tmp_path / "rendezvous"), policy, ppo_policy, rollouts, config, str(tmp_path)), nprocs=WORLD,
              join=True)
     got = torch.load(tmp_path / "fsdp.pt", weights_only=False)
     assert got["num_batches"] % WORLD == 1, "want an odd number of micro-batches (a padded rank)"

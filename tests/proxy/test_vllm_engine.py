@@ -197,6 +197,39 @@ def test_bad_prompts_are_value_errors(engine):
         _run(engine.generate(np.zeros(MAX_LEN, dtype=np.int32), SamplingParams(max_tokens=2)))
 
 
+def test_cancelling_a_call_aborts_it_in_vllm(engine):
+    """What closing a rollout relies on (proxy/rollouts.py cancels its generations): cancelling the
+    caller's task on the proxy's loop aborts the request inside vLLM, on the engine's own loop."""
+    aborted = []
+    abort = engine._llm.abort
+
+    async def spy(request_id, *args, **kwargs):
+        aborted.append(request_id)
+        return await abort(request_id, *args, **kwargs)
+
+    engine._llm.abort = spy
+    try:
+        async def run():
+            params = SamplingParams(max_tokens=MAX_LEN - 8, temperature=1.0, seed=3)
+            task = asyncio.ensure_future(engine.generate(np.array([5, 6, 7], dtype=np.int32), params))
+            while engine._llm.get_num_unfinished_requests() == 0:  # the request is in vLLM
+                await asyncio.sleep(0.001)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            while engine._inflight:
+                await asyncio.sleep(0.01)
+
+        _run(run())
+    finally:
+        engine._llm.abort = abort
+    assert len(aborted) == 1 and aborted[0].startswith("clawfast-")
+    assert engine._llm.get_num_unfinished_requests() == 0
+    # The engine serves on after the abort.
+    out = _run(engine.generate(np.array([5, 6, 7], dtype=np.int32), SamplingParams(max_tokens=4, temperature=0.0)))
+    assert 1 <= len(out.output_ids) <= 4
+
+
 # -- behind the proxy --------------------------------------------------------------------------------
 
 

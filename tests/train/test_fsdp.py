@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import gc
 import os
 
 import pytest
@@ -43,33 +44,41 @@ def _ppo(config: StepConfig) -> StepConfig:
 
 
 def _worker(rank: int, store: str, policy, ppo_policy, rollouts, config: StepConfig, out_dir: str) -> None:
-    # A file rendezvous: a free TCP port picked before the spawn can be taken by then (a rank 0 that
-    # could not bind it aborted under load).
+    # A file rendezvous: a free TCP port picked before the spawn can be taken by then.
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
     try:
-        from torch.distributed.tensor import DTensor
-
-        from clawfast.train.fsdp import full_state_dict, shard_policy
-
-        torch.set_num_threads(1)
-        sharded = shard_policy(copy.deepcopy(policy))
-        assert all(isinstance(p, DTensor) for p in sharded.parameters())
-        data = prepare_step(rollouts, None, config)
-        metrics = accumulate_gradients(sharded, data, config)
-        grads = {n: p.grad.full_tensor() for n, p in sharded.named_parameters()}
-        sharded.zero_grad(set_to_none=True)
-        step = train_step(sharded, _adamw(sharded), rollouts, None, config)
-        params = full_state_dict(sharded)
-        # PPO: the old values of every rank's micro-batches are summed across ranks before GAE
-        ppo = shard_policy(copy.deepcopy(ppo_policy))
-        ppo_metrics = accumulate_gradients(ppo, prepare_step(rollouts, None, _ppo(config)), _ppo(config))
-        ppo_grads = {n: p.grad.full_tensor() for n, p in ppo.named_parameters()}
-        if rank == 0:
-            torch.save({"metrics": metrics, "grads": grads, "step": step, "params": params,
-                        "num_batches": len(data.batches), "ppo_metrics": ppo_metrics, "ppo_grads": ppo_grads},
-                       os.path.join(out_dir, "fsdp.pt"))
+        _sharded_results(rank, policy, ppo_policy, rollouts, config, out_dir)
+        dist.barrier()  # no rank tears its group down while the other still talks to it
     finally:
+        gc.collect()  # the sharded modules hold the group: free them before destroying it
         dist.destroy_process_group()
+    # Skip interpreter teardown: a worker aborted there ("terminate called without an active
+    # exception", in two full-suite runs, never when run alone). An error above still reaches mp.spawn.
+    os._exit(0)
+
+
+def _sharded_results(rank: int, policy, ppo_policy, rollouts, config: StepConfig, out_dir: str) -> None:
+    from torch.distributed.tensor import DTensor
+
+    from clawfast.train.fsdp import full_state_dict, shard_policy
+
+    torch.set_num_threads(1)
+    sharded = shard_policy(copy.deepcopy(policy))
+    assert all(isinstance(p, DTensor) for p in sharded.parameters())
+    data = prepare_step(rollouts, None, config)
+    metrics = accumulate_gradients(sharded, data, config)
+    grads = {n: p.grad.full_tensor() for n, p in sharded.named_parameters()}
+    sharded.zero_grad(set_to_none=True)
+    step = train_step(sharded, _adamw(sharded), rollouts, None, config)
+    params = full_state_dict(sharded)
+    # PPO: the old values of every rank's micro-batches are summed across ranks before GAE
+    ppo = shard_policy(copy.deepcopy(ppo_policy))
+    ppo_metrics = accumulate_gradients(ppo, prepare_step(rollouts, None, _ppo(config)), _ppo(config))
+    ppo_grads = {n: p.grad.full_tensor() for n, p in ppo.named_parameters()}
+    if rank == 0:
+        torch.save({"metrics": metrics, "grads": grads, "step": step, "params": params,
+                    "num_batches": len(data.batches), "ppo_metrics": ppo_metrics, "ppo_grads": ppo_grads},
+                   os.path.join(out_dir, "fsdp.pt"))
 
 
 @pytest.mark.slow

@@ -15,6 +15,10 @@ alone or in a batch, up to float rounding of padded batched matmuls):
 
 `update_weights(state_dict, version)` swaps weights between batches (a lock keeps a batch on one
 version); every `Generation` carries the version that produced all of its tokens.
+
+A cancelled request (its rollout closed) leaves the queue unrun; inside a running batch it stops
+sampling at the next step, and a batch whose rows are all cancelled ends there, so neither the next
+batch nor a weight update waits for tokens nobody will read.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import torch
@@ -80,6 +84,7 @@ class TorchEngine(Engine):
         self._closed = False
         self.batches_run = 0
         self.max_batch_seen = 0
+        self.decode_steps = 0  # forward passes of every batch's decode loop
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, dtype: torch.dtype = torch.float32, **kwargs: Any) -> "TorchEngine":
@@ -124,7 +129,8 @@ class TorchEngine(Engine):
             if not live:
                 continue
             try:
-                results = await asyncio.to_thread(self._generate_batch, [(p.prompt, p.params) for p in live])
+                results = await asyncio.to_thread(self._generate_batch, [(p.prompt, p.params) for p in live],
+                                                  [p.future.cancelled for p in live])
             except Exception as exc:  # fail this batch's callers, keep serving others
                 for p in live:
                     if not p.future.done():
@@ -138,7 +144,9 @@ class TorchEngine(Engine):
         return params.seed if params.seed is not None else self._seeds.getrandbits(63)
 
     @torch.inference_mode()
-    def _generate_batch(self, requests: list[tuple[np.ndarray, SamplingParams]]) -> list[Generation]:
+    def _generate_batch(self, requests: list[tuple[np.ndarray, SamplingParams]],
+                        cancelled: list[Callable[[], bool]] | None = None) -> list[Generation]:
+        """`cancelled[i]()` says row i's caller is gone (read from this worker thread each step)."""
         with self._weights_lock:
             t0 = time.time()
             version = self.weight_version
@@ -166,6 +174,8 @@ class TorchEngine(Engine):
                 last = out.logits[:, -1, :]
                 step_tokens = torch.zeros((n, 1), dtype=torch.long)
                 for i, (_, params) in enumerate(requests):
+                    if not done[i] and cancelled is not None and cancelled[i]():
+                        done[i] = True  # nobody reads this row: its result is dropped by `_work`
                     if done[i]:
                         continue
                     logp = sampling_logprobs(last[i], params.temperature, params.top_k, params.top_p)
@@ -189,6 +199,7 @@ class TorchEngine(Engine):
                 )
                 cache = self._cache_of(out)
                 next_positions = next_positions + 1
+                self.decode_steps += 1
             elapsed = time.time() - t0
             return [
                 Generation(

@@ -160,3 +160,32 @@ def test_cancelled_requests_leave_the_queue_without_running(engine):
     for i in (0, 2):
         assert out[i].timings["batch_size"] == 2.0
         np.testing.assert_allclose(out[i].logprobs, reference_logprobs(engine.model, prompts[i], out[i].output_ids, params), atol=1e-4)
+
+
+def test_a_batch_whose_callers_are_all_cancelled_stops_early(engine):
+    """A rollout closed mid-generation must not hold the engine (and the weight lock, which a weight
+    update waits for) until max_tokens; a batch keeps running while any caller still waits."""
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(10, 3000, size=20) for _ in range(2)]
+    long = SamplingParams(max_tokens=600, temperature=1.0, seed=5)  # no stop tokens: runs to max_tokens
+    short = SamplingParams(max_tokens=600, temperature=1.0, seed=6)
+
+    async def run(cancel_both: bool):
+        before = engine.batches_run
+        tasks = [asyncio.ensure_future(engine.generate(p, q)) for p, q in zip(prompts, (long, short))]
+        while engine.batches_run == before:  # the batch is running on the worker thread
+            await asyncio.sleep(0.001)
+        steps = engine.decode_steps
+        tasks[0].cancel()
+        if cancel_both:
+            tasks[1].cancel()
+        done = await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.to_thread(engine.update_weights, engine.model.state_dict(), engine.weight_version)  # batch over
+        return done, engine.decode_steps - steps
+
+    done, steps = asyncio.run(run(cancel_both=True))
+    assert all(isinstance(d, asyncio.CancelledError) for d in done)
+    assert steps < 50  # stopped at the cancellation, not after 600 steps
+    done, steps = asyncio.run(run(cancel_both=False))
+    assert isinstance(done[0], asyncio.CancelledError)
+    assert len(done[1].output_ids) == 600 and steps >= 599  # the other caller got its whole answer

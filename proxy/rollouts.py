@@ -56,7 +56,7 @@ class Rollout:
     opened_at: float
     calls: list[CallRecord] = field(default_factory=list)
     state: dict[str, Any] = field(default_factory=dict)
-    closed: bool = False
+    _closed: bool = False
     _generations: set[asyncio.Task] = field(default_factory=set)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -64,7 +64,7 @@ class Rollout:
         """Remember a generation in flight for this rollout, so that `close` can cancel it. Call on the
         task's loop; a rollout already closed cancels it at once."""
         with self._lock:
-            if not self.closed:
+            if not self._closed:
                 self._generations.add(generation)
                 generation.add_done_callback(self._forget)
                 return
@@ -82,7 +82,7 @@ class Rollout:
     def _cancel_generations(self) -> None:
         """Thread-safe: the tasks live on the server's loop, `close` may run on a gRPC worker thread."""
         with self._lock:
-            self.closed = True
+            self._closed = True
             pending, self._generations = self._generations, set()
         for task in pending:
             try:

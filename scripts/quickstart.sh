@@ -30,14 +30,15 @@ echo "== 4/4 results"
 clawfast plot "$RUN_DIR"
 python3 - "$RUN_DIR" <<'PY'
 import sys
+from clawfast.train.loop import breakdown
 from clawfast.train.metrics import read_metrics
 
 evals = {r.get("label"): r for r in read_metrics(sys.argv[1]) if r["kind"] == "eval"}
 for label in ("before", "coldstart", "after"):
     if label in evals:
         r = evals[label]
-        levels = ", ".join(f"{k.split('/', 1)[1]} {r[k]:.3f}" for k in sorted(r) if k.startswith("pass@1_difficulty/"))
-        print(f"held-out pass@1 {label:<10} {r['pass@1']:.3f}  ({int(r['rollouts'])} rollouts, mini-swe-agent; {levels})")
+        print(f"held-out pass@1 {label:<10} {r['pass@1']:.3f}  ({int(r['rollouts'])} rollouts, mini-swe-agent; "
+              f"{breakdown(r, 'pass@1_difficulty')})")
 if "before" in evals and "after" in evals:
     for key, name in [("pass@1", "all held-out tasks")] + [
             (k, k.split("/", 1)[1] + " held-out tasks") for k in sorted(evals["after"]) if k.startswith("pass@1_difficulty/")]:

@@ -340,22 +340,22 @@ def run_eval(source, config: RunConfig, eval_tasks: dict) -> dict[str, float]:
     return metrics
 
 
-def _breakdown(metrics: dict[str, float], prefix: str) -> str:
+def breakdown(metrics: dict[str, float], prefix: str) -> str:
     """``name value`` pairs of the metrics named ``{prefix}/name`` (per harness, per difficulty)."""
     return ", ".join(f"{k[len(prefix) + 1:]} {v:.3f}" for k, v in sorted(metrics.items()) if k.startswith(prefix + "/"))
 
 
 def eval_line(label: str, metrics: dict[str, float]) -> str:
     """The one-line report of an eval: overall pass@1, then per harness and per difficulty."""
-    per = _breakdown(metrics, "pass@1")
-    levels = _breakdown(metrics, "pass@1_difficulty")
+    per = breakdown(metrics, "pass@1")
+    levels = breakdown(metrics, "pass@1_difficulty")
     return (f"eval {label}: pass@1 {metrics.get('pass@1', 0.0):.3f} ({per}{'; ' + levels if levels else ''}) "
             f"over {int(metrics.get('rollouts', 0))} rollouts")
 
 
 def _step_line(step: int, record: dict[str, float]) -> str:
     """One line per step for runs without the live display (logs, CI, --no-progress)."""
-    return (f"step {step}: pass@1 {record.get('pass@1', 0.0):.3f} ({_breakdown(record, 'pass@1')}) "
+    return (f"step {step}: pass@1 {record.get('pass@1', 0.0):.3f} ({breakdown(record, 'pass@1')}) "
             f"loss {record.get('loss', float('nan')):.4f} "
             f"over {int(record.get('rollouts', 0))} rollouts; rollout {record.get('time/rollout_s', 0.0):.1f} s, "
             f"train {record.get('time/train_s', 0.0):.1f} s")

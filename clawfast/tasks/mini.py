@@ -19,7 +19,9 @@ on CPU can learn them; ``medium`` need one command with the right tool (sed, awk
 
 Split: within each category, tasks sorted by (difficulty, sha256 of the id) and every fourth one,
 starting with the first, is ``eval``: 16 eval and 48 train tasks, each difficulty represented in
-both. It depends only on ids and difficulties, never on the seed's content.
+both. It depends only on ids and difficulties, never on the seed's content. Argument values (the level a
+count task counts, the column a sum reads) are drawn per instance, never paired with a slot: an eval
+slot must not ask for a value that no training slot of any seed shows.
 
 Every verifier is `checks.py` (shipped as a verifier file) with a JSON spec; all or nothing, so the
 do-nothing solution scores 0. Every oracle is a list of bash commands (file writes by ``echo``,
@@ -128,7 +130,8 @@ def _files_replace(rng: random.Random, b: _Builder) -> None:
 
 
 def _files_delete_line(rng: random.Random, b: _Builder) -> None:
-    for fname, marker in zip(rng.sample(("items.txt", "tasks.txt", "plan.txt"), 2), ("TODO", "FIXME")):
+    for fname in rng.sample(("items.txt", "tasks.txt", "plan.txt"), 2):
+        marker = rng.choice(("TODO", "FIXME"))
         words = rng.sample(WORDS, 5)
         at = rng.randrange(1, 4)
         lines = words[:at] + [f"{marker} {words[at]}"] + words[at + 1:]
@@ -241,7 +244,8 @@ def _log_lines(rng: random.Random, n: int) -> list[str]:
 
 
 def _data_count(rng: random.Random, b: _Builder) -> None:
-    for fname, level in zip(rng.sample(("app.log", "server.log", "run.log"), 3), ("ERROR", "WARN", "INFO")):
+    for fname in rng.sample(("app.log", "server.log", "run.log"), 3):
+        level = rng.choice(("ERROR", "WARN", "INFO"))
         lines = _log_lines(rng, rng.randint(6, 10))
         while not any(line.startswith(level) for line in lines):  # `grep -c` exits 1 on no match
             lines = _log_lines(rng, len(lines))
@@ -253,7 +257,8 @@ def _data_count(rng: random.Random, b: _Builder) -> None:
 
 
 def _data_sum(rng: random.Random, b: _Builder) -> None:
-    for fname, col in zip(rng.sample(("sales.csv", "costs.csv", "scores.csv"), 3), ("amount", "price", "points")):
+    for fname in rng.sample(("sales.csv", "costs.csv", "scores.csv"), 3):
+        col = rng.choice(("amount", "price", "points"))
         rows = [(w, rng.randint(1, 100)) for w in rng.sample(WORDS, rng.randint(3, 6))]
         text = f"item,{col}\n" + "".join(f"{w},{v}\n" for w, v in rows)
         b.add(f"{fname} has columns item,{col}. Write the sum of {col} to total.txt.", {fname: text},
@@ -292,7 +297,8 @@ def _data_group_sum(rng: random.Random, b: _Builder) -> None:
 
 
 def _data_filter(rng: random.Random, b: _Builder) -> None:
-    for src, col in zip(rng.sample(("scores.csv", "grades.csv", "marks.csv"), 2), ("score", "grade")):
+    for src in rng.sample(("scores.csv", "grades.csv", "marks.csv"), 2):
+        col = rng.choice(("score", "grade"))
         rows = [(n, rng.randint(0, 100)) for n in rng.sample(NAMES, 6)]
         threshold = sorted(v for _, v in rows)[2] + 1  # strictly between: some rows in, some out
         text = f"name,{col}\n" + "".join(f"{n},{v}\n" for n, v in rows)

@@ -64,6 +64,23 @@ def test_deterministic_from_seed(suite):
     assert sum(a.instruction != b.instruction or a.files != b.files for a, b in zip(suite, other)) > 40
 
 
+def test_no_argument_value_is_tied_to_a_slot():
+    """A template's argument values are drawn per instance: were a value tied to a slot (slot k of
+    data-count always counting ERROR), an eval slot would ask for a value no training slot of any
+    seed ever shows, and held-out tasks would test that value instead of the trained skill."""
+    values = {"data-count": ("ERROR", "WARN", "INFO"), "files-delete-line": ("TODO", "FIXME"),
+              "data-sum": ("amount", "price", "points"), "data-filter": ("score", "grade")}
+    seen: dict[str, set] = {}
+    for seed in range(32):
+        for t in clawbench_mini(seed):
+            template = t.id.rsplit("-", 1)[0]
+            if template in values:
+                seen.setdefault(t.id, set()).update(v for v in values[template] if v in t.instruction)
+    assert len(seen) == 10
+    for task_id, found in seen.items():
+        assert found == set(values[task_id.rsplit("-", 1)[0]]), task_id
+
+
 def test_oracles_are_bash_command_lists(suite):
     for t in suite:
         assert t.oracle and all(isinstance(c, str) and c.strip() for c in t.oracle), t.id

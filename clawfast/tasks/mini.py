@@ -54,6 +54,11 @@ WORDS = ("apple", "river", "stone", "cloud", "maple", "tiger", "lemon", "pearl",
 FILENAMES = ("hello.txt", "note.txt", "answer.txt", "out.txt", "greeting.txt", "word.txt", "result.txt")
 NAMES = ("alice", "bob", "carol", "dave", "erin", "frank", "grace", "heidi", "ivan", "judy")
 MODULES = ("mathx", "utils", "helpers", "calc", "tools", "mylib", "core", "funcs")
+# Drawn per instance, never paired with a slot (module docstring); tests read them from here.
+LOG_LEVELS = ("ERROR", "WARN", "INFO")
+LINE_MARKERS = ("TODO", "FIXME")
+SUM_COLUMNS = ("amount", "price", "points")
+FILTER_COLUMNS = ("score", "grade")
 
 
 @lru_cache(maxsize=1)
@@ -131,7 +136,7 @@ def _files_replace(rng: random.Random, b: _Builder) -> None:
 
 def _files_delete_line(rng: random.Random, b: _Builder) -> None:
     for fname in rng.sample(("items.txt", "tasks.txt", "plan.txt"), 2):
-        marker = rng.choice(("TODO", "FIXME"))
+        marker = rng.choice(LINE_MARKERS)
         words = rng.sample(WORDS, 5)
         at = rng.randrange(1, 4)
         lines = words[:at] + [f"{marker} {words[at]}"] + words[at + 1:]
@@ -245,7 +250,7 @@ def _log_lines(rng: random.Random, n: int) -> list[str]:
 
 def _data_count(rng: random.Random, b: _Builder) -> None:
     for fname in rng.sample(("app.log", "server.log", "run.log"), 3):
-        level = rng.choice(("ERROR", "WARN", "INFO"))
+        level = rng.choice(LOG_LEVELS)
         lines = _log_lines(rng, rng.randint(6, 10))
         while not any(line.startswith(level) for line in lines):  # `grep -c` exits 1 on no match
             lines = _log_lines(rng, len(lines))
@@ -258,7 +263,7 @@ def _data_count(rng: random.Random, b: _Builder) -> None:
 
 def _data_sum(rng: random.Random, b: _Builder) -> None:
     for fname in rng.sample(("sales.csv", "costs.csv", "scores.csv"), 3):
-        col = rng.choice(("amount", "price", "points"))
+        col = rng.choice(SUM_COLUMNS)
         rows = [(w, rng.randint(1, 100)) for w in rng.sample(WORDS, rng.randint(3, 6))]
         text = f"item,{col}\n" + "".join(f"{w},{v}\n" for w, v in rows)
         b.add(f"{fname} has columns item,{col}. Write the sum of {col} to total.txt.", {fname: text},
@@ -298,7 +303,7 @@ def _data_group_sum(rng: random.Random, b: _Builder) -> None:
 
 def _data_filter(rng: random.Random, b: _Builder) -> None:
     for src in rng.sample(("scores.csv", "grades.csv", "marks.csv"), 2):
-        col = rng.choice(("score", "grade"))
+        col = rng.choice(FILTER_COLUMNS)
         rows = [(n, rng.randint(0, 100)) for n in rng.sample(NAMES, 6)]
         threshold = sorted(v for _, v in rows)[2] + 1  # strictly between: some rows in, some out
         text = f"name,{col}\n" + "".join(f"{n},{v}\n" for n, v in rows)

@@ -7,9 +7,8 @@
    (verl's ``compute_gae_advantage_return``, vectorised over the expanded root-to-leaf paths), on
    agent-like forests: k samples sharing a prompt, each a chain of turns with some retries.
 
-Peak memory is the process's resident high-water mark (VmHWM, reset through
-/proc/self/clear_refs before each run) minus the resident size before the run, so it counts every
-byte the run touched, outputs and gradients included. Results: a table on stdout and
+Peak memory: `memory.measure` (the resident high-water mark over the resident size before the run,
+so every byte the run touched counts, outputs and gradients included). Results: a table on stdout and
 bench/results/bench_kernels.json. ``--quick`` runs tiny sizes (a smoke test of this script).
 """
 
@@ -18,40 +17,14 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
-import time
 from pathlib import Path
 
 import torch
 from clawfast.kernels import tree_gae, tree_logprobs
 from clawfast.kernels.reference import gae_loop, tree_paths_ref
+from memory import measure
 
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def _status(key: str) -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key):
-                return int(line.split()[1]) / 1024.0
-    raise RuntimeError(f"{key} not in /proc/self/status")
-
-
-def measure(fn, repeats: int) -> tuple[float, float]:
-    """(median seconds, peak extra MiB) of ``fn()``; the memory run is a separate first call."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset VmHWM to the current RSS
-    before = _status("VmRSS")
-    out = fn()
-    peak = _status("VmHWM") - before
-    del out
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t0)
-        del out
-    return statistics.median(times), peak
 
 
 # ----------------------------------------------------------------------------- log-probs

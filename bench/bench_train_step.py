@@ -24,8 +24,14 @@ micro-batch size bound, hence the same peak activation memory; the difference is
 there are. Peak memory is therefore not tabulated. Timings on a shared CPU drift with its load:
 repetitions are interleaved across layouts and the median is reported.
 
-Bar (DESIGN): tree vs flat/call >= 5x fewer tokens and >= 4x faster (judged against the faster
-of flat/call and flat/call-1).
+Also reported per layout: the attention pairs its micro-batches hold (`TreeMask.visible_pairs`: the
+attention work). Deduplication removes rows, but a row's attention cost is its depth, and the rows a
+tree shares (a prompt prefix) are the shallow ones: where attention dominates the step (a small
+model on long paths), the pair ratio, not the token ratio, bounds the speed-up.
+
+Bars, judged against the faster of flat/call and flat/call-1: DESIGN's >= 5x fewer tokens and >= 4x
+faster; the tree-attention issue's goals (at a 32K budget) >= 8x faster than one sample per call
+and >= 1.3x faster than one sample per kept leaf.
 Writes bench/results/bench_train_step.json.
 """
 
@@ -42,6 +48,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from clawfast.kernels import TreeMask
 from clawfast.pack import PackedBatch
 from clawfast.synthetic import group_results, task_group
 from clawfast.train.algorithms import group_ids, grpo_rollout_advantages
@@ -163,6 +170,10 @@ def flat_step_data(rollouts, layout: str, config: StepConfig) -> StepData:
                     [adv[b.target_rollout] for b in batches], None, None, {})
 
 
+def attention_pairs(batches: list[PackedBatch]) -> int:
+    return sum(TreeMask(torch.as_tensor(b.kv_end)).visible_pairs() for b in batches)
+
+
 def flat_step(policy, optimizer, rollouts, layout, config) -> dict:
     """The flat counterpart of `train_step`: prepare, accumulate, clip, AdamW step."""
     t0 = time.perf_counter()
@@ -225,11 +236,18 @@ def run(args) -> dict:
         row["token_ratio_vs_tree"] = row["tokens"] / tree["tokens"]
         row["speedup_of_tree"] = row["median_s"] / tree["median_s"]
         row["tokens_per_s"] = row["tokens"] / row["median_s"]
+    for name, layout in layouts.items():
+        batches = prep.batches if layout is None else flat_step_data(rollouts, layout, config).batches
+        row = out["layouts"][name]
+        row["attention_pairs"] = attention_pairs(batches)
+        row["pair_ratio_vs_tree"] = row["attention_pairs"] / attention_pairs(prep.batches)
     out["tree_counts"] = {k: prep.counts[k] for k in prep.counts}
     out["leaf_loss_matches_tree"] = abs(out["layouts"]["flat/leaf"]["loss"] - tree["loss"]) <= 1e-4
     # The bar is judged against the faster of the two per-call baselines.
     call = min((out["layouts"][k] for k in ("flat/call", "flat/call-1")), key=lambda r: r["median_s"])
-    out["bar"] = {"tokens_ge_5x": call["token_ratio_vs_tree"] >= 5, "speed_ge_4x": call["speedup_of_tree"] >= 4}
+    leaf = out["layouts"]["flat/leaf"]
+    out["bar"] = {"tokens_ge_5x": call["token_ratio_vs_tree"] >= 5, "speed_ge_4x": call["speedup_of_tree"] >= 4,
+                  "speed_vs_call_ge_8x": call["speedup_of_tree"] >= 8, "speed_vs_leaf_ge_1.3x": leaf["speedup_of_tree"] >= 1.3}
     return out
 
 
@@ -238,12 +256,13 @@ def print_table(out: dict) -> None:
     print(f"k={s['k']} rollouts x {s['calls']} calls, prompts up to {s['prompt']} tokens "
           f"(shared system prompt ~{s['system_prompt_tokens']}), max_tokens={s['max_tokens']}, "
           f"Qwen3 d={s['hidden']} L={s['layers']} V={s['vocab']}, fp32 CPU, {s['threads']} thread(s)")
-    head = f"{'layout':<11} {'tokens':>8} {'x tree':>7} {'batches':>7} {'median s':>9} {'tree faster':>11} " \
-           f"{'tok/s':>8} {'fwd+bwd s':>9} {'prep s':>7} {'loss':>10}"
+    head = f"{'layout':<11} {'tokens':>8} {'x tree':>7} {'pairs x':>7} {'batches':>7} {'median s':>9} " \
+           f"{'tree faster':>11} {'tok/s':>8} {'fwd+bwd s':>9} {'prep s':>7} {'loss':>10}"
     print(head)
     print("-" * len(head))
     for name, r in out["layouts"].items():
-        print(f"{name:<11} {r['tokens']:>8} {r['token_ratio_vs_tree']:>7.2f} {r['num_microbatches']:>7} "
+        print(f"{name:<11} {r['tokens']:>8} {r['token_ratio_vs_tree']:>7.2f} {r['pair_ratio_vs_tree']:>7.2f} "
+              f"{r['num_microbatches']:>7} "
               f"{r['median_s']:>9.3f} {r['speedup_of_tree']:>10.2f}x {r['tokens_per_s']:>8.0f} {r['fwd_bwd_s']:>9.3f} "
               f"{r['prepare_s']:>7.3f} {r['loss']:>10.5f}")
     print(f"flat/leaf loss == tree loss: {out['leaf_loss_matches_tree']}; "

@@ -10,7 +10,10 @@ Reported per size: input tokens (sum over calls of prompt + output: what the bui
 median build time of `clawfast.tree.build_tree` (fast) and `clawfast.tree_ref.build_tree_ref`
 (baseline), input tokens/s, the ratio, linearity (time at 16x / time at 1x, against the token
 ratio), and packing of the tree (fast `pack` against `pack_ref`). Then a GRPO group: 8 rollouts of
-one task packed together, against one sample per call and one sample per kept leaf.
+one task packed together, against one sample per call and one sample per kept leaf; and a
+prompt-heavy group shaped like Claude Code traffic (a 22K-token system prompt and tool schemas
+shared by 8 samples whose paths reach 32K) at several budgets, in rows and in attention pairs
+(the visible (query, key) pairs of the tree mask: the attention work), against one sample per leaf.
 
     python bench/bench_tree.py [--quick]
 
@@ -35,15 +38,16 @@ import numpy as np
 
 from clawfast.pack import pack, pack_stats
 from clawfast.pack_ref import pack_ref
-from clawfast.synthetic import harness_like_rollout, task_group
+from clawfast.synthetic import harness_like_rollout, shared_prefix, task_group
 from clawfast.tree import build_tree
-from clawfast.tree_ref import build_tree_ref
+from clawfast.tree_ref import build_tree_ref, kept_leaf_paths_ref
 
 SEED = 0
 MAX_PROMPT = 65536
 TOKENS_PER_CALL = 1000  # main-thread growth per step: 64 calls reach ~64K (as the default would)
 MAX_TOKENS = 65536  # micro-batch budget: one longest path fits
-GROUP_BUDGETS = [65536, 98304, 131072, 262144]  # the group is also packed at these budgets
+GROUP_BUDGETS = [65536, 98304, 131072, 262144, 524288]  # the group is also packed at these budgets
+PROMPT_HEAVY_BUDGETS = [32768, 65536, 131072]
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_tree.json"
 
 
@@ -175,7 +179,29 @@ def bench_group(k: int, n_calls: int, fast_reps: int) -> dict:
     }
 
 
-def print_tables(rows: list[dict], group: dict, linearity: dict) -> None:
+def attention_pairs(batches) -> int:
+    """Visible (query, key) pairs of the batches' tree masks: row j is seen by kv_end[j] - j + 1 rows."""
+    return sum(int((b.kv_end.astype(np.int64) - np.arange(b.num_tokens) + 1).sum()) for b in batches)
+
+
+def bench_prompt_heavy_group(k: int = 8) -> dict:
+    rng = np.random.default_rng(SEED + 2)
+    prefix = shared_prefix(rng, 32000, system_tokens=22000)  # Claude Code's ~22K in the embedded tokenizer
+    trees = [build_tree(harness_like_rollout(rng, 30, 32000, prefix=prefix, rollout_id=f"s{i}")) for i in range(k)]
+    leaf_paths = [len(p) for t in trees for p in kept_leaf_paths_ref(t)]
+    per_leaf = {"rows": sum(leaf_paths), "pairs": sum(n * (n + 1) // 2 for n in leaf_paths)}
+    budgets = []
+    for budget in PROMPT_HEAVY_BUDGETS:
+        batches = pack(trees, budget)
+        st = pack_stats(batches)
+        pairs = attention_pairs(batches)
+        budgets.append({"max_tokens": budget, "micro_batches": st["num_batches"], "packed_tokens": st["num_tokens"],
+                        "attention_pairs": pairs, "rows_vs_per_leaf": per_leaf["rows"] / st["num_tokens"],
+                        "pairs_vs_per_leaf": per_leaf["pairs"] / pairs})
+    return {"rollouts": k, "system_prompt_tokens": 22000, "per_leaf": per_leaf, "budgets": budgets}
+
+
+def print_tables(rows: list[dict], group: dict, linearity: dict, heavy: dict) -> None:
     print("\nPrefix tree build + leaf filter (one rollout), C++ `build_tree` vs Python `build_tree_ref`")
     head = (f"{'size':>5} {'calls':>6} {'input tok':>11} {'unique':>9} {'fast ms':>9} {'fast Mtok/s':>12} "
             f"{'ref s':>8} {'ref Mtok/s':>11} {'speedup':>8} {'pack ms':>8} {'pack ref s':>10} {'pack x':>7}")
@@ -209,6 +235,14 @@ def print_tables(rows: list[dict], group: dict, linearity: dict) -> None:
     for b in g["budgets"]:
         print(f"{b['max_tokens']:>10,} {b['micro_batches']:>8} {b['packed_tokens']:>10,} {b['context_rows']:>9,} "
               f"{b['fill_mean']:>6.3f} {b['vs_per_kept_leaf']:>15.2f}x")
+    h = heavy
+    print(f"\nPrompt-heavy group ({h['rollouts']} samples sharing a {h['system_prompt_tokens']:,}-token prompt, paths "
+          f"to 32K): one sample per kept leaf is {h['per_leaf']['rows']:,} rows, "
+          f"{h['per_leaf']['pairs'] / 1e9:.2f}G attention pairs")
+    print(f"{'max_tokens':>10} {'batches':>8} {'packed':>10} {'pairs':>8} {'per-leaf/packed rows':>21} {'pairs':>7}")
+    for b in h["budgets"]:
+        print(f"{b['max_tokens']:>10,} {b['micro_batches']:>8} {b['packed_tokens']:>10,} "
+              f"{b['attention_pairs'] / 1e9:>7.2f}G {b['rows_vs_per_leaf']:>20.2f}x {b['pairs_vs_per_leaf']:>6.2f}x")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -226,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
         "token_ratio": last["input_tokens"] / first["input_tokens"],
         "time_ratio": last["build_fast_s"] / first["build_fast_s"],
     }
-    print_tables(rows, group, linearity)
+    heavy = bench_prompt_heavy_group()
+    print_tables(rows, group, linearity, heavy)
     one = rows[0]
     bars = {
         "build_speedup_1x_ge_50": one["build_speedup"] >= 50,
@@ -246,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         "sizes": rows,
         "linearity": linearity,
         "group": group,
+        "prompt_heavy_group": heavy,
         "bars": bars,
         "peak_rss_mb": peak_rss_mb(),
     }, indent=1))

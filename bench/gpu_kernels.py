@@ -8,7 +8,11 @@ On a CUDA machine (default sizes: N = 16K, 32K, 64K tokens, d = 4096, V = 152064
    the naive ``log_softmax(h @ W.T).gather`` and, when importable, Liger-Kernel's fused linear
    cross-entropy. Bars (from the issue): no-grad <= 1.2x one matmul, fwd+bwd <= 1.5x three,
    peak extra memory <= 2% of naive.
-2. ``tree_gae``, ``importance_weights`` (token and sequence level) and ``policy_loss``: the Triton
+2. ``tree_attention``: the Triton kernel and FlexAttention against the dense reference (outputs and
+   q/k/v gradients, float32 and bfloat16, on a small packed forest), then forward+backward timings
+   and peak memory on agent-shaped forests of the same N (32 query / 8 key-value heads, head_dim
+   128, bfloat16): Triton vs FlexAttention vs SDPA with the dense [N, N] mask (where it fits).
+3. ``tree_gae``, ``importance_weights`` (token and sequence level) and ``policy_loss``: the Triton
    backend against the torch backend on the same device (values must agree) and their timings.
 
 ``--smoke`` runs tiny sizes; without CUDA it sets TRITON_INTERPRET=1 before anything imports
@@ -216,6 +220,80 @@ def agent_parent(torch, n, gen):
     return torch.tensor(parent, dtype=torch.int32)
 
 
+def kv_end_of(torch, parent):
+    """kv_end[j]: the last row of j's subtree (rows in DFS order)."""
+    end = list(range(parent.shape[0]))
+    par = parent.tolist()
+    for i in reversed(range(len(par))):
+        if par[i] >= 0:
+            end[par[i]] = max(end[par[i]], end[i])
+    return torch.tensor(end, dtype=torch.int32)
+
+
+def check_tree_attention(K, torch, device, gen, backend, dtype, tol):
+    """``backend`` vs the dense float32 reference: output and q/k/v gradients (flex on a CPU: the
+    output only, FlexAttention having no CPU backward)."""
+    n, hq, hkv, d = (40, 4, 2, 16) if device.type == "cpu" else (1500, 8, 2, 64)
+    kv_end = kv_end_of(torch, agent_parent(torch, n, gen)).to(device)
+    n = kv_end.shape[0]
+    grads = not (backend == "flex" and device.type == "cpu")
+    q, k, v = (torch.randn(n, h, d, generator=gen).to(device, dtype).requires_grad_(grads) for h in (hq, hkv, hkv))
+    g = torch.randn(n, hq, d, generator=gen).to(device)
+    out = K.tree_attention(q, k, v, kv_end, backend=backend)
+    qr, kr, vr = (t.detach().float().requires_grad_() for t in (q, k, v))
+    ref = K.tree_attention_ref(qr, kr, vr, kv_end)
+    errs = dict(out=rel(torch, out, ref))
+    if grads:
+        (out.float() * g).sum().backward()
+        (ref * g).sum().backward()
+        errs.update(dq=rel(torch, q.grad, qr.grad), dk=rel(torch, k.grad, kr.grad), dv=rel(torch, v.grad, vr.grad))
+    return dict(op="tree_attention", case=f"check {backend} {str(dtype)[6:]}" + ("" if grads else " fwd"),
+                shape=f"N={n} Hq={hq} Hkv={hkv} D={d}", err=max(errs.values()), tol=tol)
+
+
+def bench_tree_attention(K, torch, bench, device, n, gen):
+    """Forward+backward of Triton, FlexAttention and dense-mask SDPA on one agent-shaped forest."""
+    import torch.nn.functional as F
+
+    cpu = device.type == "cpu"
+    hq, hkv, d, dtype = (4, 2, 16, torch.float32) if cpu else (32, 8, 128, torch.bfloat16)
+    kv_end = kv_end_of(torch, agent_parent(torch, n, gen)).to(device)
+    n = kv_end.shape[0]
+    mask = K.TreeMask(kv_end)
+    q, k, v = (torch.randn(n, h, d, generator=gen).to(device, dtype) for h in (hq, hkv, hkv))
+    g = torch.randn(n, hq, d, generator=gen).to(device, dtype)
+
+    def step(backend):
+        def run():
+            qq, kk, vv = (t.detach().requires_grad_(not (cpu and backend == "flex")) for t in (q, k, v))
+            out = K.tree_attention(qq, kk, vv, mask, backend=backend)
+            if out.requires_grad:
+                out.backward(g)
+            return out
+        return run
+
+    def dense():
+        qq, kk, vv = (t.detach().transpose(0, 1)[None].requires_grad_() for t in (q, k, v))
+        allowed = K.tree_mask_ref(kv_end)
+        out = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=allowed, enable_gqa=True)
+        out.backward(g.transpose(0, 1)[None])
+        return out
+
+    shape = f"N={n} Hq={hq} Hkv={hkv} D={d} pairs/causal={mask.visible_pairs() / (n * (n + 1) / 2):.2f}"
+    t_tri, m_tri = bench.time_ms(step("triton")), bench.peak_mib(step("triton"))
+    rows = []
+    for name, fn in (("flex", step("flex")), ("dense sdpa", dense)):
+        bt = try_run(lambda: bench.time_ms(fn))
+        bm = try_run(lambda: bench.peak_mib(fn))
+        row = dict(op="tree_attention", case="fwd+bwd triton" + (" (flex: fwd)" if cpu and name == "flex" else ""),
+                   shape=shape, ms=t_tri, baseline=name, peak_mib=m_tri)
+        row.update(baseline_ms=bt, ratio=t_tri / bt if isinstance(bt, float) else "")
+        if isinstance(bm, float):
+            row.update(baseline_peak_mib=bm, mem_ratio=m_tri / bm if bm == bm and bm > 0 else "")
+        rows.append(row)
+    return rows
+
+
 def bench_small_ops(K, torch, bench, device, n, gen):
     out = []
     parent = agent_parent(torch, n, gen).to(device)
@@ -304,8 +382,15 @@ def main(argv=None):
                          tol=tol, shape="slice"))
         if not ok:
             failures.append(f"tree_logprobs {dt}: {errs}")
+    for backend in ("triton", "flex"):
+        for dt, tol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
+            rows.append(check_tree_attention(K, torch, device, gen, backend, dt, tol))
     for n in tokens:
         rows += bench_logprobs(K, torch, bench, device, dtype, n, d, v, gen)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    for n in tokens:
+        rows += bench_tree_attention(K, torch, bench, device, n if device.type == "cuda" else 64, gen)
         if device.type == "cuda":
             torch.cuda.empty_cache()
     rows += bench_small_ops(K, torch, bench, device, tokens[-1] * (1 if device.type == "cuda" else 4), gen)

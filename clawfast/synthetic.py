@@ -63,11 +63,12 @@ class SharedPrefix:
     task: np.ndarray
 
 
-def shared_prefix(rng: np.random.Generator, max_prompt_tokens: int, vocab_size: int = QWEN3_VOCAB) -> SharedPrefix:
-    # Claude Code's system prompt plus tool schemas is ~15-20K tokens of a 200K window; here
-    # about a sixth of the window, and a task statement of ~1.5% of it.
+def shared_prefix(rng: np.random.Generator, max_prompt_tokens: int, vocab_size: int = QWEN3_VOCAB, *,
+                  system_tokens: int | None = None) -> SharedPrefix:
+    # Claude Code's system prompt plus tool schemas is ~15-20K tokens of a 200K window; by default
+    # about a sixth of the window (``system_tokens`` sets it), and a task statement of ~1.5% of it.
     return SharedPrefix(
-        system=_ids(rng, max(8, max_prompt_tokens // 6), vocab_size),
+        system=_ids(rng, max(8, max_prompt_tokens // 6) if system_tokens is None else system_tokens, vocab_size),
         task=_ids(rng, max(4, max_prompt_tokens // 64), vocab_size),
     )
 

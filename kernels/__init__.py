@@ -4,6 +4,8 @@ Every op has a Triton kernel (used for CUDA tensors), a torch fast path (CPU, or
 plain reference ``*_ref`` of the same function in ``reference.py``:
 
 - ``tree_logprobs`` / ``linear_logprobs``: fused log-probs + entropy, never materialising [N, V].
+- ``tree_attention``: softmax attention over a packed forest (query i sees key j iff
+  ``j <= i <= kv_end[j]``), block-sparse, never an [N, N] tensor; FlexAttention as a backend too.
 - ``tree_gae``: GAE over a packed tree (per-path mean or tree backup), a reverse segmented scan.
 - ``importance_weights``: truncated / masked IS at token or sequence level, with mismatch metrics.
 - ``policy_loss``: PPO clipped surrogate x IS weight, dual clip, entropy bonus, k3 KL;
@@ -19,9 +21,12 @@ from .reference import (
     importance_weights_ref,
     linear_logprobs_ref,
     policy_loss_ref,
+    tree_attention_ref,
     tree_gae_ref,
     tree_logprobs_ref,
+    tree_mask_ref,
 )
+from .tree_attention import TreeMask, tree_attention
 from .tree_gae import subtree_scan, tree_gae
 from .tree_logprobs import linear_logprobs, tree_logprobs
 from .tree_paths import TreePaths
@@ -29,6 +34,7 @@ from .tree_paths import TreePaths
 __all__ = [
     "ISConfig",
     "ISResult",
+    "TreeMask",
     "TreePaths",
     "grpo_advantages",
     "grpo_advantages_ref",
@@ -39,8 +45,11 @@ __all__ = [
     "policy_loss",
     "policy_loss_ref",
     "subtree_scan",
+    "tree_attention",
+    "tree_attention_ref",
     "tree_gae",
     "tree_gae_ref",
     "tree_logprobs",
     "tree_logprobs_ref",
+    "tree_mask_ref",
 ]

@@ -42,6 +42,31 @@ def linear_logprobs_ref(hidden, weight, labels, *, temperature=1.0, ignore_index
     return torch.where(valid, lp, 0.0), ent
 
 
+# ---------------------------------------------------------------------------------- attention
+
+
+def tree_mask_ref(kv_end):
+    """bool [N, N]: True where query row i may attend to key row j, i.e. ``j <= i <= kv_end[j]``."""
+    n = kv_end.shape[0]
+    idx = torch.arange(n, device=kv_end.device)
+    if n and (bool((kv_end < idx).any()) or bool((kv_end >= n).any())):
+        raise ValueError("kv_end[j] must lie in [j, N) for every row j")
+    return (idx[None, :] <= idx[:, None]) & (idx[:, None] <= kv_end.long()[None, :])
+
+
+def tree_attention_ref(q, k, v, kv_end, *, scale=None):
+    """Dense: ``softmax(q k^T * scale)`` under `tree_mask_ref`, per head (GQA: query head h reads
+    key head ``h // (Hq // Hkv)``); q [N, Hq, D], k and v [N, Hkv, D] -> [N, Hq, D]."""
+    dt = _acc(q.dtype)
+    group = q.shape[1] // k.shape[1]
+    scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else scale
+    kk = k.to(dt).repeat_interleave(group, dim=1)
+    vv = v.to(dt).repeat_interleave(group, dim=1)
+    scores = torch.einsum("ihd,jhd->hij", q.to(dt), kk) * scale
+    scores = scores.masked_fill(~tree_mask_ref(kv_end), float("-inf"))
+    return torch.einsum("hij,jhd->ihd", torch.softmax(scores, dim=-1), vv).to(q.dtype)
+
+
 # ---------------------------------------------------------------------------------------- GAE
 
 

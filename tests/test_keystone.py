@@ -1,9 +1,10 @@
 """Keystone: a packed tree batch gives every target the log-prob its path gives alone.
 
 A tiny Qwen3ForCausalLM (built from a config, fp32, random weights) runs once per packed
-micro-batch with the additive tree mask from `kv_end` and position ids = depth; every target's
-log-prob must equal the one obtained by running the target's root-to-leaf path on its own as a
-plain causal sequence. This is the property the trainer relies on: deduplicated, tree-masked
+micro-batch under the tree mask from `kv_end` and position ids = depth; every target's log-prob
+must equal the one obtained by running the target's root-to-leaf path on its own as a plain causal
+sequence. The mask is applied two ways: the model's own attention with the dense additive mask (the
+reference form), and `Policy` with every tree-attention backend (no [N, N] tensor). This is the property the trainer relies on: deduplicated, tree-masked
 training computes exactly the per-path log-probs. Micro-batches that split a tree (re-included
 context rows) are covered by small `max_tokens`.
 
@@ -22,8 +23,9 @@ from hypothesis import strategies as st
 from clawfast.pack import pack
 from clawfast.pack_ref import pack_ref
 from clawfast.synthetic import random_group
+from clawfast.train.policy import Policy
 from clawfast.tree import build_tree
-from clawfast.tree_mask import dense_tree_mask, tree_mask_bool
+from clawfast.tree_mask import dense_tree_mask
 from clawfast.tree_ref import path_tokens
 
 VOCAB = 24
@@ -82,8 +84,14 @@ def paths_logprobs(model, paths: list[np.ndarray]) -> list[np.ndarray]:
     return out
 
 
-def assert_keystone(model, trees, batches) -> int:
-    """Compare every target with its path run alone; returns the number of targets checked."""
+@torch.no_grad()
+def policy_logprobs(policy, batch) -> np.ndarray:
+    return policy.run(batch).logprobs.numpy()
+
+
+def assert_keystone(model, trees, batches, packed) -> int:
+    """Compare every target with its path run alone; returns the number of targets checked.
+    ``packed(batch)`` gives the packed batch's target log-probs."""
     keys = sorted({(int(r), int(leaf)) for b in batches for r, leaf in zip(b.target_rollout, b.target_leaf)})
     if not keys:
         return 0
@@ -91,7 +99,7 @@ def assert_keystone(model, trees, batches) -> int:
     alone = dict(zip(keys, zip(paths, paths_logprobs(model, paths))))
     checked = 0
     for batch in batches:
-        got = packed_logprobs(model, batch)
+        got = packed(batch)
         for m in range(len(got)):
             key = (int(batch.target_rollout[m]), int(batch.target_leaf[m]))
             path, want = alone[key]
@@ -106,15 +114,13 @@ def assert_keystone(model, trees, batches) -> int:
 
 def test_dense_tree_mask_matches_the_rule():
     kv_end = np.array([5, 3, 3, 3, 5, 5, 6])
-    allowed = tree_mask_bool(kv_end).numpy()
     want = np.array([[j <= i <= kv_end[j] for j in range(7)] for i in range(7)])
-    assert np.array_equal(allowed, want)
     mask = dense_tree_mask(kv_end, torch.float32)
     assert mask.shape == (1, 1, 7, 7)
     assert torch.equal(mask[0, 0] == 0, torch.as_tensor(want))
     assert bool((mask[0, 0][~torch.as_tensor(want)] == torch.finfo(torch.float32).min).all())
     with pytest.raises(ValueError):
-        tree_mask_bool(np.array([0, 0]))  # kv_end[1] < 1
+        dense_tree_mask(np.array([0, 0]))  # kv_end[1] < 1
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
@@ -133,7 +139,7 @@ def test_keystone_random_trees(model, seed, k, n_calls, vocab, slack, p_extend_e
     longest = max((lf.depth for t in trees for lf in t.leaves if lf.status == "kept"), default=1)
     batches = pack(trees, longest + int(slack * longest))
     expected = sum(len(b.target_ids) for b in batches)
-    assert assert_keystone(model, trees, batches) == expected
+    assert assert_keystone(model, trees, batches, lambda b: packed_logprobs(model, b)) == expected
 
 
 @pytest.mark.parametrize(
@@ -148,4 +154,20 @@ def test_keystone_split_tree(packer, attn):
     longest = max(lf.depth for t in trees for lf in t.leaves if lf.status == "kept")
     batches = packer(trees, longest + 3)
     assert len(batches) >= 3 and sum(int(b.is_context.sum()) for b in batches) > 0
-    assert assert_keystone(model, trees, batches) > 30
+    assert assert_keystone(model, trees, batches, lambda b: packed_logprobs(model, b)) > 30
+
+
+@pytest.mark.parametrize("attention", ["auto", "torch", "triton", "flex", "sdpa-dense"])
+def test_keystone_through_policy(attention):
+    # Policy with each attention backend on split trees (context rows) and whole ones; flex compiles
+    # once per micro-batch shape, so this uses a handful of batches rather than random trees
+    model = tiny_qwen3("sdpa")
+    policy = Policy(model, attention=attention)
+    checked = 0
+    for seed, slack in ((5, 3), (6, 1000)):
+        group = random_group(np.random.default_rng(seed), 4, 8, vocab_size=3, max_len=24)
+        trees = [build_tree(calls) for calls in group]
+        longest = max(lf.depth for t in trees for lf in t.leaves if lf.status == "kept")
+        batches = pack(trees, longest + slack)
+        checked += assert_keystone(model, trees, batches, lambda b: policy_logprobs(policy, b))
+    assert checked > 60

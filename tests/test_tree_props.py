@@ -322,6 +322,26 @@ def test_pack_splits_a_large_subtree():
     assert stats["num_targets"] == sum(len(b.target_ids) for b in fast)
 
 
+def test_pack_splits_an_agent_scale_group_at_128k():
+    # bench_tree's GRPO group (8 rollouts x 64 calls, prompts growing to 64K): its deduplicated forest
+    # holds ~577K rows, so a 128K-row budget (what tree attention makes affordable) splits it
+    group = task_group(np.random.default_rng(1), 8, n_calls=64, max_prompt_tokens=65536, tokens_per_call=1000)
+    trees = [build_tree(calls) for calls in group]
+    batches = pack(trees, 131072)
+    assert_same_batches(pack_ref(trees, 131072), batches)
+    assert len(batches) > 1 and any(b.is_context.any() for b in batches)
+    whole = pack(trees, sum(t.num_unique_tokens for t in trees))
+    assert sum(len(b.target_ids) for b in batches) == sum(len(b.target_ids) for b in whole)
+    for b in batches:
+        assert b.num_tokens <= 131072
+        # kv_end is each row's subtree end, the contract tree attention reads
+        end = np.arange(b.num_tokens)
+        for i in range(b.num_tokens - 1, -1, -1):
+            if b.parent_row[i] >= 0:
+                end[b.parent_row[i]] = max(end[b.parent_row[i]], end[i])
+        assert np.array_equal(end, b.kv_end)
+
+
 def test_harness_shaped_group_matches_reference():
     # Realistic shapes (growing prompts, retries, subagents, title, edit, compaction), shuffled.
     rng = np.random.default_rng(11)

@@ -40,10 +40,18 @@ class _Section(BaseModel):
 
 class ModelConfig(_Section):
     """path: a Hugging Face model directory (weights + tokenizer), or "embedded" for the tiny Qwen3
-    built locally by `clawfast.embedded.ensure_embedded_model`. dtype: training and serving dtype."""
+    built locally by `clawfast.embedded.ensure_embedded_model`. dtype: training and serving dtype.
+    attention: how packed tree batches are attended (`clawfast.train.attention`): "auto" (Triton
+    on CUDA, the torch fast path on CPU, the model's own causal attention for a single chain),
+    "torch", "triton", "flex" (FlexAttention; GPU for training) or "sdpa-dense" (the dense
+    [N, N] mask: the reference, O(N^2) memory). gradient_checkpointing: recompute each decoder
+    layer in the backward pass, so a micro-batch keeps only the layers' inputs instead of all their
+    activations (what long ``optim.max_tokens`` budgets need on a GPU; same gradients)."""
 
     path: str = "embedded"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    attention: Literal["auto", "torch", "triton", "flex", "sdpa-dense"] = "auto"
+    gradient_checkpointing: bool = False
 
 
 class EngineConfig(_Section):

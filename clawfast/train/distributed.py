@@ -250,7 +250,8 @@ class _Shard:
             from clawfast.train.policy import Policy
 
             ref_policy = Policy.from_pretrained(resolve_model_dir(self.config),
-                                                dtype=_DTYPES[self.config.model.dtype])
+                                                dtype=_DTYPES[self.config.model.dtype],
+                                                attention=self.config.model.attention)
             ref_policy.requires_grad_(False)
         ref = copy.deepcopy(ref_policy) if self.group.is_main else ref_policy
         ref = ref.to(self.group.device)

@@ -107,8 +107,11 @@ def resolve_model_dir(config: RunConfig) -> Path:
 def build_policy(config: RunConfig, model_dir: Path):
     from clawfast.train.policy import Policy
 
-    return Policy.from_pretrained(model_dir, dtype=_DTYPES[config.model.dtype],
-                                  value_head=config.algorithm.name == "ppo")
+    policy = Policy.from_pretrained(model_dir, dtype=_DTYPES[config.model.dtype], attention=config.model.attention,
+                                    value_head=config.algorithm.name == "ppo")
+    if config.model.gradient_checkpointing:
+        policy.lm.gradient_checkpointing_enable()
+    return policy
 
 
 def build_optimizer(config: RunConfig, policy: torch.nn.Module) -> torch.optim.Optimizer:
@@ -551,7 +554,7 @@ def _reference_policy(config: RunConfig, policy, run_dir: Path, model_dir: Path)
         shutil.rmtree(tmp, ignore_errors=True)
         policy.lm.save_pretrained(tmp)
         tmp.rename(ref_dir)
-    ref = Policy.from_pretrained(ref_dir, dtype=_DTYPES[config.model.dtype])
+    ref = Policy.from_pretrained(ref_dir, dtype=_DTYPES[config.model.dtype], attention=config.model.attention)
     ref.requires_grad_(False)
     return ref.eval()
 
@@ -607,7 +610,7 @@ def evaluate(config: RunConfig, model_dir: str | Path, out_dir: str | Path) -> d
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     _seed_everything(config.seed)
-    policy = Policy.from_pretrained(model_dir, dtype=_DTYPES[config.model.dtype])
+    policy = Policy.from_pretrained(model_dir, dtype=_DTYPES[config.model.dtype], attention=config.model.attention)
     engine = build_engine(config, policy, model_dir, 0)
     eval_tasks = load_tasks(config, config.eval.split)
     renderer = ChatRenderer(AutoTokenizer.from_pretrained(model_dir))

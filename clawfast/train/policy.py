@@ -1,21 +1,27 @@
 """The policy: any Hugging Face causal LM run on a packed prefix-tree batch (docs/TREE.md).
 
-`Policy` wraps a causal LM (Qwen3 first; anything `AutoModelForCausalLM` loads and whose backbone
-accepts a 4-D additive ``attention_mask`` and explicit ``position_ids``). One call of `Policy`
-runs the backbone on the rows of a `PackedBatch` under the tree mask (row j visible to row i iff
-``j <= i <= kv_end[j]``; position ids are depths, so every path sees the positions it would see
-alone), and turns the final hidden states into the log-probs of the (row, token) targets with the
-fused `clawfast.kernels.tree_logprobs` using the LM head weight: the [N, V] logits are never
-materialised. An optional value head (one Linear on the final hidden state) gives PPO its values.
+`Policy` wraps a causal LM (anything `AutoModelForCausalLM` loads whose attention goes through
+transformers' attention registry and which takes explicit ``position_ids``: Qwen3, Llama-style and
+other decoders). One call of `Policy` runs the backbone on the rows of a `PackedBatch` under the
+tree mask (row j visible to row i iff ``j <= i <= kv_end[j]``; position ids are depths, so every
+path sees the positions it would see alone), and turns the final hidden states into the log-probs
+of the (row, token) targets with the fused `clawfast.kernels.tree_logprobs` using the LM head
+weight, on the rows that predict a target only (prompt and context rows need no logits): the
+[N, V] logits are never materialised. An optional value head (one Linear on the final
+hidden state) gives PPO its values.
+
+Attention (``attention``, `clawfast.train.attention.ATTENTION_BACKENDS`): `Policy` sets the
+model's attention implementation to ``"clawfast_tree"`` (`clawfast.train.attention`): tree
+attention from ``kv_end`` (`clawfast.kernels.tree_attention`, block-sparse, no [N, N] tensor) for
+tree batches, SDPA for every other call (generation on a copy of the model, single chains); or
+``"sdpa-dense"``, SDPA with a dense additive [1, 1, N, N] mask (the reference; O(N^2) memory).
 
 Everything happens inside ``forward`` on purpose: FSDP2 (`clawfast.train.fsdp`) gathers a sharded
 module's parameters only around its ``forward``, and the LM head weight must be whole when the
 fused kernel reads it.
 
 Guaranteed: for every target, the log-prob its path gives when run alone as a plain causal
-sequence (tests/test_keystone.py, tests/train/test_step_equivalence.py). Not guaranteed: memory
-below O(N^2) in the attention mask: the dense additive mask (clawfast.tree_mask) is what HF's
-eager/SDPA attention accepts; a kernel reading ``kv_end`` directly is the way to long batches.
+sequence (tests/test_keystone.py, tests/train/test_step_equivalence.py), with every backend.
 """
 
 from __future__ import annotations
@@ -27,13 +33,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from clawfast.kernels import tree_logprobs
+from clawfast.kernels import TreeMask, tree_logprobs
+from clawfast.train.attention import ATTENTION_BACKENDS, TreeAttentionArgs, tree_batch, use_tree_attention
 from clawfast.tree_mask import dense_tree_mask
 
 
 @dataclass
 class PolicyOutput:
-    """logprobs[M] and entropy[N] (float32 or float64, with grad), values[N] (None without a value head)."""
+    """logprobs[M] and entropy[M] (of each target's predicting row; float32 or float64, with grad),
+    values[N] (every row; None without a value head)."""
 
     logprobs: torch.Tensor
     entropy: torch.Tensor
@@ -62,13 +70,18 @@ class BatchTensors:
 class Policy(nn.Module):
     """A causal LM (``lm``) plus an optional scalar value head, run on packed tree batches."""
 
-    def __init__(self, lm: nn.Module, *, value_head: bool = False, temperature: float = 1.0):
+    def __init__(self, lm: nn.Module, *, value_head: bool = False, temperature: float = 1.0,
+                 attention: str = "auto"):
         super().__init__()
         if lm.get_output_embeddings() is None:
             raise ValueError(f"{type(lm).__name__} has no output embedding (LM head)")
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
+        if attention not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention must be one of {ATTENTION_BACKENDS}, got {attention!r}")
+        use_tree_attention(lm)
         self.lm = lm
+        self.attention = attention
         self.temperature = float(temperature)
         hidden = lm.get_output_embeddings().weight.shape[1]
         self.value_head = nn.Linear(hidden, 1) if value_head else None
@@ -79,18 +92,16 @@ class Policy(nn.Module):
             self.value_head.to(dtype=lm.get_output_embeddings().weight.dtype)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, *, dtype: torch.dtype = torch.float32,
-                        attn_implementation: str = "sdpa", value_head: bool = False,
-                        temperature: float = 1.0) -> "Policy":
+    def from_pretrained(cls, path: str | Path, *, dtype: torch.dtype = torch.float32, value_head: bool = False,
+                        temperature: float = 1.0, attention: str = "auto") -> "Policy":
         """Load a local HF causal-LM directory (config + weights). Nothing is downloaded."""
         from transformers import AutoModelForCausalLM
 
         path = Path(path)
         if not (path / "config.json").is_file():
             raise ValueError(f"{path} is not a Hugging Face model directory (no config.json)")
-        lm = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation,
-                                                  local_files_only=True)
-        return cls(lm, value_head=value_head, temperature=temperature)
+        lm = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+        return cls(lm, value_head=value_head, temperature=temperature, attention=attention)
 
     @property
     def backbone(self) -> nn.Module:
@@ -108,24 +119,30 @@ class Policy(nn.Module):
     def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor, kv_end: torch.Tensor) -> torch.Tensor:
         """Final hidden states [N, d] of the rows under the tree mask (final norm applied)."""
         n = kv_end.shape[0]
-        if n and bool((kv_end == n - 1).all()):
-            mask = None  # one causal chain (a flat sample): the model's own causal path, no [N, N] mask
-        else:
+        ids, pos = input_ids[None], position_ids[None]
+        if self.attention == "sdpa-dense":
             mask = dense_tree_mask(kv_end, self.dtype, device=input_ids.device)
-        out = self.backbone(input_ids=input_ids[None], position_ids=position_ids[None], attention_mask=mask,
-                            use_cache=False)
+            return self.backbone(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=False).last_hidden_state[0]
+        if self.attention == "auto" and n and bool((kv_end == n - 1).all()):
+            # one causal chain (a flat sample): SDPA's causal attention is exact and needs no mask
+            return self.backbone(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state[0]
+        args = TreeAttentionArgs(TreeMask(kv_end), self.attention, int(position_ids.max()) if n else 0)
+        with tree_batch():
+            out = self.backbone(input_ids=ids, position_ids=pos, use_cache=False, tree_attention_args=args)
         return out.last_hidden_state[0]
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, kv_end: torch.Tensor,
                 target_rows: torch.Tensor, target_ids: torch.Tensor) -> PolicyOutput:
-        """Log-probs of the targets, entropy of every row, values of every row (see module docstring)."""
+        """Log-probs of the targets, the entropy at each target's row, values of every row."""
         hidden = self.hidden_states(input_ids, position_ids, kv_end)
         weight = self.lm.get_output_embeddings().weight
-        logprobs, entropy = tree_logprobs(hidden, weight, target_rows, target_ids, temperature=self.temperature)
+        rows, target_row_index = torch.unique(target_rows, return_inverse=True)
+        logprobs, row_entropy = tree_logprobs(hidden[rows], weight, target_row_index, target_ids,
+                                              temperature=self.temperature)
         values = None
         if self.value_head is not None:
             values = self.value_head(hidden)[:, 0].float()
-        return PolicyOutput(logprobs, entropy, values)
+        return PolicyOutput(logprobs, row_entropy[target_row_index], values)
 
     def run(self, batch) -> PolicyOutput:
         """``forward`` on a PackedBatch (numpy arrays moved to the policy's device)."""

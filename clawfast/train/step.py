@@ -309,7 +309,7 @@ def accumulate_gradients(policy: Policy, data: StepData, config: StepConfig, *,
         pg, m = policy_loss(out.logprobs, None, adv, weight=a,
                             infer_logprobs=None if config.is_mode == "off" else infer,
                             is_config=config.is_config(), clip_low=config.clip_low, clip_high=config.clip_high,
-                            dual_clip=config.dual_clip, aggregation="token-mean", entropy=out.entropy[rows],
+                            dual_clip=config.dual_clip, aggregation="token-mean", entropy=out.entropy,
                             entropy_coef=config.entropy_coef, ref_logprobs=ref_lp, kl_coef=config.kl_coef)
         a_sum = a.sum()
         pg_part = pg * a_sum / data.denominator

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -95,3 +96,55 @@ def random_packed(n: int, gen: torch.Generator, rollouts: int = 3, p_target: flo
     return dict(parent_row=parent, input_ids=ids, kv_end=end, target_rows=_int32(t_rows),
                 target_ids=_int32(t_ids), target_rollout=_int32(t_roll),
                 leaf_rows=_int32(leaf_rows), leaf_rollout=_int32(leaf_rollout))
+
+
+def segment_forest(n: int, gen: torch.Generator, max_segment: int, roots: int = 2, p_close: float = 0.3):
+    """kv_end[N] of a forest shaped like harness traffic: segments of 1..max_segment rows (shared
+    prompts, outputs, tool results) in DFS order, each hanging under the last row of an open
+    segment (closing some first: a fork) or starting one of at most ``roots`` trees. The larger
+    ``p_close``, the bushier and shallower the trees."""
+    parent: list[int] = []
+    stack: list[int] = []
+    trees = 0
+    while len(parent) < n:
+        length = min(n - len(parent), int(torch.randint(1, max_segment + 1, (1,), generator=gen)))
+        keep = 1 if trees == roots else 0  # the last tree's root segment stays open
+        while len(stack) > keep and float(torch.rand(1, generator=gen)) < p_close:
+            stack.pop()
+        if not stack:
+            trees += 1
+        top = stack[-1] if stack else -1
+        for i in range(length):
+            parent.append(top if i == 0 else len(parent) - 1)
+        stack.append(len(parent) - 1)
+    end = list(range(n))
+    for i in reversed(range(n)):
+        if parent[i] >= 0:
+            end[parent[i]] = max(end[parent[i]], end[i])
+    return _int32(end)
+
+
+def chains(lengths: list[int]):
+    """kv_end of independent causal sequences (a flat varlen batch): every row sees its sequence's
+    earlier rows."""
+    end, off = [], 0
+    for length in lengths:
+        end += [off + length - 1] * length
+        off += length
+    return _int32(end)
+
+
+class LargestTensor(TorchDispatchMode):
+    """Inside the block, records the largest tensor any op creates (forward and backward alike):
+    ``numel`` and the op that made it."""
+
+    def __init__(self):
+        super().__init__()
+        self.numel, self.op = 0, None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.numel() > self.numel:
+                self.numel, self.op = t.numel(), str(func)
+        return out

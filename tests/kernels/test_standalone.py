@@ -49,7 +49,7 @@ def test_gpu_bench_smoke_mode():
     env = {} if _has_cuda() else {"TRITON_INTERPRET": "1"}
     proc = _run(["bench/gpu_kernels.py", "--smoke"], env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    for op in ("tree_logprobs", "tree_gae", "importance_weights", "policy_loss"):
+    for op in ("tree_logprobs", "tree_attention", "tree_gae", "importance_weights", "policy_loss"):
         assert op in proc.stdout
     assert "all checks passed" in proc.stdout
 
@@ -69,10 +69,27 @@ def _has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def test_docs_flat_ppo_example_runs():
-    """The drop-in example of docs/KERNELS.md is real code: run it as written."""
+def _docs_python_blocks() -> list[str]:
     text = (ROOT / "docs" / "KERNELS.md").read_text()
-    block = text.split("```python\n", 1)[1].split("```", 1)[0]
-    proc = _run(["-c", block])
+    return [part.split("```", 1)[0] for part in text.split("```python\n")[1:]]
+
+
+@pytest.mark.parametrize("index, expected", [(0, "clip_frac"), (1, "row 6 sees rows [0, 1, 2, 6]")],
+                         ids=["flat-ppo", "tree-attention"])
+def test_docs_examples_run(index, expected):
+    """The examples of docs/KERNELS.md are real code: run them as written."""
+    blocks = _docs_python_blocks()
+    assert len(blocks) == 2
+    proc = _run(["-c", blocks[index]])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "clip_frac" in proc.stdout
+    assert expected in proc.stdout
+
+
+def test_tree_attention_bench_quick_mode(tmp_path):
+    out = tmp_path / "attention.json"
+    proc = _run(["bench/bench_tree_attention.py", "--quick", "--out", str(out)])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["size"] for r in rows] == [1024]
+    paths = rows[0]["paths"]
+    assert paths["torch"]["fwd_bwd_s"] > 0 and paths["flex"]["fwd_s"] > 0 and paths["dense"]["fwd_bwd_mib"] > 0

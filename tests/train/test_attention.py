@@ -1,0 +1,200 @@
+"""Tree attention inside Hugging Face models (`clawfast.train.attention` through `Policy`).
+
+Each backend must give the dense-mask reference's hidden states and parameter gradients on several
+decoder families, leave the model's own attention implementation in place, and never build an
+[N, N] tensor; unsupported attention variants must raise.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers as tf
+
+import clawfast.train.attention as attention_module
+from clawfast.train.attention import IMPLEMENTATION
+from clawfast.train.policy import Policy
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
+from kernel_testing import LargestTensor, random_forest, segment_forest  # noqa: E402
+
+VOCAB = 50
+FAMILIES = {
+    "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM, {"head_dim": 16}),
+    "llama": (tf.LlamaConfig, tf.LlamaForCausalLM, {}),
+    "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM, {}),
+    "mistral": (tf.MistralConfig, tf.MistralForCausalLM, {"sliding_window": None}),
+    "gemma": (tf.GemmaConfig, tf.GemmaForCausalLM, {"head_dim": 16}),
+    "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM, {"pad_token_id": 0}),
+}
+
+
+def tiny_lm(family: str, dtype=torch.float64, **extra):
+    config_cls, model_cls, kw = FAMILIES[family]
+    shape = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=4096, bos_token_id=0, eos_token_id=1)
+    config = config_cls(**{**shape, **kw, **extra})
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return model_cls(config).to(dtype)
+
+
+def forest_batch(n: int, seed: int):
+    """(input_ids, position_ids = depth, kv_end) of a random bushy forest of n rows."""
+    parent, ids, kv_end = random_forest(n, torch.Generator().manual_seed(seed), roots=3)
+    depth = torch.zeros(n, dtype=torch.long)
+    for i in range(n):
+        depth[i] = 0 if parent[i] < 0 else depth[parent[i]] + 1
+    return ids.long() % VOCAB, depth, kv_end.long()
+
+
+def segment_batch(n: int, seed: int, **kw):
+    """(input_ids, position_ids = depth, kv_end) of a harness-shaped forest (`segment_forest`)."""
+    kv_end = segment_forest(n, torch.Generator().manual_seed(seed), **kw).long()
+    # depth = number of ancestors (j < i <= kv_end[j]): a stack of the open rows' ends in DFS order
+    depth, stack = torch.zeros(n, dtype=torch.long), []
+    for i, end in enumerate(kv_end.tolist()):
+        while stack and stack[-1] < i:
+            stack.pop()
+        depth[i] = len(stack)
+        stack.append(end)
+    return torch.arange(n) % VOCAB, depth, kv_end
+
+
+def hidden_and_grads(lm, attention: str, batch):
+    lm.zero_grad(set_to_none=True)
+    hidden = Policy(lm, attention=attention).hidden_states(*batch)
+    gen = torch.Generator().manual_seed(1)
+    (hidden * torch.randn(hidden.shape, generator=gen, dtype=hidden.dtype)).sum().backward()
+    return hidden.detach(), {name: p.grad.clone() for name, p in lm.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("attention", ["torch", pytest.param("triton", marks=pytest.mark.triton)])
+def test_hidden_states_and_gradients_match_the_dense_mask(family, attention):
+    lm = tiny_lm(family)
+    batch = forest_batch(90, seed=len(family))
+    want_h, want_g = hidden_and_grads(lm, "sdpa-dense", batch)
+    got_h, got_g = hidden_and_grads(lm, attention, batch)
+    assert float((got_h - want_h).abs().max()) <= 1e-10 * float(want_h.abs().max())
+    assert want_g.keys() == got_g.keys() and len(got_g) > 10
+    for name, g in want_g.items():
+        assert float((got_g[name] - g).abs().max()) <= 1e-10 * max(1.0, float(g.abs().max())), name
+
+
+def test_gradient_checkpointing_recomputes_with_tree_attention():
+    # the recomputation runs in backward, outside Policy: it must still attend the tree
+    batch = segment_batch(120, seed=4, max_segment=30)
+    lm = tiny_lm("qwen3").train()
+    want_h, want_g = hidden_and_grads(lm, "torch", batch)
+    lm.gradient_checkpointing_enable()
+    got_h, got_g = hidden_and_grads(lm, "torch", batch)
+    assert float((got_h - want_h).abs().max()) <= 1e-12
+    for name, g in want_g.items():
+        assert float((got_g[name] - g).abs().max()) <= 1e-10 * max(1.0, float(g.abs().max())), name
+
+
+def test_outside_tree_batches_the_model_attends_as_sdpa():
+    # what a copy of the policy's model (the torch engine's) does: padded batches, explicit masks
+    lm = tiny_lm("llama")
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    pad = torch.ones(2, 12, dtype=torch.long)
+    pad[1, :5] = 0  # left padding
+    with torch.no_grad():
+        want = lm(input_ids=ids, attention_mask=pad).logits
+        Policy(lm)
+        assert lm.config._attn_implementation == IMPLEMENTATION
+        got = lm(input_ids=ids, attention_mask=pad).logits
+    assert float((got - want)[pad.bool()].abs().max()) <= 1e-12
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_flex_forward_matches_the_dense_mask(family):
+    lm = tiny_lm(family, torch.float32)
+    batch = forest_batch(150, seed=3)
+    with torch.no_grad():
+        want = Policy(lm, attention="sdpa-dense").hidden_states(*batch)
+        got = Policy(lm, attention="flex").hidden_states(*batch)
+    assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max())
+
+
+def test_one_chain_uses_the_models_causal_attention_under_auto(monkeypatch):
+    lm = tiny_lm("qwen3")
+    n = 40
+    ids, pos, kv_end = torch.arange(n) % VOCAB, torch.arange(n), torch.full((n,), n - 1)
+    calls = []
+    real = attention_module.tree_attention
+    monkeypatch.setattr(attention_module, "tree_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    with torch.no_grad():
+        auto = Policy(lm, attention="auto").hidden_states(ids, pos, kv_end)
+        assert calls == []
+        tree = Policy(lm, attention="torch").hidden_states(ids, pos, kv_end)
+        assert len(calls) == 2  # one per layer
+    assert float((auto - tree).abs().max()) <= 1e-10
+
+
+def _largest_tensor_of_a_step(policy: Policy, n: int, seed: int) -> tuple[int, str]:
+    ids, depth, kv_end = segment_batch(n, seed, max_segment=512, p_close=0.6)
+    with LargestTensor() as seen:
+        out = policy(ids, depth, kv_end, torch.arange(n - 1), ids[1:])
+        out.logprobs.sum().backward()
+    return seen.numel, seen.op
+
+
+def test_a_65k_row_tree_batch_never_allocates_a_quadratic_tensor():
+    n = 65536
+    lm = tiny_lm("qwen3", torch.float32, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=16, max_position_embeddings=n)
+    numel, op = _largest_tensor_of_a_step(Policy(lm, attention="torch"), n, seed=0)
+    # a dense mask or score matrix would hold n^2 = 4.3e9 elements; the largest tensors here are
+    # O(N) activations and bounded chunks (scores, logits)
+    assert numel <= 256 * n, (numel, op)
+
+
+def test_the_memory_check_catches_the_dense_mask():
+    n = 4096
+    lm = tiny_lm("qwen3", torch.float32, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=16, max_position_embeddings=n)
+    numel, _ = _largest_tensor_of_a_step(Policy(lm, attention="sdpa-dense"), n, seed=0)
+    assert numel >= n * n
+
+
+def test_sliding_window_shorter_than_the_paths_is_an_error():
+    lm = tiny_lm("mistral", sliding_window=8)
+    ids, pos, kv_end = segment_batch(60, seed=1, max_segment=20)
+    assert int(pos.max()) >= 8
+    with pytest.raises(NotImplementedError, match="sliding window of 8"):
+        Policy(lm, attention="torch").hidden_states(ids, pos, kv_end)
+    short = tiny_lm("mistral", sliding_window=1000)
+    got = Policy(short, attention="torch").hidden_states(ids, pos, kv_end)
+    want = Policy(short, attention="sdpa-dense").hidden_states(ids, pos, kv_end)
+    assert float((got - want).abs().max()) <= 1e-10 * float(want.abs().max())
+
+
+def test_attention_dropout_is_an_error():
+    lm = tiny_lm("qwen3", attention_dropout=0.1).train()
+    with pytest.raises(NotImplementedError, match="dropout"):
+        Policy(lm, attention="torch").hidden_states(*forest_batch(30, seed=2))
+
+
+def test_bad_backend_name():
+    with pytest.raises(ValueError, match="attention must be one of"):
+        Policy(tiny_lm("qwen3"), attention="dense")
+
+
+
+def test_build_policy_applies_the_model_section(tmp_path):
+    from loop_fixtures import make_tiny_model
+
+    from clawfast.train.config import RunConfig
+    from clawfast.train.loop import build_policy
+
+    model_dir = make_tiny_model(tmp_path / "model")
+    config = RunConfig.model_validate({"model": {"path": str(model_dir), "attention": "torch",
+                                                 "gradient_checkpointing": True}})
+    policy = build_policy(config, model_dir)
+    assert policy.attention == "torch" and policy.lm.is_gradient_checkpointing
+    assert policy.lm.config._attn_implementation == IMPLEMENTATION

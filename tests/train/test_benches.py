@@ -1,0 +1,32 @@
+"""The training benchmarks' scripts run (small inputs; the figures themselves are in bench/RESULTS.md)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from loop_fixtures import make_recorded, make_tiny_model, recorded_config_text
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(args: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+def test_budget_sweep_runs_on_recorded_rollouts(tmp_path):
+    model = make_tiny_model(tmp_path / "model")
+    records = make_recorded(tmp_path / "records")
+    config = tmp_path / "run.toml"
+    config.write_text(recorded_config_text(model, records, tmp_path / "run"))
+    out = tmp_path / "budget.json"
+    proc = _run(["bench/bench_budget.py", str(config), str(records), "--budgets", "256", "1024", "--group", "6",
+                 "--repeats", "1", "--out", str(out)])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert set(result["budgets"]) == {"256", "1024"}
+    small, large = result["budgets"]["256"], result["budgets"]["1024"]
+    assert small["micro_batches"] >= large["micro_batches"] >= 1 and small["median_s"] > 0
+

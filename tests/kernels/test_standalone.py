@@ -23,7 +23,7 @@ def _run(args, env_extra=None, timeout=600):
 def test_import_pulls_in_nothing_else_of_clawfast():
     code = (
         "import sys, json; import clawfast.kernels as K; "
-        "K.tree_logprobs, K.tree_gae, K.importance_weights, K.policy_loss; "
+        "K.tree_logprobs, K.tree_attention, K.TreeMask, K.tree_gae, K.importance_weights, K.policy_loss; "
         "print(json.dumps(sorted(sys.modules)))"
     )
     proc = _run(["-c", code])
@@ -40,7 +40,7 @@ def test_import_pulls_in_nothing_else_of_clawfast():
 def test_public_names():
     import clawfast.kernels as K
 
-    for name in ("tree_logprobs", "linear_logprobs", "tree_gae", "importance_weights", "policy_loss"):
+    for name in ("tree_logprobs", "linear_logprobs", "tree_attention", "tree_gae", "importance_weights", "policy_loss"):
         assert callable(getattr(K, name)) and callable(getattr(K, name + "_ref"))
 
 

@@ -11,16 +11,19 @@ query of query block qb iff ``kb <= qb <= max(kv_end[kb-block]) // B`` (the key 
 kv_end sees the first row of every such block; no other block can see any key of kb). So each key
 block is seen by one contiguous range of query blocks, and the schedule (the CSR list of key blocks
 per query block, and the query-block range per key block) is built in O(N / B + pairs) without any
-[N, N] or [N/B, N/B] tensor. Inside a listed block pair the exact predicate masks single entries.
-The cost follows the visible pairs (ancestor counts), not N^2.
+[N, N] or [N/B, N/B] tensor (only FlexAttention's ``BlockMask`` is a dense [N/128, N/128] index
+table, as flex requires). A pair is *full* when every row of the query block sees every key of the
+key block; only the other, *partial* pairs need the exact predicate, entry by entry. The cost
+follows the visible pairs (ancestor counts), not N^2.
 
 Layers (one op, one name):
 - ``TreeMask`` / ``BlockSchedule``: kv_end, checked once, and its schedules (one per block size,
   cached), shared by every layer of a model; ``flex_block_mask()`` is the same schedule as a
   FlexAttention ``BlockMask`` (partial and full blocks).
 - ``_forward_torch`` / ``_backward_torch``: the CPU fast path, online softmax over chunks of the
-  listed key blocks in plain torch (a chunk of scores ``[Hq, B, C]`` at a time); the backward
-  recomputes the scores from the saved log-sum-exp, as flash-attention does.
+  listed key blocks in plain torch (a chunk of scores ``[Hq, B, C]`` at a time; full blocks
+  unmasked, runs of consecutive blocks as views); the backward recomputes the scores from the
+  saved log-sum-exp, as flash-attention does.
 - ``_tree_attn_fwd_kernel``, ``_tree_attn_dq_kernel``, ``_tree_attn_dkdv_kernel``: Triton, one
   program per (query block, head) walking its key-block list, resp. per (key block, kv head)
   walking its query-block range (no atomics: dK/dV sum the group's query heads in one program).
@@ -78,7 +81,8 @@ class BlockSchedule:
     kv_ptr[QB + 1], kv_idx[P]: for query block qb, the key blocks ``kv_idx[kv_ptr[qb]:kv_ptr[qb+1]]``
     (ascending, the diagonal block last) that hold a key visible to one of its rows.
     q_hi[KB]: key block kb is seen by the query blocks ``kb ..= q_hi[kb]``.
-    full_hi[KB]: of those, ``kb < qb <= full_hi[kb]`` see every key of kb from every row (for flex).
+    full_hi[KB]: of those, ``kb < qb <= full_hi[kb]`` see every key of kb from every row (full pairs,
+    run without a mask by the CPU path and flex).
     """
 
     block: int

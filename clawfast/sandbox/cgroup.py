@@ -14,6 +14,7 @@ rlimits and reports the memory/process limits as not enforced.
 
 from __future__ import annotations
 
+import errno
 import itertools
 import os
 import re
@@ -99,8 +100,11 @@ class Cgroup:
             try:
                 with open(procs) as f:
                     out.update(int(x) for x in f.read().split())
-            except FileNotFoundError:
-                pass
+            except OSError as exc:
+                # A group removed meanwhile (a concurrent destroy()) has no members: ENOENT when it
+                # went before the open, ENODEV when it went between the open and the read.
+                if exc.errno not in (errno.ENOENT, errno.ENODEV):
+                    raise
         return out
 
     def oom_kills(self) -> int:

@@ -394,6 +394,28 @@ def test_close_during_a_run_kills_it(backend, marker, host):
     assert host.pids_with(marker) == []
 
 
+def test_a_cgroup_removed_under_a_reader_has_no_members():
+    """close() destroys the cgroup while a run may be reading its members: a group removed between
+    open and read (the kernel answers ENODEV) or before the open (ENOENT) counts as empty."""
+    from clawfast.sandbox.base import Limits
+    from clawfast.sandbox.cgroup import Cgroup
+
+    cgroup = Cgroup.create(Limits())
+    if cgroup is None:
+        pytest.skip("no writable cgroup v1 hierarchy on this host")
+    held = [open(path) for path in cgroup.procs_files]
+    removed = list(cgroup.procs_files)
+    cgroup.destroy()
+    try:
+        # /proc/self/fd/N reopens the removed group's file: the state a reader racing destroy() sees
+        cgroup.procs_files = [f"/proc/self/fd/{f.fileno()}" for f in held] + removed
+        assert cgroup.pids() == set()
+        assert cgroup.kill_all(0.1)
+    finally:
+        for f in held:
+            f.close()
+
+
 # -- limits -------------------------------------------------------------------------------------
 
 

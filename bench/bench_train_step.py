@@ -48,7 +48,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from clawfast.kernels import TreeMask
+from bench_tree import attention_pairs
 from clawfast.pack import PackedBatch
 from clawfast.synthetic import group_results, task_group
 from clawfast.train.algorithms import group_ids, grpo_rollout_advantages
@@ -168,10 +168,6 @@ def flat_step_data(rollouts, layout: str, config: StepConfig) -> StepData:
     weights = [b.weight.astype(np.float64) for b in batches]
     return StepData(list(rollouts), [], rewards, batches, weights, denominator,
                     [adv[b.target_rollout] for b in batches], None, None, {})
-
-
-def attention_pairs(batches: list[PackedBatch]) -> int:
-    return sum(TreeMask(torch.as_tensor(b.kv_end)).visible_pairs() for b in batches)
 
 
 def flat_step(policy, optimizer, rollouts, layout, config) -> dict:

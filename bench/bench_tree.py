@@ -35,7 +35,9 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
+from clawfast.kernels import TreeMask
 from clawfast.pack import pack, pack_stats
 from clawfast.pack_ref import pack_ref
 from clawfast.synthetic import harness_like_rollout, shared_prefix, task_group
@@ -180,8 +182,8 @@ def bench_group(k: int, n_calls: int, fast_reps: int) -> dict:
 
 
 def attention_pairs(batches) -> int:
-    """Visible (query, key) pairs of the batches' tree masks: row j is seen by kv_end[j] - j + 1 rows."""
-    return sum(int((b.kv_end.astype(np.int64) - np.arange(b.num_tokens) + 1).sum()) for b in batches)
+    """Visible (query, key) pairs of the batches' tree masks (`TreeMask.visible_pairs`)."""
+    return sum(TreeMask(torch.as_tensor(b.kv_end)).visible_pairs() for b in batches)
 
 
 def bench_prompt_heavy_group(k: int = 8) -> dict:

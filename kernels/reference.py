@@ -54,17 +54,32 @@ def tree_mask_ref(kv_end):
     return (idx[None, :] <= idx[:, None]) & (idx[:, None] <= kv_end.long()[None, :])
 
 
-def tree_attention_ref(q, k, v, kv_end, *, scale=None):
+def tree_attention_ref(q, k, v, kv_end, *, scale=None, window=None, softcap=None, sinks=None):
     """Dense: ``softmax(q k^T * scale)`` under `tree_mask_ref`, per head (GQA: query head h reads
-    key head ``h // (Hq // Hkv)``); q [N, Hq, D], k and v [N, Hkv, D] -> [N, Hq, D]."""
+    key head ``h // (Hq // Hkv)``); q [N, Hq, D], k and v [N, Hkv, D] -> [N, Hq, D].
+
+    ``window``: keep key j for query i only if depth_i - depth_j < window (depth: a row's number of
+    ancestors); ``softcap``: scores ``softcap * tanh(s / softcap)``; ``sinks`` [Hq]: one more logit
+    per head in the softmax, dropped from the weights (gpt-oss's eager attention)."""
     dt = _acc(q.dtype)
     group = q.shape[1] // k.shape[1]
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else scale
+    allowed = tree_mask_ref(kv_end)
+    if window is not None:
+        depth = allowed.sum(1) - 1  # a row sees its ancestors and itself
+        allowed = allowed & (depth[:, None] - depth[None, :] < window)
     kk = k.to(dt).repeat_interleave(group, dim=1)
     vv = v.to(dt).repeat_interleave(group, dim=1)
     scores = torch.einsum("ihd,jhd->hij", q.to(dt), kk) * scale
-    scores = scores.masked_fill(~tree_mask_ref(kv_end), float("-inf"))
-    return torch.einsum("hij,jhd->ihd", torch.softmax(scores, dim=-1), vv).to(q.dtype)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:
+        sink = sinks.to(dt)[:, None, None].expand(-1, scores.shape[1], 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return torch.einsum("hij,jhd->ihd", probs, vv).to(q.dtype)
 
 
 # ---------------------------------------------------------------------------------------- GAE

@@ -76,58 +76,81 @@ def _triton_block(head_dim: int) -> int:
 
 @dataclass(frozen=True)
 class BlockSchedule:
-    """The block pairs of a tree mask at one block size B (int32 tensors on kv_end's device).
+    """The block pairs of a tree mask at one block size B and sliding window (tensors on kv_end's
+    device; indices int32).
 
-    kv_ptr[QB + 1], kv_idx[P]: for query block qb, the key blocks ``kv_idx[kv_ptr[qb]:kv_ptr[qb+1]]``
-    (ascending, the diagonal block last) that hold a key visible to one of its rows.
-    q_hi[KB]: key block kb is seen by the query blocks ``kb ..= q_hi[kb]``.
-    full_hi[KB]: of those, ``kb < qb <= full_hi[kb]`` see every key of kb from every row (full pairs,
-    run without a mask by the CPU path and flex).
+    kv_ptr[QB + 1], kv_idx[P], kv_full[P] (bool): for query block qb, the key blocks
+    ``kv_idx[kv_ptr[qb]:kv_ptr[qb+1]]`` (ascending, the diagonal block last) that may hold a key
+    visible to one of its rows, and whether the pair is *full* (every row sees every key: the CPU
+    path and flex run it without a mask).
+    q_ptr[KB + 1], q_idx[P]: the same pairs by key block (query blocks ascending), for dK / dV.
+    Without a window the listed pairs are exactly those with a visible key. A window drops the
+    pairs whose depth ranges keep every key out of every row's window; a listed pair may then still
+    hide all its keys (the kernels allow that), and `kv_full` stays exact.
     """
 
     block: int
+    window: int | None
     num_blocks: int
     kv_ptr: torch.Tensor
     kv_idx: torch.Tensor
-    q_hi: torch.Tensor
-    full_hi: torch.Tensor
+    kv_full: torch.Tensor
+    q_ptr: torch.Tensor
+    q_idx: torch.Tensor
 
     @property
     def num_pairs(self) -> int:
         return int(self.kv_idx.shape[0])
 
 
-def _block_schedule(kv_end: torch.Tensor, block: int) -> BlockSchedule:
+def _ptr(owner: torch.Tensor, nb: int) -> torch.Tensor:
+    """CSR row pointer of pairs sorted by ``owner`` (a block index per pair)."""
+    ptr = torch.zeros(nb + 1, dtype=torch.int32, device=owner.device)
+    ptr[1:] = torch.cumsum(torch.bincount(owner, minlength=nb), 0)
+    return ptr
+
+
+def _block_schedule(kv_end: torch.Tensor, depth: torch.Tensor | None, block: int, window: int | None) -> BlockSchedule:
     n = kv_end.shape[0]
     nb = (n + block - 1) // block
     dev = kv_end.device
     pad = nb * block - n
+
+    def per_block(x, fill, reduce):
+        return reduce(torch.nn.functional.pad(x, (0, pad), value=fill).view(nb, block), 1)
+
     ke = kv_end.long()
-    kb_max = torch.nn.functional.pad(ke, (0, pad), value=-1).view(nb, block).amax(1)
-    kb_min = torch.nn.functional.pad(ke, (0, pad), value=n).view(nb, block).amin(1)
     blocks = torch.arange(nb, device=dev)
-    q_hi = kb_max // block
-    # every row of query block qb sees every key of kb iff kb < qb and the smallest kv_end of kb
-    # reaches the block's last row (the last block ends at row n - 1)
+    q_hi = per_block(ke, -1, torch.amax) // block
+    # every row of query block qb sees every key of kb iff kb < qb <= full_hi[kb]: the smallest
+    # kv_end of kb reaches the block's last row (the last block ends at row n - 1)
     last_row = torch.clamp((blocks + 1) * block, max=n) - 1
-    full_hi = torch.searchsorted(last_row, kb_min, right=True) - 1
-    full_hi = torch.minimum(full_hi, q_hi)
+    full_hi = torch.minimum(torch.searchsorted(last_row, per_block(ke, n, torch.amin), right=True) - 1, q_hi)
     counts = q_hi - blocks + 1
-    key_block = torch.repeat_interleave(blocks, counts)
+    key_block = torch.repeat_interleave(blocks, counts)  # key-major, query blocks ascending
     first = torch.cumsum(counts, 0) - counts
-    query_block = blocks[key_block] + torch.arange(key_block.shape[0], device=dev) - first[key_block]
+    query_block = key_block + torch.arange(key_block.shape[0], device=dev) - first[key_block]
+    full = (key_block < query_block) & (query_block <= full_hi[key_block])
+    if window is not None:
+        # a visible key j is in row i's window iff depth[i] - depth[j] < window (HF's
+        # ``kv_idx > q_idx - sliding_window`` along the row's path)
+        d = depth.long()
+        d_min, d_max = per_block(d, n, torch.amin), per_block(d, -1, torch.amax)
+        keep = d_min[query_block] - d_max[key_block] < window
+        full &= d_max[query_block] - d_min[key_block] < window
+        key_block, query_block, full = key_block[keep], query_block[keep], full[keep]
     order = torch.argsort(query_block, stable=True)  # key blocks stay ascending within a query block
-    kv_ptr = torch.zeros(nb + 1, dtype=torch.long, device=dev)
-    torch.cumsum(torch.bincount(query_block, minlength=nb), 0, out=kv_ptr[1:])
     i32 = torch.int32
-    return BlockSchedule(block, nb, kv_ptr.to(i32), key_block[order].to(i32), q_hi.to(i32), full_hi.to(i32))
+    return BlockSchedule(block, window, nb, _ptr(query_block, nb), key_block[order].to(i32), full[order],
+                         _ptr(key_block, nb), query_block.to(i32))
 
 
 class TreeMask:
     """The tree mask of one packed batch: ``kv_end`` (checked once) and its block schedules.
 
-    Build it once per micro-batch and pass it to every layer's `tree_attention` call: the schedule
-    and the FlexAttention block mask are computed on first use and cached.
+    Build it once per micro-batch and pass it to every layer's `tree_attention` call: the depths,
+    the schedules and the FlexAttention block masks are computed on first use and cached (one per
+    block size and window, so windowed and global layers of one model share a mask).
     """
 
     def __init__(self, kv_end: torch.Tensor):
@@ -144,26 +167,49 @@ class TreeMask:
                              f"{int(kv_end[j])}")
         self.kv_end = kv_end.to(torch.int32).contiguous()
         self.num_rows = n
-        self._schedules: dict[int, BlockSchedule] = {}
-        self._host: dict[int, tuple[list[int], list[int], list[int]]] = {}
-        self._flex = None
+        self._depth: torch.Tensor | None = None
+        self._max_depth: int | None = None
+        self._schedules: dict[tuple[int, int | None], BlockSchedule] = {}
+        self._host: dict[tuple[int, int | None], tuple[list[int], list[int], list[bool]]] = {}
+        self._flex: dict[int | None, object] = {}
 
     @property
     def device(self) -> torch.device:
         return self.kv_end.device
 
-    def schedule(self, block: int) -> BlockSchedule:
-        """The block pairs at block size ``block`` (cached)."""
-        if block not in self._schedules:
-            self._schedules[block] = _block_schedule(self.kv_end, block)
-        return self._schedules[block]
+    def depth(self) -> torch.Tensor:
+        """int32 [N]: each row's number of ancestors (its position in its path, from 0), cached."""
+        if self._depth is None:
+            n = self.num_rows
+            # row j is an ancestor of rows j + 1 ..= kv_end[j]: +1 from j + 1, -1 after kv_end[j]
+            diff = torch.zeros(n + 1, dtype=torch.long, device=self.device)
+            ones = torch.ones(n, dtype=torch.long, device=self.device)
+            diff.index_add_(0, torch.arange(1, n + 1, device=self.device), ones)
+            diff.index_add_(0, self.kv_end.long() + 1, -ones)
+            self._depth = torch.cumsum(diff, 0)[:n].to(torch.int32)
+        return self._depth
 
-    def host_lists(self, block: int) -> tuple[list[int], list[int], list[int]]:
-        """(kv_ptr, kv_idx, full_hi) of ``schedule(block)`` as Python lists (the CPU path loops over them)."""
-        if block not in self._host:
-            s = self.schedule(block)
-            self._host[block] = (s.kv_ptr.tolist(), s.kv_idx.tolist(), s.full_hi.tolist())
-        return self._host[block]
+    def max_depth(self) -> int:
+        if self._max_depth is None:
+            self._max_depth = int(self.depth().max())
+        return self._max_depth
+
+    def schedule(self, block: int, window: int | None = None) -> BlockSchedule:
+        """The block pairs at block size ``block`` under a sliding ``window`` (None: none), cached."""
+        key = (block, window)
+        if key not in self._schedules:
+            depth = None if window is None else self.depth()
+            self._schedules[key] = _block_schedule(self.kv_end, depth, block, window)
+        return self._schedules[key]
+
+    def host_lists(self, block: int, window: int | None = None) -> tuple[list[int], list[int], list[bool]]:
+        """(kv_ptr, kv_idx, kv_full) of ``schedule(block, window)`` as Python lists (the CPU path
+        loops over them)."""
+        key = (block, window)
+        if key not in self._host:
+            s = self.schedule(block, window)
+            self._host[key] = (s.kv_ptr.tolist(), s.kv_idx.tolist(), s.kv_full.tolist())
+        return self._host[key]
 
     def visible_pairs(self) -> int:
         """Number of (query, key) pairs the mask allows: the sum over rows of (ancestors + 1)."""
@@ -171,27 +217,34 @@ class TreeMask:
         rows = torch.arange(self.num_rows, device=self.device)
         return int((self.kv_end.long() - rows + 1).sum())
 
-    def mask_mod(self):
+    def mask_mod(self, window: int | None = None):
         """The predicate in FlexAttention's ``mask_mod`` signature."""
         kv_end, last = self.kv_end, self.num_rows - 1
+        depth = None if window is None else self.depth()
 
         def tree_mask_mod(b, h, q_idx, kv_idx):
-            # flex may evaluate padding positions of a partial last block: keep the index in range
+            # flex may evaluate padding positions of a partial last block: keep the indices in range
             return (kv_idx <= q_idx) & (kv_end[torch.clamp(kv_idx, max=last)] >= q_idx)
 
-        return tree_mask_mod
+        if depth is None:
+            return tree_mask_mod
 
-    def flex_block_mask(self):
-        """The schedule at flex's block size as a ``BlockMask`` (partial and full blocks), cached."""
-        if self._flex is None:
+        def windowed_tree_mask_mod(b, h, q_idx, kv_idx):
+            in_window = depth[torch.clamp(q_idx, max=last)] - depth[torch.clamp(kv_idx, max=last)] < window
+            return tree_mask_mod(b, h, q_idx, kv_idx) & in_window
+
+        return windowed_tree_mask_mod
+
+    def flex_block_mask(self, window: int | None = None):
+        """``schedule(128, window)`` as a FlexAttention ``BlockMask`` (partial and full blocks), cached."""
+        if window not in self._flex:
             from torch.nn.attention.flex_attention import BlockMask
 
-            s = self.schedule(_FLEX_BLOCK)
+            s = self.schedule(_FLEX_BLOCK, window)
             nb = s.num_blocks
             qb, kb = _pairs(s)
-            full = (kb < qb) & (qb <= s.full_hi.long()[kb])
             parts = []
-            for sel in (~full, full):
+            for sel in (~s.kv_full, s.kv_full):
                 q_sel, k_sel = qb[sel], kb[sel]
                 counts = torch.bincount(q_sel, minlength=nb)
                 start = torch.cumsum(counts, 0) - counts
@@ -199,9 +252,10 @@ class TreeMask:
                 idx = torch.zeros(nb, nb, dtype=torch.int32, device=self.device)
                 idx[q_sel, rank] = k_sel.to(torch.int32)
                 parts += [counts.to(torch.int32)[None, None], idx[None, None]]
-            self._flex = BlockMask.from_kv_blocks(*parts, BLOCK_SIZE=_FLEX_BLOCK, mask_mod=self.mask_mod(),
-                                                  seq_lengths=(self.num_rows, self.num_rows))
-        return self._flex
+            self._flex[window] = BlockMask.from_kv_blocks(*parts, BLOCK_SIZE=_FLEX_BLOCK,
+                                                          mask_mod=self.mask_mod(window),
+                                                          seq_lengths=(self.num_rows, self.num_rows))
+        return self._flex[window]
 
 
 def _pairs(s: BlockSchedule) -> tuple[torch.Tensor, torch.Tensor]:
@@ -209,6 +263,17 @@ def _pairs(s: BlockSchedule) -> tuple[torch.Tensor, torch.Tensor]:
     counts = (s.kv_ptr[1:] - s.kv_ptr[:-1]).long()
     qb = torch.repeat_interleave(torch.arange(s.num_blocks, device=counts.device), counts)
     return qb, s.kv_idx.long()
+
+
+@dataclass(frozen=True)
+class Scores:
+    """How a layer turns q.k into softmax logits and which visible keys it keeps: the ``scale``;
+    an optional sliding ``window`` (keys fewer than ``window`` rows up the query's path); an optional
+    ``softcap`` (``softcap * tanh(score / softcap)``, Gemma 2)."""
+
+    scale: float
+    window: int | None = None
+    softcap: float | None = None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -257,40 +322,44 @@ def _cpu_layout(q, k, v, dt, scale: float):
     return qh, k.permute(1, 0, 2).to(dt).contiguous(), v.permute(1, 0, 2).to(dt).contiguous()
 
 
-def _query_blocks(mask: TreeMask, block: int, heads: int, device):
+def _query_blocks(mask: TreeMask, block: int, heads: int, window: int | None, device):
     """Per query block: (start, end, chunks), chunks yielding (take, hidden) for each chunk of its
     listed key rows: ``take`` selects them (`_take`), ``hidden`` is bool [rows, keys] where a key is
     not visible to a row, or None for a chunk of full blocks (every row sees every key: most
     ancestor blocks), which then needs no mask at all."""
     n = mask.num_rows
     kv_end = mask.kv_end.long()
-    ptr, idx, full_hi = mask.host_lists(block)
+    depth = None if window is None else mask.depth().long()
+    ptr, idx, kv_full = mask.host_lists(block, window)
     per_chunk = max(1, _CPU_CHUNK_ELEMS // (heads * block * block))
 
     def chunks(qb: int, s: int, e: int):
-        blocks = idx[ptr[qb] : ptr[qb + 1]]
-        full = [kb for kb in blocks if kb < qb <= full_hi[kb]]
-        for _, take in _key_chunks(full, block, n, per_chunk, device):
+        pairs = range(ptr[qb], ptr[qb + 1])
+        for _, take in _key_chunks([idx[t] for t in pairs if kv_full[t]], block, n, per_chunk, device):
             yield take, None
         rows_i = torch.arange(s, e, device=device)
-        partial = [kb for kb in blocks if not kb < qb <= full_hi[kb]]
+        partial = [idx[t] for t in pairs if not kv_full[t]]
         for rows_j, take in _key_chunks(partial, block, n, per_chunk, device):
-            yield take, (rows_j[None, :] > rows_i[:, None]) | (kv_end[rows_j][None, :] < rows_i[:, None])
+            hidden = (rows_j[None, :] > rows_i[:, None]) | (kv_end[rows_j][None, :] < rows_i[:, None])
+            if depth is not None:
+                hidden |= depth[rows_i][:, None] - depth[rows_j][None, :] >= window
+            yield take, hidden
 
     for qb in range(len(ptr) - 1):
         s, e = qb * block, min(n, qb * block + block)
         yield s, e, chunks(qb, s, e)
 
 
-def _forward_torch(q, k, v, mask: TreeMask, scale: float, block: int):
+def _forward_torch(q, k, v, sinks, mask: TreeMask, rule: Scores, block: int):
     n, hq, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv
     dt = acc_dtype(q.dtype)
-    qh, kh, vh = _cpu_layout(q, k, v, dt, scale)
+    cap = rule.softcap
+    qh, kh, vh = _cpu_layout(q, k, v, dt, rule.scale)
     out = torch.empty(n, hq, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(hkv, g, n, dtype=dt, device=q.device)
-    for s, e, chunks in _query_blocks(mask, block, hq, q.device):
+    for s, e, chunks in _query_blocks(mask, block, hq, rule.window, q.device):
         bq = e - s
         qq = qh[:, :, s:e].reshape(hkv, g * bq, d)
         m = torch.full((hkv, g * bq), float("-inf"), dtype=dt, device=q.device)
@@ -298,6 +367,8 @@ def _forward_torch(q, k, v, mask: TreeMask, scale: float, block: int):
         acc = torch.zeros(hkv, g * bq, d, dtype=dt, device=q.device)
         for take, hidden in chunks:
             sc = torch.bmm(qq, _take(kh, take).transpose(1, 2))  # [Hkv, G*Bq, C], scaled through q
+            if cap is not None:
+                sc.div_(cap).tanh_().mul_(cap)
             if hidden is not None:
                 sc.view(hkv, g, bq, -1).masked_fill_(hidden, float("-inf"))
             m_new = torch.maximum(m, sc.amax(-1))
@@ -308,23 +379,35 @@ def _forward_torch(q, k, v, mask: TreeMask, scale: float, block: int):
             l = l * alpha + p.sum(-1)
             acc = acc * alpha[..., None] + torch.bmm(p, _take(vh, take))
             m = m_new
-        out[s:e] = (acc / l[..., None]).view(hkv, g, bq, d).permute(2, 0, 1, 3).reshape(bq, hq, d).to(q.dtype)
-        lse[:, :, s:e] = (m + torch.log(l)).view(hkv, g, bq)
+        o = acc / l[..., None]
+        lse_b = (m + torch.log(l)).view(hkv, g, bq)
+        if sinks is not None:
+            lse_b, o = _with_sinks(lse_b, o.view(hkv, g, bq, d), sinks.to(dt).view(hkv, g, 1))
+        out[s:e] = o.view(hkv, g, bq, d).permute(2, 0, 1, 3).reshape(bq, hq, d).to(q.dtype)
+        lse[:, :, s:e] = lse_b
     return out, lse
 
 
-def _backward_torch(q, k, v, out, lse, dout, mask: TreeMask, scale: float, block: int):
+def _with_sinks(lse: torch.Tensor, out: torch.Tensor, sinks: torch.Tensor):
+    """Add each head's sink logit to the softmax's denominator (gpt-oss): the log-sum-exp grows to
+    logaddexp(lse, sink) and the output shrinks by exp(lse - that). lse [..., R], out [..., R, D]."""
+    total = torch.logaddexp(lse, sinks)
+    return total, out * torch.exp(lse - total)[..., None]
+
+
+def _backward_torch(q, k, v, lse, delta, dout, mask: TreeMask, rule: Scores, block: int):
     n, hq, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv
     dt = lse.dtype
-    qh, kh, vh = _cpu_layout(q, k, v, dt, scale)
+    cap = rule.softcap
+    qh, kh, vh = _cpu_layout(q, k, v, dt, rule.scale)
     doh = dout.to(dt).permute(1, 0, 2).reshape(hkv, g, n, d)
-    delta = (dout.to(dt) * out.to(dt)).sum(-1).t().reshape(hkv, g, n)  # rowsum(dO * O)
+    delta = delta.view(hkv, g, n)
     dq = torch.empty(n, hq, d, dtype=q.dtype, device=q.device)
     dk = torch.zeros(hkv, n, d, dtype=dt, device=q.device)
     dv = torch.zeros(hkv, n, d, dtype=dt, device=q.device)
-    for s, e, chunks in _query_blocks(mask, block, hq, q.device):
+    for s, e, chunks in _query_blocks(mask, block, hq, rule.window, q.device):
         bq = e - s
         qq = qh[:, :, s:e].reshape(hkv, g * bq, d)
         do = doh[:, :, s:e].reshape(hkv, g * bq, d)
@@ -333,12 +416,18 @@ def _backward_torch(q, k, v, out, lse, dout, mask: TreeMask, scale: float, block
         dqq = torch.zeros(hkv, g * bq, d, dtype=dt, device=q.device)
         for take, hidden in chunks:
             kk, vv = _take(kh, take), _take(vh, take)
-            # baddbmm adds the broadcast -lse (and -delta below) inside the matmul: no extra pass
-            p = torch.baddbmm(neg_lse, qq, kk.transpose(1, 2)).exp_()
+            if cap is None:
+                # baddbmm adds the broadcast -lse (and -delta below) inside the matmul: no extra pass
+                p = torch.baddbmm(neg_lse, qq, kk.transpose(1, 2)).exp_()
+            else:
+                t = torch.bmm(qq, kk.transpose(1, 2)).div_(cap).tanh_()
+                p = torch.add(neg_lse, t, alpha=cap).exp_()
             if hidden is not None:
                 p.view(hkv, g, bq, -1).masked_fill_(hidden, 0.0)
             dvv = torch.bmm(p.transpose(1, 2), do)  # [Hkv, C, D], summed over the group's heads
             ds = torch.baddbmm(neg_delta, do, vv.transpose(1, 2)).mul_(p)
+            if cap is not None:
+                ds.mul_(t.square_().neg_().add_(1.0))  # d(cap tanh(x / cap)) / dx = 1 - tanh^2
             dqq.baddbmm_(ds, kk)
             dkk = torch.bmm(ds.transpose(1, 2), qq)  # q carries the scale: this is dK
             if isinstance(take, slice):
@@ -347,7 +436,7 @@ def _backward_torch(q, k, v, out, lse, dout, mask: TreeMask, scale: float, block
             else:
                 dk.index_add_(1, take, dkk)
                 dv.index_add_(1, take, dvv)
-        dq[s:e] = (dqq * scale).view(hkv, g, bq, d).permute(2, 0, 1, 3).reshape(bq, hq, d).to(q.dtype)
+        dq[s:e] = (dqq * rule.scale).view(hkv, g, bq, d).permute(2, 0, 1, 3).reshape(bq, hq, d).to(q.dtype)
     return dq, dk.permute(1, 0, 2).to(k.dtype), dv.permute(1, 0, 2).to(v.dtype)
 
 
@@ -386,37 +475,72 @@ if HAS_TRITON:
         return rows, rows < N, ds, ds < D
 
     @triton.jit
-    def _key_block(k_ptr, v_ptr, kv_end_ptr, kb, hk, ds, d_ok, N, skn, skh, svn, svh,
-                   BLOCK: tl.constexpr, UPCAST: tl.constexpr):
-        """Key block kb of kv head hk: (cols, k, v, kv_end of the cols)."""
+    def _key_block(k_ptr, v_ptr, kv_end_ptr, depth_ptr, kb, hk, ds, d_ok, N, skn, skh, svn, svh,
+                   BLOCK: tl.constexpr, UPCAST: tl.constexpr, WINDOW: tl.constexpr):
+        """Key block kb of kv head hk: (cols, k, v, kv_end of the cols, depth of the cols)."""
         cols = kb * BLOCK + tl.arange(0, BLOCK)
         col_ok = cols < N
         k = _load_rows(k_ptr + hk * skh, cols, col_ok, ds, d_ok, skn, UPCAST)
         v = _load_rows(v_ptr + hk * svh, cols, col_ok, ds, d_ok, svn, UPCAST)
         kve = tl.load(kv_end_ptr + cols, mask=col_ok, other=-1)  # padding keys are seen by no row
-        return cols, k, v, kve
+        return cols, k, v, kve, _depths(depth_ptr, cols, col_ok, WINDOW)
 
     @triton.jit
-    def _visible(rows, cols, kve):
-        return (cols[None, :] <= rows[:, None]) & (kve[None, :] >= rows[:, None])
+    def _depths(depth_ptr, rows, row_ok, WINDOW: tl.constexpr):
+        if WINDOW:
+            return tl.load(depth_ptr + rows, mask=row_ok, other=0)
+        return rows  # unused without a window
 
     @triton.jit
-    def _tree_attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, kv_end_ptr, kv_ptr_ptr, kv_idx_ptr,
-                              N, D, G, scale_ptr, sqn, sqh, skn, skh, svn, svh, son, soh,
+    def _visible(rows, cols, kve, drow, dcol, window, WINDOW: tl.constexpr):
+        visible = (cols[None, :] <= rows[:, None]) & (kve[None, :] >= rows[:, None])
+        if WINDOW:
+            visible = visible & (drow[:, None] - dcol[None, :] < window)
+        return visible
+
+    @triton.jit
+    def _logits(q, k, scale, cap, ACC: tl.constexpr, IEEE: tl.constexpr, SOFTCAP: tl.constexpr):
+        """(logits, tanh): q.k * scale, soft-capped to ``cap * tanh(x / cap)`` under SOFTCAP (the
+        tanh is kept for the backward; without SOFTCAP the second value is unused)."""
+        x = _dot(q, tl.trans(k), IEEE).to(ACC) * scale
+        if SOFTCAP:
+            # tanh from exp, which saturates to +-1 instead of overflowing
+            t = 1.0 - 2.0 / (tl.exp(2.0 * x / cap) + 1.0)
+            return cap * t, t
+        return x, x
+
+    @triton.jit
+    def _tile_grads(q, k, v, do, lse, delta, visible, scale, cap, ACC: tl.constexpr, IEEE: tl.constexpr,
+                    SOFTCAP: tl.constexpr):
+        """P and dS (w.r.t. the scaled, uncapped scores) of one (query block, key block) tile,
+        recomputed from the saved log-sum-exp."""
+        s, t = _logits(q, k, scale, cap, ACC, IEEE, SOFTCAP)
+        p = tl.where(visible, tl.exp(s - lse[:, None]), 0.0)
+        dsc = p * (_dot(do, tl.trans(v), IEEE).to(ACC) - delta[:, None])
+        if SOFTCAP:
+            dsc = dsc * (1.0 - t * t)
+        return p, dsc
+
+    @triton.jit
+    def _tree_attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, kv_end_ptr, depth_ptr, sink_ptr, kv_ptr_ptr,
+                              kv_idx_ptr, N, D, G, window, params_ptr, sqn, sqh, skn, skh, svn, svh, son, soh,
                               BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr,
-                              IEEE: tl.constexpr, UPCAST: tl.constexpr):
+                              IEEE: tl.constexpr, UPCAST: tl.constexpr, WINDOW: tl.constexpr,
+                              SOFTCAP: tl.constexpr, SINKS: tl.constexpr):
         qb = tl.program_id(0)
         h = tl.program_id(1)
-        scale = tl.load(scale_ptr)
+        scale, cap = tl.load(params_ptr), tl.load(params_ptr + 1)
         rows, row_ok, ds, d_ok = _block(qb, N, D, BLOCK, BLOCK_D)
+        drow = _depths(depth_ptr, rows, row_ok, WINDOW)
         q = _load_rows(q_ptr + h * sqh, rows, row_ok, ds, d_ok, sqn, UPCAST)
         m = tl.full([BLOCK], float("-inf"), dtype=ACC)
         l = tl.zeros([BLOCK], dtype=ACC)
         acc = tl.zeros([BLOCK, BLOCK_D], dtype=ACC)
         for t in range(tl.load(kv_ptr_ptr + qb), tl.load(kv_ptr_ptr + qb + 1)):
-            cols, k, v, kve = _key_block(k_ptr, v_ptr, kv_end_ptr, tl.load(kv_idx_ptr + t), h // G, ds, d_ok, N,
-                                         skn, skh, svn, svh, BLOCK, UPCAST)
-            s = tl.where(_visible(rows, cols, kve), _dot(q, tl.trans(k), IEEE).to(ACC) * scale, float("-inf"))
+            cols, k, v, kve, dcol = _key_block(k_ptr, v_ptr, kv_end_ptr, depth_ptr, tl.load(kv_idx_ptr + t), h // G,
+                                               ds, d_ok, N, skn, skh, svn, svh, BLOCK, UPCAST, WINDOW)
+            s, _ = _logits(q, k, scale, cap, ACC, IEEE, SOFTCAP)
+            s = tl.where(_visible(rows, cols, kve, drow, dcol, window, WINDOW), s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
             # a block can hide every key from a row (another branch): keep -inf - -inf out
             shift = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -426,72 +550,86 @@ if HAS_TRITON:
             acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE).to(ACC)
             m = m_new
         l_safe = tl.where(l > 0, l, 1.0)  # padding rows only: every real row sees itself
-        _store_rows(o_ptr + h * soh, rows, row_ok, ds, d_ok, son, acc / l_safe[:, None])
-        tl.store(lse_ptr + h * N + rows, m + tl.log(l_safe), mask=row_ok)
+        out = acc / l_safe[:, None]
+        lse = m + tl.log(l_safe)
+        if SINKS:  # the head's sink logit joins the denominator (see _with_sinks)
+            sink = tl.load(sink_ptr + h).to(ACC)
+            top = tl.maximum(lse, sink)
+            total = top + tl.log(tl.exp(lse - top) + tl.exp(sink - top))
+            out = out * tl.exp(lse - total)[:, None]
+            lse = total
+        _store_rows(o_ptr + h * soh, rows, row_ok, ds, d_ok, son, out)
+        tl.store(lse_ptr + h * N + rows, lse, mask=row_ok)
 
     @triton.jit
-    def _tree_attn_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dq_ptr, lse_ptr, delta_ptr, kv_end_ptr,
-                             kv_ptr_ptr, kv_idx_ptr, N, D, G, scale_ptr, sqn, sqh, skn, skh, svn, svh,
+    def _tree_attn_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dq_ptr, lse_ptr, delta_ptr, kv_end_ptr, depth_ptr,
+                             kv_ptr_ptr, kv_idx_ptr, N, D, G, window, params_ptr, sqn, sqh, skn, skh, svn, svh,
                              sdon, sdoh, sdqn, sdqh, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
-                             ACC: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+                             ACC: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, WINDOW: tl.constexpr,
+                             SOFTCAP: tl.constexpr):
         qb = tl.program_id(0)
         h = tl.program_id(1)
-        scale = tl.load(scale_ptr)
+        scale, cap = tl.load(params_ptr), tl.load(params_ptr + 1)
         rows, row_ok, ds, d_ok = _block(qb, N, D, BLOCK, BLOCK_D)
+        drow = _depths(depth_ptr, rows, row_ok, WINDOW)
         q = _load_rows(q_ptr + h * sqh, rows, row_ok, ds, d_ok, sqn, UPCAST)
         do = _load_rows(do_ptr + h * sdoh, rows, row_ok, ds, d_ok, sdon, UPCAST)
         lse = tl.load(lse_ptr + h * N + rows, mask=row_ok, other=0.0)
         delta = tl.load(delta_ptr + h * N + rows, mask=row_ok, other=0.0)
         dq = tl.zeros([BLOCK, BLOCK_D], dtype=ACC)
         for t in range(tl.load(kv_ptr_ptr + qb), tl.load(kv_ptr_ptr + qb + 1)):
-            cols, k, v, kve = _key_block(k_ptr, v_ptr, kv_end_ptr, tl.load(kv_idx_ptr + t), h // G, ds, d_ok, N,
-                                         skn, skh, svn, svh, BLOCK, UPCAST)
-            p = tl.where(_visible(rows, cols, kve), tl.exp(_dot(q, tl.trans(k), IEEE).to(ACC) * scale - lse[:, None]), 0.0)
-            dsc = p * (_dot(do, tl.trans(v), IEEE).to(ACC) - delta[:, None])
+            cols, k, v, kve, dcol = _key_block(k_ptr, v_ptr, kv_end_ptr, depth_ptr, tl.load(kv_idx_ptr + t), h // G,
+                                               ds, d_ok, N, skn, skh, svn, svh, BLOCK, UPCAST, WINDOW)
+            visible = _visible(rows, cols, kve, drow, dcol, window, WINDOW)
+            _, dsc = _tile_grads(q, k, v, do, lse, delta, visible, scale, cap, ACC, IEEE, SOFTCAP)
             dq += _dot(dsc.to(k.dtype), k, IEEE).to(ACC)
         _store_rows(dq_ptr + h * sdqh, rows, row_ok, ds, d_ok, sdqn, dq * scale)
 
     @triton.jit
-    def _tree_attn_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, lse_ptr, delta_ptr,
-                               kv_end_ptr, q_hi_ptr, N, D, G, scale_ptr, sqn, sqh, skn, skh, svn, svh,
-                               sdon, sdoh, sdkn, sdkh, sdvn, sdvh, BLOCK: tl.constexpr,
+    def _tree_attn_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, lse_ptr, delta_ptr, kv_end_ptr,
+                               depth_ptr, q_ptr_ptr, q_idx_ptr, N, D, G, window, params_ptr, sqn, sqh, skn, skh,
+                               svn, svh, sdon, sdoh, sdkn, sdkh, sdvn, sdvh, BLOCK: tl.constexpr,
                                BLOCK_D: tl.constexpr, ACC: tl.constexpr, IEEE: tl.constexpr,
-                               UPCAST: tl.constexpr):
+                               UPCAST: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
         kb = tl.program_id(0)
         hk = tl.program_id(1)
-        scale = tl.load(scale_ptr)
+        scale, cap = tl.load(params_ptr), tl.load(params_ptr + 1)
         cols, col_ok, ds, d_ok = _block(kb, N, D, BLOCK, BLOCK_D)
-        _, k, v, kve = _key_block(k_ptr, v_ptr, kv_end_ptr, kb, hk, ds, d_ok, N, skn, skh, svn, svh, BLOCK, UPCAST)
+        _, k, v, kve, dcol = _key_block(k_ptr, v_ptr, kv_end_ptr, depth_ptr, kb, hk, ds, d_ok, N, skn, skh, svn, svh,
+                                        BLOCK, UPCAST, WINDOW)
         dk = tl.zeros([BLOCK, BLOCK_D], dtype=ACC)
         dv = tl.zeros([BLOCK, BLOCK_D], dtype=ACC)
         for gi in range(0, G):  # the group's query heads share this key head: sum them here
             h = hk * G + gi
-            for qb in range(kb, tl.load(q_hi_ptr + kb) + 1):
-                rows, row_ok, _, _ = _block(qb, N, D, BLOCK, BLOCK_D)
+            for t in range(tl.load(q_ptr_ptr + kb), tl.load(q_ptr_ptr + kb + 1)):
+                rows, row_ok, _, _ = _block(tl.load(q_idx_ptr + t), N, D, BLOCK, BLOCK_D)
                 q = _load_rows(q_ptr + h * sqh, rows, row_ok, ds, d_ok, sqn, UPCAST)
                 do = _load_rows(do_ptr + h * sdoh, rows, row_ok, ds, d_ok, sdon, UPCAST)
                 lse = tl.load(lse_ptr + h * N + rows, mask=row_ok, other=0.0)
                 delta = tl.load(delta_ptr + h * N + rows, mask=row_ok, other=0.0)
-                s = _dot(q, tl.trans(k), IEEE).to(ACC) * scale
-                p = tl.where(_visible(rows, cols, kve), tl.exp(s - lse[:, None]), 0.0)
+                visible = _visible(rows, cols, kve, _depths(depth_ptr, rows, row_ok, WINDOW), dcol, window, WINDOW)
+                p, dsc = _tile_grads(q, k, v, do, lse, delta, visible, scale, cap, ACC, IEEE, SOFTCAP)
                 dv += _dot(tl.trans(p.to(do.dtype)), do, IEEE).to(ACC)
-                dsc = p * (_dot(do, tl.trans(v), IEEE).to(ACC) - delta[:, None])
                 dk += _dot(tl.trans(dsc.to(q.dtype)), q, IEEE).to(ACC)
         _store_rows(dk_ptr + hk * sdkh, cols, col_ok, ds, d_ok, sdkn, dk * scale)
         _store_rows(dv_ptr + hk * sdvh, cols, col_ok, ds, d_ok, sdvn, dv)
 
 
-def _triton_flags(q: torch.Tensor) -> dict:
+def _triton_flags(q: torch.Tensor, rule: Scores) -> dict:
     upcast = triton_interpret() and q.dtype in (torch.float16, torch.bfloat16)
     return dict(BLOCK_D=max(16, triton.next_power_of_2(q.shape[2])),
                 ACC=tl.float64 if q.dtype == torch.float64 else tl.float32,
-                IEEE=q.dtype == torch.float32 or upcast, UPCAST=upcast)
+                IEEE=q.dtype == torch.float32 or upcast, UPCAST=upcast, WINDOW=rule.window is not None,
+                SOFTCAP=rule.softcap is not None)
 
 
-def _scale_arg(scale: float, like: torch.Tensor) -> torch.Tensor:
-    # a one-element tensor, not a float argument: Triton passes Python floats as float32, which
-    # would round the float64 path's scale
-    return torch.full((1,), scale, dtype=like.dtype, device=like.device)
+def _triton_scalars(mask: TreeMask, rule: Scores, lse: torch.Tensor):
+    """(depth, window, params): the depths (kv_end stands in, unread, without a window), the window
+    as an int, and [scale, softcap] as a tensor in the accumulation dtype, not float arguments:
+    Triton passes Python floats as float32, which would round the float64 path's values."""
+    depth = mask.kv_end if rule.window is None else mask.depth()
+    params = torch.tensor([rule.scale, rule.softcap or 1.0], dtype=lse.dtype, device=lse.device)
+    return depth, rule.window or 0, params
 
 
 def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
@@ -499,37 +637,38 @@ def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(2) == 1 else t.contiguous()
 
 
-def _forward_triton(q, k, v, mask: TreeMask, scale: float, block: int):
+def _forward_triton(q, k, v, sinks, mask: TreeMask, rule: Scores, block: int):
     q, k, v = (_unit_last_stride(t) for t in (q, k, v))
     n, hq, d = q.shape
-    s = mask.schedule(block)
+    s = mask.schedule(block, rule.window)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty(hq, n, dtype=acc_dtype(q.dtype), device=q.device)
+    depth, window, params = _triton_scalars(mask, rule, lse)
     _tree_attn_fwd_kernel[(s.num_blocks, hq)](
-        q, k, v, out, lse, mask.kv_end, s.kv_ptr, s.kv_idx, n, d, hq // k.shape[1], _scale_arg(scale, lse),
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0),
-        out.stride(1), BLOCK=block, **_triton_flags(q))
+        q, k, v, out, lse, mask.kv_end, depth, sinks if sinks is not None else lse, s.kv_ptr, s.kv_idx, n, d,
+        hq // k.shape[1], window, params, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
+        v.stride(1), out.stride(0), out.stride(1), BLOCK=block, SINKS=sinks is not None, **_triton_flags(q, rule))
     return out, lse
 
 
-def _backward_triton(q, k, v, out, lse, dout, mask: TreeMask, scale: float, block: int):
+def _backward_triton(q, k, v, lse, delta, dout, mask: TreeMask, rule: Scores, block: int):
     n, hq, d = q.shape
     hkv = k.shape[1]
-    s = mask.schedule(block)
+    s = mask.schedule(block, rule.window)
     q, k, v, dout = (_unit_last_stride(t) for t in (q, k, v, dout))
-    delta = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1).t().contiguous()  # [Hq, N]
     dq = torch.empty(n, hq, d, dtype=q.dtype, device=q.device)
     dk = torch.empty(n, hkv, d, dtype=k.dtype, device=q.device)
     dv = torch.empty(n, hkv, d, dtype=v.dtype, device=q.device)
-    flags = _triton_flags(q)
-    common = (n, d, hq // hkv, _scale_arg(scale, lse), q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
+    flags = _triton_flags(q, rule)
+    depth, window, params = _triton_scalars(mask, rule, lse)
+    common = (n, d, hq // hkv, window, params, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
               v.stride(1), dout.stride(0), dout.stride(1))
     _tree_attn_dq_kernel[(s.num_blocks, hq)](
-        q, k, v, dout, dq, lse, delta, mask.kv_end, s.kv_ptr, s.kv_idx, *common, dq.stride(0), dq.stride(1),
+        q, k, v, dout, dq, lse, delta, mask.kv_end, depth, s.kv_ptr, s.kv_idx, *common, dq.stride(0), dq.stride(1),
         BLOCK=block, **flags)
     _tree_attn_dkdv_kernel[(s.num_blocks, hkv)](
-        q, k, v, dout, dk, dv, lse, delta, mask.kv_end, s.q_hi, *common, dk.stride(0), dk.stride(1),
-        dv.stride(0), dv.stride(1), BLOCK=block, **flags)
+        q, k, v, dout, dk, dv, lse, delta, mask.kv_end, depth, s.q_ptr, s.q_idx, *common, dk.stride(0),
+        dk.stride(1), dv.stride(0), dv.stride(1), BLOCK=block, **flags)
     return dq, dk, dv
 
 
@@ -540,20 +679,36 @@ def _backward_triton(q, k, v, out, lse, dout, mask: TreeMask, scale: float, bloc
 _compiled_flex = None
 
 
-def _forward_flex(q, k, v, mask: TreeMask, scale: float) -> torch.Tensor:
+def _forward_flex(q, k, v, sinks, mask: TreeMask, rule: Scores) -> torch.Tensor:
     global _compiled_flex
-    from torch.nn.attention.flex_attention import flex_attention
+    from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
-    if q.device.type == "cpu" and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+    if q.device.type == "cpu" and torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (q, k, v, sinks)):
         raise NotImplementedError("FlexAttention has no backward on CPU (torch "
                                   f"{torch.__version__}): use backend='torch' to train on CPU")
+    if q.device.type == "cpu" and sinks is not None:
+        raise NotImplementedError("FlexAttention on CPU does not return the log-sum-exp that sinks need (torch "
+                                  f"{torch.__version__}): use backend='torch' on CPU")
     if _compiled_flex is None:
         # torch.compile's default: the second row count recompiles with a dynamic N, later ones reuse it
         _compiled_flex = torch.compile(flex_attention)
+    score_mod = None
+    if rule.softcap is not None:
+        cap = rule.softcap
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return cap * torch.tanh(score / cap)
+
     # flex takes [B, H, N, D]; enable_gqa maps query head h to key head h // G as the other paths do
-    out = _compiled_flex(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                         block_mask=mask.flex_block_mask(), scale=scale, enable_gqa=k.shape[1] != q.shape[1])
-    return out[0].transpose(0, 1)
+    args = (q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None])
+    kwargs = dict(score_mod=score_mod, block_mask=mask.flex_block_mask(rule.window), scale=rule.scale,
+                  enable_gqa=k.shape[1] != q.shape[1])
+    if sinks is None:
+        return _compiled_flex(*args, **kwargs)[0].transpose(0, 1)
+    out, aux = _compiled_flex(*args, **kwargs, return_aux=AuxRequest(lse=True))
+    lse = aux.lse[0]
+    return _with_sinks(lse, out[0].to(lse.dtype), sinks.to(lse.dtype)[:, None])[1].to(q.dtype).transpose(0, 1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -563,23 +718,30 @@ def _forward_flex(q, k, v, mask: TreeMask, scale: float) -> torch.Tensor:
 
 class TreeAttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, mask: TreeMask, scale: float, backend: str):
+    def forward(ctx, q, k, v, sinks, mask: TreeMask, rule: Scores, backend: str):
         if backend == "triton":
             block = _triton_block(q.shape[2])
-            out, lse = _forward_triton(q, k, v, mask, scale, block)
+            out, lse = _forward_triton(q, k, v, sinks, mask, rule, block)
         else:
             block = _CPU_BLOCK
-            out, lse = _forward_torch(q, k, v, mask, scale, block)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.mask, ctx.scale, ctx.backend, ctx.block = mask, scale, backend, block
+            out, lse = _forward_torch(q, k, v, sinks, mask, rule, block)
+        ctx.save_for_backward(q, k, v, sinks, out, lse)
+        ctx.mask, ctx.rule, ctx.backend, ctx.block = mask, rule, backend, block
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, sinks, out, lse = ctx.saved_tensors
+        hq, n = q.shape[1], q.shape[0]
+        delta = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1).t().contiguous()  # rowsum(dO * O), [Hq, N]
         run = _backward_triton if ctx.backend == "triton" else _backward_torch
-        dq, dk, dv = run(q, k, v, out, lse, dout, ctx.mask, ctx.scale, ctx.block)
-        return dq, dk, dv, None, None, None
+        dq, dk, dv = run(q, k, v, lse, delta, dout, ctx.mask, ctx.rule, ctx.block)
+        dsinks = None
+        if sinks is not None and ctx.needs_input_grad[3]:
+            # the sink's probability exp(sink - lse) takes part in dS = P (dP - delta) with dP = 0
+            p_sink = torch.exp(sinks.to(lse.dtype)[:, None] - lse.reshape(hq, n))
+            dsinks = -(p_sink * delta).sum(1).to(sinks.dtype)
+        return dq, dk, dv, dsinks, None, None, None
 
 
 def _pick(backend: str, q: torch.Tensor) -> str:
@@ -618,21 +780,45 @@ def _check(q, k, v, mask: TreeMask) -> None:
                          f"{v.device}, {mask.device}")
 
 
+def _check_options(q, window, softcap, sinks) -> None:
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be a positive int (keys fewer than window rows up the path) or None, "
+                         f"got {window!r}")
+    if softcap is not None and not (isinstance(softcap, (int, float)) and math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"softcap must be a positive finite number or None, got {softcap!r}")
+    if sinks is not None:
+        if not isinstance(sinks, torch.Tensor) or sinks.shape != (q.shape[1],) or not sinks.dtype.is_floating_point:
+            raise ValueError(f"sinks must be a floating-point tensor [Hq] = [{q.shape[1]}] (one logit per query "
+                             f"head), got {tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__}")
+        if sinks.device != q.device:
+            raise ValueError(f"sinks must be on q's device {q.device}, got {sinks.device}")
+
+
 def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_end: torch.Tensor | TreeMask, *,
-                   scale: float | None = None, backend: str = "auto") -> torch.Tensor:
+                   scale: float | None = None, window: int | None = None, softcap: float | None = None,
+                   sinks: torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
     """Softmax attention of the rows of a packed forest: query i attends to key j iff
     ``j <= i <= kv_end[j]`` (its ancestors and itself).
 
     q ``[N, Hq, D]``, k and v ``[N, Hkv, D]`` (Hq a multiple of Hkv), kv_end ``[N]`` integers or a
     `TreeMask` built from them (reuse one across layers); returns ``[N, Hq, D]`` in q's dtype,
-    differentiable w.r.t. q, k and v. ``scale`` defaults to ``1 / sqrt(D)``. ``backend``: "auto"
-    (Triton for CUDA tensors, the torch fast path otherwise), "torch", "triton" (CPU tensors need
-    TRITON_INTERPRET=1) or "flex" (compiled FlexAttention; no gradients on CPU).
+    differentiable w.r.t. q, k, v and sinks. ``scale`` defaults to ``1 / sqrt(D)``.
+    The options of HF decoders, with their semantics along each path:
+    ``window``: sliding window, query i keeps key j only if ``depth[i] - depth[j] < window``
+    (Mistral, Qwen2, Gemma 2/3 local layers); ``softcap``: logits ``softcap * tanh(x / softcap)``
+    (Gemma 2); ``sinks`` ``[Hq]``: a per-head logit added to each softmax's denominator with no value
+    (gpt-oss). ``backend``: "auto" (Triton for CUDA tensors, the torch fast path otherwise), "torch",
+    "triton" (CPU tensors need TRITON_INTERPRET=1) or "flex" (compiled FlexAttention; no gradients
+    on CPU).
     """
     mask = kv_end if isinstance(kv_end, TreeMask) else TreeMask(kv_end)
     _check(q, k, v, mask)
+    _check_options(q, window, softcap, sinks)
     backend = _pick(backend, q)
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)
+    if window is not None and window > mask.max_depth():
+        window = None  # every path is shorter than the window: it hides nothing
+    rule = Scores(scale, window, None if softcap is None else float(softcap))
     if backend == "flex":
-        return _forward_flex(q, k, v, mask, scale)
-    return TreeAttentionFunction.apply(q, k, v, mask, scale, backend)
+        return _forward_flex(q, k, v, sinks, mask, rule)
+    return TreeAttentionFunction.apply(q, k, v, sinks, mask, rule, backend)

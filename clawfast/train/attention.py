@@ -1,101 +1,142 @@
 """Tree attention inside any Hugging Face causal LM, through transformers' attention registries.
 
-Importing this module registers ``"clawfast_tree"`` in ``transformers.AttentionInterface`` and in
-its mask registry. `use_tree_attention(lm)` sets a model's attention implementation to it (as
-``set_attn_implementation`` would; no model class is patched). The attention function then does
-one of two things per call:
+Importing this module registers ``"clawfast_tree"`` (over SDPA) and ``"clawfast_tree_eager"``
+(over the model's eager attention) in ``transformers.AttentionInterface`` and in its mask registry.
+`use_tree_attention(lm)` switches a model from ``"sdpa"`` / ``"eager"`` to the matching one (as
+``set_attn_implementation`` would; no model class is patched). The attention function then does one
+of two things per call:
 - with the keyword ``tree_attention_args`` (a `TreeAttentionArgs`, which HF decoders pass from the
   backbone's ``forward`` down to every attention call, recomputations under gradient checkpointing
   included): `clawfast.kernels.tree_attention` on the batch's `TreeMask`;
-- without it (generation, a single causal chain, a dense mask): transformers' SDPA attention.
-Inside `tree_batch()` the mask function returns no mask, so a tree batch builds nothing [N, N];
-elsewhere it is SDPA's mask function.
+- without it (generation, a single causal chain, a dense mask): the model's own implementation, with
+  its own mask function (so an engine's copy of the policy's model samples exactly as before).
+Inside `tree_batch()` the mask function returns no mask, so a tree batch builds nothing [N, N].
+The base is kept in the implementation's name, so copies and pickles of the model keep it.
 
 Backends (`ATTENTION_BACKENDS`, the ``model.attention`` config field):
-- ``auto``: one causal chain runs on SDPA's causal attention (exact, no mask); anything else runs
-  `tree_attention` with its own choice (Triton on CUDA, the torch fast path on CPU).
+- ``auto``: one causal chain runs on the model's own causal attention (exact, no tree mask);
+  anything else runs `tree_attention` with its own choice (Triton on CUDA, the torch fast path on
+  CPU).
 - ``torch`` / ``triton`` / ``flex``: `tree_attention` with that backend (flex: no CPU backward).
-- ``sdpa-dense``: SDPA with a dense additive [1, 1, N, N] mask: the reference the tests compare
-  against; O(N^2) memory.
+- ``sdpa-dense``: the model's own attention with a dense additive [1, 1, N, N] mask: the reference
+  the tests compare against; O(N^2) memory.
 
 Supported: decoders whose attention calls ``ALL_ATTENTION_FUNCTIONS`` with ``**kwargs`` (Qwen2/3,
-Llama, Mistral, Gemma, Phi-3, ... in transformers >= 4.48). A sliding window shorter than the
-batch's deepest path, attention dropout during training, logit soft-capping and attention sinks
-raise instead of being ignored.
+Llama, Mistral, Gemma 1-3, Phi-3, gpt-oss, ... in transformers >= 4.48), with the softmax options
+they pass: ``sliding_window`` (along each path), ``softcap`` (Gemma 2) and ``s_aux`` (per-head sinks,
+gpt-oss). What tree attention does not model raises instead of being ignored: attention dropout
+while training (RL trains with 0; a tree kernel would have to replay the dense layout's random
+mask to match it), and a model-specific ``position_bias`` or ``sinks`` tensor (a dense bias whose
+shape is the model's own).
 """
 
 from __future__ import annotations
 
 import contextvars
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from clawfast.kernels import TreeMask, tree_attention
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flex", "sdpa-dense")
 IMPLEMENTATION = "clawfast_tree"
-# Keywords through which HF attention modules change the softmax; tree attention does not model them.
-_UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sinks", "position_bias")
+# The model's own implementation each registered name falls back to outside tree batches. No name
+# contains "flash": transformers reads that substring as a request for flash-attention inputs.
+IMPLEMENTATIONS = {"sdpa": IMPLEMENTATION, "eager": IMPLEMENTATION + "_eager"}
+# Keywords through which some HF attention modules add their own dense bias to the softmax.
+_UNSUPPORTED_KWARGS = ("position_bias", "sinks")
 _IN_TREE_BATCH = contextvars.ContextVar("clawfast_in_tree_batch", default=False)
 
 
 @dataclass(frozen=True)
 class TreeAttentionArgs:
-    """What every layer's attention call needs of the batch: the mask, the backend, and the largest
-    position id (to check sliding windows against)."""
+    """What every layer's attention call needs of the batch: the mask and the backend."""
 
     mask: TreeMask
     backend: str
-    max_position: int
 
 
-def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-               tree_attention_args: TreeAttentionArgs | None = None, **kwargs) -> tuple[torch.Tensor, None]:
-    """HF attention-function signature: query [1, Hq, N, D], key/value [1, Hkv, N, D] ->
-    ([1, N, Hq, D], None)."""
-    if tree_attention_args is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
-    args = tree_attention_args
+def _base_attention(base: str, module: torch.nn.Module) -> Callable:
+    if base != "eager":
+        return ALL_ATTENTION_FUNCTIONS[base]
+    # a model's eager attention is its modeling file's function (what it passes HF as the default)
+    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    if eager is None:
+        raise RuntimeError(f"{type(module).__module__} has no eager_attention_forward to fall back to")
+    return eager
+
+
+def _tree_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: torch.Tensor | None, dropout: float, scaling: float | None,
+                    args: TreeAttentionArgs, kwargs: dict) -> tuple[torch.Tensor, None]:
     name = type(module).__name__
     if attention_mask is not None:
         raise RuntimeError(f"{name} received an attention mask beside the tree mask; tree batches take none")
     if dropout:
         raise NotImplementedError(f"{name}: attention dropout ({dropout}) is not supported by tree attention; "
                                   "set the model's attention_dropout to 0")
-    window = kwargs.get("sliding_window")
-    if window is not None and args.max_position >= window:
-        raise NotImplementedError(f"{name} uses a sliding window of {window} tokens and the batch has paths of "
-                                  f"{args.max_position + 1}: tree attention attends to whole paths")
     for kw in _UNSUPPORTED_KWARGS:
         if kwargs.get(kw) is not None:
             raise NotImplementedError(f"{name} passes {kw!r} to its attention: not supported by tree attention")
     if query.shape[0] != 1:
         raise ValueError(f"a tree batch is one packed row sequence (batch size 1), got {query.shape[0]}")
     out = tree_attention(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
-                         args.mask, scale=scaling, backend=args.backend)
+                         args.mask, scale=scaling, window=kwargs.get("sliding_window"), softcap=kwargs.get("softcap"),
+                         sinks=kwargs.get("s_aux"), backend=args.backend)
     return out[None], None
 
 
-def _mask(*args, **kwargs):
-    """No mask inside a tree batch (tree attention reads kv_end); SDPA's mask everywhere else."""
-    return None if _IN_TREE_BATCH.get() else sdpa_mask(*args, **kwargs)
+def _register(base: str) -> None:
+    def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                  tree_attention_args: TreeAttentionArgs | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+        """HF attention-function signature: query [1, Hq, N, D], key/value [1, Hkv, N, D] ->
+        ([1, N, Hq, D], None)."""
+        if tree_attention_args is None:
+            return _base_attention(base, module)(module, query, key, value, attention_mask, dropout=dropout,
+                                                 scaling=scaling, **kwargs)
+        return _tree_attention(module, query, key, value, attention_mask, dropout, scaling, tree_attention_args,
+                               kwargs)
+
+    def mask(*args, **kwargs):
+        """No mask inside a tree batch (tree attention reads kv_end); the base's mask everywhere else."""
+        return None if _IN_TREE_BATCH.get() else ALL_MASK_ATTENTION_FUNCTIONS[base](*args, **kwargs)
+
+    AttentionInterface.register(IMPLEMENTATIONS[base], attention)
+    AttentionMaskInterface.register(IMPLEMENTATIONS[base], mask)
 
 
-AttentionInterface.register(IMPLEMENTATION, _attention)
-AttentionMaskInterface.register(IMPLEMENTATION, _mask)
+for _base in IMPLEMENTATIONS:
+    _register(_base)
+
+
+def _configs(config) -> Iterator:
+    yield config
+    for key in getattr(config, "sub_configs", {}):
+        sub = getattr(config, key, None)
+        if sub is not None:
+            yield from _configs(sub)
 
 
 def use_tree_attention(lm: torch.nn.Module) -> None:
-    """Set ``lm``'s attention implementation (and its sub-configs') to ``"clawfast_tree"``."""
-    lm.config._attn_implementation = IMPLEMENTATION
+    """Switch ``lm``'s attention implementation (and its sub-configs') from ``"sdpa"`` / ``"eager"``
+    to the tree-attention one over it; a model already switched stays as it is."""
+    for config in _configs(lm.config):
+        impl = config._attn_implementation_internal
+        if impl in IMPLEMENTATIONS.values():
+            continue
+        if impl not in IMPLEMENTATIONS:
+            raise ValueError(f"{type(lm).__name__} uses attention {impl!r}; tree attention falls back to the model's "
+                             f"own one outside tree batches and supports {sorted(IMPLEMENTATIONS)}: load the model "
+                             "with one of those")
+        config._attn_implementation_internal = IMPLEMENTATIONS[impl]
 
 
 @contextmanager

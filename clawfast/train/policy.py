@@ -124,9 +124,9 @@ class Policy(nn.Module):
             mask = dense_tree_mask(kv_end, self.dtype, device=input_ids.device)
             return self.backbone(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=False).last_hidden_state[0]
         if self.attention == "auto" and n and bool((kv_end == n - 1).all()):
-            # one causal chain (a flat sample): SDPA's causal attention is exact and needs no mask
+            # one causal chain (a flat sample): the model's own causal attention is exact
             return self.backbone(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state[0]
-        args = TreeAttentionArgs(TreeMask(kv_end), self.attention, int(position_ids.max()) if n else 0)
+        args = TreeAttentionArgs(TreeMask(kv_end), self.attention)
         with tree_batch():
             out = self.backbone(input_ids=ids, position_ids=pos, use_cache=False, tree_attention_args=args)
         return out.last_hidden_state[0]

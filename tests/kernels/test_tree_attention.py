@@ -44,16 +44,29 @@ def err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((a - e).abs().max() / e.abs().max().clamp(min=1.0))
 
 
-def compare(q, k, v, kv_end, **kw) -> tuple[float, float, float, float]:
-    """Errors of (out, dq, dk, dv) of `tree_attention` against the float64 dense reference."""
+def compare(q, k, v, kv_end, *, sinks=None, backend, **options) -> tuple[float, ...]:
+    """Errors of (out, dq, dk, dv[, dsinks]) of `tree_attention` against the float64 dense
+    reference; ``options`` (scale, window, softcap) go to both."""
     gen = torch.Generator().manual_seed(7)
     g_out = torch.randn(q.shape, generator=gen, dtype=torch.float64)
-    out = tree_attention(q, k, v, kv_end.to(q.device), **kw)
+    inputs = (q, k, v) if sinks is None else (q, k, v, sinks)
+    out = tree_attention(q, k, v, kv_end.to(q.device), sinks=sinks, backend=backend, **options)
     (out.double().cpu() * g_out).sum().backward()
-    qd, kd, vd = (t.detach().cpu().double().requires_grad_() for t in (q, k, v))
-    ref = tree_attention_ref(qd, kd, vd, kv_end.cpu(), scale=kw.get("scale"))
+    ref_inputs = [t.detach().cpu().double().requires_grad_() for t in inputs]
+    ref = tree_attention_ref(*ref_inputs[:3], kv_end.cpu(), sinks=ref_inputs[3] if sinks is not None else None,
+                             **options)
     (ref * g_out).sum().backward()
-    return err(out, ref), err(q.grad, qd.grad), err(k.grad, kd.grad), err(v.grad, vd.grad)
+    return (err(out, ref), *(err(t.grad, r.grad) for t, r in zip(inputs, ref_inputs)))
+
+
+def sink_logits(hq, dtype, gen, device="cpu"):
+    # around the scores' scale, so the sink takes a real share of each row's softmax
+    return (torch.randn(hq, generator=gen, dtype=torch.float64) + 1.0).to(device, dtype).requires_grad_()
+
+
+# The options of HF decoders: no window / one shorter than many paths, softcap, sinks.
+OPTIONS = st.fixed_dictionaries({"window": st.sampled_from([None, 1, 3, 17]),
+                                 "softcap": st.sampled_from([None, 0.5, 30.0]), "sinks": st.booleans()})
 
 
 @contextmanager
@@ -76,25 +89,55 @@ def test_reference_is_the_dense_rule():
         tree_mask_ref(torch.tensor([0, 0]))
 
 
+def test_reference_options_are_the_path_alone():
+    """The reference's window, softcap and sinks on a forest are those of each path attended alone
+    as one causal sequence, written out from their definitions (window: HF's
+    ``kv_idx > q_idx - sliding_window``; sinks: gpt-oss's extra softmax column)."""
+    gen = torch.Generator().manual_seed(5)
+    kv_end = random_forest(9, gen, roots=2)[2]
+    allowed = tree_mask_ref(kv_end)
+    q, k, v = (t.detach() for t in qkv(9, 2, 1, 4, torch.float64, gen))
+    sinks = torch.tensor([0.3, -0.4], dtype=torch.float64)
+    got = tree_attention_ref(q, k, v, kv_end, window=2, softcap=0.8, sinks=sinks)
+    assert int(allowed.sum(1).max()) > 2  # some path is longer than the window
+    for i in range(9):
+        path = torch.nonzero(allowed[i]).flatten()  # ancestors of i and i, in order: a causal sequence
+        keys = path[-2:]  # window 2: positions p - 1 and p
+        s = 0.8 * torch.tanh(torch.einsum("hd,jd->hj", q[i], k[keys, 0]) * 0.5 / 0.8)  # scale 1 / sqrt(4)
+        w = torch.softmax(torch.cat([s, sinks[:, None]], 1), 1)[:, :-1]
+        assert torch.allclose(got[i], w @ v[keys, 0], rtol=0, atol=1e-12)
+
+
+def test_depth_is_the_number_of_ancestors():
+    kv_end = random_forest(300, torch.Generator().manual_seed(3), roots=4)[2]
+    assert torch.equal(TreeMask(kv_end).depth().long(), tree_mask_ref(kv_end).sum(1) - 1)
+    assert TreeMask(chains([5, 9])).max_depth() == 8
+
+
 def test_fast_path_gradcheck():
     gen = torch.Generator().manual_seed(0)
     kv_end = segment_forest(23, gen, max_segment=5)
     q, k, v = qkv(23, 4, 2, 6, torch.float64, gen)
+    sinks = sink_logits(4, torch.float64, gen)
     with small_blocks(4, 64):
         assert torch.autograd.gradcheck(lambda q, k, v: tree_attention(q, k, v, kv_end, scale=0.7, backend="torch"),
                                         (q, k, v))
+        assert torch.autograd.gradcheck(
+            lambda q, k, v, sinks: tree_attention(q, k, v, kv_end, scale=0.7, window=3, softcap=0.9, sinks=sinks,
+                                                  backend="torch"), (q, k, v, sinks))
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**31 - 1), n=st.integers(1, 260), shape=SHAPES, kind=KINDS,
        dtype=st.sampled_from([torch.float64, torch.float32]), block=st.sampled_from([4, 16, 128]),
-       chunk_elems=st.sampled_from([256, 1 << 22]))
-def test_torch_path_matches_reference(seed, n, shape, kind, dtype, block, chunk_elems):
+       chunk_elems=st.sampled_from([256, 1 << 22]), options=OPTIONS)
+def test_torch_path_matches_reference(seed, n, shape, kind, dtype, block, chunk_elems, options):
     gen = torch.Generator().manual_seed(seed)
     kv_end = make_kv_end(kind, n, gen)
     q, k, v = qkv(n, *shape, dtype, gen)
+    sinks = sink_logits(shape[0], dtype, gen) if options.pop("sinks") else None
     with small_blocks(block, chunk_elems):
-        errs = compare(q, k, v, kv_end, backend="torch")
+        errs = compare(q, k, v, kv_end, sinks=sinks, backend="torch", **options)
     assert max(errs) <= TOL[dtype], errs
 
 
@@ -102,12 +145,13 @@ def test_torch_path_matches_reference(seed, n, shape, kind, dtype, block, chunk_
 @settings(max_examples=25, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**31 - 1), n=st.integers(1, 90), shape=SHAPES, kind=KINDS,
-       dtype=st.sampled_from([torch.float64, torch.float32]))
-def test_triton_matches_reference(triton_device, seed, n, shape, kind, dtype):
+       dtype=st.sampled_from([torch.float64, torch.float32]), options=OPTIONS)
+def test_triton_matches_reference(triton_device, seed, n, shape, kind, dtype, options):
     gen = torch.Generator().manual_seed(seed)
     kv_end = make_kv_end(kind, n, gen)
     q, k, v = qkv(n, *shape, dtype, gen, device=triton_device)
-    errs = compare(q, k, v, kv_end, backend="triton", scale=0.3)
+    sinks = sink_logits(shape[0], dtype, gen, device=triton_device) if options.pop("sinks") else None
+    errs = compare(q, k, v, kv_end, sinks=sinks, backend="triton", scale=0.3, **options)
     assert max(errs) <= TOL[dtype], errs
 
 
@@ -120,31 +164,57 @@ def test_triton_half_precision(triton_device):
     assert max(errs) <= 2e-2, errs  # bf16 inputs and P/dS tiles rounded to bf16, as on a GPU
 
 
-@settings(max_examples=60, deadline=None)
-@given(seed=st.integers(0, 2**31 - 1), n=st.integers(1, 200), kind=KINDS, block=st.sampled_from([1, 3, 8, 32]))
-def test_schedule_lists_exactly_the_visible_blocks(seed, n, kind, block):
+@settings(max_examples=80, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), n=st.integers(1, 200), kind=KINDS, block=st.sampled_from([1, 3, 8, 32]),
+       window=st.sampled_from([None, 1, 4, 40]))
+def test_schedule_lists_the_visible_blocks(seed, n, kind, block, window):
+    """Without a window the listed pairs are exactly the block pairs with a visible key; with one,
+    a superset of them (pruned by depth ranges; exact at block size 1). Full pairs are exact in both,
+    and the key-major lists hold the same pairs."""
     kv_end = make_kv_end(kind, n, torch.Generator().manual_seed(seed))
-    s = TreeMask(kv_end).schedule(block)
+    s = TreeMask(kv_end).schedule(block, window)
     nb = (n + block - 1) // block
+    visible = tree_mask_ref(kv_end)
+    if window is not None:
+        depth = visible.sum(1) - 1
+        visible &= depth[:, None] - depth[None, :] < window
     dense = torch.zeros(nb * block, nb * block, dtype=torch.bool)
-    dense[:n, :n] = tree_mask_ref(kv_end)
+    dense[:n, :n] = visible
     blocks = dense.view(nb, block, nb, block)
     any_visible = blocks.any(3).any(1)
     rows_ok = (torch.arange(nb * block) < n).view(nb, block)
     # "full": every real query row of the block sees every real key of the key block
     all_visible = (blocks | ~(rows_ok[:, :, None, None] & rows_ok[None, None, :, :])).all(3).all(1)
     listed = torch.zeros(nb, nb, dtype=torch.bool)
-    ptr, idx = s.kv_ptr.tolist(), s.kv_idx.tolist()
+    full = torch.zeros(nb, nb, dtype=torch.bool)
+    ptr, idx, kv_full = s.kv_ptr.tolist(), s.kv_idx.tolist(), s.kv_full.tolist()
     for qb in range(nb):
         kbs = idx[ptr[qb] : ptr[qb + 1]]
         assert kbs == sorted(kbs) and kbs[-1] == qb  # ascending, the diagonal block last
         listed[qb, kbs] = True
-    assert torch.equal(listed, any_visible)
-    kb = torch.arange(nb)
-    seen = (kb[None, :] <= kb[:, None]) & (kb[:, None] <= s.q_hi.long()[None, :])
-    assert torch.equal(seen, any_visible)  # the query-block range of each key block
-    full = (kb[None, :] < kb[:, None]) & (kb[:, None] <= s.full_hi.long()[None, :])
-    assert torch.equal(full, all_visible & (kb[None, :] < kb[:, None]))
+        full[qb, kbs] = torch.tensor(kv_full[ptr[qb] : ptr[qb + 1]])
+    if window is None or block == 1:
+        assert torch.equal(listed, any_visible)
+    else:
+        assert not bool((any_visible & ~listed).any())  # nothing visible is left out
+    assert torch.equal(full, all_visible & listed & ~torch.eye(nb, dtype=torch.bool))
+    by_key = torch.zeros(nb, nb, dtype=torch.bool)
+    qptr, qidx = s.q_ptr.tolist(), s.q_idx.tolist()
+    for kb in range(nb):
+        qbs = qidx[qptr[kb] : qptr[kb + 1]]
+        assert qbs == sorted(qbs)
+        by_key[qbs, kb] = True
+    assert torch.equal(by_key, listed)
+
+
+def test_window_prunes_the_blocks_of_long_paths():
+    mask = TreeMask(chains([6000, 10000]))
+    full, windowed = mask.schedule(128), mask.schedule(128, 256)
+    # a query block inside a chain reaches back at most 256 rows: the diagonal and up to 3 blocks
+    # before; the block that holds both chains' ends keeps the first chain's blocks (its depth range
+    # starts at 0), a bound's conservative case
+    per_query = (windowed.kv_ptr[1:] - windowed.kv_ptr[:-1]).tolist()
+    assert sorted(per_query)[-2] <= 4 and windowed.num_pairs < full.num_pairs // 8
 
 
 def test_visible_pairs_counts_the_mask():
@@ -172,21 +242,24 @@ def real_empty(monkeypatch):
 
 # One compiled FlexAttention forward per case (compiling costs seconds on CPU): the block mask is
 # exercised with partial and full blocks, a partial last block, GQA and several trees.
-@pytest.mark.parametrize("kind, n", [("segments", 700), ("bushy", 300), ("chains", 333)])
-def test_flex_forward_matches_reference(real_empty, kind, n):
+# One case runs a window and softcap (a score_mod) through flex.
+@pytest.mark.parametrize("kind, n, options", [("segments", 700, {}), ("bushy", 300, {}), ("chains", 333, {}),
+                                              ("segments", 700, {"window": 150, "softcap": 0.9})])
+def test_flex_forward_matches_reference(real_empty, kind, n, options):
     gen = torch.Generator().manual_seed(n)
     kv_end = make_kv_end(kind, n, gen)
     q, k, v = (t.detach() for t in qkv(n, 4, 2, 16, torch.float32, gen))
-    out = tree_attention(q, k, v, kv_end, backend="flex")
-    ref = tree_attention_ref(q.double(), k.double(), v.double(), kv_end)
+    out = tree_attention(q, k, v, kv_end, backend="flex", **options)
+    ref = tree_attention_ref(q.double(), k.double(), v.double(), kv_end, **options)
     assert err(out, ref) <= 1e-5
 
 
-def test_flex_block_mask_is_the_schedule():
+@pytest.mark.parametrize("window", [None, 300])
+def test_flex_block_mask_is_the_schedule(window):
     kv_end = segment_forest(700, torch.Generator().manual_seed(5), max_segment=200)
     mask = TreeMask(kv_end)
-    bm = mask.flex_block_mask()
-    s = mask.schedule(128)
+    bm = mask.flex_block_mask(window)
+    s = mask.schedule(128, window)
     nb = s.num_blocks
     partial = bm.kv_num_blocks[0, 0].long()
     full = bm.full_kv_num_blocks[0, 0].long()
@@ -201,11 +274,13 @@ def test_flex_block_mask_is_the_schedule():
     assert torch.equal(dense, listed)
 
 
-def test_flex_has_no_cpu_backward_and_says_so():
+def test_flex_has_no_cpu_backward_nor_cpu_sinks_and_says_so():
     gen = torch.Generator().manual_seed(0)
     q, k, v = qkv(20, 2, 1, 16, torch.float32, gen)
-    with pytest.raises(NotImplementedError, match="backend='torch'"):
+    with pytest.raises(NotImplementedError, match="backward on CPU.*backend='torch'"):
         tree_attention(q, k, v, chains([20]), backend="flex")
+    with torch.no_grad(), pytest.raises(NotImplementedError, match="sinks.*backend='torch'"):
+        tree_attention(q, k, v, chains([20]), sinks=torch.zeros(2), backend="flex")
 
 
 def test_bad_inputs():
@@ -232,6 +307,16 @@ def test_bad_inputs():
         tree_attention(q, k, v[:, :1], kv_end)
     with pytest.raises(ValueError, match="backend"):
         tree_attention(q, k, v, kv_end, backend="dense")
+    for window in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="window must be a positive int"):
+            tree_attention(q, k, v, kv_end, window=window)
+    for softcap in (0.0, -1.0, float("inf"), "50"):
+        with pytest.raises(ValueError, match="softcap must be a positive finite number"):
+            tree_attention(q, k, v, kv_end, softcap=softcap)
+    with pytest.raises(ValueError, match=r"sinks must be a floating-point tensor \[Hq\] = \[4\].*\(2,\)"):
+        tree_attention(q, k, v, kv_end, sinks=torch.zeros(2))
+    with pytest.raises(ValueError, match="sinks must be a floating-point"):
+        tree_attention(q, k, v, kv_end, sinks=torch.zeros(4, dtype=torch.long))
 
 
 def test_no_quadratic_tensor_in_forward_and_backward():

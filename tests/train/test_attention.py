@@ -1,8 +1,9 @@
 """Tree attention inside Hugging Face models (`clawfast.train.attention` through `Policy`).
 
 Each backend must give the dense-mask reference's hidden states and parameter gradients on several
-decoder families, leave the model's own attention implementation in place, and never build an
-[N, N] tensor; unsupported attention variants must raise.
+decoder families (and, for sliding windows, soft-capping and sinks, those of each path run alone),
+leave the model's own attention implementation in place outside tree batches, and never build an
+[N, N] tensor; attention dropout must raise.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import torch
 import transformers as tf
 
 import clawfast.train.attention as attention_module
-from clawfast.train.attention import IMPLEMENTATION
+from clawfast.kernels import tree_mask_ref
+from clawfast.train.attention import IMPLEMENTATION, IMPLEMENTATIONS, use_tree_attention
 from clawfast.train.policy import Policy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
@@ -32,12 +34,28 @@ FAMILIES = {
 }
 
 
+# Decoders whose attention changes the softmax: a sliding window (Mistral, on SDPA), Gemma 2's
+# soft-capped logits beside local/global layers (eager, as HF runs it), gpt-oss's sinks (eager).
+OPTION_FAMILIES = {
+    "mistral-window": (tf.MistralConfig, tf.MistralForCausalLM, {"sliding_window": 5}, "sdpa"),
+    "gemma2-softcap-window": (tf.Gemma2Config, tf.Gemma2ForCausalLM,
+                              {"head_dim": 16, "sliding_window": 4, "attn_logit_softcapping": 0.5,
+                               "query_pre_attn_scalar": 16, "layer_types": ["sliding_attention", "full_attention"]},
+                              "eager"),
+    "gptoss-sinks-window": (tf.GptOssConfig, tf.GptOssForCausalLM,
+                            {"head_dim": 16, "sliding_window": 6, "num_local_experts": 4, "num_experts_per_tok": 2,
+                             "layer_types": ["sliding_attention", "full_attention"]}, "eager"),
+}
+
+
 def tiny_lm(family: str, dtype=torch.float64, **extra):
-    config_cls, model_cls, kw = FAMILIES[family]
+    config_cls, model_cls, kw, implementation = (*FAMILIES[family], "sdpa") if family in FAMILIES else \
+        OPTION_FAMILIES[family]
     shape = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=4096, bos_token_id=0, eos_token_id=1)
     config = config_cls(**{**shape, **kw, **extra})
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = implementation
+    config._experts_implementation = "eager"  # MoE (gpt-oss): the per-expert loop runs in float64
     torch.manual_seed(0)
     return model_cls(config).to(dtype)
 
@@ -97,18 +115,32 @@ def test_gradient_checkpointing_recomputes_with_tree_attention():
         assert float((got_g[name] - g).abs().max()) <= 1e-10 * max(1.0, float(g.abs().max())), name
 
 
-def test_outside_tree_batches_the_model_attends_as_sdpa():
-    # what a copy of the policy's model (the torch engine's) does: padded batches, explicit masks
-    lm = tiny_lm("llama")
+# (Gemma 2's eager attention turns a left-padded row into NaN on its own: no padding there.)
+@pytest.mark.parametrize("family, base, left_pad", [("llama", "sdpa", 5), ("gemma2-softcap-window", "eager", 0)])
+def test_outside_tree_batches_the_model_attends_with_its_own_implementation(family, base, left_pad):
+    # what a copy of the policy's model (the torch engine's) does: padded batches, explicit masks,
+    # sliding windows and soft-capping as the model's own attention does them
+    lm = tiny_lm(family)
     ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
     pad = torch.ones(2, 12, dtype=torch.long)
-    pad[1, :5] = 0  # left padding
+    pad[1, :left_pad] = 0
     with torch.no_grad():
         want = lm(input_ids=ids, attention_mask=pad).logits
         Policy(lm)
-        assert lm.config._attn_implementation == IMPLEMENTATION
+        assert lm.config._attn_implementation == IMPLEMENTATIONS[base]
         got = lm(input_ids=ids, attention_mask=pad).logits
     assert float((got - want)[pad.bool()].abs().max()) <= 1e-12
+
+
+def test_only_sdpa_and_eager_models_are_switched():
+    lm = tiny_lm("llama")
+    lm.config._attn_implementation_internal = "flex_attention"
+    with pytest.raises(ValueError, match="'flex_attention'.*\\['eager', 'sdpa'\\]"):
+        use_tree_attention(lm)
+    lm.config._attn_implementation_internal = "sdpa"
+    use_tree_attention(lm)
+    use_tree_attention(lm)  # already switched: unchanged
+    assert lm.config._attn_implementation == IMPLEMENTATION
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
@@ -162,16 +194,57 @@ def test_the_memory_check_catches_the_dense_mask():
     assert numel >= n * n
 
 
-def test_sliding_window_shorter_than_the_paths_is_an_error():
-    lm = tiny_lm("mistral", sliding_window=8)
-    ids, pos, kv_end = segment_batch(60, seed=1, max_segment=20)
-    assert int(pos.max()) >= 8
-    with pytest.raises(NotImplementedError, match="sliding window of 8"):
-        Policy(lm, attention="torch").hidden_states(ids, pos, kv_end)
-    short = tiny_lm("mistral", sliding_window=1000)
-    got = Policy(short, attention="torch").hidden_states(ids, pos, kv_end)
-    want = Policy(short, attention="sdpa-dense").hidden_states(ids, pos, kv_end)
-    assert float((got - want).abs().max()) <= 1e-10 * float(want.abs().max())
+def paths_alone(backbone, ids, kv_end, weights):
+    """Hidden states of every row with its path run alone through the model's own attention (one
+    causal sequence, positions from 0), and the gradients of sum(weights * hidden) that way: each
+    row counted once, from the first leaf's path that holds it (a row depends on its ancestors only)."""
+    n = kv_end.shape[0]
+    allowed = tree_mask_ref(kv_end)
+    hidden = torch.empty(n, backbone.config.hidden_size, dtype=weights.dtype)
+    done = torch.zeros(n, dtype=torch.bool)
+    loss = 0.0
+    for leaf in torch.nonzero(kv_end == torch.arange(n)).flatten().tolist():
+        path = torch.nonzero(allowed[leaf]).flatten()
+        h = backbone(input_ids=ids[path][None], position_ids=torch.arange(len(path))[None],
+                     use_cache=False).last_hidden_state[0]
+        new = ~done[path]
+        hidden[path[new]] = h[new].detach()
+        loss = loss + (h[new] * weights[path[new]]).sum()
+        done[path] = True
+    loss.backward()
+    return hidden
+
+
+@pytest.mark.parametrize("family", sorted(OPTION_FAMILIES))
+@pytest.mark.parametrize("attention", ["torch", pytest.param("triton", marks=pytest.mark.triton)])
+def test_window_softcap_and_sinks_match_each_path_alone(family, attention):
+    """The keystone rule on models whose softmax has options: a tree batch gives every row the
+    hidden state and the gradients of its path attended alone by the model's own implementation
+    (the dense tree mask cannot serve as the reference here: HF applies no window to a given mask)."""
+    lm = tiny_lm(family)
+    ids, pos, kv_end = segment_batch(70, seed=2, max_segment=14)
+    assert int(pos.max()) >= 2 * max(lm.config.sliding_window, 1)  # paths much longer than the window
+    weights = torch.randn(70, lm.config.hidden_size, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    policy = Policy(lm, attention=attention)
+    lm.zero_grad(set_to_none=True)
+    got = policy.hidden_states(ids, pos, kv_end)
+    (got * weights).sum().backward()
+    got_g = {name: p.grad.clone() for name, p in lm.named_parameters() if p.grad is not None}
+    lm.zero_grad(set_to_none=True)
+    want = paths_alone(policy.backbone, ids, kv_end, weights)
+    want_g = {name: p.grad.clone() for name, p in lm.named_parameters() if p.grad is not None}
+    # Float32 inside these float64 models bounds what the comparison can show: Gemma 2's eager
+    # softmax runs in float32, and every RMSNorm casts to float32 and back, so parameter gradients
+    # summed over the paths' repeated rows in another order agree to float32 rounding. A wrong key
+    # set or a missing option moves them by O(1). (The kernels' float64 checks hold 1e-10 with
+    # window, softcap and sinks.)
+    tol = 1e-6 if family.startswith("gemma2") else 1e-10
+    assert float((got.detach() - want).abs().max()) <= tol * float(want.abs().max())
+    assert want_g.keys() == got_g.keys() and len(got_g) > 10
+    if family.startswith("gptoss"):
+        assert any(name.endswith("sinks") for name in got_g)
+    for name, g in want_g.items():
+        assert float((got_g[name] - g).abs().max()) <= 2e-6 * max(1.0, float(g.abs().max())), name
 
 
 def test_attention_dropout_is_an_error():

@@ -230,24 +230,31 @@ def kv_end_of(torch, parent):
     return torch.tensor(end, dtype=torch.int32)
 
 
-def check_tree_attention(K, torch, device, gen, backend, dtype, tol):
+def check_tree_attention(K, torch, device, gen, backend, dtype, tol, options=False):
     """``backend`` vs the dense float32 reference: output and q/k/v gradients (flex on a CPU: the
-    output only, FlexAttention having no CPU backward)."""
+    output only, FlexAttention having no CPU backward). ``options``: with a sliding window,
+    soft-capping and sinks (and their gradient; flex on a CPU: no sinks, torch has no CPU LSE)."""
     n, hq, hkv, d = (40, 4, 2, 16) if device.type == "cpu" else (1500, 8, 2, 64)
     kv_end = kv_end_of(torch, agent_parent(torch, n, gen)).to(device)
     n = kv_end.shape[0]
     grads = not (backend == "flex" and device.type == "cpu")
     q, k, v = (torch.randn(n, h, d, generator=gen).to(device, dtype).requires_grad_(grads) for h in (hq, hkv, hkv))
     g = torch.randn(n, hq, d, generator=gen).to(device)
-    out = K.tree_attention(q, k, v, kv_end, backend=backend)
-    qr, kr, vr = (t.detach().float().requires_grad_() for t in (q, k, v))
-    ref = K.tree_attention_ref(qr, kr, vr, kv_end)
+    extra = dict(window=max(2, n // 8), softcap=5.0) if options else {}
+    if options and not (backend == "flex" and device.type == "cpu"):
+        extra["sinks"] = torch.randn(hq, generator=gen).to(device, dtype).requires_grad_(grads)
+    out = K.tree_attention(q, k, v, kv_end, backend=backend, **extra)
+    inputs = [q, k, v] + ([extra["sinks"]] if "sinks" in extra else [])
+    refs = [t.detach().float().requires_grad_() for t in inputs]
+    ref = K.tree_attention_ref(*refs[:3], kv_end, **{**extra, "sinks": refs[3] if "sinks" in extra else None})
     errs = dict(out=rel(torch, out, ref))
     if grads:
         (out.float() * g).sum().backward()
         (ref * g).sum().backward()
-        errs.update(dq=rel(torch, q.grad, qr.grad), dk=rel(torch, k.grad, kr.grad), dv=rel(torch, v.grad, vr.grad))
-    return dict(op="tree_attention", case=f"check {backend} {str(dtype)[6:]}" + ("" if grads else " fwd"),
+        errs.update({f"d{name}": rel(torch, t.grad, r.grad) for name, t, r in zip("qkvs", inputs, refs)})
+    case = f"check {backend} {str(dtype)[6:]}" + (" window+softcap" + ("+sinks" if "sinks" in extra else "")
+                                                  if options else "")
+    return dict(op="tree_attention", case=case + ("" if grads else " fwd"),
                 shape=f"N={n} Hq={hq} Hkv={hkv} D={d}", err=max(errs.values()), tol=tol)
 
 
@@ -385,6 +392,7 @@ def main(argv=None):
     for backend in ("triton", "flex"):
         for dt, tol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
             rows.append(check_tree_attention(K, torch, device, gen, backend, dt, tol))
+        rows.append(check_tree_attention(K, torch, device, gen, backend, torch.float32, 1e-4, options=True))
     for n in tokens:
         rows += bench_logprobs(K, torch, bench, device, dtype, n, d, v, gen)
         if device.type == "cuda":

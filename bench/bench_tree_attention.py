@@ -13,14 +13,19 @@ Paths (same q, k, v, kv_end):
   ``Policy(attention="sdpa-dense")`` gives the model. Not run where the mask alone (N^2 floats plus
   the boolean mask it is built from) would exceed half the available memory; its need is printed.
 
+``--window W`` runs every path with a sliding window of W rows along each path (Mistral-style
+layers): the torch path and flex with ``window=W`` (their schedules drop the pairs out of every
+row's window), dense SDPA with the windowed dense mask; the report adds the unwindowed torch path's
+fwd+bwd (``torch-full``) as the baseline of what the window saves.
+
 Each (size, path) runs in a fresh subprocess, so its peak memory (`memory.measure`: resident
 high-water mark over the resident size with the inputs in place) is its own. Reported per size:
 visible pairs (what the tree mask allows, against N^2/2 for a causal mask), fwd and fwd+bwd seconds,
 peak extra MiB, and the ratios dense/torch and flex/torch.
 
-    python bench/bench_tree_attention.py [--sizes 4096 16384 65536 131072] [--quick]
+    python bench/bench_tree_attention.py [--sizes 4096 16384 65536 131072] [--window W] [--quick]
 
-Writes bench/results/bench_tree_attention.json.
+Writes bench/results/bench_tree_attention.json (with a window: bench_tree_attention_window{W}.json).
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-RESULTS = Path(__file__).resolve().parent / "results" / "bench_tree_attention.json"
+RESULTS = Path(__file__).resolve().parent / "results"
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 64
 PATHS = ("torch", "flex", "dense")
 
@@ -60,8 +65,9 @@ def dense_need_mib(n: int) -> float:
 # ------------------------------------------------------------------------------- one measurement
 
 
-def run_one(path: str, kv_end_file: str, repeats: int, threads: int) -> dict:
-    """Time and peak extra memory of one path in this (fresh) process."""
+def run_one(path: str, kv_end_file: str, repeats: int, threads: int, window: int | None) -> dict:
+    """Time and peak extra memory of one path in this (fresh) process (``torch-full``: the torch
+    path without the window)."""
     import time
 
     import torch
@@ -80,23 +86,25 @@ def run_one(path: str, kv_end_file: str, repeats: int, threads: int) -> dict:
     v = torch.randn(n, KV_HEADS, HEAD_DIM, generator=gen)
     grad = torch.randn(n, HEADS, HEAD_DIM, generator=gen)
     out: dict = {}
-    if path == "torch":
+    if path in ("torch", "torch-full"):
+        w = window if path == "torch" else None
+
         def forward():
             with torch.no_grad():
-                return tree_attention(q, k, v, TreeMask(kv_end), backend="torch")
+                return tree_attention(q, k, v, TreeMask(kv_end), window=w, backend="torch")
 
         def step():
             qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
-            tree_attention(qq, kk, vv, TreeMask(kv_end), backend="torch").backward(grad)
+            tree_attention(qq, kk, vv, TreeMask(kv_end), window=w, backend="torch").backward(grad)
             return qq.grad, kk.grad, vv.grad
     elif path == "flex":
         mask = TreeMask(kv_end)
         t0 = time.perf_counter()
-        tree_attention(q, k, v, mask, backend="flex")  # compiles for this shape
+        tree_attention(q, k, v, mask, window=window, backend="flex")  # compiles for this shape
         out["compile_s"] = time.perf_counter() - t0
 
         def forward():
-            return tree_attention(q, k, v, TreeMask(kv_end), backend="flex")
+            return tree_attention(q, k, v, TreeMask(kv_end), window=window, backend="flex")
 
         step = None
     else:
@@ -104,11 +112,13 @@ def run_one(path: str, kv_end_file: str, repeats: int, threads: int) -> dict:
 
         def forward():
             with torch.no_grad():
-                return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=dense_tree_mask(kv_end), enable_gqa=True)
+                return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=dense_tree_mask(kv_end, window=window),
+                                                      enable_gqa=True)
 
         def step():
             qq, kk, vv = (t.detach().requires_grad_() for t in (qh, kh, vh))
-            F.scaled_dot_product_attention(qq, kk, vv, attn_mask=dense_tree_mask(kv_end), enable_gqa=True).backward(gh)
+            F.scaled_dot_product_attention(qq, kk, vv, attn_mask=dense_tree_mask(kv_end, window=window),
+                                           enable_gqa=True).backward(gh)
             return qq.grad, kk.grad, vv.grad
     out["fwd_s"], out["fwd_mib"] = measure(forward, repeats)
     if step is not None:
@@ -116,8 +126,10 @@ def run_one(path: str, kv_end_file: str, repeats: int, threads: int) -> dict:
     return out
 
 
-def measure_in_subprocess(path: str, kv_end_file: str, repeats: int, threads: int) -> dict:
+def measure_in_subprocess(path: str, kv_end_file: str, repeats: int, threads: int, window: int | None) -> dict:
     cmd = [sys.executable, __file__, "--one", path, kv_end_file, "--repeats", str(repeats), "--threads", str(threads)]
+    if window is not None:
+        cmd += ["--window", str(window)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{path} on {kv_end_file} failed:\n{proc.stderr[-3000:]}")
@@ -127,7 +139,7 @@ def measure_in_subprocess(path: str, kv_end_file: str, repeats: int, threads: in
 # ---------------------------------------------------------------------------------------- run
 
 
-def run(sizes: list[int], repeats: int, threads: int) -> dict:
+def run(sizes: list[int], repeats: int, threads: int, window: int | None) -> dict:
     import torch
     from memory import available_mib
 
@@ -140,21 +152,24 @@ def run(sizes: list[int], repeats: int, threads: int) -> dict:
             n = int(kv_end.shape[0])
             file = str(Path(tmp) / f"kv_end_{size}.npy")
             np.save(file, kv_end)
-            pairs = TreeMask(torch.from_numpy(kv_end)).visible_pairs()
+            mask = TreeMask(torch.from_numpy(kv_end))
+            pairs = mask.visible_pairs()
             row = {"size": size, "rows": n, "visible_pairs": pairs, "causal_fraction": pairs / (n * (n + 1) / 2),
                    "paths": {}}
+            if window is not None:
+                row["block_pairs"] = {"full": mask.schedule(128).num_pairs, "window": mask.schedule(128, window).num_pairs}
             reps = repeats if n <= 16384 else 0  # the memory run is the timed run at 64K and up
-            for path in PATHS:
+            for path in PATHS + (("torch-full",) if window is not None else ()):
                 if path == "dense" and dense_need_mib(n) > available_mib() / 2:
                     row["paths"][path] = {"skipped": f"mask needs {dense_need_mib(n) / 1024:.1f} GiB, more than half "
                                                      f"of the {available_mib() / 1024:.1f} GiB available"}
                 else:
-                    row["paths"][path] = measure_in_subprocess(path, file, reps, threads)
+                    row["paths"][path] = measure_in_subprocess(path, file, reps, threads, window)
                 print(f"  {size:>7} rows {n:>7} {path:<6} {row['paths'][path]}", file=sys.stderr)
             rows.append(row)
     for row in rows:
         t = row["paths"]["torch"]
-        for name in ("flex", "dense"):
+        for name in [p for p in row["paths"] if p != "torch"]:
             other = row["paths"][name]
             if "fwd_s" in other:
                 other["fwd_time_ratio"] = other["fwd_s"] / t["fwd_s"]
@@ -166,23 +181,27 @@ def run(sizes: list[int], repeats: int, threads: int) -> dict:
 
 
 def print_table(out: dict) -> None:
+    window = out["setup"]["window"]
     print(f"Tree attention on CPU, {HEADS} q heads / {KV_HEADS} kv heads, head_dim {HEAD_DIM}, float32, "
-          f"{out['setup']['threads']} thread(s)")
-    head = (f"{'rows':>7} {'pairs/causal':>12} {'path':<6} {'fwd s':>8} {'fwd MiB':>8} {'fwd+bwd s':>10} "
+          f"{out['setup']['threads']} thread(s)" + (f", sliding window {window} (torch-full: none)" if window else ""))
+    head = (f"{'rows':>7} {'pairs/causal':>12} {'path':<10} {'fwd s':>8} {'fwd MiB':>8} {'fwd+bwd s':>10} "
             f"{'f+b MiB':>8} {'path/torch (t, mem)':>22} {'compile s':>9}")
     print(head)
     print("-" * len(head))
     for row in out["rows"]:
+        if "block_pairs" in row:
+            bp = row["block_pairs"]
+            print(f"{row['rows']:>7} block pairs (B = 128): {bp['window']:,} with the window, {bp['full']:,} without")
         for name, r in row["paths"].items():
             if "skipped" in r:
-                print(f"{row['rows']:>7} {row['causal_fraction']:>12.3f} {name:<6} skipped: {r['skipped']}")
+                print(f"{row['rows']:>7} {row['causal_fraction']:>12.3f} {name:<10} skipped: {r['skipped']}")
                 continue
             ratio = ""
             if name != "torch":
                 key = "fwd_bwd" if "fwd_bwd_s" in r else "fwd"
                 ratio = f"{key} {r[key + '_time_ratio']:.2f}x, {r[key + '_mem_ratio']:.2f}x"
             fb = f"{r['fwd_bwd_s']:>10.3f} {r['fwd_bwd_mib']:>8.0f}" if "fwd_bwd_s" in r else f"{'n/a':>10} {'':>8}"
-            print(f"{row['rows']:>7} {row['causal_fraction']:>12.3f} {name:<6} {r['fwd_s']:>8.3f} {r['fwd_mib']:>8.0f} "
+            print(f"{row['rows']:>7} {row['causal_fraction']:>12.3f} {name:<10} {r['fwd_s']:>8.3f} {r['fwd_mib']:>8.0f} "
                   f"{fb} {ratio:>22} {r.get('compile_s', float('nan')):>9.1f}")
 
 
@@ -191,24 +210,29 @@ def main(argv=None) -> None:
     p.add_argument("--sizes", type=int, nargs="+", default=[4096, 16384, 65536, 131072])
     p.add_argument("--repeats", type=int, default=3, help="timed runs per path up to 16K rows (1 above)")
     p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--window", type=int, help="sliding window (rows along each path) for every path")
     p.add_argument("--quick", action="store_true", help="1K rows, one repeat (a smoke test)")
-    p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--out", type=Path)
     p.add_argument("--one", nargs=2, metavar=("PATH", "KV_END_NPY"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.one:
-        print(json.dumps(run_one(args.one[0], args.one[1], args.repeats, args.threads)))
+        print(json.dumps(run_one(args.one[0], args.one[1], args.repeats, args.threads, args.window)))
         return
     if args.quick:
         args.sizes, args.repeats = [1024], 1
-    out = run(args.sizes, args.repeats, args.threads)
+    if args.window is not None and args.window < 1:
+        p.error(f"--window must be a positive number of rows, got {args.window}")
+    out = run(args.sizes, args.repeats, args.threads, args.window)
     out["setup"] = {"sizes": args.sizes, "repeats": args.repeats, "threads": args.threads, "heads": HEADS,
-                    "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "dtype": "float32"}
+                    "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "dtype": "float32", "window": args.window}
     out["machine"] = {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
                       "load_avg_1m": os.getloadavg()[0]}
     print_table(out)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=1))
-    print(f"wrote {args.out}")
+    path = args.out or RESULTS / ("bench_tree_attention.json" if args.window is None
+                                  else f"bench_tree_attention_window{args.window}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1))
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

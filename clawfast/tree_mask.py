@@ -17,15 +17,17 @@ from clawfast.kernels import tree_mask_ref
 
 
 def dense_tree_mask(
-    kv_end: np.ndarray | torch.Tensor, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None
+    kv_end: np.ndarray | torch.Tensor, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Additive mask [1, 1, N, N] for HF-style attention: 0 where allowed, the dtype's minimum
-    elsewhere (every row sees at least itself, so no row is fully masked)."""
+    """Additive mask [1, 1, N, N] for HF-style attention: 0 where allowed (under a sliding
+    ``window`` too, see `tree_mask_ref`), the dtype's minimum elsewhere (every row sees at least
+    itself, so no row is fully masked)."""
     if not isinstance(kv_end, torch.Tensor):
         kv_end = torch.as_tensor(np.asarray(kv_end))
     if kv_end.ndim != 1:
         raise ValueError(f"kv_end must be one-dimensional, got shape {tuple(kv_end.shape)}")
-    allowed = tree_mask_ref(kv_end.to(device) if device is not None else kv_end)
+    allowed = tree_mask_ref(kv_end.to(device) if device is not None else kv_end, window)
     zero = torch.zeros((), dtype=dtype, device=allowed.device)
     blocked = torch.tensor(torch.finfo(dtype).min, dtype=dtype, device=allowed.device)
     return torch.where(allowed, zero, blocked)[None, None]

@@ -45,29 +45,32 @@ def linear_logprobs_ref(hidden, weight, labels, *, temperature=1.0, ignore_index
 # ---------------------------------------------------------------------------------- attention
 
 
-def tree_mask_ref(kv_end):
-    """bool [N, N]: True where query row i may attend to key row j, i.e. ``j <= i <= kv_end[j]``."""
+def tree_mask_ref(kv_end, window=None):
+    """bool [N, N]: True where query row i may attend to key row j, i.e. ``j <= i <= kv_end[j]``;
+    with a sliding ``window``, also ``depth_i - depth_j < window`` (depth: a row's number of
+    ancestors, its position in its path)."""
     n = kv_end.shape[0]
     idx = torch.arange(n, device=kv_end.device)
     if n and (bool((kv_end < idx).any()) or bool((kv_end >= n).any())):
         raise ValueError("kv_end[j] must lie in [j, N) for every row j")
-    return (idx[None, :] <= idx[:, None]) & (idx[:, None] <= kv_end.long()[None, :])
+    allowed = (idx[None, :] <= idx[:, None]) & (idx[:, None] <= kv_end.long()[None, :])
+    if window is not None:
+        depth = allowed.sum(1) - 1  # a row sees its ancestors and itself
+        allowed &= depth[:, None] - depth[None, :] < window
+    return allowed
 
 
 def tree_attention_ref(q, k, v, kv_end, *, scale=None, window=None, softcap=None, sinks=None):
     """Dense: ``softmax(q k^T * scale)`` under `tree_mask_ref`, per head (GQA: query head h reads
     key head ``h // (Hq // Hkv)``); q [N, Hq, D], k and v [N, Hkv, D] -> [N, Hq, D].
 
-    ``window``: keep key j for query i only if depth_i - depth_j < window (depth: a row's number of
-    ancestors); ``softcap``: scores ``softcap * tanh(s / softcap)``; ``sinks`` [Hq]: one more logit
-    per head in the softmax, dropped from the weights (gpt-oss's eager attention)."""
+    ``window``: the sliding window of `tree_mask_ref`; ``softcap``: scores ``softcap * tanh(s /
+    softcap)``; ``sinks`` [Hq]: one more logit per head in the softmax, dropped from the weights
+    (gpt-oss's eager attention)."""
     dt = _acc(q.dtype)
     group = q.shape[1] // k.shape[1]
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else scale
-    allowed = tree_mask_ref(kv_end)
-    if window is not None:
-        depth = allowed.sum(1) - 1  # a row sees its ancestors and itself
-        allowed = allowed & (depth[:, None] - depth[None, :] < window)
+    allowed = tree_mask_ref(kv_end, window)
     kk = k.to(dt).repeat_interleave(group, dim=1)
     vv = v.to(dt).repeat_interleave(group, dim=1)
     scores = torch.einsum("ihd,jhd->hij", q.to(dt), kk) * scale

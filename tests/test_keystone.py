@@ -121,6 +121,11 @@ def test_dense_tree_mask_matches_the_rule():
     assert bool((mask[0, 0][~torch.as_tensor(want)] == torch.finfo(torch.float32).min).all())
     with pytest.raises(ValueError):
         dense_tree_mask(np.array([0, 0]))  # kv_end[1] < 1
+    # a window of 2 along each path (0 -> 1 -> 2 -> 3, 0 -> 4 -> 5, 6): a row keeps its parent and itself
+    windowed = dense_tree_mask(kv_end, torch.float32, window=2)[0, 0] == 0
+    out_of_window = {(2, 0), (3, 0), (3, 1), (5, 0)}
+    assert torch.equal(windowed, torch.as_tensor(want) & torch.tensor(
+        [[(i, j) not in out_of_window for j in range(7)] for i in range(7)]))
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])

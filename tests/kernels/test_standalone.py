@@ -85,11 +85,16 @@ def test_docs_examples_run(index, expected):
     assert expected in proc.stdout
 
 
-def test_tree_attention_bench_quick_mode(tmp_path):
+@pytest.mark.parametrize("window", [None, 64])
+def test_tree_attention_bench_quick_mode(tmp_path, window):
     out = tmp_path / "attention.json"
-    proc = _run(["bench/bench_tree_attention.py", "--quick", "--out", str(out)])
+    proc = _run(["bench/bench_tree_attention.py", "--quick", "--out", str(out),
+                 *(["--window", str(window)] if window else [])])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert [r["size"] for r in rows] == [1024]
     paths = rows[0]["paths"]
     assert paths["torch"]["fwd_bwd_s"] > 0 and paths["flex"]["fwd_s"] > 0 and paths["dense"]["fwd_bwd_mib"] > 0
+    if window:  # the baseline without the window, and fewer block pairs with it
+        assert paths["torch-full"]["fwd_bwd_s"] > 0
+        assert rows[0]["block_pairs"]["window"] < rows[0]["block_pairs"]["full"]

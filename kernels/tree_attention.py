@@ -85,8 +85,9 @@ class BlockSchedule:
     path and flex run it without a mask).
     q_ptr[KB + 1], q_idx[P]: the same pairs by key block (query blocks ascending), for dK / dV.
     Without a window the listed pairs are exactly those with a visible key. A window drops the
-    pairs whose depth ranges keep every key out of every row's window; a listed pair may then still
-    hide all its keys (the kernels allow that), and `kv_full` stays exact.
+    pairs where the depth ranges (of the key block, and of the query rows that can see it) keep
+    every key out of every row's window; a listed pair may then still hide all its keys (the
+    kernels allow that), and `kv_full` stays exact.
     """
 
     block: int
@@ -121,7 +122,8 @@ def _block_schedule(kv_end: torch.Tensor, depth: torch.Tensor | None, block: int
 
     ke = kv_end.long()
     blocks = torch.arange(nb, device=dev)
-    q_hi = per_block(ke, -1, torch.amax) // block
+    kb_max = per_block(ke, -1, torch.amax)
+    q_hi = kb_max // block
     # every row of query block qb sees every key of kb iff kb < qb <= full_hi[kb]: the smallest
     # kv_end of kb reaches the block's last row (the last block ends at row n - 1)
     last_row = torch.clamp((blocks + 1) * block, max=n) - 1
@@ -133,10 +135,15 @@ def _block_schedule(kv_end: torch.Tensor, depth: torch.Tensor | None, block: int
     full = (key_block < query_block) & (query_block <= full_hi[key_block])
     if window is not None:
         # a visible key j is in row i's window iff depth[i] - depth[j] < window (HF's
-        # ``kv_idx > q_idx - sliding_window`` along the row's path)
+        # ``kv_idx > q_idx - sliding_window`` along the row's path). The rows of query block qb
+        # that see any key of an earlier block kb are qb's first rows up to max(kv_end over kb):
+        # their smallest depth is a prefix minimum within qb (tight where a block holds the end of
+        # one path and the start of the next).
         d = depth.long()
         d_min, d_max = per_block(d, n, torch.amin), per_block(d, -1, torch.amax)
-        keep = d_min[query_block] - d_max[key_block] < window
+        prefix_min = torch.cummin(torch.nn.functional.pad(d, (0, pad), value=n).view(nb, block), 1).values.flatten()
+        last_seeing = torch.minimum(kb_max[key_block], (query_block + 1) * block - 1)
+        keep = prefix_min[last_seeing] - d_max[key_block] < window
         full &= d_max[query_block] - d_min[key_block] < window
         key_block, query_block, full = key_block[keep], query_block[keep], full[keep]
     order = torch.argsort(query_block, stable=True)  # key blocks stay ascending within a query block

@@ -207,11 +207,11 @@ def test_schedule_lists_the_visible_blocks(seed, n, kind, block, window):
 def test_window_prunes_the_blocks_of_long_paths():
     mask = TreeMask(chains([6000, 10000]))
     full, windowed = mask.schedule(128), mask.schedule(128, 256)
-    # a query block inside a chain reaches back at most 256 rows: the diagonal and up to 3 blocks
-    # before; the block that holds both chains' ends keeps the first chain's blocks (its depth range
-    # starts at 0), a bound's conservative case
+    # a query block reaches back at most 256 rows: the diagonal and up to 3 blocks before, also the
+    # block holding the first chain's end and the second's start (depths ~6000 and 0: only its
+    # first-chain rows see the first chain's blocks, and only their depths count)
     per_query = (windowed.kv_ptr[1:] - windowed.kv_ptr[:-1]).tolist()
-    assert sorted(per_query)[-2] <= 4 and windowed.num_pairs < full.num_pairs // 8
+    assert max(per_query) <= 4 and windowed.num_pairs < full.num_pairs // 10
 
 
 def test_visible_pairs_counts_the_mask():

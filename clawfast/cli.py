@@ -24,8 +24,6 @@ COMMANDS = {
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    # Die quietly when piped into `head`, as command-line tools do.
-    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     parser = argparse.ArgumentParser(prog="clawfast", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_, help_text) in COMMANDS.items():
@@ -47,5 +45,13 @@ def main(argv: list[str] | None = None) -> int:
     return int(module.run(args) or 0)
 
 
-if __name__ == "__main__":
+def entry_point() -> None:
+    """The ``clawfast`` program. It dies quietly when piped into ``head``, as command-line tools do;
+    that is set here and not in `main`, which callers also run inside their own process (with the
+    default disposition a write to any broken pipe, a subprocess's included, would kill it)."""
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     sys.exit(main())
+
+
+if __name__ == "__main__":
+    entry_point()

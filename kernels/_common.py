@@ -81,3 +81,28 @@ def check_range(name: str, t: torch.Tensor, low: int, high: int) -> None:
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """Accumulation dtype: float32 for half types and float32, float64 for float64."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# Attention dropout as a pure function of (seed, head, query row, key row): the forward, the
+# backward (also a recomputation under gradient checkpointing) and every backend draw the same
+# mask without storing it. A 32-bit integer mix in int64 arithmetic (constants below 2**31, so no
+# product overflows); the Triton kernels repeat the same three steps.
+_MASK32 = 0xFFFFFFFF
+_MIX = 0x45D9F3B
+
+
+def mix32(x):
+    x = ((x ^ (x >> 16)) * _MIX) & _MASK32
+    x = ((x ^ (x >> 16)) * _MIX) & _MASK32
+    return x ^ (x >> 16)
+
+
+def dropout_threshold(p: float) -> int:
+    """A key is dropped iff the top 24 bits of its hash fall below this: probability p up to 2**-24."""
+    return round(p * (1 << 24))
+
+
+def dropout_keep(seed: int, heads: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, threshold: int) -> torch.Tensor:
+    """bool [*heads.shape, R, C]: True where the (head, query row, key row) entry survives dropout."""
+    r = mix32(mix32(heads.long() ^ seed)[..., None] ^ rows.long())
+    return (mix32(r[..., None] ^ cols.long()) >> 8) >= threshold

@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from ._common import dropout_keep, dropout_threshold
 from .importance import METRIC_NAMES as IS_METRIC_NAMES
 from .importance import ISConfig
 from .policy_loss import LOSS_METRIC_NAMES
@@ -60,13 +61,15 @@ def tree_mask_ref(kv_end, window=None):
     return allowed
 
 
-def tree_attention_ref(q, k, v, kv_end, *, scale=None, window=None, softcap=None, sinks=None):
+def tree_attention_ref(q, k, v, kv_end, *, scale=None, window=None, softcap=None, sinks=None, dropout_p=0.0,
+                       seed=0):
     """Dense: ``softmax(q k^T * scale)`` under `tree_mask_ref`, per head (GQA: query head h reads
     key head ``h // (Hq // Hkv)``); q [N, Hq, D], k and v [N, Hkv, D] -> [N, Hq, D].
 
     ``window``: the sliding window of `tree_mask_ref`; ``softcap``: scores ``softcap * tanh(s /
     softcap)``; ``sinks`` [Hq]: one more logit per head in the softmax, dropped from the weights
-    (gpt-oss's eager attention)."""
+    (gpt-oss's eager attention); ``dropout_p``: the weights dropped where `dropout_keep` (of
+    ``seed``, head, query row, key row) says so and the rest scaled by 1 / (1 - dropout_p)."""
     dt = _acc(q.dtype)
     group = q.shape[1] // k.shape[1]
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else scale
@@ -82,6 +85,10 @@ def tree_attention_ref(q, k, v, kv_end, *, scale=None, window=None, softcap=None
     else:
         sink = sinks.to(dt)[:, None, None].expand(-1, scores.shape[1], 1)
         probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    if dropout_p:
+        rows = torch.arange(q.shape[0], device=q.device)
+        keep = dropout_keep(seed, torch.arange(q.shape[1], device=q.device), rows, rows, dropout_threshold(dropout_p))
+        probs = probs * keep / (1.0 - dropout_p)
     return torch.einsum("hij,jhd->ihd", probs, vv).to(q.dtype)
 
 

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._common import HAS_TRITON, acc_dtype, check_1d, check_int, triton_interpret
+from ._common import HAS_TRITON, acc_dtype, check_1d, check_int, dropout_keep, dropout_threshold, triton_interpret
 
 if HAS_TRITON:
     import triton
@@ -274,13 +274,16 @@ def _pairs(s: BlockSchedule) -> tuple[torch.Tensor, torch.Tensor]:
 
 @dataclass(frozen=True)
 class Scores:
-    """How a layer turns q.k into softmax logits and which visible keys it keeps: the ``scale``;
-    an optional sliding ``window`` (keys fewer than ``window`` rows up the query's path); an optional
-    ``softcap`` (``softcap * tanh(score / softcap)``, Gemma 2)."""
+    """How a layer turns q.k into attention weights: the ``scale``; an optional sliding ``window``
+    (keys fewer than ``window`` rows up the query's path); an optional ``softcap`` (``softcap *
+    tanh(score / softcap)``, Gemma 2); attention dropout with probability ``dropout_p``, its mask a
+    function of ``seed`` and the entry (`dropout_keep`)."""
 
     scale: float
     window: int | None = None
     softcap: float | None = None
+    dropout_p: float = 0.0
+    seed: int = 0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -330,10 +333,10 @@ def _cpu_layout(q, k, v, dt, scale: float):
 
 
 def _query_blocks(mask: TreeMask, block: int, heads: int, window: int | None, device):
-    """Per query block: (start, end, chunks), chunks yielding (take, hidden) for each chunk of its
-    listed key rows: ``take`` selects them (`_take`), ``hidden`` is bool [rows, keys] where a key is
-    not visible to a row, or None for a chunk of full blocks (every row sees every key: most
-    ancestor blocks), which then needs no mask at all."""
+    """Per query block: (start, end, chunks), chunks yielding (rows, take, hidden) for each chunk
+    of its listed key rows: ``rows`` are their indices, ``take`` selects them (`_take`), ``hidden``
+    is bool [query rows, keys] where a key is not visible to a row, or None for a chunk of full
+    blocks (every row sees every key: most ancestor blocks), which then needs no mask at all."""
     n = mask.num_rows
     kv_end = mask.kv_end.long()
     depth = None if window is None else mask.depth().long()
@@ -342,19 +345,29 @@ def _query_blocks(mask: TreeMask, block: int, heads: int, window: int | None, de
 
     def chunks(qb: int, s: int, e: int):
         pairs = range(ptr[qb], ptr[qb + 1])
-        for _, take in _key_chunks([idx[t] for t in pairs if kv_full[t]], block, n, per_chunk, device):
-            yield take, None
+        for rows_j, take in _key_chunks([idx[t] for t in pairs if kv_full[t]], block, n, per_chunk, device):
+            yield rows_j, take, None
         rows_i = torch.arange(s, e, device=device)
         partial = [idx[t] for t in pairs if not kv_full[t]]
         for rows_j, take in _key_chunks(partial, block, n, per_chunk, device):
             hidden = (rows_j[None, :] > rows_i[:, None]) | (kv_end[rows_j][None, :] < rows_i[:, None])
             if depth is not None:
                 hidden |= depth[rows_i][:, None] - depth[rows_j][None, :] >= window
-            yield take, hidden
+            yield rows_j, take, hidden
 
     for qb in range(len(ptr) - 1):
         s, e = qb * block, min(n, qb * block + block)
         yield s, e, chunks(qb, s, e)
+
+
+def _dropout_scale(rule: Scores, hkv: int, g: int, rows_i: torch.Tensor, rows_j: torch.Tensor, dt):
+    """[Hkv, G * Bq, C]: 1 / (1 - p) where an entry survives dropout, 0 where it is dropped; None
+    without dropout."""
+    if not rule.dropout_p:
+        return None
+    heads = torch.arange(hkv * g, device=rows_i.device).view(hkv, g)
+    keep = dropout_keep(rule.seed, heads, rows_i, rows_j, dropout_threshold(rule.dropout_p))
+    return (keep.to(dt) / (1.0 - rule.dropout_p)).view(hkv, g * rows_i.shape[0], -1)
 
 
 def _forward_torch(q, k, v, sinks, mask: TreeMask, rule: Scores, block: int):
@@ -372,7 +385,8 @@ def _forward_torch(q, k, v, sinks, mask: TreeMask, rule: Scores, block: int):
         m = torch.full((hkv, g * bq), float("-inf"), dtype=dt, device=q.device)
         l = torch.zeros(hkv, g * bq, dtype=dt, device=q.device)
         acc = torch.zeros(hkv, g * bq, d, dtype=dt, device=q.device)
-        for take, hidden in chunks:
+        rows_i = torch.arange(s, e, device=q.device)
+        for rows_j, take, hidden in chunks:
             sc = torch.bmm(qq, _take(kh, take).transpose(1, 2))  # [Hkv, G*Bq, C], scaled through q
             if cap is not None:
                 sc.div_(cap).tanh_().mul_(cap)
@@ -384,6 +398,9 @@ def _forward_torch(q, k, v, sinks, mask: TreeMask, rule: Scores, block: int):
             p = sc.sub_(shift[..., None]).exp_()
             alpha = torch.exp(m - shift)
             l = l * alpha + p.sum(-1)
+            z = _dropout_scale(rule, hkv, g, rows_i, rows_j, dt)
+            if z is not None:  # the normaliser counts every key; the weighted sum only the kept ones
+                p.mul_(z)
             acc = acc * alpha[..., None] + torch.bmm(p, _take(vh, take))
             m = m_new
         o = acc / l[..., None]
@@ -421,7 +438,8 @@ def _backward_torch(q, k, v, lse, delta, dout, mask: TreeMask, rule: Scores, blo
         neg_lse = lse[:, :, s:e].reshape(hkv, g * bq, 1).neg()
         neg_delta = delta[:, :, s:e].reshape(hkv, g * bq, 1).neg()
         dqq = torch.zeros(hkv, g * bq, d, dtype=dt, device=q.device)
-        for take, hidden in chunks:
+        rows_i = torch.arange(s, e, device=q.device)
+        for rows_j, take, hidden in chunks:
             kk, vv = _take(kh, take), _take(vh, take)
             if cap is None:
                 # baddbmm adds the broadcast -lse (and -delta below) inside the matmul: no extra pass
@@ -431,8 +449,13 @@ def _backward_torch(q, k, v, lse, delta, dout, mask: TreeMask, rule: Scores, blo
                 p = torch.add(neg_lse, t, alpha=cap).exp_()
             if hidden is not None:
                 p.view(hkv, g, bq, -1).masked_fill_(hidden, 0.0)
-            dvv = torch.bmm(p.transpose(1, 2), do)  # [Hkv, C, D], summed over the group's heads
-            ds = torch.baddbmm(neg_delta, do, vv.transpose(1, 2)).mul_(p)
+            z = _dropout_scale(rule, hkv, g, rows_i, rows_j, dt)
+            if z is None:
+                dvv = torch.bmm(p.transpose(1, 2), do)  # [Hkv, C, D], summed over the group's heads
+                ds = torch.baddbmm(neg_delta, do, vv.transpose(1, 2)).mul_(p)
+            else:  # O = (P * Z) V: dV = (P * Z)^T dO, dP = (dO V^T) * Z; delta = rowsum(dO * O) still
+                dvv = torch.bmm((p * z).transpose(1, 2), do)
+                ds = torch.bmm(do, vv.transpose(1, 2)).mul_(z).add_(neg_delta).mul_(p)
             if cap is not None:
                 ds.mul_(t.square_().neg_().add_(1.0))  # d(cap tanh(x / cap)) / dx = 1 - tanh^2
             dqq.baddbmm_(ds, kk)
@@ -517,29 +540,58 @@ if HAS_TRITON:
         return x, x
 
     @triton.jit
-    def _tile_grads(q, k, v, do, lse, delta, visible, scale, cap, ACC: tl.constexpr, IEEE: tl.constexpr,
-                    SOFTCAP: tl.constexpr):
-        """P and dS (w.r.t. the scaled, uncapped scores) of one (query block, key block) tile,
-        recomputed from the saved log-sum-exp."""
+    def _mix32(x):
+        """`clawfast.kernels._common.mix32` (x int64 in [0, 2**32); % 2**32 masks to 32 bits)."""
+        x = ((x ^ (x >> 16)) * 0x45D9F3B) % 4294967296
+        x = ((x ^ (x >> 16)) * 0x45D9F3B) % 4294967296
+        return x ^ (x >> 16)
+
+    @triton.jit
+    def _tile_dropout_scale(seed, h, rows, cols, threshold, inv_keep):
+        """`_common.dropout_keep` of the tile as 1 / (1 - p) (kept) or 0 (dropped)."""
+        r = _mix32(_mix32((seed ^ h).to(tl.int64)) ^ rows.to(tl.int64))
+        x = _mix32(r[:, None] ^ cols.to(tl.int64)[None, :])
+        return tl.where((x >> 8) >= threshold, inv_keep, 0.0)
+
+    @triton.jit
+    def _tile_grads(q, k, v, do, lse, delta, visible, scale, cap, seed, h, rows, cols, threshold, inv_keep,
+                    ACC: tl.constexpr, IEEE: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr):
+        """(P after dropout, dS w.r.t. the scaled, uncapped scores) of one (query block, key block)
+        tile, recomputed from the saved log-sum-exp. With dropout O = (P * Z) V, so dP = (dO V^T) * Z
+        and delta = rowsum(dO * O) stays the row term."""
         s, t = _logits(q, k, scale, cap, ACC, IEEE, SOFTCAP)
         p = tl.where(visible, tl.exp(s - lse[:, None]), 0.0)
-        dsc = p * (_dot(do, tl.trans(v), IEEE).to(ACC) - delta[:, None])
+        dp = _dot(do, tl.trans(v), IEEE).to(ACC)
+        pz = p
+        if DROPOUT:
+            z = _tile_dropout_scale(seed, h, rows, cols, threshold, inv_keep)
+            dp = dp * z
+            pz = p * z
+        dsc = p * (dp - delta[:, None])
         if SOFTCAP:
             dsc = dsc * (1.0 - t * t)
-        return p, dsc
+        return pz, dsc
+
+    @triton.jit
+    def _query_block(params_ptr, depth_ptr, q_ptr, qb, h, N, D, sqn, sqh, BLOCK: tl.constexpr,
+                     BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, WINDOW: tl.constexpr):
+        """What a (query block, head) program starts from: the scalars [scale, softcap, 1 / (1 -
+        dropout)], the block's rows, lanes and depths, and its q tile."""
+        rows, row_ok, ds, d_ok = _block(qb, N, D, BLOCK, BLOCK_D)
+        q = _load_rows(q_ptr + h * sqh, rows, row_ok, ds, d_ok, sqn, UPCAST)
+        return (tl.load(params_ptr), tl.load(params_ptr + 1), tl.load(params_ptr + 2), rows, row_ok, ds, d_ok,
+                _depths(depth_ptr, rows, row_ok, WINDOW), q)
 
     @triton.jit
     def _tree_attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, kv_end_ptr, depth_ptr, sink_ptr, kv_ptr_ptr,
-                              kv_idx_ptr, N, D, G, window, params_ptr, sqn, sqh, skn, skh, svn, svh, son, soh,
-                              BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr,
+                              kv_idx_ptr, N, D, G, window, seed, threshold, params_ptr, sqn, sqh, skn, skh, svn, svh,
+                              son, soh, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr,
                               IEEE: tl.constexpr, UPCAST: tl.constexpr, WINDOW: tl.constexpr,
-                              SOFTCAP: tl.constexpr, SINKS: tl.constexpr):
+                              SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, SINKS: tl.constexpr):
         qb = tl.program_id(0)
         h = tl.program_id(1)
-        scale, cap = tl.load(params_ptr), tl.load(params_ptr + 1)
-        rows, row_ok, ds, d_ok = _block(qb, N, D, BLOCK, BLOCK_D)
-        drow = _depths(depth_ptr, rows, row_ok, WINDOW)
-        q = _load_rows(q_ptr + h * sqh, rows, row_ok, ds, d_ok, sqn, UPCAST)
+        scale, cap, inv_keep, rows, row_ok, ds, d_ok, drow, q = _query_block(
+            params_ptr, depth_ptr, q_ptr, qb, h, N, D, sqn, sqh, BLOCK, BLOCK_D, UPCAST, WINDOW)
         m = tl.full([BLOCK], float("-inf"), dtype=ACC)
         l = tl.zeros([BLOCK], dtype=ACC)
         acc = tl.zeros([BLOCK, BLOCK_D], dtype=ACC)
@@ -554,6 +606,8 @@ if HAS_TRITON:
             p = tl.exp(s - shift[:, None])
             alpha = tl.exp(m - shift)
             l = l * alpha + tl.sum(p, 1)
+            if DROPOUT:  # the normaliser counts every key; the weighted sum only the kept ones
+                p = p * _tile_dropout_scale(seed, h, rows, cols, threshold, inv_keep)
             acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE).to(ACC)
             m = m_new
         l_safe = tl.where(l > 0, l, 1.0)  # padding rows only: every real row sees itself
@@ -570,16 +624,14 @@ if HAS_TRITON:
 
     @triton.jit
     def _tree_attn_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dq_ptr, lse_ptr, delta_ptr, kv_end_ptr, depth_ptr,
-                             kv_ptr_ptr, kv_idx_ptr, N, D, G, window, params_ptr, sqn, sqh, skn, skh, svn, svh,
-                             sdon, sdoh, sdqn, sdqh, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
+                             kv_ptr_ptr, kv_idx_ptr, N, D, G, window, seed, threshold, params_ptr, sqn, sqh, skn, skh,
+                             svn, svh, sdon, sdoh, sdqn, sdqh, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
                              ACC: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, WINDOW: tl.constexpr,
-                             SOFTCAP: tl.constexpr):
+                             SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr):
         qb = tl.program_id(0)
         h = tl.program_id(1)
-        scale, cap = tl.load(params_ptr), tl.load(params_ptr + 1)
-        rows, row_ok, ds, d_ok = _block(qb, N, D, BLOCK, BLOCK_D)
-        drow = _depths(depth_ptr, rows, row_ok, WINDOW)
-        q = _load_rows(q_ptr + h * sqh, rows, row_ok, ds, d_ok, sqn, UPCAST)
+        scale, cap, inv_keep, rows, row_ok, ds, d_ok, drow, q = _query_block(
+            params_ptr, depth_ptr, q_ptr, qb, h, N, D, sqn, sqh, BLOCK, BLOCK_D, UPCAST, WINDOW)
         do = _load_rows(do_ptr + h * sdoh, rows, row_ok, ds, d_ok, sdon, UPCAST)
         lse = tl.load(lse_ptr + h * N + rows, mask=row_ok, other=0.0)
         delta = tl.load(delta_ptr + h * N + rows, mask=row_ok, other=0.0)
@@ -588,19 +640,21 @@ if HAS_TRITON:
             cols, k, v, kve, dcol = _key_block(k_ptr, v_ptr, kv_end_ptr, depth_ptr, tl.load(kv_idx_ptr + t), h // G,
                                                ds, d_ok, N, skn, skh, svn, svh, BLOCK, UPCAST, WINDOW)
             visible = _visible(rows, cols, kve, drow, dcol, window, WINDOW)
-            _, dsc = _tile_grads(q, k, v, do, lse, delta, visible, scale, cap, ACC, IEEE, SOFTCAP)
+            _, dsc = _tile_grads(q, k, v, do, lse, delta, visible, scale, cap, seed, h, rows, cols, threshold, inv_keep,
+                                 ACC, IEEE, SOFTCAP, DROPOUT)
             dq += _dot(dsc.to(k.dtype), k, IEEE).to(ACC)
         _store_rows(dq_ptr + h * sdqh, rows, row_ok, ds, d_ok, sdqn, dq * scale)
 
     @triton.jit
     def _tree_attn_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, lse_ptr, delta_ptr, kv_end_ptr,
-                               depth_ptr, q_ptr_ptr, q_idx_ptr, N, D, G, window, params_ptr, sqn, sqh, skn, skh,
-                               svn, svh, sdon, sdoh, sdkn, sdkh, sdvn, sdvh, BLOCK: tl.constexpr,
+                               depth_ptr, q_ptr_ptr, q_idx_ptr, N, D, G, window, seed, threshold, params_ptr, sqn,
+                               sqh, skn, skh, svn, svh, sdon, sdoh, sdkn, sdkh, sdvn, sdvh, BLOCK: tl.constexpr,
                                BLOCK_D: tl.constexpr, ACC: tl.constexpr, IEEE: tl.constexpr,
-                               UPCAST: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
+                               UPCAST: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+                               DROPOUT: tl.constexpr):
         kb = tl.program_id(0)
         hk = tl.program_id(1)
-        scale, cap = tl.load(params_ptr), tl.load(params_ptr + 1)
+        scale, cap, inv_keep = tl.load(params_ptr), tl.load(params_ptr + 1), tl.load(params_ptr + 2)
         cols, col_ok, ds, d_ok = _block(kb, N, D, BLOCK, BLOCK_D)
         _, k, v, kve, dcol = _key_block(k_ptr, v_ptr, kv_end_ptr, depth_ptr, kb, hk, ds, d_ok, N, skn, skh, svn, svh,
                                         BLOCK, UPCAST, WINDOW)
@@ -615,7 +669,8 @@ if HAS_TRITON:
                 lse = tl.load(lse_ptr + h * N + rows, mask=row_ok, other=0.0)
                 delta = tl.load(delta_ptr + h * N + rows, mask=row_ok, other=0.0)
                 visible = _visible(rows, cols, kve, _depths(depth_ptr, rows, row_ok, WINDOW), dcol, window, WINDOW)
-                p, dsc = _tile_grads(q, k, v, do, lse, delta, visible, scale, cap, ACC, IEEE, SOFTCAP)
+                p, dsc = _tile_grads(q, k, v, do, lse, delta, visible, scale, cap, seed, h, rows, cols, threshold,
+                                     inv_keep, ACC, IEEE, SOFTCAP, DROPOUT)
                 dv += _dot(tl.trans(p.to(do.dtype)), do, IEEE).to(ACC)
                 dk += _dot(tl.trans(dsc.to(q.dtype)), q, IEEE).to(ACC)
         _store_rows(dk_ptr + hk * sdkh, cols, col_ok, ds, d_ok, sdkn, dk * scale)
@@ -627,16 +682,18 @@ def _triton_flags(q: torch.Tensor, rule: Scores) -> dict:
     return dict(BLOCK_D=max(16, triton.next_power_of_2(q.shape[2])),
                 ACC=tl.float64 if q.dtype == torch.float64 else tl.float32,
                 IEEE=q.dtype == torch.float32 or upcast, UPCAST=upcast, WINDOW=rule.window is not None,
-                SOFTCAP=rule.softcap is not None)
+                SOFTCAP=rule.softcap is not None, DROPOUT=rule.dropout_p > 0)
 
 
 def _triton_scalars(mask: TreeMask, rule: Scores, lse: torch.Tensor):
-    """(depth, window, params): the depths (kv_end stands in, unread, without a window), the window
-    as an int, and [scale, softcap] as a tensor in the accumulation dtype, not float arguments:
-    Triton passes Python floats as float32, which would round the float64 path's values."""
+    """(depth, ints, params): the depths (kv_end stands in, unread, without a window); the window,
+    the dropout seed and threshold as ints; [scale, softcap, 1 / (1 - dropout)] as a tensor in the
+    accumulation dtype, not float arguments: Triton passes Python floats as float32, which would
+    round the float64 path's values."""
     depth = mask.kv_end if rule.window is None else mask.depth()
-    params = torch.tensor([rule.scale, rule.softcap or 1.0], dtype=lse.dtype, device=lse.device)
-    return depth, rule.window or 0, params
+    params = torch.tensor([rule.scale, rule.softcap or 1.0, 1.0 / (1.0 - rule.dropout_p)], dtype=lse.dtype,
+                          device=lse.device)
+    return depth, (rule.window or 0, rule.seed, dropout_threshold(rule.dropout_p)), params
 
 
 def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
@@ -650,10 +707,10 @@ def _forward_triton(q, k, v, sinks, mask: TreeMask, rule: Scores, block: int):
     s = mask.schedule(block, rule.window)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty(hq, n, dtype=acc_dtype(q.dtype), device=q.device)
-    depth, window, params = _triton_scalars(mask, rule, lse)
+    depth, ints, params = _triton_scalars(mask, rule, lse)
     _tree_attn_fwd_kernel[(s.num_blocks, hq)](
         q, k, v, out, lse, mask.kv_end, depth, sinks if sinks is not None else lse, s.kv_ptr, s.kv_idx, n, d,
-        hq // k.shape[1], window, params, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
+        hq // k.shape[1], *ints, params, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
         v.stride(1), out.stride(0), out.stride(1), BLOCK=block, SINKS=sinks is not None, **_triton_flags(q, rule))
     return out, lse
 
@@ -667,8 +724,8 @@ def _backward_triton(q, k, v, lse, delta, dout, mask: TreeMask, rule: Scores, bl
     dk = torch.empty(n, hkv, d, dtype=k.dtype, device=q.device)
     dv = torch.empty(n, hkv, d, dtype=v.dtype, device=q.device)
     flags = _triton_flags(q, rule)
-    depth, window, params = _triton_scalars(mask, rule, lse)
-    common = (n, d, hq // hkv, window, params, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
+    depth, ints, params = _triton_scalars(mask, rule, lse)
+    common = (n, d, hq // hkv, *ints, params, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
               v.stride(1), dout.stride(0), dout.stride(1))
     _tree_attn_dq_kernel[(s.num_blocks, hq)](
         q, k, v, dout, dq, lse, delta, mask.kv_end, depth, s.kv_ptr, s.kv_idx, *common, dq.stride(0), dq.stride(1),
@@ -787,7 +844,7 @@ def _check(q, k, v, mask: TreeMask) -> None:
                          f"{v.device}, {mask.device}")
 
 
-def _check_options(q, window, softcap, sinks) -> None:
+def _check_options(q, window, softcap, sinks, dropout_p, seed, backend) -> None:
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ValueError(f"window must be a positive int (keys fewer than window rows up the path) or None, "
                          f"got {window!r}")
@@ -799,11 +856,19 @@ def _check_options(q, window, softcap, sinks) -> None:
                              f"head), got {tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__}")
         if sinks.device != q.device:
             raise ValueError(f"sinks must be on q's device {q.device}, got {sinks.device}")
+    if not (isinstance(dropout_p, (int, float)) and 0.0 <= dropout_p < 1.0):
+        raise ValueError(f"dropout_p must be a probability in [0, 1), got {dropout_p!r}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**31):
+        raise ValueError(f"seed must be an int in [0, 2**31) or None, got {seed!r}")
+    if dropout_p and backend == "flex":
+        raise ValueError("FlexAttention has no attention dropout (a score_mod cannot drop normalised weights): "
+                         "use backend 'torch', 'triton' or 'auto'")
 
 
 def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_end: torch.Tensor | TreeMask, *,
                    scale: float | None = None, window: int | None = None, softcap: float | None = None,
-                   sinks: torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
+                   sinks: torch.Tensor | None = None, dropout_p: float = 0.0, seed: int | None = None,
+                   backend: str = "auto") -> torch.Tensor:
     """Softmax attention of the rows of a packed forest: query i attends to key j iff
     ``j <= i <= kv_end[j]`` (its ancestors and itself).
 
@@ -814,18 +879,24 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_end: to
     ``window``: sliding window, query i keeps key j only if ``depth[i] - depth[j] < window``
     (Mistral, Qwen2, Gemma 2/3 local layers); ``softcap``: logits ``softcap * tanh(x / softcap)``
     (Gemma 2); ``sinks`` ``[Hq]``: a per-head logit added to each softmax's denominator with no value
-    (gpt-oss). ``backend``: "auto" (Triton for CUDA tensors, the torch fast path otherwise), "torch",
+    (gpt-oss); ``dropout_p``: attention dropout (HF's ``attention_dropout`` while training), its mask
+    a function of ``seed`` and of (head, query row, key row) (`_common.dropout_keep`), so forward,
+    backward and a recomputation under gradient checkpointing agree without storing it; ``seed``
+    None draws one from torch's default generator (checkpointing restores that generator, so the
+    recomputation draws the same). ``backend``: "auto" (Triton for CUDA tensors, the torch fast path otherwise), "torch",
     "triton" (CPU tensors need TRITON_INTERPRET=1) or "flex" (compiled FlexAttention; no gradients
     on CPU).
     """
     mask = kv_end if isinstance(kv_end, TreeMask) else TreeMask(kv_end)
     _check(q, k, v, mask)
-    _check_options(q, window, softcap, sinks)
+    _check_options(q, window, softcap, sinks, dropout_p, seed, backend)
     backend = _pick(backend, q)
+    if dropout_p and seed is None:
+        seed = int(torch.randint(0, 2**31 - 1, (1,)))
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)
     if window is not None and window > mask.max_depth():
         window = None  # every path is shorter than the window: it hides nothing
-    rule = Scores(scale, window, None if softcap is None else float(softcap))
+    rule = Scores(scale, window, None if softcap is None else float(softcap), float(dropout_p), seed or 0)
     if backend == "flex":
         return _forward_flex(q, k, v, sinks, mask, rule)
     return TreeAttentionFunction.apply(q, k, v, sinks, mask, rule, backend)

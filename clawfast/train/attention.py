@@ -23,11 +23,12 @@ Backends (`ATTENTION_BACKENDS`, the ``model.attention`` config field):
 
 Supported: decoders whose attention calls ``ALL_ATTENTION_FUNCTIONS`` with ``**kwargs`` (Qwen2/3,
 Llama, Mistral, Gemma 1-3, Phi-3, gpt-oss, ... in transformers >= 4.48), with the softmax options
-they pass: ``sliding_window`` (along each path), ``softcap`` (Gemma 2) and ``s_aux`` (per-head sinks,
-gpt-oss). What tree attention does not model raises instead of being ignored: attention dropout
-while training (RL trains with 0; a tree kernel would have to replay the dense layout's random
-mask to match it), and a model-specific ``position_bias`` or ``sinks`` tensor (a dense bias whose
-shape is the model's own).
+they pass: ``sliding_window`` (along each path), ``softcap`` (Gemma 2), ``s_aux`` (per-head sinks,
+gpt-oss) and the attention ``dropout`` of a training module (its mask drawn by `tree_attention` from
+torch's generator, so gradient checkpointing recomputes the same one). What tree attention does not
+model raises instead of being ignored: a model-specific ``position_bias`` or ``sinks`` tensor
+(Inkling 2's dense relative-position bias [B, H, N, N] and per-token sinks), which a tree batch
+could only take as N^2 values.
 """
 
 from __future__ import annotations
@@ -50,8 +51,9 @@ IMPLEMENTATION = "clawfast_tree"
 # The model's own implementation each registered name falls back to outside tree batches. No name
 # contains "flash": transformers reads that substring as a request for flash-attention inputs.
 IMPLEMENTATIONS = {"sdpa": IMPLEMENTATION, "eager": IMPLEMENTATION + "_eager"}
-# Keywords through which some HF attention modules add their own dense bias to the softmax.
-_UNSUPPORTED_KWARGS = ("position_bias", "sinks")
+# Keywords through which some HF attention modules add a dense [B, H, N, N] bias or per-token
+# sinks to the softmax: inputs of N^2 values, which a tree batch never holds.
+_DENSE_KWARGS = ("position_bias", "sinks")
 _IN_TREE_BATCH = contextvars.ContextVar("clawfast_in_tree_batch", default=False)
 
 
@@ -79,17 +81,15 @@ def _tree_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     name = type(module).__name__
     if attention_mask is not None:
         raise RuntimeError(f"{name} received an attention mask beside the tree mask; tree batches take none")
-    if dropout:
-        raise NotImplementedError(f"{name}: attention dropout ({dropout}) is not supported by tree attention; "
-                                  "set the model's attention_dropout to 0")
-    for kw in _UNSUPPORTED_KWARGS:
+    for kw in _DENSE_KWARGS:
         if kwargs.get(kw) is not None:
-            raise NotImplementedError(f"{name} passes {kw!r} to its attention: not supported by tree attention")
+            raise ValueError(f"{name} passes a dense {kw!r} to its attention, which tree attention (O(N), from "
+                             "kv_end) cannot take: train this model with model.attention = 'sdpa-dense'")
     if query.shape[0] != 1:
         raise ValueError(f"a tree batch is one packed row sequence (batch size 1), got {query.shape[0]}")
     out = tree_attention(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
                          args.mask, scale=scaling, window=kwargs.get("sliding_window"), softcap=kwargs.get("softcap"),
-                         sinks=kwargs.get("s_aux"), backend=args.backend)
+                         sinks=kwargs.get("s_aux"), dropout_p=dropout, backend=args.backend)
     return out[None], None
 
 

@@ -10,6 +10,7 @@ from unittest import mock
 import pytest
 import torch
 from clawfast.kernels import TreeMask, tree_attention, tree_attention_ref, tree_mask_ref
+from clawfast.kernels._common import dropout_keep, dropout_threshold
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kernel_testing import LargestTensor, chains, random_forest, segment_forest
@@ -64,9 +65,10 @@ def sink_logits(hq, dtype, gen, device="cpu"):
     return (torch.randn(hq, generator=gen, dtype=torch.float64) + 1.0).to(device, dtype).requires_grad_()
 
 
-# The options of HF decoders: no window / one shorter than many paths, softcap, sinks.
+# The options of HF decoders: no window / one shorter than many paths, softcap, sinks, dropout.
 OPTIONS = st.fixed_dictionaries({"window": st.sampled_from([None, 1, 3, 17]),
-                                 "softcap": st.sampled_from([None, 0.5, 30.0]), "sinks": st.booleans()})
+                                 "softcap": st.sampled_from([None, 0.5, 30.0]), "sinks": st.booleans(),
+                                 "dropout_p": st.sampled_from([0.0, 0.3]), "seed": st.integers(0, 2**31 - 1)})
 
 
 @contextmanager
@@ -108,6 +110,29 @@ def test_reference_options_are_the_path_alone():
         assert torch.allclose(got[i], w @ v[keys, 0], rtol=0, atol=1e-12)
 
 
+def test_dropout_mask_drops_its_fraction_independently():
+    rows = torch.arange(600)
+    keep = dropout_keep(7, torch.arange(4), rows, rows, dropout_threshold(0.3))
+    assert keep.shape == (4, 600, 600) and abs(float(keep.float().mean()) - 0.7) < 0.005
+    # neighbours, heads and seeds agree as often as independent draws would (0.7^2 + 0.3^2 = 0.58)
+    for other in (keep[:, :, 1:] == keep[:, :, :-1], keep[:, 1:] == keep[:, :-1], keep[1:] == keep[:-1],
+                  dropout_keep(8, torch.arange(4), rows, rows, dropout_threshold(0.3)) == keep):
+        assert abs(float(other.float().mean()) - 0.58) < 0.005
+
+
+def test_dropout_draws_its_seed_from_torchs_generator():
+    gen = torch.Generator().manual_seed(2)
+    kv_end = segment_forest(50, gen, max_segment=20)
+    q, k, v = (t.detach() for t in qkv(50, 2, 1, 8, torch.float64, gen))
+    torch.manual_seed(5)
+    a = tree_attention(q, k, v, kv_end, dropout_p=0.5)
+    torch.manual_seed(5)
+    b = tree_attention(q, k, v, kv_end, dropout_p=0.5)
+    c = tree_attention(q, k, v, kv_end, dropout_p=0.5)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    assert not torch.equal(a, tree_attention(q, k, v, kv_end))
+
+
 def test_depth_is_the_number_of_ancestors():
     kv_end = random_forest(300, torch.Generator().manual_seed(3), roots=4)[2]
     assert torch.equal(TreeMask(kv_end).depth().long(), tree_mask_ref(kv_end).sum(1) - 1)
@@ -124,7 +149,7 @@ def test_fast_path_gradcheck():
                                         (q, k, v))
         assert torch.autograd.gradcheck(
             lambda q, k, v, sinks: tree_attention(q, k, v, kv_end, scale=0.7, window=3, softcap=0.9, sinks=sinks,
-                                                  backend="torch"), (q, k, v, sinks))
+                                                  dropout_p=0.2, seed=11, backend="torch"), (q, k, v, sinks))
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -314,6 +339,14 @@ def test_bad_inputs():
         tree_attention(q, k, v, kv_end, sinks=torch.zeros(2))
     with pytest.raises(ValueError, match="sinks must be a floating-point"):
         tree_attention(q, k, v, kv_end, sinks=torch.zeros(4, dtype=torch.long))
+    for p in (-0.1, 1.0, "0.1"):
+        with pytest.raises(ValueError, match="dropout_p must be a probability"):
+            tree_attention(q, k, v, kv_end, dropout_p=p)
+    for seed in (-1, 2**31, 1.5):
+        with pytest.raises(ValueError, match="seed must be an int"):
+            tree_attention(q, k, v, kv_end, dropout_p=0.1, seed=seed)
+    with pytest.raises(ValueError, match="FlexAttention has no attention dropout"):
+        tree_attention(q, k, v, kv_end, dropout_p=0.1, backend="flex")
 
 
 def test_no_quadratic_tensor_in_forward_and_backward():

@@ -3,7 +3,7 @@
 Each backend must give the dense-mask reference's hidden states and parameter gradients on several
 decoder families (and, for sliding windows, soft-capping and sinks, those of each path run alone),
 leave the model's own attention implementation in place outside tree batches, and never build an
-[N, N] tensor; attention dropout must raise.
+[N, N] tensor; attention dropout must train reproducibly (checkpointing included).
 """
 
 from __future__ import annotations
@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 import transformers as tf
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import clawfast.train.attention as attention_module
-from clawfast.kernels import tree_mask_ref
-from clawfast.train.attention import IMPLEMENTATION, IMPLEMENTATIONS, use_tree_attention
+from clawfast.kernels import TreeMask, tree_mask_ref
+from clawfast.train.attention import IMPLEMENTATION, IMPLEMENTATIONS, TreeAttentionArgs, use_tree_attention
 from clawfast.train.policy import Policy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
@@ -247,10 +248,51 @@ def test_window_softcap_and_sinks_match_each_path_alone(family, attention):
         assert float((got_g[name] - g).abs().max()) <= 2e-6 * max(1.0, float(g.abs().max())), name
 
 
-def test_attention_dropout_is_an_error():
-    lm = tiny_lm("qwen3", attention_dropout=0.1).train()
-    with pytest.raises(NotImplementedError, match="dropout"):
-        Policy(lm, attention="torch").hidden_states(*forest_batch(30, seed=2))
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_attention_dropout_trains_on_tree_batches(checkpointing):
+    """A training module's attention dropout runs in tree batches: drawn from torch's generator
+    (reproducible under a seed), the same on the torch path and Triton, and the same mask again
+    when gradient checkpointing recomputes the layer in backward."""
+    batch = segment_batch(80, seed=5, max_segment=20)
+    lm = tiny_lm("qwen3", attention_dropout=0.3)
+
+    def run(attention, train=True, checkpoint=False):
+        lm.train(train)
+        if checkpoint:
+            lm.gradient_checkpointing_enable()
+        torch.manual_seed(0)
+        out = hidden_and_grads(lm, attention, batch)
+        lm.gradient_checkpointing_disable()
+        return out
+
+    h, g = run("torch")
+    h_eval, _ = run("torch", train=False)
+    assert float((h - h_eval).abs().max()) > 1e-2  # dropout acted
+    h2, g2 = run("torch", checkpoint=checkpointing)
+    assert float((h2 - h).abs().max()) <= 1e-12
+    for name, grad in g.items():
+        assert float((g2[name] - grad).abs().max()) <= 1e-10 * max(1.0, float(grad.abs().max())), name
+
+
+@pytest.mark.triton
+def test_attention_dropout_is_the_same_on_triton():
+    batch = segment_batch(60, seed=6, max_segment=20)
+    lm = tiny_lm("qwen3", attention_dropout=0.3).train()
+    torch.manual_seed(1)
+    want_h, want_g = hidden_and_grads(lm, "torch", batch)
+    torch.manual_seed(1)
+    got_h, got_g = hidden_and_grads(lm, "triton", batch)
+    assert float((got_h - want_h).abs().max()) <= 1e-10 * float(want_h.abs().max())
+    for name, grad in want_g.items():
+        assert float((got_g[name] - grad).abs().max()) <= 1e-10 * max(1.0, float(grad.abs().max())), name
+
+
+def test_a_dense_position_bias_is_refused_with_the_way_out():
+    attention = ALL_ATTENTION_FUNCTIONS[IMPLEMENTATION]
+    q = torch.randn(1, 2, 5, 4)
+    args = TreeAttentionArgs(TreeMask(torch.full((5,), 4)), "torch")
+    with pytest.raises(ValueError, match="dense 'position_bias'.*sdpa-dense"):
+        attention(torch.nn.Module(), q, q, q, None, tree_attention_args=args, position_bias=torch.zeros(1, 2, 5, 5))
 
 
 def test_bad_backend_name():

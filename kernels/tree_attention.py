@@ -10,15 +10,19 @@ Block schedule (`TreeMask`): cut the rows into blocks of B. Key block kb holds a
 query of query block qb iff ``kb <= qb <= max(kv_end[kb-block]) // B`` (the key with the largest
 kv_end sees the first row of every such block; no other block can see any key of kb). So each key
 block is seen by one contiguous range of query blocks, and the schedule (the CSR list of key blocks
-per query block, and the query-block range per key block) is built in O(N / B + pairs) without any
+per query block, and the same pairs listed by key block) is built in O(N / B + pairs) without any
 [N, N] or [N/B, N/B] tensor (only FlexAttention's ``BlockMask`` is a dense [N/128, N/128] index
 table, as flex requires). A pair is *full* when every row of the query block sees every key of the
 key block; only the other, *partial* pairs need the exact predicate, entry by entry. The cost
 follows the visible pairs (ancestor counts), not N^2.
 
+Options of HF decoders, along each path (`Scores`): a sliding ``window`` over depths (block pairs
+out of every row's window dropped from the schedule), ``softcap``, per-head ``sinks``, attention
+dropout (its mask a hash of seed and entry, `_common.dropout_keep`, regenerated in the backward).
+
 Layers (one op, one name):
-- ``TreeMask`` / ``BlockSchedule``: kv_end, checked once, and its schedules (one per block size,
-  cached), shared by every layer of a model; ``flex_block_mask()`` is the same schedule as a
+- ``TreeMask`` / ``BlockSchedule``: kv_end, checked once, its depths and its schedules (one per
+  block size and window, cached), shared by every layer of a model; ``flex_block_mask()`` is the same schedule as a
   FlexAttention ``BlockMask`` (partial and full blocks).
 - ``_forward_torch`` / ``_backward_torch``: the CPU fast path, online softmax over chunks of the
   listed key blocks in plain torch (a chunk of scores ``[Hq, B, C]`` at a time; full blocks
@@ -26,10 +30,11 @@ Layers (one op, one name):
   saved log-sum-exp, as flash-attention does.
 - ``_tree_attn_fwd_kernel``, ``_tree_attn_dq_kernel``, ``_tree_attn_dkdv_kernel``: Triton, one
   program per (query block, head) walking its key-block list, resp. per (key block, kv head)
-  walking its query-block range (no atomics: dK/dV sum the group's query heads in one program).
+  walking its pairs by key block (no atomics: dK/dV sum the group's query heads in one program).
 - ``flex``: ``torch.nn.attention.flex_attention`` (compiled) with a ``mask_mod`` reading kv_end and
   the block mask above: the portable GPU path and the baseline of the Triton kernel. FlexAttention
-  has no backward on CPU (torch 2.13): there it runs without gradients only.
+  has no backward and no log-sum-exp on CPU (torch 2.13): there it runs without gradients or sinks,
+  and it has no dropout anywhere.
 - ``TreeAttentionFunction`` (autograd) and ``tree_attention`` (entry point).
 
 Guaranteed: the result of ``tree_attention_ref`` (dense softmax under the mask) up to summation
@@ -333,7 +338,7 @@ def _cpu_layout(q, k, v, dt, scale: float):
 
 
 def _query_blocks(mask: TreeMask, block: int, heads: int, window: int | None, device):
-    """Per query block: (start, end, chunks), chunks yielding (rows, take, hidden) for each chunk
+    """Per query block: (start, end, its rows, chunks), chunks yielding (rows, take, hidden) for each chunk
     of its listed key rows: ``rows`` are their indices, ``take`` selects them (`_take`), ``hidden``
     is bool [query rows, keys] where a key is not visible to a row, or None for a chunk of full
     blocks (every row sees every key: most ancestor blocks), which then needs no mask at all."""
@@ -343,11 +348,10 @@ def _query_blocks(mask: TreeMask, block: int, heads: int, window: int | None, de
     ptr, idx, kv_full = mask.host_lists(block, window)
     per_chunk = max(1, _CPU_CHUNK_ELEMS // (heads * block * block))
 
-    def chunks(qb: int, s: int, e: int):
+    def chunks(qb: int, rows_i: torch.Tensor):
         pairs = range(ptr[qb], ptr[qb + 1])
         for rows_j, take in _key_chunks([idx[t] for t in pairs if kv_full[t]], block, n, per_chunk, device):
             yield rows_j, take, None
-        rows_i = torch.arange(s, e, device=device)
         partial = [idx[t] for t in pairs if not kv_full[t]]
         for rows_j, take in _key_chunks(partial, block, n, per_chunk, device):
             hidden = (rows_j[None, :] > rows_i[:, None]) | (kv_end[rows_j][None, :] < rows_i[:, None])
@@ -357,7 +361,8 @@ def _query_blocks(mask: TreeMask, block: int, heads: int, window: int | None, de
 
     for qb in range(len(ptr) - 1):
         s, e = qb * block, min(n, qb * block + block)
-        yield s, e, chunks(qb, s, e)
+        rows_i = torch.arange(s, e, device=device)
+        yield s, e, rows_i, chunks(qb, rows_i)
 
 
 def _dropout_scale(rule: Scores, hkv: int, g: int, rows_i: torch.Tensor, rows_j: torch.Tensor, dt):
@@ -379,13 +384,12 @@ def _forward_torch(q, k, v, sinks, mask: TreeMask, rule: Scores, block: int):
     qh, kh, vh = _cpu_layout(q, k, v, dt, rule.scale)
     out = torch.empty(n, hq, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(hkv, g, n, dtype=dt, device=q.device)
-    for s, e, chunks in _query_blocks(mask, block, hq, rule.window, q.device):
+    for s, e, rows_i, chunks in _query_blocks(mask, block, hq, rule.window, q.device):
         bq = e - s
         qq = qh[:, :, s:e].reshape(hkv, g * bq, d)
         m = torch.full((hkv, g * bq), float("-inf"), dtype=dt, device=q.device)
         l = torch.zeros(hkv, g * bq, dtype=dt, device=q.device)
         acc = torch.zeros(hkv, g * bq, d, dtype=dt, device=q.device)
-        rows_i = torch.arange(s, e, device=q.device)
         for rows_j, take, hidden in chunks:
             sc = torch.bmm(qq, _take(kh, take).transpose(1, 2))  # [Hkv, G*Bq, C], scaled through q
             if cap is not None:
@@ -431,14 +435,13 @@ def _backward_torch(q, k, v, lse, delta, dout, mask: TreeMask, rule: Scores, blo
     dq = torch.empty(n, hq, d, dtype=q.dtype, device=q.device)
     dk = torch.zeros(hkv, n, d, dtype=dt, device=q.device)
     dv = torch.zeros(hkv, n, d, dtype=dt, device=q.device)
-    for s, e, chunks in _query_blocks(mask, block, hq, rule.window, q.device):
+    for s, e, rows_i, chunks in _query_blocks(mask, block, hq, rule.window, q.device):
         bq = e - s
         qq = qh[:, :, s:e].reshape(hkv, g * bq, d)
         do = doh[:, :, s:e].reshape(hkv, g * bq, d)
         neg_lse = lse[:, :, s:e].reshape(hkv, g * bq, 1).neg()
         neg_delta = delta[:, :, s:e].reshape(hkv, g * bq, 1).neg()
         dqq = torch.zeros(hkv, g * bq, d, dtype=dt, device=q.device)
-        rows_i = torch.arange(s, e, device=q.device)
         for rows_j, take, hidden in chunks:
             kk, vv = _take(kh, take), _take(vh, take)
             if cap is None:

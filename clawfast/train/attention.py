@@ -38,6 +38,7 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import get_args
 
 import torch
 from transformers import AttentionInterface
@@ -45,8 +46,9 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from clawfast.kernels import TreeMask, tree_attention
+from clawfast.train.config import AttentionBackend
 
-ATTENTION_BACKENDS = ("auto", "torch", "triton", "flex", "sdpa-dense")
+ATTENTION_BACKENDS = get_args(AttentionBackend)
 IMPLEMENTATION = "clawfast_tree"
 # The model's own implementation each registered name falls back to outside tree batches. No name
 # contains "flash": transformers reads that substring as a request for flash-attention inputs.

@@ -38,6 +38,10 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
 
+# How packed tree batches are attended (`clawfast.train.attention.ATTENTION_BACKENDS` is this list).
+AttentionBackend = Literal["auto", "torch", "triton", "flex", "sdpa-dense"]
+
+
 class ModelConfig(_Section):
     """path: a Hugging Face model directory (weights + tokenizer), or "embedded" for the tiny Qwen3
     built locally by `clawfast.embedded.ensure_embedded_model`. dtype: training and serving dtype.
@@ -50,7 +54,7 @@ class ModelConfig(_Section):
 
     path: str = "embedded"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    attention: Literal["auto", "torch", "triton", "flex", "sdpa-dense"] = "auto"
+    attention: AttentionBackend = "auto"
     gradient_checkpointing: bool = False
 
 

@@ -10,11 +10,12 @@ weight, on the rows that predict a target only (prompt and context rows need no 
 [N, V] logits are never materialised. An optional value head (one Linear on the final
 hidden state) gives PPO its values.
 
-Attention (``attention``, `clawfast.train.attention.ATTENTION_BACKENDS`): `Policy` sets the
-model's attention implementation to ``"clawfast_tree"`` (`clawfast.train.attention`): tree
+Attention (``attention``, `clawfast.train.attention.ATTENTION_BACKENDS`): `Policy` switches the
+model's attention implementation to the tree one over its own (`clawfast.train.attention`): tree
 attention from ``kv_end`` (`clawfast.kernels.tree_attention`, block-sparse, no [N, N] tensor) for
-tree batches, SDPA for every other call (generation on a copy of the model, single chains); or
-``"sdpa-dense"``, SDPA with a dense additive [1, 1, N, N] mask (the reference; O(N^2) memory).
+tree batches, the model's own SDPA or eager attention for every other call (generation on a copy
+of the model, single chains); or ``"sdpa-dense"``, the model's own attention with a dense additive
+[1, 1, N, N] mask (the reference; O(N^2) memory).
 
 Everything happens inside ``forward`` on purpose: FSDP2 (`clawfast.train.fsdp`) gathers a sharded
 module's parameters only around its ``forward``, and the LM head weight must be whole when the

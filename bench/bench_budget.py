@@ -29,8 +29,8 @@ import torch
 
 from clawfast.records import read_rollouts
 from clawfast.train.config import load_config
-from clawfast.train.loop import build_optimizer, build_policy, resolve_model_dir
-from clawfast.train.step import prepare_step, train_step
+from clawfast.train.build import build_optimizer, build_policy, resolve_model_dir
+from clawfast.train.step import prepare_step, step_config, train_step
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_budget.json"
 
@@ -51,7 +51,7 @@ def main(argv=None) -> None:
     if not rollouts:
         raise SystemExit(f"{args.rollouts}: no rollout with calls")
     base = build_policy(config, resolve_model_dir(config))
-    step = config.step_config()
+    step = step_config(config)
     longest = max(len(c.prompt_ids) + len(c.output_ids) for r in rollouts for c in r.calls)
     budgets = [b for b in args.budgets if b >= longest]
     if len(budgets) < len(args.budgets):

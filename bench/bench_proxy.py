@@ -331,13 +331,16 @@ def main() -> None:
     from clawfast.engines.scripted import ScriptedEngine
     from clawfast.proxy import ProxyApp, ProxyConfig, ProxyCore, ProxyServer, RolloutRegistry
     from clawfast.proxy.anthropic import AnthropicFront
-    from clawfast.proxy.cli import load_renderer
+    from transformers import AutoTokenizer
+
+    from clawfast.embedded import ensure_embedded_model
+    from clawfast.proxy.render import ChatRenderer
     from clawfast.proxy.server import tune_for_serving
 
     n_latency = 300 if args.quick else 2000
     n_load = 2000 if args.quick else 10_000
     n_context = 20
-    renderer, _ = load_renderer(None)
+    renderer = ChatRenderer(AutoTokenizer.from_pretrained(ensure_embedded_model()))
     engine = ScriptedEngine(renderer.encode, renderer.turn_end_id, [TOOL_ENTRY], cycle=True)
     tmp = tempfile.mkdtemp(prefix="bench_proxy-")
     registry = RolloutRegistry(tmp)

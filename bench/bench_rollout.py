@@ -21,7 +21,9 @@ from pathlib import Path
 
 from clawfast.harness.base import Harness, HarnessInstall, PreparedRun, RunLayout, ScriptedTurn
 from clawfast.proxy.rollouts import RolloutRegistry
-from clawfast.rollout import RolloutConfig, RolloutScheduler, RolloutWorker, make_specs
+from clawfast.rollout.scheduler import RolloutScheduler
+from clawfast.rollout.spec import make_specs
+from clawfast.rollout.worker import RolloutConfig, RolloutWorker
 from clawfast.sandbox.bwrap import BwrapBackend
 from clawfast.tasks.sandbox_runner import SandboxRunner
 from clawfast.tasks.task import CommandVerifier, Task

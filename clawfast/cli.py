@@ -12,7 +12,7 @@ import sys
 
 COMMANDS = {
     "tree": ("clawfast.commands.tree", "inspect prefix trees of captured rollouts"),
-    "proxy": ("clawfast.proxy.cli", "run the serving proxy"),
+    "proxy": ("clawfast.commands.proxy", "run the serving proxy"),
     "sandbox": ("clawfast.commands.sandbox", "run a command in a fresh sandbox"),
     "harness": ("clawfast.commands.harness", "install and check real agent harnesses"),
     "tasks": ("clawfast.commands.tasks", "list and check task suites"),

@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 
 ENV_CACHE = "CLAWFAST_HARNESS_CACHE"
-_COMPLETE = ".clawfast-install-complete"
+COMPLETE_MARKER = ".clawfast-install-complete"
 # npm package names: optional @scope/, then lowercase url-safe characters.
 _NAME = re.compile(r"^(@[a-z0-9][a-z0-9._~-]*/)?[a-z0-9][a-z0-9._~-]*$")
 _VERSION = re.compile(r"^[0-9A-Za-z][0-9A-Za-z.+_-]*$")
@@ -69,7 +69,7 @@ def ensure_npm_harness(
             raise ValueError(f"extra package must be 'name@version', got {item!r}")
         specs.append(_spec(base, ver))
     prefix = _install_dir(specs)
-    if (prefix / _COMPLETE).exists():
+    if (prefix / COMPLETE_MARKER).exists():
         return prefix
     npm = shutil.which("npm")
     if npm is None:
@@ -93,12 +93,12 @@ def install_once(prefix: Path, build, marker: str) -> Path:
     prefix.parent.mkdir(parents=True, exist_ok=True)
     with open(prefix.parent / (prefix.name + ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be installing the same thing
-        if (prefix / _COMPLETE).exists():
+        if (prefix / COMPLETE_MARKER).exists():
             return prefix
         staging = Path(tempfile.mkdtemp(prefix=prefix.name + ".", dir=prefix.parent))
         try:
             build(staging)
-            (staging / _COMPLETE).write_text(marker + "\n")
+            (staging / COMPLETE_MARKER).write_text(marker + "\n")
             if prefix.exists():  # a torn earlier attempt without the marker
                 shutil.rmtree(prefix)
             os.replace(staging, prefix)

@@ -8,7 +8,11 @@ Layers, each usable on its own:
 - `tagging`: main / subagent / compaction / title / quota.
 - `rollouts`: the registry of open rollouts, their keys and append-only record logs.
 - `core`: prepare -> generate -> complete, no sockets.
-- `server`: Starlette/uvicorn routes, keep-alives, disconnects; `cli`: ``clawfast proxy serve``.
+- `server`: Starlette/uvicorn routes, keep-alives, disconnects.
+- `grpc_service`, `grpc_client`: the gRPC control plane (open / close rollouts, stream records).
+
+`clawfast.rollout.RolloutService` assembles these into a running proxy (``clawfast proxy serve``,
+`clawfast.commands.proxy`, is one of its users).
 """
 
 from clawfast.proxy.core import ProxyConfig, ProxyCore

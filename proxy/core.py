@@ -45,20 +45,16 @@ HEADERS_KEPT = (
 @dataclass
 class ProxyConfig:
     """max_tokens_cap: upper bound on any call's output budget. default_max_tokens: budget when the
-    request names none. max_model_len: prompt + output limit (None: unchecked). temperature: if set,
-    overrides the request's (an RL run samples at its own temperature). keepalive_s: seconds between
-    keep-alive events while the engine works. parser: tool-call parser family (None: from the
-    tokenizer's special tokens). max_calls_per_rollout: a rollout's model calls beyond this many
-    (answered or in flight, side calls included) are refused with a 400 in the caller's protocol, the
-    bound for harnesses with no turn limit of their own (None: unlimited)."""
+    request names none. max_model_len: prompt + output limit (None: unchecked). keepalive_s: seconds
+    between keep-alive events while the engine works. parser: tool-call parser family (None: from the
+    tokenizer's special tokens). What a call samples with beyond these bounds (temperature, top_p,
+    its rollout's call budget) is its rollout's `Sampling`, set when the rollout is opened."""
 
     max_tokens_cap: int = 4096
     default_max_tokens: int = 1024
     max_model_len: int | None = None
-    temperature: float | None = None
     keepalive_s: float = 5.0
     parser: str | None = None
-    max_calls_per_rollout: int | None = None
 
 
 @dataclass
@@ -75,6 +71,10 @@ class PreparedCall:
     t_rendered: float
     committed: bool = False
     extra_metadata: dict[str, Any] = field(default_factory=dict)
+
+
+def _first(*values):
+    return next(v for v in values if v is not None)
 
 
 def _rollout_prompts(rollout: Rollout) -> RolloutPrompts:
@@ -101,7 +101,8 @@ class ProxyCore:
 
     def prepare(self, front: Front, rollout: Rollout, request: Request, headers: dict[str, str]) -> PreparedCall:
         t0 = time.time()
-        budget = self.config.max_calls_per_rollout
+        cfg, asked = self.config, rollout.sampling
+        budget = asked.max_calls
         if budget is not None and rollout.calls_started() >= budget:
             raise ProtocolError(400, "invalid_request", f"this rollout's budget of {budget} model calls is spent")
         main_tools = rollout.state.get("main_tools")
@@ -112,8 +113,8 @@ class ProxyCore:
             prompt = _rollout_prompts(rollout).render(self.renderer, request.conversation, tagging.thread)
         except TemplateError as exc:  # the model's own template refused this conversation's shape
             raise ProtocolError(400, "invalid_request", f"the chat template rejected the conversation: {exc}") from None
-        cfg = self.config
-        max_tokens = min(request.max_tokens or cfg.default_max_tokens, cfg.max_tokens_cap)
+        cap = cfg.max_tokens_cap if asked.max_tokens is None else min(asked.max_tokens, cfg.max_tokens_cap)
+        max_tokens = min(request.max_tokens or cfg.default_max_tokens, cap)
         if cfg.max_model_len is not None:
             room = cfg.max_model_len - len(prompt.ids)
             if room < 1:
@@ -122,11 +123,12 @@ class ProxyCore:
                     f"prompt is too long: {len(prompt.ids)} tokens > {cfg.max_model_len - 1} maximum", "messages",
                 )
             max_tokens = min(max_tokens, room)
-        temperature = cfg.temperature if cfg.temperature is not None else request.temperature
+        # What the rollout's caller asked for wins over what the harness asks for.
+        temperature = _first(asked.temperature, request.temperature, 1.0)
         params = SamplingParams(
             max_tokens=max_tokens,
-            temperature=1.0 if temperature is None else temperature,
-            top_p=1.0 if request.top_p is None else request.top_p,
+            temperature=temperature,
+            top_p=_first(asked.top_p, request.top_p, 1.0),
             top_k=request.top_k or 0,
             stop_token_ids=self.renderer.stop_token_ids,
         )

@@ -1,8 +1,8 @@
-"""Client of the proxy's gRPC control plane, for the trainer and the rollout scheduler.
+"""Client of the proxy's gRPC control plane, for workers outside the proxy's process.
 
     with ControlClient("127.0.0.1:50051", token) as client:
         opened = client.open_rollout("task-1", "claude-code", sample_index=0)
-        ... run the harness against opened.anthropic_base_url with opened.key ...
+        ... run the harness against opened.base_url (or opened.openai_base_url) with opened.key ...
         result = client.close_rollout(opened.rollout_id, reward=1.0)   # -> records.RolloutResult
 
 Records arrive in the on-disk record format and are decoded with `clawfast.records` (CRC-checked).
@@ -25,6 +25,7 @@ from clawfast import records
 from clawfast.proxy import clawfast_proxy_pb2 as pb
 from clawfast.proxy import clawfast_proxy_pb2_grpc as pb_grpc
 from clawfast.proxy.grpc_service import GRPC_OPTIONS
+from clawfast.proxy.rollouts import OpenedRollout
 
 _T = TypeVar("_T")
 
@@ -35,16 +36,6 @@ _ERRORS: dict[grpc.StatusCode, type[Exception]] = {
     grpc.StatusCode.ALREADY_EXISTS: ValueError,
     grpc.StatusCode.FAILED_PRECONDITION: ValueError,
 }
-
-
-@dataclass(frozen=True)
-class OpenedRollout:
-    """What a harness needs: its key and where to send requests."""
-
-    rollout_id: str
-    key: str
-    anthropic_base_url: str  # no /v1 (ANTHROPIC_BASE_URL)
-    openai_base_url: str  # ends in /v1
 
 
 @dataclass(frozen=True)
@@ -153,7 +144,7 @@ class ControlClient:
             metadata=self._metadata,
             timeout=self.timeout,
         )
-        return OpenedRollout(reply.rollout_id, reply.key, reply.anthropic_base_url, reply.openai_base_url)
+        return OpenedRollout(reply.rollout_id, reply.key, reply.anthropic_base_url)
 
     @_translate
     def close_rollout(

@@ -4,7 +4,8 @@ Synchronous and thread-safe, so the HTTP server (asyncio) and a gRPC service (th
 one instance. The API:
 
     reg = RolloutRegistry("runs/records")
-    opened = reg.open(task_id="t1", harness="claude-code")   # -> OpenedRollout(rollout_id, key, base_url)
+    opened = reg.open(task_id="t1", harness="claude-code",   # -> OpenedRollout(rollout_id, key, base_url)
+                      sampling=Sampling(temperature=0.0))    # optional: what every call of it samples with
     rollout = reg.lookup(opened.key)                         # -> Rollout | None (None: unknown or closed)
     rollout.append(prompt_ids=..., output_ids=..., ...)      # -> CallRecord, written before it returns
     reg.records(opened.rollout_id, since=0)                  # -> list[CallRecord] captured so far
@@ -33,19 +34,27 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from clawfast.engines.base import Sampling
 from clawfast.records import CallRecord, RolloutLog, RolloutResult, rollout_path
 
 
 @dataclass(frozen=True)
 class OpenedRollout:
+    """What a harness needs: its key and where to send requests (in process or over gRPC)."""
+
     rollout_id: str
     key: str
-    base_url: str  # the proxy's HTTP address ("" until a server has bound one)
+    base_url: str  # the proxy's HTTP root, no /v1 (ANTHROPIC_BASE_URL); "" until a server has bound one
+
+    @property
+    def openai_base_url(self) -> str:
+        return f"{self.base_url.rstrip('/')}/v1"
 
 
 @dataclass
 class Rollout:
-    """One open rollout. `state` is free for the proxy's per-rollout memory (rendering, tagging)."""
+    """One open rollout. `sampling`: what its caller asked every call to sample with. `state` is
+    free for the proxy's per-rollout memory (rendering, tagging)."""
 
     rollout_id: str
     key: str
@@ -54,6 +63,7 @@ class Rollout:
     sample_index: int
     log: RolloutLog
     opened_at: float
+    sampling: Sampling = field(default_factory=Sampling)
     calls: list[CallRecord] = field(default_factory=list)
     state: dict[str, Any] = field(default_factory=dict)
     _closed: bool = False
@@ -100,8 +110,12 @@ class Rollout:
 
 
 class RolloutRegistry:
-    def __init__(self, records_dir: str | Path, *, fsync: bool = False, base_url: str = "") -> None:
+    """default_sampling: the `Sampling` of a rollout opened without one (e.g. over gRPC)."""
+
+    def __init__(self, records_dir: str | Path, *, fsync: bool = False, base_url: str = "",
+                 default_sampling: Sampling | None = None) -> None:
         self.records_dir = Path(records_dir)
+        self.default_sampling = default_sampling or Sampling()
         self.records_dir.mkdir(parents=True, exist_ok=True)
         self.base_url = base_url
         self._fsync = fsync
@@ -117,9 +131,11 @@ class RolloutRegistry:
         harness: str = "",
         sample_index: int = 0,
         key: str | None = None,
+        sampling: Sampling | None = None,
     ) -> OpenedRollout:
-        """Start a rollout: create its log file and mint its key. Raises ValueError if the id is
-        already open or its file exists."""
+        """Start a rollout: create its log file and mint its key; `sampling` applies to each of its
+        calls (None: `default_sampling`). Raises ValueError if the id is already open or its file
+        exists."""
         rollout_id = rollout_id or f"r-{secrets.token_hex(8)}"
         key = key or f"cf-{secrets.token_urlsafe(24)}"
         with self._lock:
@@ -136,7 +152,8 @@ class RolloutRegistry:
                 )
             except FileExistsError:
                 raise ValueError(f"{path} already exists: rollout ids must be unique per records directory") from None
-            rollout = Rollout(rollout_id, key, task_id, harness, sample_index, log, time.time())
+            rollout = Rollout(rollout_id, key, task_id, harness, sample_index, log, time.time(),
+                              sampling or self.default_sampling)
             self._by_key[key] = rollout
             self._by_id[rollout_id] = rollout
         return OpenedRollout(rollout_id, key, self.base_url)

@@ -245,8 +245,8 @@ class ProxyApp:
 
 
 class ProxyServer:
-    """Runs a `ProxyApp` under uvicorn on a background thread (its own event loop): for tests, the
-    CLI and the trainer. Use as a context manager; `base_url` is ``http://host:port``."""
+    """Runs a `ProxyApp` under uvicorn on a background thread (its own event loop): for tests and
+    `clawfast.rollout.RolloutService`. Use as a context manager; `base_url` is ``http://host:port``."""
 
     def __init__(self, app: ProxyApp, host: str = "127.0.0.1", port: int = 0, *, log_level: str = "warning") -> None:
         import uvicorn

@@ -30,7 +30,7 @@ echo "== 4/4 results"
 clawfast plot "$RUN_DIR"
 python3 - "$RUN_DIR" <<'PY'
 import sys
-from clawfast.train.loop import breakdown
+from clawfast.train.report import breakdown
 from clawfast.train.metrics import read_metrics
 
 evals = {r.get("label"): r for r in read_metrics(sys.argv[1]) if r["kind"] == "eval"}

@@ -26,5 +26,23 @@ def _seed_everything():
     yield
 
 
+@pytest.fixture(scope="session")
+def embedded_dir():
+    """The embedded tiny model's folder (built once per machine); used by tests/proxy, tests/engines, tests/harness."""
+    from clawfast.embedded import ensure_embedded_model
+
+    return ensure_embedded_model()
+
+
+@pytest.fixture(scope="session")
+def renderer(embedded_dir):
+    """A ChatRenderer over the embedded model's tokenizer."""
+    from transformers import AutoTokenizer
+
+    from clawfast.proxy import ChatRenderer
+
+    return ChatRenderer(AutoTokenizer.from_pretrained(embedded_dir))
+
+
 def pytest_report_header(config):
     return [f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '')}"]

@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
                 return 1
             print(f"{name} {install.version}: {install.executable}")
         return 0
-    from clawfast.harness.check import check_harness, check_task
+    from clawfast.rollout.check import check_harness, check_task
 
     try:
         task = check_task(args.task) if args.task else None

@@ -32,7 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from clawfast.train.config import ConfigError, load_config
     from clawfast.train.distributed import LeaderFailed
-    from clawfast.train.loop import eval_line, train
+    from clawfast.train.loop import train
+    from clawfast.train.report import eval_line
 
     overrides = list(args.overrides) + ([f"run_dir={json.dumps(args.run_dir)}"] if args.run_dir else [])
     try:

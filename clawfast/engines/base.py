@@ -27,6 +27,30 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """What the caller of a rollout asks of every model call in it, travelling with the rollout (the
+    proxy merges it into each call's `SamplingParams`). temperature / top_p: override what the
+    harness asks for (None: the request's, else 1.0). max_tokens: caps each call's output (None:
+    the proxy's cap alone). max_calls: the rollout's budget of model calls, side calls included;
+    calls beyond it are refused in the caller's protocol (None: unlimited)."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    max_tokens: int | None = None
+    max_calls: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature is not None and not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
+        for name in ("max_tokens", "max_calls"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
+
+
 @dataclass
 class Generation:
     """output_ids (int32) and logprobs (float32, same length); finish_reason is "stop" (a stop token

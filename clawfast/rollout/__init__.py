@@ -1,19 +1,16 @@
-"""The rollout scheduler: tasks x harnesses x k samples, each in a fresh sandbox behind the proxy.
+"""Rollouts: tasks x harnesses x k samples, each in a fresh sandbox behind the proxy.
 
-`RolloutWorker.run(spec)` runs one rollout end to end (see `clawfast.rollout.worker` for the status
-contract); `RolloutScheduler` runs many with a concurrency cap on one asyncio loop;
-`clawfast.rollout.ray_backend` runs the same worker in Ray actors across machines.
+`RolloutService` (`clawfast.rollout.service`) is the entry point: it assembles proxy, registry,
+sandbox backend, verifier runner and harness adapters once, here or on Ray, and `run(specs,
+sampling)` returns one `RolloutResult` per `RolloutSpec`. Its parts: `RolloutWorker.run` runs one
+rollout end to end (`clawfast.rollout.worker`, which states the status contract), `RolloutScheduler`
+runs many on one asyncio loop, `clawfast.rollout.ray_backend` runs the worker in Ray actors, and
+`clawfast.rollout.oracle` is the scripted engine's oracle (`clawfast.rollout.check` uses it to check
+a harness end to end). Importing this package loads only the service's light front.
 """
 
-from clawfast.rollout.scheduler import RolloutScheduler, RunStats, make_specs
-from clawfast.rollout.worker import RolloutConfig, RolloutControl, RolloutSpec, RolloutWorker
+from clawfast.engines.base import Sampling
+from clawfast.rollout.service import ORACLE, OnRay, RolloutService
+from clawfast.rollout.spec import RolloutSpec, make_specs
 
-__all__ = [
-    "RolloutConfig",
-    "RolloutControl",
-    "RolloutScheduler",
-    "RolloutSpec",
-    "RolloutWorker",
-    "RunStats",
-    "make_specs",
-]
+__all__ = ["ORACLE", "OnRay", "RolloutService", "RolloutSpec", "Sampling", "make_specs"]

@@ -1,27 +1,27 @@
-"""Rollouts on a Ray cluster: the same `RolloutWorker.run` inside Ray actors (optional extra `ray`).
+"""Rollouts on a Ray cluster: `RolloutWorker.execute` inside Ray actors (optional extra `ray`).
+`clawfast.rollout.service.RolloutService` drives it; use that.
 
-    setup = RaySetup(control_address="10.0.0.5:50051", control_token=tok, suite="clawbench-mini",
-                     harnesses=("mini-swe-agent",))
-    results = run_on_ray(make_specs(tasks, ["mini-swe-agent"], k=4), setup, address="auto", num_actors=8)
+    with RayRolloutPool(setup, address="auto") as pool:   # one actor per alive node, kept across calls
+        results = pool.run(specs, registry, sampling=Sampling(temperature=1.0))
 
-    with RayRolloutPool(setup) as pool:              # one actor per alive node, kept across calls
-        results = pool.run(specs, on_result=print)     # `clawfast train` does this every step
-
-Each actor builds its own sandbox backend, verifier runner and harness adapters (installing the
-pinned harnesses into its node's cache on first use) and talks to the proxy through its gRPC control
-plane (`GrpcControl`). Only plain data crosses to the actors: the setup (strings and numbers) and
-(task id, harness, sample index) per rollout; each actor loads the suite itself, so a task never
-travels as a pickled object. A result comes back as `clawfast.records.encode_rollout` bytes; its
-``info`` (and the proxy's record) names the Ray node, actor and process that ran it.
+The proxy and its registry stay in the caller's process: `run` opens each rollout there (with its
+sampling), hands the actor only plain data (task id, harness, sample index, rollout id and key) and
+closes the rollout there with the actor's outcome (status, reward, info), so every call record is
+captured once, by the proxy, and never crosses to an actor and back. Each actor builds its own
+sandbox backend, verifier runner and harness adapters (installing the pinned harnesses into its
+node's cache on first use) and loads the suite itself, so a task never travels as a pickled object.
+A result's ``info`` (and the proxy's record) names the Ray node, actor and process that ran it.
 
 A sandbox's only peer is its host's loopback port. With `RaySetup.proxy_address` set (the HTTP
 proxy's ``host:port`` as the cluster sees it), each actor relays a loopback port of its own node to
 that address (`LoopbackRelay`) and hands harnesses that port, so one proxy serves every node.
 Without it, the proxy must already listen on each node's loopback (e.g. a local cluster).
 
-Guaranteed: the same status contract as the local scheduler (`clawfast.rollout.worker`); at most
-`RaySetup.concurrency` rollouts per actor at once; actors are closed (their sandboxes destroyed)
-when the pool closes (`run_on_ray`: before it returns). Not guaranteed: TLS between relay and proxy.
+Guaranteed: the same status contract as the local scheduler (`clawfast.rollout.worker`; an actor
+that dies under a rollout makes it ``sandbox_error``); at most `RaySetup.concurrency` rollouts per
+actor at once, and no rollout is opened before an actor slot is free; every rollout opened is closed
+(also when `run` is interrupted); actors are closed (their sandboxes destroyed) when the pool closes.
+Not guaranteed: TLS between relay and proxy.
 """
 
 from __future__ import annotations
@@ -29,38 +29,38 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from clawfast.records import RolloutResult, decode_rollout, encode_rollout
-from clawfast.rollout.control import ProxyRollout
+from clawfast.engines.base import Sampling
+from clawfast.proxy.rollouts import OpenedRollout
+from clawfast.records import RolloutResult
 from clawfast.rollout.progress import ProgressDisplay
 from clawfast.rollout.scheduler import RunStats
-from clawfast.rollout.worker import RolloutConfig, RolloutSpec, RolloutWorker
+from clawfast.rollout.spec import RolloutSpec
+from clawfast.rollout.worker import RolloutConfig, RolloutControl, RolloutWorker, close_rollout, unopened_result
 from clawfast.sandbox.forward import relay
 
 
 @dataclass(frozen=True)
 class RaySetup:
     """What every actor needs, as plain data. suite: a built-in suite name or a task directory that
-    exists on every node (suite_seed: the generator seed of ``clawbench-mini``). backend: sandbox
-    backend name. concurrency: rollouts in flight per actor. logs_dir: where each node keeps harness
-    logs (None: not kept). harness_options: keyword arguments of `get_harness` per harness name.
-    proxy_address: ``host:port`` of the HTTP proxy, relayed to each node's loopback (None: the proxy
-    already listens on every node's loopback)."""
+    exists on every node (suite_seed: the generator seed of ``clawbench-mini``). harnesses: adapter
+    name -> `get_harness` keyword arguments. backend: sandbox backend name. concurrency: rollouts in
+    flight per actor. logs_dir: where each node keeps harness logs (None: not kept). proxy_address:
+    ``host:port`` of the HTTP proxy, relayed to each node's loopback (None: the proxy already listens
+    on every node's loopback)."""
 
-    control_address: str
-    control_token: str
     suite: str
-    harnesses: tuple[str, ...]
+    harnesses: dict[str, dict[str, Any]]
     backend: str = "bwrap"
     model: str = "policy"
     timeout_s: float | None = None
     concurrency: int = 4
     logs_dir: str | None = None
     suite_seed: int = 0
-    harness_options: dict[str, dict[str, Any]] = field(default_factory=dict)
     proxy_address: str | None = None
 
     def __post_init__(self) -> None:
@@ -68,9 +68,6 @@ class RaySetup:
             raise ValueError(f"concurrency must be at least 1, got {self.concurrency}")
         if not self.harnesses:
             raise ValueError("at least one harness is needed")
-        unknown = sorted(set(self.harness_options) - set(self.harnesses))
-        if unknown:
-            raise ValueError(f"harness_options for harness(es) {unknown} that are not in harnesses")
 
 
 class LoopbackRelay:
@@ -118,27 +115,6 @@ class LoopbackRelay:
         self.loop.close()
 
 
-class _ActorControl:
-    """The actor's `RolloutControl`: the gRPC control plane, with the proxy URL swapped for the
-    node's relay (when there is one), and the Ray node, actor and process written into every
-    rollout's ``info`` before it is closed (so the proxy's record names them too)."""
-
-    def __init__(self, control, relay_port: int | None, where: dict[str, Any]) -> None:
-        self.control = control
-        self.relay_port = relay_port
-        self.where = where
-
-    def open(self, *, task_id: str, harness: str, sample_index: int) -> ProxyRollout:
-        opened = self.control.open(task_id=task_id, harness=harness, sample_index=sample_index)
-        if self.relay_port is None:
-            return opened
-        return ProxyRollout(opened.rollout_id, opened.key, f"http://127.0.0.1:{self.relay_port}")
-
-    def close(self, rollout_id: str, *, reward: float, status: str, info: dict[str, Any]) -> RolloutResult:
-        info.update(self.where)  # the worker's own dict: its returned result carries these too
-        return self.control.close(rollout_id, reward=reward, status=status, info=info)
-
-
 def _load_tasks(setup: RaySetup) -> dict:
     from clawfast.tasks import clawbench_mini, load_suite
 
@@ -147,55 +123,67 @@ def _load_tasks(setup: RaySetup) -> dict:
 
 
 class RolloutActor:
-    """The body of a Ray actor (wrapped with `ray.remote` by `run_on_ray`)."""
+    """The body of a Ray actor (wrapped with `ray.remote` by `RayRolloutPool`)."""
 
     def __init__(self, setup: RaySetup) -> None:
         import ray
 
         from clawfast.harness import get_harness
-        from clawfast.rollout.control import GrpcControl
         from clawfast.sandbox import create_backend
         from clawfast.tasks.sandbox_runner import SandboxRunner
 
         self.tasks = _load_tasks(setup)
-        harnesses = {name: get_harness(name, **setup.harness_options.get(name, {})) for name in setup.harnesses}
+        harnesses = {name: get_harness(name, **options) for name, options in setup.harnesses.items()}
         for harness in harnesses.values():
             harness.installation  # install on this node before the first rollout's clock starts
-        self.control = GrpcControl(setup.control_address, setup.control_token)
         self.relay = LoopbackRelay(setup.proxy_address) if setup.proxy_address else None
         context = ray.get_runtime_context()
-        where = {"ray_node_id": context.get_node_id(), "ray_actor_id": context.get_actor_id(), "actor_pid": os.getpid()}
-        control = _ActorControl(self.control, self.relay.port if self.relay else None, where)
+        self.where = {"ray_node_id": context.get_node_id(), "ray_actor_id": context.get_actor_id(),
+                      "actor_pid": os.getpid()}
         self.backend = create_backend(setup.backend, **({"allow_unsafe": True} if setup.backend == "local" else {}))
-        # As in the trainer's own process: the "local" backend scores in a plain subprocess.
-        self.verifier_runner = None if setup.backend == "local" else SandboxRunner(self.backend)
+        # The "local" backend scores in a plain subprocess, as in the service's own process.
+        verifier_runner = None if setup.backend == "local" else SandboxRunner(self.backend)
         self.executor = ThreadPoolExecutor(2 * setup.concurrency + 2, thread_name_prefix="clawfast-actor")
         config = RolloutConfig(model=setup.model, timeout_s=setup.timeout_s, logs_dir=setup.logs_dir)
-        self.worker = RolloutWorker(
-            control, self.backend, harnesses,
-            config=config, verifier_runner=self.verifier_runner, executor=self.executor,
-        )  # fmt: skip
+        # The worker never opens or closes a rollout here: the pool does, in the proxy's process.
+        self.worker = RolloutWorker(None, self.backend, harnesses, config=config,
+                                    verifier_runner=verifier_runner, executor=self.executor)
 
-    async def run(self, task_id: str, harness: str, sample_index: int) -> bytes:
+    async def run(self, task_id: str, harness: str, sample_index: int, rollout_id: str, key: str,
+                  base_url: str) -> dict[str, Any]:
+        """Execute one opened rollout; returns its outcome: status, reward and info."""
         task = self.tasks.get(task_id)
         if task is None:
             raise ValueError(f"task {task_id!r} is not in this actor's suite")
-        result = await self.worker.run(RolloutSpec(task, harness, sample_index))
-        return encode_rollout(result)
+        if self.relay is not None:
+            base_url = f"http://127.0.0.1:{self.relay.port}"
+        info: dict[str, Any] = {"timings": {}, **self.where}
+        status, reward = await self.worker.execute(RolloutSpec(task, harness, sample_index),
+                                                   OpenedRollout(rollout_id, key, base_url), info)
+        return {"status": status, "reward": reward, "info": info}
 
     def close(self) -> None:
         self.executor.shutdown(wait=True)
         self.backend.close()
         if self.relay is not None:
             self.relay.close()
-        self.control.shutdown()
+
+
+@dataclass
+class _InFlight:
+    index: int
+    spec: RolloutSpec
+    rollout_id: str
+    actor: int
+    t0: float = field(default_factory=time.monotonic)
 
 
 class RayRolloutPool:
     """Rollout actors kept alive across `run` calls. num_actors None: one actor per alive node with
-    at least one CPU, pinned to it; an int: that many, placed by Ray. `address`: as in `run_on_ray`
-    (``"local"`` also starts a local cluster); a cluster this pool started is shut down by `close`.
-    `actor_options` go to `ray.remote(...).options` (default ``{"num_cpus": 1}``)."""
+    at least one CPU, pinned to it; an int: that many, placed by Ray. `address`: ``"auto"``,
+    ``"ray://host:port"`` or ``"local"`` (start a private cluster here); a cluster this pool started
+    is shut down by `close`. `actor_options` go to `ray.remote(...).options` (default
+    ``{"num_cpus": 1}``)."""
 
     def __init__(self, setup: RaySetup, *, address: str | None = None, num_actors: int | None = None,
                  actor_options: dict | None = None) -> None:
@@ -231,39 +219,65 @@ class RayRolloutPool:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def run(self, specs: Sequence[RolloutSpec], *, on_result: Callable[[RolloutResult], None] | None = None,
-            progress: bool = False) -> list[RolloutResult]:
-        """Every spec on the actors (round-robin; each runs `concurrency` at once and queues the
-        rest); results in spec order, `on_result` called with each as it arrives."""
+    def run(self, specs: Sequence[RolloutSpec], control: RolloutControl, *, sampling: Sampling | None = None,
+            on_result: Callable[[RolloutResult], None] | None = None, progress: bool = False) -> list[RolloutResult]:
+        """Every spec on the actors, each rollout opened and closed through `control` (the proxy's
+        registry) in this process; results in spec order, `on_result` called with each as it ends."""
         import ray
 
         unknown = sorted({s.harness for s in specs} - set(self.setup.harnesses))
         if unknown:
             raise ValueError(f"specs use harness(es) {unknown} that the setup does not install")
-        n = len(self.actors)
         stats = RunStats(total=len(specs))
         display = ProgressDisplay(stats) if progress else None
+        results: list[RolloutResult | None] = [None] * len(specs)
+        inflight: dict[Any, _InFlight] = {}
+        load = [0] * len(self.actors)
+        queue = list(enumerate(specs))[::-1]
+
+        def finish(index: int, result: RolloutResult) -> None:
+            results[index] = result
+            stats.record(result)
+            if on_result is not None:
+                on_result(result)
+
         try:
             if display:
                 display.start()
-            refs = [self.actors[i % n].run.remote(s.task.id, s.harness, s.sample_index) for i, s in enumerate(specs)]
-            index = {ref: i for i, ref in enumerate(refs)}
-            results: list[RolloutResult | None] = [None] * len(specs)
-            pending = list(refs)
-            stats.running = min(len(specs), n * self.setup.concurrency)
-            while pending:
-                done, pending = ray.wait(pending, num_returns=1)
-                for ref in done:
-                    result = decode_rollout(ray.get(ref), source=f"ray rollout {index[ref]}")
-                    results[index[ref]] = result
-                    stats.record(result)
-                    if on_result is not None:
-                        on_result(result)
-                stats.running = min(len(pending), n * self.setup.concurrency)
+            while queue or inflight:
+                while queue and min(load) < self.setup.concurrency:
+                    index, spec = queue.pop()
+                    try:
+                        opened = control.open(task_id=spec.task.id, harness=spec.harness,
+                                              sample_index=spec.sample_index, sampling=sampling)
+                    except Exception as exc:
+                        finish(index, unopened_result(spec, exc, {"timings": {}}))
+                        continue
+                    actor = load.index(min(load))
+                    ref = self.actors[actor].run.remote(spec.task.id, spec.harness, spec.sample_index,
+                                                        opened.rollout_id, opened.key, opened.base_url)
+                    inflight[ref] = _InFlight(index, spec, opened.rollout_id, actor)
+                    load[actor] += 1
+                stats.running = len(inflight)
                 if display:
                     display.update()
+                if not inflight:
+                    continue
+                [ref], _ = ray.wait(list(inflight), num_returns=1)
+                job = inflight.pop(ref)
+                load[job.actor] -= 1
+                try:
+                    outcome = ray.get(ref)
+                except Exception as exc:  # the actor died, or raised (a bug): no outcome to trust
+                    outcome = {"status": "sandbox_error", "reward": 0.0,
+                               "info": {"error": f"rollout actor failed: {type(exc).__name__}: {exc}"}}
+                finish(job.index, close_rollout(control, job.spec, job.rollout_id, outcome["reward"],
+                                                outcome["status"], outcome["info"], job.t0))
             return [r for r in results if r is not None]
         finally:
+            for ref, job in inflight.items():  # interrupted: nothing opened stays open
+                ray.cancel(ref)
+                close_rollout(control, job.spec, job.rollout_id, 0.0, "harness_error", {"error": "cancelled"}, job.t0)
             if display:
                 display.stop()
 
@@ -283,26 +297,3 @@ class RayRolloutPool:
 
         if self.started_ray:
             ray.shutdown()
-
-
-def run_on_ray(
-    specs: Sequence[RolloutSpec],
-    setup: RaySetup,
-    *,
-    address: str | None = None,
-    num_actors: int = 2,
-    actor_options: dict | None = None,
-    progress: bool = False,
-) -> list[RolloutResult]:
-    """Run `specs` on `num_actors` Ray actors; results in spec order. `address`: a running cluster
-    (``"auto"``, ``"ray://host:port"``) or None to start a local one. `actor_options` go to
-    `ray.remote(...).options` (e.g. ``{"num_cpus": 1}``). Ray is initialised only if it is not yet
-    (and then left running). The actors are closed before it returns."""
-    import ray
-
-    if num_actors < 1:
-        raise ValueError(f"num_actors must be at least 1, got {num_actors}")
-    if not ray.is_initialized():
-        ray.init(address=address)
-    with RayRolloutPool(setup, num_actors=num_actors, actor_options=actor_options or {}) as pool:
-        return pool.run(specs, progress=progress)

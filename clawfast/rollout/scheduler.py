@@ -1,6 +1,6 @@
 """Run tasks x harnesses x k samples with a concurrency cap, in one process on one asyncio loop.
 
-`RolloutScheduler(worker, concurrency).run(specs)` starts at most `concurrency` rollouts at once (each
+`RolloutScheduler(worker, concurrency).run(specs, sampling)` starts at most `concurrency` rollouts at once (each
 a `RolloutWorker.run`: proxy rollout, fresh sandbox, harness, verifier) and returns one
 `RolloutResult` per spec, in spec order. Blocking work (sandbox starts and runs, verifiers, proxy
 calls) runs on a thread pool sized to the cap, so a slow sandbox never stalls the loop.
@@ -17,23 +17,13 @@ import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Sequence
 
 from clawfast.records import RolloutResult
 from clawfast.rollout.progress import ProgressDisplay
-from clawfast.rollout.worker import RolloutSpec, RolloutWorker
-from clawfast.tasks.task import Task
-
-
-def make_specs(tasks: Iterable[Task], harnesses: Iterable[str], k: int = 1) -> list[RolloutSpec]:
-    """Every task x harness x sample index in ``range(k)``, task-major (a task's samples are adjacent,
-    so a GRPO group completes early)."""
-    if k < 1:
-        raise ValueError(f"k must be at least 1, got {k}")
-    harnesses = list(harnesses)
-    if not harnesses:
-        raise ValueError("at least one harness is needed")
-    return [RolloutSpec(task, h, i) for task in tasks for h in harnesses for i in range(k)]
+from clawfast.engines.base import Sampling
+from clawfast.rollout.spec import RolloutSpec
+from clawfast.rollout.worker import RolloutWorker
 
 
 @dataclass
@@ -83,7 +73,8 @@ class RolloutScheduler:
         self.on_result = on_result
         self.stats = RunStats()
 
-    async def run(self, specs: Sequence[RolloutSpec]) -> list[RolloutResult]:
+    async def run(self, specs: Sequence[RolloutSpec], sampling: Sampling | None = None) -> list[RolloutResult]:
+        """One result per spec, in spec order; every call of every rollout samples with `sampling`."""
         specs = list(specs)
         unknown = sorted({s.harness for s in specs} - set(self.worker.harnesses))
         if unknown:
@@ -109,7 +100,7 @@ class RolloutScheduler:
                 if display:
                     display.update()
                 try:
-                    result = await self.worker.run(spec)
+                    result = await self.worker.run(spec, sampling)
                 finally:
                     stats.running -= 1
                 stats.record(result)

@@ -1,12 +1,13 @@
 """One rollout end to end: open a proxy rollout, run the harness in a fresh sandbox, score the final
-workspace, close the rollout. The asyncio scheduler and the Ray actors both call `RolloutWorker.run`.
+workspace, close the rollout. The asyncio scheduler calls `RolloutWorker.run`; a Ray actor calls
+`RolloutWorker.execute` for a rollout its caller opened (and closes) in the proxy's own process.
 
 Status (one per rollout):
 
 - ``proxy_error``: the proxy could not open the rollout, or could not close it (then no calls are
   returned; the proxy's own log file may still hold them).
 - ``sandbox_error``: no sandbox started after `RolloutConfig.sandbox_start_attempts` tries, or the
-  sandbox died or lost its forwarder while the harness ran.
+  sandbox died or lost its forwarder while the harness ran (or, on Ray, the actor running it died).
 - ``timeout``: the harness ran past the wall-clock limit and was killed with its process tree.
 - ``harness_error``: the harness exited non-zero (128+N when signal N killed it), its adapter could
   not configure it, or the run was cancelled (``info["error"] == "cancelled"``).
@@ -37,41 +38,25 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable, Mapping, Protocol, TypeVar
 from urllib.parse import urlsplit
 
+from clawfast.engines.base import Sampling
 from clawfast.harness.base import Harness, RunLayout, copy_artifacts
+from clawfast.proxy.rollouts import OpenedRollout
 from clawfast.records import RolloutResult
+from clawfast.rollout.spec import RolloutSpec
 from clawfast.sandbox.base import Limits, RunResult, Sandbox, SandboxBackend, SandboxError, SandboxSpec
-from clawfast.tasks.task import Task
 from clawfast.tasks.verify import CommandRunner, VerifierResult, run_verifier
 
 T = TypeVar("T")
 
 
-class OpenedLike(Protocol):
-    rollout_id: str
-    key: str
-    base_url: str
-
-
 class RolloutControl(Protocol):
-    """What the worker needs of the proxy: `clawfast.proxy.rollouts.RolloutRegistry` in process, or a
-    gRPC client of a proxy elsewhere. `base_url` is ``http://127.0.0.1:PORT`` (the proxy root)."""
+    """What the worker needs of the proxy: its `clawfast.proxy.rollouts.RolloutRegistry` (or anything
+    of the same `open` / `close` shape). `OpenedRollout.base_url` is ``http://127.0.0.1:PORT``."""
 
-    def open(self, *, task_id: str, harness: str, sample_index: int) -> OpenedLike: ...
+    def open(self, *, task_id: str, harness: str, sample_index: int,
+             sampling: Sampling | None = None) -> OpenedRollout: ...
 
     def close(self, rollout_id: str, *, reward: float, status: str, info: dict[str, Any]) -> RolloutResult: ...
-
-
-@dataclass(frozen=True)
-class RolloutSpec:
-    """One rollout to run: `task` by the harness named `harness`, sample number `sample_index`."""
-
-    task: Task
-    harness: str
-    sample_index: int = 0
-
-    @property
-    def label(self) -> str:
-        return f"{self.task.id}/{self.harness}/{self.sample_index}"
 
 
 @dataclass(frozen=True)
@@ -103,6 +88,37 @@ def proxy_port(base_url: str) -> int:
     if parts.scheme != "http" or parts.hostname not in ("127.0.0.1", "localhost") or parts.port is None:
         raise ValueError(f"proxy base URL must be http://127.0.0.1:PORT, got {base_url!r}")
     return parts.port
+
+
+def unopened_result(spec: RolloutSpec, error: Exception, info: dict[str, Any]) -> RolloutResult:
+    """The ``proxy_error`` result of a rollout the proxy would not open."""
+    info["error"] = f"open rollout: {type(error).__name__}: {error}"
+    return RolloutResult(
+        rollout_id=f"unopened-{spec.task.id}-{spec.harness}-{spec.sample_index}",
+        task_id=spec.task.id, harness=spec.harness, sample_index=spec.sample_index,
+        status="proxy_error", info=info,
+    )  # fmt: skip
+
+
+def close_rollout(control: RolloutControl, spec: RolloutSpec, rollout_id: str, reward: float, status: str,
+                  info: dict[str, Any], t0: float) -> RolloutResult:
+    """Close an opened rollout with its outcome; a close that fails is a ``proxy_error`` result."""
+    t = time.monotonic()
+    try:
+        result = control.close(rollout_id, reward=reward, status=status, info=info)
+    except Exception as exc:
+        info["error"] = f"close rollout: {type(exc).__name__}: {exc}"
+        return RolloutResult(
+            rollout_id=rollout_id, task_id=spec.task.id, harness=spec.harness,
+            sample_index=spec.sample_index, reward=reward, status="proxy_error", info=info,
+        )  # fmt: skip
+    # The proxy wrote `info` into its log before these two timings existed; the returned result
+    # carries them (the durable copy differs only in these timings).
+    timings = info.setdefault("timings", {})
+    timings["close"] = time.monotonic() - t
+    timings["total"] = time.monotonic() - t0
+    result.info = info
+    return result
 
 
 class _Handoff:
@@ -160,7 +176,8 @@ def _close_sandbox(sandbox: Sandbox) -> None:
 class RolloutWorker:
     """Runs rollouts one at a time per `run` call; safe to call `run` concurrently from one loop.
 
-    control: the proxy's rollout registry (or a client of it). backend: the sandbox backend.
+    control: the proxy's rollout registry (any `RolloutControl`; None for a worker that only
+    `execute`s rollouts opened elsewhere, as a Ray actor does). backend: the sandbox backend.
     harnesses: adapters by name (installed beforehand: `Harness.installation`). verifier_runner: where
     command verifiers run (None: a plain subprocess). executor: threads for the blocking parts
     (sandbox start/run, verifier, proxy calls); size it above the concurrency cap.
@@ -197,89 +214,73 @@ class RolloutWorker:
             handoff.abandon()
             raise
 
-    async def run(self, spec: RolloutSpec) -> RolloutResult:
+    def _harness(self, spec: RolloutSpec) -> Harness:
         harness = self.harnesses.get(spec.harness)
         if harness is None:
             raise ValueError(f"no adapter for harness {spec.harness!r}; have {sorted(self.harnesses)}")
-        task = spec.task
-        timings: dict[str, float] = {}
-        info: dict[str, Any] = {"timings": timings}
-        t0 = time.monotonic()
+        return harness
 
+    async def run(self, spec: RolloutSpec, sampling: Sampling | None = None) -> RolloutResult:
+        """Open a rollout (every call of it sampled with `sampling`), `execute` it, close it."""
+        self._harness(spec)
+        info: dict[str, Any] = {"timings": {}}
+        t0 = time.monotonic()
         try:
             opened = await self._call_owned(
-                lambda: self.control.open(task_id=task.id, harness=spec.harness, sample_index=spec.sample_index),
+                lambda: self.control.open(task_id=spec.task.id, harness=spec.harness, sample_index=spec.sample_index,
+                                          sampling=sampling),
                 on_orphan=lambda o: self.control.close(
                     o.rollout_id, reward=0.0, status="harness_error", info={"error": "cancelled"}
                 ),
             )
         except Exception as exc:
-            info["error"] = f"open rollout: {type(exc).__name__}: {exc}"
-            timings["total"] = time.monotonic() - t0
-            return RolloutResult(
-                rollout_id=f"unopened-{task.id}-{spec.harness}-{spec.sample_index}",
-                task_id=task.id, harness=spec.harness, sample_index=spec.sample_index,
-                status="proxy_error", info=info,
-            )  # fmt: skip
-        timings["open"] = time.monotonic() - t0
+            info["timings"]["total"] = time.monotonic() - t0
+            return unopened_result(spec, exc, info)
+        info["timings"]["open"] = time.monotonic() - t0
+        # Cancelled (the scheduler is stopping) or a bug: the rollout is closed as not ok, and the
+        # exception propagates. No status says "interrupted"; harness_error is the nearest truth
+        # (the harness run did not complete) and info says why.
+        status, reward = "harness_error", 0.0
+        try:
+            status, reward = await self.execute(spec, opened, info)
+        finally:
+            # The close finishes even if the scheduler cancels this task (again) meanwhile.
+            result = await _run_to_completion(
+                self._call(close_rollout, self.control, spec, opened.rollout_id, reward, status, info, t0))
+        return result
+
+    async def execute(self, spec: RolloutSpec, opened: OpenedRollout, info: dict[str, Any]) -> tuple[str, float]:
+        """Run the harness of an opened rollout in a fresh sandbox and score the workspace; returns
+        (status, reward) and fills `info` (timings, errors, verifier verdict). The sandbox is closed
+        before it returns; on cancellation or a bug, ``info["error"]`` says which and it re-raises."""
+        harness = self._harness(spec)
+        info.setdefault("timings", {})
         try:
             port = proxy_port(opened.base_url)
         except ValueError as exc:  # e.g. a registry whose server is not listening yet
             info["error"] = f"proxy: {exc}"
-            return await _run_to_completion(self._close(spec, opened.rollout_id, 0.0, "proxy_error", info, t0))
-
-        status, reward = "ok", 0.0
+            return "proxy_error", 0.0
         sandbox: Sandbox | None = None
         try:
             sandbox = await self._start_sandbox(spec, harness, opened.rollout_id, port, info)
             if sandbox is None:
-                status = "sandbox_error"
-            else:
-                status, reward = await self._run_in_sandbox(spec, harness, sandbox, opened, info)
+                return "sandbox_error", 0.0
+            return await self._run_in_sandbox(spec, harness, sandbox, opened, info)
         except BaseException as exc:
-            # Cancelled (the scheduler is stopping) or a bug: the rollout is closed as not ok, and the
-            # exception propagates. No status says "interrupted"; harness_error is the nearest truth
-            # (the harness run did not complete) and info says why.
-            status, reward = "harness_error", 0.0
             info["error"] = "cancelled" if isinstance(exc, asyncio.CancelledError) else f"internal error: {exc!r}"
             raise
         finally:
-            # Cleanup finishes even if the scheduler cancels this task (again) meanwhile.
-            result = await _run_to_completion(self._finish(spec, sandbox, opened.rollout_id, reward, status, info, t0))
-        return result
+            if sandbox is not None:
+                await _run_to_completion(self._close_sandbox(sandbox, info))
 
-    async def _finish(
-        self, spec: RolloutSpec, sandbox: Sandbox | None, rollout_id: str, reward: float, status: str,
-        info: dict[str, Any], t0: float,
-    ) -> RolloutResult:  # fmt: skip
-        """Destroy the sandbox (killing the harness if it still runs), then close the rollout."""
-        if sandbox is not None:
-            t = time.monotonic()
-            try:
-                await self._call(sandbox.close)
-            except OSError as exc:
-                info["sandbox_close_error"] = str(exc)
-            info["timings"]["sandbox_close"] = time.monotonic() - t
-        return await self._close(spec, rollout_id, reward, status, info, t0)
-
-    async def _close(
-        self, spec: RolloutSpec, rollout_id: str, reward: float, status: str, info: dict[str, Any], t0: float
-    ) -> RolloutResult:
+    async def _close_sandbox(self, sandbox: Sandbox, info: dict[str, Any]) -> None:
+        """Destroy the sandbox, killing the harness if it still runs."""
         t = time.monotonic()
         try:
-            result = await self._call(self.control.close, rollout_id, reward=reward, status=status, info=info)
-        except Exception as exc:
-            info["error"] = f"close rollout: {type(exc).__name__}: {exc}"
-            return RolloutResult(
-                rollout_id=rollout_id, task_id=spec.task.id, harness=spec.harness,
-                sample_index=spec.sample_index, reward=reward, status="proxy_error", info=info,
-            )  # fmt: skip
-        # The proxy wrote `info` into its log before these two timings existed; the returned result
-        # carries them (the durable copy differs only in these timings).
-        info["timings"]["close"] = time.monotonic() - t
-        info["timings"]["total"] = time.monotonic() - t0
-        result.info = info
-        return result
+            await self._call(sandbox.close)
+        except OSError as exc:
+            info["sandbox_close_error"] = str(exc)
+        info["timings"]["sandbox_close"] = time.monotonic() - t
 
     async def _start_sandbox(
         self, spec: RolloutSpec, harness: Harness, rollout_id: str, port: int, info: dict[str, Any]
@@ -314,7 +315,7 @@ class RolloutWorker:
         return None
 
     async def _run_in_sandbox(
-        self, spec: RolloutSpec, harness: Harness, sandbox: Sandbox, opened: OpenedLike, info: dict[str, Any]
+        self, spec: RolloutSpec, harness: Harness, sandbox: Sandbox, opened: OpenedRollout, info: dict[str, Any]
     ) -> tuple[str, float]:
         cfg, task, timings = self.config, spec.task, info["timings"]
         layout = RunLayout(

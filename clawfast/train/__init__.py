@@ -1,11 +1,16 @@
 """Training: the policy on packed tree batches, RL algorithms (GRPO, PPO), the training step, and the
 run around it.
 
-- `policy`, `algorithms`, `step`, `fsdp`: one optimizer step on a batch of rollouts (`train_step`).
-- `config`: the run's typed TOML configuration (`load_config`).
+- `policy`, `attention`, `algorithms`, `step`, `fsdp`: one optimizer step on a batch of rollouts
+  (`train_step`; `train_on_rollouts` for a whole RL step).
+- `config`: the run's typed TOML configuration (`load_config`), the one config source.
+- `build`: the model directory, policy, optimizer, engine, rollout service and sampling of a run.
+- `data`: the data order (`TaskSampler`), the tasks of a split, the rollout sources.
 - `loop`: the RL loop (`train`) and evaluation (`evaluate`); `coldstart`: SFT on demonstrations
-  captured through the real harness; `checkpoint`: atomic checkpoints and exact resume;
-  `metrics`: JSONL / TensorBoard metrics, the live view and the curves PNG.
+  captured through the real harness; `distributed`: the FSDP leader and followers; `checkpoint`:
+  atomic checkpoints and exact resume; `metrics`: JSONL / TensorBoard metrics, the live view and
+  the curves PNG; `report`: the one-line summaries.
 
-Submodules are imported on use (torch, transformers and the proxy are heavy).
+Rollouts are reached only through `clawfast.rollout.RolloutService` (tests/test_dependencies.py);
+submodules are imported on use (torch and transformers are heavy).
 """

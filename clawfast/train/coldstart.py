@@ -6,7 +6,7 @@
    split. Eval-split ids are never demonstrated.
 2. **Capture.** Each demonstration runs through the real harness in a real sandbox behind the real
    proxy, whose engine is the scripted one playing the task's oracle as that harness's own tool
-   calls (`clawfast.harness.check.OracleResponder`, built on the adapter's `scripted_turns`). The
+   calls (`clawfast.rollout.oracle.OracleResponder`, built on the adapter's `scripted_turns`). The
    proxy records every call token for token, exactly as in RL; only rollouts the verifier scored
    1.0 are kept.
 3. **SFT.** The captured calls become prefix trees, are packed (`clawfast.pack`: shared prompts
@@ -23,7 +23,6 @@ training templates to held-out tasks (measure it: `clawfast eval`).
 
 from __future__ import annotations
 
-import asyncio
 import math
 import time
 from pathlib import Path
@@ -33,6 +32,8 @@ import numpy as np
 import torch
 
 from clawfast.records import RolloutResult
+from clawfast.rollout import ORACLE, RolloutSpec
+from clawfast.train.build import rollout_service
 from clawfast.train.config import RunConfig
 
 
@@ -63,46 +64,13 @@ def demonstration_tasks(config: RunConfig) -> list:
 def capture_demonstrations(config: RunConfig, model_dir: Path, tasks: list, records_dir: Path,
                            harness_name: str) -> list[RolloutResult]:
     """Run every task once through `harness_name` with its oracle scripted; returns every rollout."""
-    from transformers import AutoTokenizer
-
-    from clawfast.engines.scripted import ScriptedEngine
-    from clawfast.harness.check import FINAL_TEXT, OracleResponder
-    from clawfast.proxy.core import ProxyConfig, ProxyCore
-    from clawfast.proxy.render import ChatRenderer
-    from clawfast.proxy.rollouts import RolloutRegistry
-    from clawfast.proxy.server import ProxyApp, ProxyServer
-    from clawfast.rollout import RolloutConfig, RolloutScheduler, RolloutSpec, RolloutWorker
-    from clawfast.sandbox import create_backend
-    from clawfast.tasks.sandbox_runner import SandboxRunner
-
-    from clawfast.train.loop import make_harness
-
-    rc = config.rollout
     longest = max(len(t.oracle) for t in tasks)
-    steps = max(rc.harness_max_steps, longest + 2)
-    harness = make_harness(harness_name, config.model_copy(update={"rollout": rc.model_copy(update={"harness_max_steps": steps})}))
-    harness.installation
-    renderer = ChatRenderer(AutoTokenizer.from_pretrained(model_dir))
-    engine = ScriptedEngine(renderer.encode, renderer.turn_end_id,
-                            responder=OracleResponder(renderer, harness, tasks, FINAL_TEXT), seed=config.seed)
-    registry = RolloutRegistry(records_dir)
-    app = ProxyApp(ProxyCore(engine, renderer, ProxyConfig(max_tokens_cap=config.engine.max_tokens)), registry,
-                   model_name="policy")
-    backend = create_backend(rc.sandbox, **({"allow_unsafe": True} if rc.sandbox == "local" else {}))
-    try:
-        with ProxyServer(app):
-            runner = SandboxRunner(create_backend(rc.sandbox)) if rc.sandbox != "local" else None
-            try:
-                worker = RolloutWorker(registry, backend, {harness_name: harness},
-                                       config=RolloutConfig(model="policy", timeout_s=rc.timeout_s),
-                                       verifier_runner=runner)
-                scheduler = RolloutScheduler(worker, concurrency=config.coldstart.concurrency)
-                return asyncio.run(scheduler.run([RolloutSpec(t, harness_name, 0) for t in tasks]))
-            finally:
-                if runner is not None:
-                    runner.close()
-    finally:
-        backend.close()
+    single = config.model_copy(update={"rollout": config.rollout.model_copy(update={"harnesses": (harness_name,)})})
+    service = rollout_service(single, ORACLE, model_dir, records_dir, concurrency=config.coldstart.concurrency,
+                              max_steps=max(config.rollout.harness_max_steps, longest + 2), oracle_tasks=tasks,
+                              on_ray=False)
+    with service:
+        return service.run([RolloutSpec(t, harness_name, 0) for t in tasks])
 
 
 def sft_epoch(policy, optimizer: torch.optim.Optimizer, demos: list[RolloutResult], *, max_tokens: int,

@@ -12,7 +12,7 @@ Relative input paths in the file (``model.path``, ``tasks.suite`` when it is a d
 same inputs from any working directory; ``run_dir`` (an output) is relative to the working directory.
 
 Guaranteed: a `RunConfig` that loaded is internally consistent (the cross-field checks at the end of
-`RunConfig`), and `RunConfig.step_config()` builds the trainer's `StepConfig` without error. Not
+`RunConfig`), and `clawfast.train.step.step_config` builds the trainer's `StepConfig` without error. Not
 guaranteed: that the model, harnesses or sandbox backend exist on this machine (checked when the run
 starts, where the error can say how to install them).
 """
@@ -153,8 +153,18 @@ class RolloutSection(_Section):
 
 
 class AlgorithmConfig(_Section):
-    """The trainer's `StepConfig` fields (see clawfast.train.step for each); `name` is its
-    `algorithm`. group_by "auto": by task, or by task x harness when several harnesses run."""
+    """The algorithm (`clawfast.train.step.StepConfig` extends it with what else a step needs).
+
+    name: "grpo" or "ppo". group_by: GRPO groups, "task", "task_harness" or "auto" (by task, or by
+    task x harness when several harnesses run). normalize_std: divide GRPO advantages by the
+    group's std (False: mean-centred only). aggregation: how token losses average (see
+    clawfast.train.step). gamma / lam / gae_mode: PPO's tree GAE; value_coef / value_clip: its value
+    loss. kl_coef: k3 KL to the frozen reference policy. entropy_coef: entropy bonus. is_mode:
+    "truncate" (weight min(rho, is_cap)), "mask" (rho inside [is_lo, is_hi], else 0) or "off", the
+    token-level correction between sampler and trainer log-probs. clip_low / clip_high / dual_clip:
+    PPO ratio clipping. max_kept_leaves / drop_dead: the leaf filter of `build_tree`.
+    keep_statuses: rollout statuses that are trained. max_staleness: the largest weight-version lag
+    kept (None: no filter)."""
 
     name: Literal["grpo", "ppo"] = "grpo"
     group_by: Literal["auto", "task", "task_harness"] = "auto"
@@ -300,21 +310,6 @@ class RunConfig(_Section):
         if self.algorithm.group_by != "auto":
             return self.algorithm.group_by
         return "task_harness" if len(self.rollout.harnesses) > 1 else "task"
-
-    def step_config(self):
-        """The trainer's `StepConfig` for this run."""
-        from clawfast.train.step import StepConfig
-
-        a, o = self.algorithm, self.optim
-        return StepConfig(
-            algorithm=a.name, max_tokens=o.max_tokens, aggregation=a.aggregation,
-            max_kept_leaves=a.max_kept_leaves, drop_dead=a.drop_dead, keep_statuses=tuple(a.keep_statuses),
-            max_staleness=a.max_staleness, group_by=self.group_by, normalize_std=a.normalize_std,
-            is_mode=a.is_mode, is_cap=a.is_cap, is_lo=a.is_lo, is_hi=a.is_hi, clip_low=a.clip_low,
-            clip_high=a.clip_high, dual_clip=a.dual_clip, entropy_coef=a.entropy_coef, kl_coef=a.kl_coef,
-            value_coef=a.value_coef, value_clip=a.value_clip, gamma=a.gamma, lam=a.lam, gae_mode=a.gae_mode,
-            max_grad_norm=o.max_grad_norm,
-        )  # fmt: skip
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

@@ -1,6 +1,7 @@
-"""Scale-out for `clawfast train`: the policy sharded with FSDP2 over torchrun processes
-(``distributed.fsdp = true``) and the harness rollouts on a Ray cluster (``distributed.rollouts =
-"ray"``). `clawfast.train.loop` calls in here; a one-process run uses `LocalTrainer` only.
+"""Scale-out of the trainer for `clawfast train`: the policy sharded with FSDP2 over torchrun
+processes (``distributed.fsdp = true``). `clawfast.train.loop` calls in here; a one-process run uses
+`LocalTrainer` only. (Rollouts on a Ray cluster, ``distributed.rollouts = "ray"``, are the rollout
+service's: `clawfast.rollout.service.OnRay`.)
 
 **FSDP.** ``torchrun --nproc-per-node N -m clawfast.cli train CONFIG`` starts N processes; each
 joins the default process group (NCCL on GPUs, each rank on ``cuda:LOCAL_RANK``; gloo on CPUs).
@@ -14,7 +15,7 @@ CPU, not in an NCCL collective, while rank 0 runs rollouts:
   rank 0 may have loaded a checkpoint), shards it with `clawfast.train.fsdp.shard_policy`, builds
   AdamW *after* sharding and, on resume, takes rank 0's optimizer state (`load_full_optimizer_state`).
 - ``step``: carries the step's rollouts and `TrainState`; every rank runs
-  `clawfast.train.loop.training_step` on the same rollouts (`train_step` splits the micro-batches
+  `clawfast.train.step.train_on_rollouts` on the same rollouts (`train_step` splits the micro-batches
   over ranks and keeps the loss a global average).
 - ``weights`` / ``optimizer``: the collectives that gather full weights (`full_state_dict`) and full
   optimizer state (`gather_full_optimizer_state`); rank 0 alone keeps them: in a plain CPU copy of
@@ -23,19 +24,12 @@ CPU, not in an NCCL collective, while rank 0 runs rollouts:
 - ``reference``: the frozen KL reference (``kl_coef > 0``), broadcast from rank 0.
 - ``stop`` / ``error``: the leader finished, or failed (then every follower raises `LeaderFailed`).
 
-**Ray.** `ray_rollouts` runs the step's rollouts in one `clawfast.rollout.ray_backend` actor per
-alive Ray node (``ray_address``: ``"auto"`` or ``"ray://..."`` for a running cluster, ``"local"``
-to start one in this process), each with ``rollout.concurrency`` rollouts in flight. The proxy and
-its gRPC control plane stay in the trainer's process, listening on all interfaces; each actor
-relays a loopback port of its node to the proxy (a sandbox reaches only its host's loopback).
-
 Guaranteed: an FSDP run computes the one-process run's losses and weights up to the order of float
 sums across ranks (tests/train/test_train_fsdp.py: 2 gloo processes against 1, within 1e-5, also
 across a resume). Not guaranteed: the cold start under FSDP (refused at start: run it in one
 process, then ``--resume`` with ``fsdp = true``); memory: rank 0 holds a full CPU copy of the
 policy besides its shard (and the engine its own); a follower reads nothing from disk but
-``model.path`` (which must exist on its node). The Ray proxy ports are open to the cluster's
-network: the control plane needs its token and the proxy a rollout's key, but neither uses TLS.
+``model.path`` (which must exist on its node).
 """
 
 from __future__ import annotations
@@ -44,17 +38,18 @@ import contextlib
 import copy
 import gc
 import os
-import secrets
 from datetime import timedelta
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from clawfast.records import RolloutResult
+from clawfast.train.build import build_optimizer, build_policy, load_policy, resolve_model_dir
 from clawfast.train.checkpoint import TrainState, rng_state, save_checkpoint, set_rng_state
 from clawfast.train.config import RunConfig
+from clawfast.train.step import train_on_rollouts
 
 # Followers wait in a broadcast while rank 0 runs a step's rollouts and evaluations, which may take
 # hours on a large suite; the default (30 min for gloo) would kill a healthy run.
@@ -77,9 +72,7 @@ class LocalTrainer:
         self.optimizer = optimizer
 
     def step(self, results: list[RolloutResult], config: RunConfig, state: TrainState, ref_policy=None) -> dict:
-        from clawfast.train import loop
-
-        return loop.training_step(self.policy, self.optimizer, results, config, state, ref_policy)
+        return train_on_rollouts(self.policy, self.optimizer, results, config, state, ref_policy)
 
     def current_policy(self):
         """A plain `Policy` holding the current weights (to push to an engine or save)."""
@@ -219,7 +212,6 @@ class _Shard:
     def __init__(self, group: FsdpGroup, config: RunConfig, policy, full_optim: dict | None,
                  has_optimizer_state: bool | None = None) -> None:
         from clawfast.train.fsdp import shard_policy
-        from clawfast.train.loop import build_optimizer
 
         self.group = group
         self.config = config
@@ -233,9 +225,7 @@ class _Shard:
             load_full_optimizer_state(self.optimizer, full_optim, group)
 
     def step(self, results: list[RolloutResult], state: TrainState, ref_policy) -> dict:
-        from clawfast.train import loop
-
-        return loop.training_step(self.policy, self.optimizer, results, self.config, state, ref_policy)
+        return train_on_rollouts(self.policy, self.optimizer, results, self.config, state, ref_policy)
 
     def full_weights(self) -> dict[str, torch.Tensor]:
         from clawfast.train.fsdp import full_state_dict
@@ -246,12 +236,7 @@ class _Shard:
         """Rank 0 passes its reference policy; the others build one from ``model.path`` and take
         rank 0's weights. Every rank keeps it whole (it only runs forward) on its device."""
         if ref_policy is None:
-            from clawfast.train.loop import _DTYPES, resolve_model_dir
-            from clawfast.train.policy import Policy
-
-            ref_policy = Policy.from_pretrained(resolve_model_dir(self.config),
-                                                dtype=_DTYPES[self.config.model.dtype],
-                                                attention=self.config.model.attention)
+            ref_policy = load_policy(self.config, resolve_model_dir(self.config))
             ref_policy.requires_grad_(False)
         ref = copy.deepcopy(ref_policy) if self.group.is_main else ref_policy
         ref = ref.to(self.group.device)
@@ -322,10 +307,9 @@ def load_full_optimizer_state(optimizer: torch.optim.Optimizer, full: dict | Non
 # Entry points
 
 
-def train_sharded(config: RunConfig, *, resume: bool, progress: bool) -> dict[str, object]:
-    """`clawfast.train.loop.train` under ``distributed.fsdp``: rank 0 leads, the others follow."""
-    from clawfast.train import loop
-
+def train_sharded(config: RunConfig, lead: Callable[["FsdpGroup"], dict[str, object]]) -> dict[str, object]:
+    """`clawfast.train.loop.train` under ``distributed.fsdp``: rank 0 runs `lead(group)` (the loop),
+    the others follow it."""
     group = FsdpGroup.start(config)
     finished = False
     try:
@@ -333,7 +317,7 @@ def train_sharded(config: RunConfig, *, resume: bool, progress: bool) -> dict[st
             summary = follow(group, config)
         else:
             try:
-                summary = loop._train(config, resume=resume, progress=progress, group=group)
+                summary = lead(group)
             except BaseException as exc:
                 with contextlib.suppress(Exception):  # the original error matters more than this one
                     group.send("error", f"{type(exc).__name__}: {exc}")
@@ -347,14 +331,12 @@ def train_sharded(config: RunConfig, *, resume: bool, progress: bool) -> dict[st
 
 def follow(group: FsdpGroup, config: RunConfig) -> dict[str, object]:
     """A follower's whole run: do what rank 0 announces until it stops (see the module docstring)."""
-    from clawfast.train import loop
-
     command = _expect(group, "setup")
     setup = command[1]
     set_rng_state(setup["rng"])
     torch.set_rng_state(setup["torch_rng"])
     steps = setup["step"]
-    policy = loop.build_policy(config, loop.resolve_model_dir(config))
+    policy = build_policy(config, resolve_model_dir(config))
     shard = _Shard(group, config, policy, None, has_optimizer_state=setup["optimizer_state"])
     ref_policy = None
     while True:
@@ -392,57 +374,3 @@ def make_trainer(config: RunConfig, policy, optimizer: torch.optim.Optimizer, st
     if group is None:
         return LocalTrainer(policy, optimizer)
     return ShardedTrainer(group, config, policy, optimizer, state)
-
-
-# ----------------------------------------------------------------------------------------------
-# Rollouts on Ray
-
-
-class RayRollouts:
-    """The Ray side of `clawfast.train.loop.HarnessRollouts`: the proxy's gRPC control plane (on
-    all interfaces, behind a fresh token) and a `RayRolloutPool` of one actor per alive node, which
-    relay their node's loopback to the proxy at ``<this node's IP>:proxy_port``. `run` takes the
-    specs of a step; the actors live as long as this object (a context manager)."""
-
-    def __init__(self, config: RunConfig, registry, proxy_port: int, logs_dir: Path | None) -> None:
-        self.config = config
-        self.registry = registry
-        self.proxy_port = proxy_port
-        self.logs_dir = logs_dir
-        self._stack = contextlib.ExitStack()
-
-    def __enter__(self) -> "RayRollouts":
-        import ray
-
-        from clawfast.proxy.grpc_service import GrpcControlServer
-        from clawfast.rollout.ray_backend import RayRolloutPool, RaySetup
-        from clawfast.train.loop import harness_options
-
-        cfg, rc = self.config, self.config.rollout
-        try:
-            address = cfg.distributed.ray_address
-            if not ray.is_initialized():
-                ray.init(address=None if address == "local" else address)
-                self._stack.callback(ray.shutdown)
-            host = ray.util.get_node_ip_address()  # this node as the cluster reaches it
-            token = secrets.token_urlsafe(24)
-            control = self._stack.enter_context(GrpcControlServer(self.registry, token, host="0.0.0.0"))
-            setup = RaySetup(
-                control_address=f"{host}:{control.port}", control_token=token, suite=cfg.tasks.suite,
-                suite_seed=cfg.tasks.suite_seed, harnesses=tuple(rc.harnesses), backend=rc.sandbox,
-                timeout_s=rc.timeout_s, concurrency=rc.concurrency,
-                logs_dir=str(self.logs_dir) if self.logs_dir is not None else None,
-                harness_options={name: harness_options(name, cfg) for name in rc.harnesses},
-                proxy_address=f"{host}:{self.proxy_port}",
-            )  # fmt: skip
-            self.pool = self._stack.enter_context(RayRolloutPool(setup))
-        except BaseException:
-            self._stack.close()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stack.close()
-
-    def run(self, specs: Sequence, on_result: Callable[[RolloutResult], None] | None = None) -> list[RolloutResult]:
-        return self.pool.run(specs, on_result=on_result)

@@ -37,9 +37,10 @@ W because FSDP/DDP average gradients over ranks, and metrics are summed over ran
 receive the same rollouts (packing is deterministic).
 
 Not supported: sequence-level IS (a path's ratio needs the targets of every micro-batch before
-any loss; `StepConfig` offers token-level IS only), several PPO epochs or mini-batches per step
-(one optimizer step per call: the old policy is the current one, so the PPO ratio is 1 and the
-clip inactive at the step; the IS correction against the engine's log-probs is what acts).
+any loss; `StepConfig` offers token-level IS only), several PPO epochs per `train_step` call
+(one optimizer update per call: the old policy is the current one, so the PPO ratio is 1 and the
+clip inactive at the update; the IS correction against the engine's log-probs is what acts).
+`train_on_rollouts` splits an RL step's groups into ``optim.updates_per_step`` such calls.
 """
 
 from __future__ import annotations
@@ -48,18 +49,18 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Hashable, Sequence
+from typing import Hashable, Literal, Sequence
 
 import numpy as np
 import torch
+from pydantic import Field, model_validator
 import torch.distributed as dist
 
 from clawfast.kernels import ISConfig, importance_weights, policy_loss
 from clawfast.kernels.policy_loss import LOSS_METRIC_NAMES
 from clawfast.pack import PackedBatch, pack, pack_stats
-from clawfast.records import STATUSES, RolloutResult
+from clawfast.records import RolloutResult
 from clawfast.train.algorithms import (
-    GROUP_BY,
     KeptForest,
     group_ids,
     grpo_rollout_advantages,
@@ -67,95 +68,38 @@ from clawfast.train.algorithms import (
     stale_rollouts,
     value_loss_terms,
 )
+from clawfast.train.checkpoint import TrainState
+from clawfast.train.config import AlgorithmConfig, RunConfig
 from clawfast.train.policy import Policy
 from clawfast.tree import PrefixTree, build_tree
 
-ALGORITHMS = ("grpo", "ppo")
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
-GAE_MODES = ("path", "tree")
-IS_MODES = ("truncate", "mask", "off")
+class StepConfig(AlgorithmConfig):
+    """Everything `train_step` needs besides the policy, optimizer and rollouts: the run's
+    ``[algorithm]`` section (`clawfast.train.config.AlgorithmConfig`, where each field is described;
+    `name` is "grpo" or "ppo", which needs a policy with a value head) with `group_by` resolved to
+    "task" or "task_harness", plus two fields of ``[optim]``: max_tokens (rows per micro-batch) and
+    max_grad_norm (clip the global gradient norm; None: no clipping, the norm is still reported).
+    Validated on construction like every config section (a `ValueError` naming the field)."""
 
+    group_by: Literal["task", "task_harness"] = "task"
+    max_tokens: int = Field(8192, ge=1)
+    max_grad_norm: float | None = Field(1.0, gt=0)
 
-@dataclass(frozen=True)
-class StepConfig:
-    """Everything `train_step` needs besides the policy, optimizer and rollouts.
-
-    algorithm: "grpo" or "ppo" (needs a policy with a value head). max_tokens: rows per micro-batch.
-    aggregation: see the module docstring. max_kept_leaves / drop_dead: the leaf filter of
-    `build_tree`. keep_statuses: rollout statuses that are trained. max_staleness: the largest
-    weight-version lag kept (None: no filter). group_by: GRPO groups, "task" or "task_harness";
-    normalize_std: divide GRPO advantages by the group's std (False: mean-centred only).
-    is_mode: "truncate" (weight min(rho, is_cap)), "mask" (rho inside [is_lo, is_hi], else 0) or
-    "off". clip_low / clip_high / dual_clip: PPO ratio clipping. entropy_coef, kl_coef (k3 to the
-    reference policy), value_coef / value_clip (PPO value loss), gamma / lam / gae_mode (tree GAE).
-    max_grad_norm: clip the global gradient norm (None: no clipping, the norm is still reported).
-    """
-
-    algorithm: str = "grpo"
-    max_tokens: int = 8192
-    aggregation: str = "token-mean"
-    max_kept_leaves: int | None = None
-    drop_dead: bool = True
-    keep_statuses: tuple[str, ...] = ("ok",)
-    max_staleness: int | None = None
-    group_by: str = "task"
-    normalize_std: bool = True
-    is_mode: str = "truncate"
-    is_cap: float = 2.0
-    is_lo: float = 0.5
-    is_hi: float = 2.0
-    clip_low: float = 0.2
-    clip_high: float | None = None
-    dual_clip: float | None = None
-    entropy_coef: float = 0.0
-    kl_coef: float = 0.0
-    value_coef: float = 0.5
-    value_clip: float | None = 0.2
-    gamma: float = 1.0
-    lam: float = 1.0
-    gae_mode: str = "path"
-    max_grad_norm: float | None = 1.0
-
-    def __post_init__(self):
-        choices = {"algorithm": ALGORITHMS, "aggregation": AGGREGATIONS, "group_by": GROUP_BY,
-                   "is_mode": IS_MODES, "gae_mode": GAE_MODES}
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"StepConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"StepConfig.max_tokens must be a positive int, got {self.max_tokens!r}")
-        for name in ("is_cap", "entropy_coef", "kl_coef", "value_coef", "is_lo", "is_hi", "clip_low"):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-                raise ValueError(f"StepConfig.{name} must be a finite number >= 0, got {value!r}")
-        for name in ("max_staleness", "max_kept_leaves"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-                raise ValueError(f"StepConfig.{name} must be None or an int >= 0, got {value!r}")
-        for name in ("gamma", "lam"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ValueError(f"StepConfig.{name} must lie in [0, 1], got {getattr(self, name)!r}")
-        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
-            raise ValueError(f"StepConfig.max_grad_norm must be > 0 or None, got {self.max_grad_norm!r}")
-        if self.value_clip is not None and not self.value_clip > 0:
-            raise ValueError(f"StepConfig.value_clip must be > 0 or None, got {self.value_clip!r}")
-        bad = [s for s in self.keep_statuses if s not in STATUSES]
-        if bad or isinstance(self.keep_statuses, str):
-            raise ValueError(f"StepConfig.keep_statuses must be a tuple of {STATUSES}, got {self.keep_statuses!r}")
-        try:  # fail here, at construction, not mid-step
-            self.is_config()
-        except ValueError as e:
-            raise ValueError(f"StepConfig.is_cap / is_lo / is_hi: {e}") from None
-        if not (0 <= self.clip_low < 1 and (self.clip_high is None or self.clip_high >= 0)):
-            raise ValueError(f"StepConfig.clip_low must lie in [0, 1) and clip_high be >= 0, got "
-                             f"{self.clip_low}, {self.clip_high}")
-        if self.dual_clip is not None and not self.dual_clip > 1:
-            raise ValueError(f"StepConfig.dual_clip must be > 1 or None, got {self.dual_clip!r}")
+    @model_validator(mode="after")
+    def _is_config(self) -> "StepConfig":
+        self.is_config()  # fail here, at construction, not mid-step
+        return self
 
     def is_config(self) -> ISConfig:
         mode = "truncate" if self.is_mode == "off" else self.is_mode
         return ISConfig(level="token", mode=mode, cap=self.is_cap, lo=self.is_lo, hi=self.is_hi)
 
+
+def step_config(config: RunConfig) -> StepConfig:
+    """The trainer's `StepConfig` of a run: its algorithm section, group_by resolved, and the optimizer's
+    micro-batch size and gradient clip."""
+    return StepConfig(**{**config.algorithm.model_dump(), "group_by": config.group_by},
+                      max_tokens=config.optim.max_tokens, max_grad_norm=config.optim.max_grad_norm)
 
 
 @dataclass(eq=False)
@@ -193,7 +137,7 @@ def prepare_step(rollouts: Sequence[RolloutResult], groups: Sequence[Hashable] |
     keep = np.flatnonzero(~(bad_status | stale | empty))
     kept = [rollouts[i] for i in keep]
     rewards = np.array([r.reward for r in kept], dtype=np.float64)
-    if config.algorithm == "grpo":
+    if config.name == "grpo":
         keys = None if groups is None else [groups[i] for i in keep]
         rollout_adv = grpo_rollout_advantages(rewards, group_ids(kept, config.group_by, keys),
                                               normalize_std=config.normalize_std)
@@ -216,7 +160,7 @@ def prepare_step(rollouts: Sequence[RolloutResult], groups: Sequence[Hashable] |
         if config.aggregation == "seq-mean-token-mean":
             weights = [w / per_rollout[b.target_rollout] for b, w in zip(batches, weights)]
     advantages = forest = forest_rows = None
-    if config.algorithm == "grpo":
+    if config.name == "grpo":
         advantages = [rollout_adv[b.target_rollout] for b in batches]
     else:
         forest = KeptForest.build(trees)
@@ -271,7 +215,7 @@ def accumulate_gradients(policy: Policy, data: StepData, config: StepConfig, *,
 
     Returns the loss and the loss metrics (summed over ranks under torch.distributed).
     """
-    if config.algorithm == "ppo" and policy.value_head is None:
+    if config.name == "ppo" and policy.value_head is None:
         raise ValueError("algorithm='ppo' needs a policy with a value head (Policy(..., value_head=True))")
     if config.kl_coef > 0 and ref_policy is None:
         raise ValueError("kl_coef > 0 needs a ref_policy")
@@ -283,7 +227,7 @@ def accumulate_gradients(policy: Policy, data: StepData, config: StepConfig, *,
         return {"loss": 0.0, "num_targets": 0.0}
     t0 = time.perf_counter()
     adv_rows = ret_rows = old_v = None
-    if config.algorithm == "ppo":
+    if config.name == "ppo":
         old_v = _old_values(policy, data, schedule, device)
         adv_rows, ret_rows = ppo_advantages(data.forest, old_v, data.rewards, gamma=config.gamma, lam=config.lam,
                                             mode=config.gae_mode)
@@ -297,7 +241,7 @@ def accumulate_gradients(policy: Policy, data: StepData, config: StepConfig, *,
         rows = torch.as_tensor(batch.target_rows, device=device).long()
         a = torch.as_tensor(data.weights[b], device=device)
         infer = torch.as_tensor(batch.infer_logprobs, device=device)
-        if config.algorithm == "grpo":
+        if config.name == "grpo":
             adv = torch.as_tensor(data.advantages[b], device=device)
         else:
             frows = torch.as_tensor(data.forest_rows[b], device=device)
@@ -314,7 +258,7 @@ def accumulate_gradients(policy: Policy, data: StepData, config: StepConfig, *,
         a_sum = a.sum()
         pg_part = pg * a_sum / data.denominator
         v_part = torch.zeros((), dtype=pg.dtype, device=device)
-        if config.algorithm == "ppo":
+        if config.name == "ppo":
             v = out.values[rows].to(pg.dtype)
             terms = value_loss_terms(v, old_v[frows].to(pg.dtype), ret_rows[frows].to(pg.dtype), config.value_clip)
             v_part = config.value_coef * (a.to(pg.dtype) * terms).sum() / data.denominator
@@ -334,7 +278,7 @@ def accumulate_gradients(policy: Policy, data: StepData, config: StepConfig, *,
         if k != "pg_loss":
             metrics[k] = sums[3 + i].item() / total_w
     metrics.update(_is_metrics(collected, config, world))
-    if config.algorithm == "ppo":
+    if config.name == "ppo":
         train = torch.as_tensor(data.forest.trainable, device=device)
         metrics["advantage_mean"] = adv_rows[train].mean().item() if bool(train.any()) else 0.0
         metrics["value_mean"] = old_v[train].mean().item() if bool(train.any()) else 0.0
@@ -416,3 +360,35 @@ def train_step(policy: Policy, optimizer: torch.optim.Optimizer, rollouts: Seque
     metrics.update({k: float(v) for k, v in token_counts(data).items()})
     metrics.update({k: float(v) for k, v in data.counts.items()})
     return metrics
+
+def split_groups(results: list[RolloutResult], group_by: str, n: int) -> list[list[RolloutResult]]:
+    """Split whole GRPO groups into `n` mini-batches (round-robin over groups in batch order)."""
+    keys: dict = {}
+    for r in results:
+        key = r.task_id if group_by == "task" else (r.task_id, r.harness)
+        keys.setdefault(key, []).append(r)
+    parts: list[list[RolloutResult]] = [[] for _ in range(min(n, len(keys)) or 1)]
+    for i, group in enumerate(keys.values()):
+        parts[i % len(parts)].extend(group)
+    return [p for p in parts if p]
+
+
+def mean_metrics(all_metrics: list[dict[str, float]]) -> dict[str, float]:
+    if len(all_metrics) == 1:
+        return all_metrics[0]
+    keys = {k for m in all_metrics for k in m}
+    return {k: float(np.mean([m[k] for m in all_metrics if k in m])) for k in sorted(keys)}
+
+
+def train_on_rollouts(policy, optimizer, results: list[RolloutResult], config: RunConfig, state: TrainState,
+                      ref_policy=None) -> dict[str, float]:
+    """Shuffle the step's rollouts (seeded by seed and step) and run the trainer on them."""
+    order = np.random.default_rng([config.seed, state.step, 7]).permutation(len(results))
+    shuffled = [results[i] for i in order]
+    step = step_config(config)
+    metrics = [
+        train_step(policy, optimizer, part, None, step, weight_version=state.weight_version,
+                   ref_policy=ref_policy)
+        for part in split_groups(shuffled, step.group_by, config.optim.updates_per_step)
+    ]
+    return mean_metrics(metrics)

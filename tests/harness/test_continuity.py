@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
-from clawfast.harness.check import continuity
+from clawfast.rollout.check import continuity
 from clawfast.records import CallRecord
 
 ids = st.lists(st.integers(0, 5), min_size=1, max_size=12)

@@ -15,7 +15,7 @@ import shutil
 import pytest
 
 from clawfast.harness import get_harness
-from clawfast.harness.check import check_harness, check_task
+from clawfast.rollout.check import check_harness, check_task
 
 needs_bwrap = pytest.mark.skipif(
     shutil.which("bwrap") is None or shutil.which("socat") is None,
@@ -100,28 +100,17 @@ def test_call_budget_ends_harnesses_without_a_turn_limit(name, tmp_path):
     """`codex exec` and OpenClaw have no turn limit of their own: the proxy's per-rollout call budget is
     theirs. With an oracle of 8 no-op commands before the real ones and a budget of 3, the harness gets
     a 400 on its fourth call and exits; the rollout ends at once with its 3 calls, scored as usual."""
-    import asyncio
     import dataclasses
 
-    from clawfast.harness.check import scripted_proxy
-    from clawfast.proxy.core import ProxyConfig
-    from clawfast.rollout import RolloutConfig, RolloutSpec, RolloutWorker
-    from clawfast.sandbox import create_backend
-    from clawfast.tasks.sandbox_runner import SandboxRunner
+    from clawfast.embedded import ensure_embedded_model
+    from clawfast.rollout import ORACLE, RolloutService, RolloutSpec, Sampling
 
     task = check_task()
     task = dataclasses.replace(task, oracle=("true",) * 8 + tuple(task.oracle))
-    harness = get_harness(name, timeout_s=120, max_steps=30)
-    harness.installation
-    sandboxes = create_backend("bwrap")
-    try:
-        with scripted_proxy([harness], [task], tmp_path / "records", ProxyConfig(max_calls_per_rollout=3)) as (_, registry), \
-                SandboxRunner(sandboxes) as verifier_runner:
-            worker = RolloutWorker(registry, sandboxes, {name: harness}, verifier_runner=verifier_runner,
-                                   config=RolloutConfig(model="policy", timeout_s=120, logs_dir=tmp_path / "logs"))
-            result = asyncio.run(worker.run(RolloutSpec(task, name, 0)))
-    finally:
-        sandboxes.close()
+    with RolloutService(ORACLE, ensure_embedded_model(), records_dir=tmp_path / "records",
+                        harnesses={name: {"timeout_s": 120, "max_steps": 30}}, timeout_s=120,
+                        logs_dir=tmp_path / "logs", oracle_tasks=[task]) as service:
+        [result] = service.run([RolloutSpec(task, name, 0)], Sampling(max_calls=3))
     assert len(result.calls) == 3
     assert result.status == "harness_error" and result.reward == 0.0  # refused before the real commands ran
     assert result.info["timings"]["harness"] < 60

@@ -1,4 +1,4 @@
-"""clawfast.kernels stands alone, and the benchmark scripts' smoke modes run."""
+"""clawfast.kernels' public names, and the benchmark scripts' smoke modes run (that it stands alone: tests/test_dependencies.py R1)."""
 
 from __future__ import annotations
 
@@ -18,23 +18,6 @@ def _run(args, env_extra=None, timeout=600):
     env.update(env_extra or {})
     return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout)
-
-
-def test_import_pulls_in_nothing_else_of_clawfast():
-    code = (
-        "import sys, json; import clawfast.kernels as K; "
-        "K.tree_logprobs, K.tree_attention, K.TreeMask, K.tree_gae, K.importance_weights, K.policy_loss; "
-        "print(json.dumps(sorted(sys.modules)))"
-    )
-    proc = _run(["-c", code])
-    assert proc.returncode == 0, proc.stderr
-    mods = json.loads(proc.stdout)
-    ours = [m for m in mods if m.startswith("clawfast") and m != "clawfast"
-            and not m.startswith("clawfast.kernels")]
-    assert ours == [], f"importing clawfast.kernels pulled in {ours}"
-    heavy = [m for m in mods if m.split(".")[0] in
-             {"transformers", "starlette", "uvicorn", "grpc", "httpx", "pydantic", "ray", "docker"}]
-    assert heavy == [], f"importing clawfast.kernels pulled in {heavy}"
 
 
 def test_public_names():

@@ -1,25 +1,11 @@
-"""Shared fixtures: the embedded tokenizer, and a live proxy on a loopback port with a scripted engine."""
+"""A live proxy on a loopback port with a scripted engine (`embedded_dir` and `renderer` are in tests/conftest.py)."""
 
 from __future__ import annotations
 
 import pytest
 
 from clawfast.engines.scripted import ScriptedEngine
-from clawfast.proxy import ChatRenderer, ProxyApp, ProxyConfig, ProxyCore, ProxyServer, RolloutRegistry
-
-
-@pytest.fixture(scope="session")
-def embedded_dir():
-    from clawfast.embedded import ensure_embedded_model
-
-    return ensure_embedded_model()
-
-
-@pytest.fixture(scope="session")
-def renderer(embedded_dir):
-    from transformers import AutoTokenizer
-
-    return ChatRenderer(AutoTokenizer.from_pretrained(embedded_dir))
+from clawfast.proxy import ProxyApp, ProxyConfig, ProxyCore, ProxyServer, RolloutRegistry
 
 
 class LiveProxy:

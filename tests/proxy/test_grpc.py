@@ -107,7 +107,7 @@ def test_server_needs_a_token(registry):
 
 def test_open_returns_a_key_the_registry_resolves_and_both_base_urls(client, registry):
     opened = client.open_rollout("task-7", "claude-code", sample_index=3)
-    assert opened.anthropic_base_url == "http://127.0.0.1:9999"
+    assert opened.base_url == "http://127.0.0.1:9999"
     assert opened.openai_base_url == "http://127.0.0.1:9999/v1"
     rollout = registry.lookup(opened.key)
     assert rollout is not None and rollout.rollout_id == opened.rollout_id

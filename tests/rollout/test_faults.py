@@ -20,7 +20,9 @@ import pytest
 
 from clawfast.proxy.rollouts import RolloutRegistry
 from clawfast.records import read_rollouts
-from clawfast.rollout import RolloutConfig, RolloutScheduler, RolloutSpec, RolloutWorker
+from clawfast.rollout.scheduler import RolloutScheduler
+from clawfast.rollout.spec import RolloutSpec
+from clawfast.rollout.worker import RolloutConfig, RolloutWorker
 from clawfast.sandbox.base import SandboxError
 from clawfast.tasks.task import CommandVerifier, Task
 
@@ -74,10 +76,10 @@ class FaultyControl:
     def __init__(self, registry: RolloutRegistry) -> None:
         self.registry = registry
 
-    def open(self, *, task_id, harness, sample_index):
+    def open(self, *, task_id, harness, sample_index, sampling=None):
         if task_id.startswith("proxyfail"):
             raise ConnectionError("injected: proxy unreachable")
-        return self.registry.open(task_id=task_id, harness=harness, sample_index=sample_index)
+        return self.registry.open(task_id=task_id, harness=harness, sample_index=sample_index, sampling=sampling)
 
     def close(self, rollout_id, *, reward, status, info):
         return self.registry.close(rollout_id, reward=reward, status=status, info=info)

@@ -15,7 +15,9 @@ import pytest
 
 from clawfast.proxy.rollouts import RolloutRegistry
 from clawfast.records import read_rollouts
-from clawfast.rollout import RolloutConfig, RolloutScheduler, RolloutSpec, RolloutWorker, make_specs
+from clawfast.rollout.scheduler import RolloutScheduler
+from clawfast.rollout.spec import RolloutSpec, make_specs
+from clawfast.rollout.worker import RolloutConfig, RolloutWorker
 from clawfast.rollout.progress import render_stats
 from clawfast.rollout.worker import proxy_port
 from clawfast.tasks.task import CommandVerifier, Task

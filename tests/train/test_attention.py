@@ -305,7 +305,7 @@ def test_build_policy_applies_the_model_section(tmp_path):
     from loop_fixtures import make_tiny_model
 
     from clawfast.train.config import RunConfig
-    from clawfast.train.loop import build_policy
+    from clawfast.train.build import build_policy
 
     model_dir = make_tiny_model(tmp_path / "model")
     config = RunConfig.model_validate({"model": {"path": str(model_dir), "attention": "torch",

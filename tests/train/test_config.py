@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from clawfast.train.config import ConfigError, RunConfig, config_from_dict, load_config
+from clawfast.train.step import step_config
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -21,8 +22,8 @@ def write(tmp_path: Path, text: str) -> Path:
 def test_examples_load_and_build_a_step_config(name):
     config = load_config(EXAMPLES / name)
     assert isinstance(config, RunConfig)
-    step = config.step_config()
-    assert step.algorithm == config.algorithm.name
+    step = step_config(config)
+    assert step.name == config.algorithm.name
     assert step.max_tokens == config.optim.max_tokens
 
 
@@ -30,7 +31,7 @@ def test_defaults_and_sections(tmp_path):
     config = load_config(write(tmp_path, 'steps = 3\n[optim]\nlr = 0.5\n[rollout]\nharnesses = ["codex", "openclaw"]\n'))
     assert config.steps == 3 and config.optim.lr == 0.5
     assert config.group_by == "task_harness"  # auto: several harnesses
-    assert config.step_config().group_by == "task_harness"
+    assert step_config(config).group_by == "task_harness"
     assert load_config(write(tmp_path, "")).group_by == "task"
 
 

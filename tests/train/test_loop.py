@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 from clawfast.train.checkpoint import list_checkpoints
 from clawfast.train.config import config_from_dict, load_config
-from clawfast.train.loop import TaskSampler, train
+from clawfast.train.data import TaskSampler
+from clawfast.train.loop import train
 from clawfast.train.metrics import read_metrics
 
 from loop_fixtures import make_recorded, make_tiny_model, recorded_config_text
@@ -82,22 +83,22 @@ def test_fresh_run_refuses_a_run_dir_with_checkpoints(tmp_path):
 
 
 def test_mixed_harness_groups_by_task_and_harness(tmp_path):
-    from clawfast.train import loop
+    from clawfast.train import distributed
 
     config = _load(tmp_path, steps=1, harnesses=("claude-code", "codex"))
     assert config.group_by == "task_harness"
     seen = {}
-    real = loop.training_step
+    real = distributed.train_on_rollouts
 
     def spy(policy, optimizer, results, cfg, state, ref_policy=None):
         seen["harnesses"] = [r.harness for r in results]
         return real(policy, optimizer, results, cfg, state, ref_policy)
 
-    loop.training_step = spy
+    distributed.train_on_rollouts = spy
     try:
         train(config, progress=False)
     finally:
-        loop.training_step = real
+        distributed.train_on_rollouts = real
     (record,) = [r for r in read_metrics(tmp_path / "run") if r["kind"] == "train"]
     assert record["rollouts"] == 2 * 2 * 3
     assert "pass@1/claude-code" in record and "pass@1/codex" in record
@@ -115,18 +116,21 @@ def test_harness_rollouts_record_the_weight_version(tmp_path):
     from clawfast.embedded import ensure_embedded_model
     from clawfast.engines.scripted import ScriptedEngine
     from clawfast.harness import get_harness
-    from clawfast.harness.check import OracleResponder
     from clawfast.proxy.render import ChatRenderer
-    from clawfast.train.loop import HarnessRollouts
+    from clawfast.rollout.oracle import OracleResponder
     from clawfast.tasks import clawbench_mini
+    from clawfast.train.build import rollout_service
+    from clawfast.train.data import HarnessRollouts
 
     config = config_from_dict({"rollout": {"sandbox": "local", "concurrency": 2, "harness_max_steps": 4},
                                "run_dir": str(tmp_path / "run")})
     tasks = {t.id: t for t in clawbench_mini() if t.id in ("files-create-1", "shell-chmod-1")}
-    renderer = ChatRenderer(AutoTokenizer.from_pretrained(ensure_embedded_model()))
+    model_dir = ensure_embedded_model()
+    renderer = ChatRenderer(AutoTokenizer.from_pretrained(model_dir))
     engine = ScriptedEngine(renderer.encode, renderer.turn_end_id,
                             responder=OracleResponder(renderer, get_harness("mini-swe-agent"), list(tasks.values())))
-    with HarnessRollouts(config, engine, renderer, tasks, tmp_path / "records", None) as source:
+    with rollout_service(config, engine, model_dir, tmp_path / "records") as service:
+        source = HarnessRollouts(service, tasks)
         first = source.run(sorted(tasks), ["mini-swe-agent"], 1)
         engine.update_weights({}, 7)
         second = source.run(["files-create-1"], ["mini-swe-agent"], 1)
@@ -140,11 +144,12 @@ def test_mini_instance_template_is_one_more_config_layer(tmp_path):
     """The compact prompt is set through mini-swe-agent's own `-c` layers, after the adapter's."""
     import json
 
+    from clawfast.harness import get_harness
     from clawfast.harness.base import RunLayout
-    from clawfast.train.loop import make_harness
+    from clawfast.train.build import harness_options
 
     config = config_from_dict({"rollout": {"mini_instance_template": "Do: {{task}}", "harness_max_steps": 5}})
-    harness = make_harness("mini-swe-agent", config)
+    harness = get_harness("mini-swe-agent", **harness_options(config)["mini-swe-agent"])
     layout = RunLayout(home=tmp_path / "home", workspace=tmp_path / "ws", home_inside="/run/home",
                        workspace_inside="/run/ws")
     prepared = harness.prepare(layout, "http://127.0.0.1:9", "key", "policy")
@@ -161,12 +166,12 @@ MINI_LAYER = ".clawfast/mini-instance-template.yaml"
 
 def test_updates_per_step_split_whole_groups():
     from clawfast.records import RolloutResult
-    from clawfast.train.loop import _chunks
+    from clawfast.train.step import split_groups
 
     rs = [RolloutResult(f"r{i}", f"t{i % 5}", "codex" if i % 2 else "claude-code", i) for i in range(20)]
     for group_by in ("task", "task_harness"):
         for n in (1, 2, 3, 7):
-            parts = _chunks(rs, group_by, n)
+            parts = split_groups(rs, group_by, n)
             assert sorted(r.rollout_id for p in parts for r in p) == sorted(r.rollout_id for r in rs)
             key = (lambda r: r.task_id) if group_by == "task" else (lambda r: (r.task_id, r.harness))
             owners = {}

@@ -91,10 +91,10 @@ def mixed_config(run_dir: Path):
 def train_watched(config, monkeypatch) -> dict:
     """Run `train(config)`, keeping what reached the trainer: the step's rollouts, GRPO's group ids
     and advantages, the summary and the train metrics record."""
-    from clawfast.train import loop, step
+    from clawfast.train import distributed, loop, step
 
     seen: dict = {}
-    real_training_step, real_group_ids, real_advantages = loop.training_step, step.group_ids, step.grpo_rollout_advantages
+    real_training_step, real_group_ids, real_advantages = distributed.train_on_rollouts, step.group_ids, step.grpo_rollout_advantages
 
     def training_step(policy, optimizer, results, *args, **kwargs):
         seen["results"] = list(results)
@@ -110,7 +110,7 @@ def train_watched(config, monkeypatch) -> dict:
         seen["advantages"] = (np.asarray(rewards), np.asarray(ids), adv)
         return adv
 
-    monkeypatch.setattr(loop, "training_step", training_step)
+    monkeypatch.setattr(distributed, "train_on_rollouts", training_step)
     monkeypatch.setattr(step, "group_ids", group_ids)
     monkeypatch.setattr(step, "grpo_rollout_advantages", grpo_rollout_advantages)
     seen["summary"] = loop.train(config, progress=False)
@@ -131,7 +131,7 @@ def check_mixed_step(config, seen: dict) -> None:
     from transformers import AutoTokenizer
 
     from clawfast.embedded import ensure_embedded_model
-    from clawfast.train.loop import load_tasks
+    from clawfast.train.data import load_tasks
 
     run_dir, record = Path(config.run_dir), seen["record"]
 

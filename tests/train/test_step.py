@@ -114,8 +114,8 @@ def test_nothing_trainable_skips_the_optimizer(policy, rollouts):
 
 
 def test_bad_config_and_inputs_raise(policy, rollouts):
-    with pytest.raises(ValueError, match="algorithm"):
-        StepConfig(algorithm="dpo")
+    with pytest.raises(ValueError, match="name"):
+        StepConfig(name="dpo")
     with pytest.raises(ValueError, match="max_tokens"):
         StepConfig(max_tokens=0)
     with pytest.raises(ValueError, match="keep_statuses"):
@@ -123,7 +123,7 @@ def test_bad_config_and_inputs_raise(policy, rollouts):
     with pytest.raises(ValueError, match="is_cap|cap"):
         StepConfig(is_cap=0.0)
     with pytest.raises(ValueError, match="value head"):
-        train_step(policy, adamw(policy), rollouts, None, StepConfig(algorithm="ppo"))
+        train_step(policy, adamw(policy), rollouts, None, StepConfig(name="ppo"))
     with pytest.raises(ValueError, match="ref_policy"):
         train_step(policy, adamw(policy), rollouts, None, StepConfig(kl_coef=0.1))
     with pytest.raises(ValueError, match="group keys"):
@@ -180,7 +180,7 @@ def test_ppo_step_trains_the_value_head():
     p = tiny_policy(3, value_head=True)
     rs = harness_rollouts(p, seed=6)
     before = p.value_head.weight.detach().clone()
-    cfg = StepConfig(algorithm="ppo", max_tokens=longest_kept(rs) + 40, gae_mode="tree")
+    cfg = StepConfig(name="ppo", max_tokens=longest_kept(rs) + 40, gae_mode="tree")
     metrics = train_step(p, adamw(p), rs, None, cfg)
     assert metrics["value_loss"] > 0 and np.isfinite(metrics["advantage_mean"])
     assert not torch.equal(before, p.value_head.weight)

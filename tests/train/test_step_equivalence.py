@@ -133,7 +133,7 @@ def flat_loss(policy: Policy, rollouts, config: StepConfig, *, ref_policy: Polic
         runs.append((g, path, ids, pos, logp, hidden, ref))
 
     adv_tok, ret_tok = {}, {}
-    if config.algorithm == "ppo":  # per-path GAE, then the mean over the copies of each token
+    if config.name == "ppo":  # per-path GAE, then the mean over the copies of each token
         sums = {}
         for g, path, ids, pos, logp, hidden, ref in runs:
             v = policy.value_head(hidden)[:, 0].detach().double()
@@ -160,7 +160,7 @@ def flat_loss(policy: Policy, rollouts, config: StepConfig, *, ref_policy: Polic
             t = path[d]
             lp = logp[d - 1, ids[d]].double()
             ent = -(logp[d - 1].exp() * logp[d - 1]).sum().double()
-            adv = adv_tok[(g, t)] if config.algorithm == "ppo" else float(adv_of[g])
+            adv = adv_tok[(g, t)] if config.name == "ppo" else float(adv_of[g])
             ratio = torch.exp(lp - lp.detach())
             clip_high = config.clip_low if config.clip_high is None else config.clip_high
             pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - config.clip_low, 1 + clip_high))
@@ -175,7 +175,7 @@ def flat_loss(policy: Policy, rollouts, config: StepConfig, *, ref_policy: Polic
             if ref is not None:
                 diff = ref[d - 1, ids[d]].double() - lp
                 term = term + config.kl_coef * (torch.exp(diff) - diff - 1)
-            if config.algorithm == "ppo":
+            if config.name == "ppo":
                 v = policy.value_head(hidden[d - 1])[0].double()
                 old, ret = v.detach(), ret_tok[(g, t)]
                 clipped = old + (v - old).clamp(-config.value_clip, config.value_clip)
@@ -225,7 +225,7 @@ def test_grpo_step_equals_flat_per_leaf(aggregation):
     policy = tiny_policy(0)
     rollouts = harness_rollouts(policy, seed=1)
     ref_policy = tiny_policy(7)
-    config = StepConfig(algorithm="grpo", max_tokens=longest_kept(rollouts) + 40, aggregation=aggregation,
+    config = StepConfig(name="grpo", max_tokens=longest_kept(rollouts) + 40, aggregation=aggregation,
                         is_mode="truncate", is_cap=1.3, entropy_coef=0.01, kl_coef=0.05)
     metrics = assert_same_step(policy, rollouts, config, ref_policy)
     assert 0 < metrics["is_frac_above"] < 1, "truncation never (or always) happened"
@@ -244,6 +244,6 @@ def test_grpo_step_equals_flat_on_adversarial_trees(seed):
 def test_ppo_step_equals_flat_per_leaf(aggregation):
     policy = tiny_policy(2, value_head=True)
     rollouts = harness_rollouts(policy, seed=4)
-    config = StepConfig(algorithm="ppo", max_tokens=longest_kept(rollouts) + 40, aggregation=aggregation,
+    config = StepConfig(name="ppo", max_tokens=longest_kept(rollouts) + 40, aggregation=aggregation,
                         gamma=0.99, lam=0.95, value_coef=0.5, value_clip=0.2, is_cap=1.5, entropy_coef=0.01)
     assert_same_step(policy, rollouts, config)

@@ -4,7 +4,7 @@ actor of a local cluster (started by the run: ``ray_address = "local"``), throug
 mini-swe-agent and the verifier, and are then trained on. The scripted engine plays each task's
 oracle (the test is about where rollouts run, not about what the model says). The sandbox is
 bubblewrap where it and socat are installed (the relayed port is then the sandbox's only peer), the
-"local" backend elsewhere. Skipped where Ray is not installed."""
+"local" backend elsewhere. Ray is installed by the test setup (the ``ray`` extra)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import shutil
 
 import pytest
 
-ray = pytest.importorskip("ray", reason="Ray is optional: pip install 'clawfast[ray]'")
+import ray
 
 SANDBOX = "bwrap" if shutil.which("bwrap") and shutil.which("socat") else "local"
 
@@ -25,11 +25,13 @@ def test_one_step_with_rollouts_on_ray_actors(tmp_path, monkeypatch):
 
     from clawfast.embedded import ensure_embedded_model
     from clawfast.engines.scripted import ScriptedEngine
-    from clawfast.harness.check import OracleResponder
+    from clawfast.harness import get_harness
+    from clawfast.rollout.oracle import OracleResponder
     from clawfast.proxy.render import ChatRenderer
     from clawfast.records import read_rollouts
     from clawfast.tasks import clawbench_mini
-    from clawfast.train import loop
+    from clawfast.train import distributed, loop
+    from clawfast.train.build import harness_options
     from clawfast.train.config import config_from_dict
     from clawfast.train.metrics import read_metrics
 
@@ -45,16 +47,16 @@ def test_one_step_with_rollouts_on_ray_actors(tmp_path, monkeypatch):
     })
     tasks = [t for t in clawbench_mini(0) if t.split == "train"]
     renderer = ChatRenderer(AutoTokenizer.from_pretrained(ensure_embedded_model()))
-    harness = loop.make_harness("mini-swe-agent", config)
+    harness = get_harness("mini-swe-agent", **harness_options(config)["mini-swe-agent"])
 
-    def scripted_engine(config, policy, model_dir, weight_version):
+    def scripted_engine(engine_config, model_dir, *, weight_version, **_):
         engine = ScriptedEngine(renderer.encode, renderer.turn_end_id,
                                 responder=OracleResponder(renderer, harness, tasks))
         engine.weight_version = weight_version
         return engine
 
     seen = {}
-    real_step = loop.training_step
+    real_step = distributed.train_on_rollouts
 
     def spy(policy, optimizer, results, cfg, state, ref_policy=None):
         seen["results"] = list(results)
@@ -62,7 +64,7 @@ def test_one_step_with_rollouts_on_ray_actors(tmp_path, monkeypatch):
         return real_step(policy, optimizer, results, cfg, state, ref_policy)
 
     monkeypatch.setattr(loop, "build_engine", scripted_engine)
-    monkeypatch.setattr(loop, "training_step", spy)
+    monkeypatch.setattr(distributed, "train_on_rollouts", spy)
     summary = loop.train(config, progress=False)
 
     assert summary["steps"] == 1

@@ -25,6 +25,8 @@ import pytest
 
 from clawfast.harness_install import ensure_npm_harness, npm_bin
 
+from .splice_checks import main_calls_extend_exactly
+
 pytestmark = [pytest.mark.harness, pytest.mark.slow]
 
 CLAUDE_CODE = ("@anthropic-ai/claude-code", "2.1.332")
@@ -101,7 +103,7 @@ def test_claude_code_writes_a_file_and_every_call_is_captured(claude_bin, render
                 [str(claude_bin), "-p", "Create hello.txt in the current directory.",
                  "--dangerously-skip-permissions", "--output-format", "json"],
                 cwd=workspace,
-                env=_claude_env(home, opened.anthropic_base_url, opened.key),
+                env=_claude_env(home, opened.base_url, opened.key),
                 capture_output=True,
                 text=True,
                 timeout=300,
@@ -115,20 +117,8 @@ def test_claude_code_writes_a_file_and_every_call_is_captured(claude_bin, render
     assert "Done: the file is written." in final.get("result", ""), report
 
     # Every answered call is in the closed rollout (the engine was asked exactly that many times).
-    assert len(result.calls) == engine.calls >= 2
-    assert [c.call_index for c in result.calls] == list(range(len(result.calls)))
-    assert result.reward == 1.0 and result.harness == "claude-code"
-    main = [c for c in result.calls if c.tags == ("main",)]
-    assert len(main) >= 2, [(c.tags, c.metadata.get("tag_reason")) for c in result.calls]
-    for prev, cur in zip(main, main[1:]):
-        path = np.concatenate([prev.prompt_ids, prev.output_ids])
-        assert len(cur.prompt_ids) > len(path)
-        # The harness replays the assistant turn in its own form; the proxy must put the sampled
-        # ids back in (splice), never re-render that text.
-        assert cur.metadata["spliced_turns"] >= 1, f"assistant turn re-rendered, not spliced: {cur.metadata}"
-        np.testing.assert_array_equal(cur.prompt_ids[: len(path)], path)
+    main = main_calls_extend_exactly(result, "claude-code", engine.calls)
     # The Write call and the final answer are main-thread calls, in that order.
-    assert all(c.metadata["drift"] == 0 for c in main[1:])
     decoded = [renderer.decode(c.output_ids) for c in main]
     write_at = next(i for i, t in enumerate(decoded) if '"name":"Write"' in t)
     assert any("Done: the file is written." in t for t in decoded[write_at + 1 :])

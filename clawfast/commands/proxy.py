@@ -4,8 +4,8 @@
 
 The tokenizer and chat template come from --model (default: the embedded model, built on first use).
 The engine is the in-process torch engine on that model, or the scripted engine playing FILE, or a
-vLLM server at URL (needs `clawfast.engines.remote`). It prints the HTTP address and the key of a
-default rollout ("manual-<time>") whose calls are appended to <records>/manual-<time>.cfr. With
+vLLM server at URL; the proxy runs in a `clawfast.rollout.RolloutService` with no harnesses. It
+prints the HTTP address and the key of a default rollout ("manual-<time>") whose calls are appended to <records>/manual-<time>.cfr. With
 --grpc-port it also serves the gRPC control plane (`clawfast.proxy.grpc_service`) and prints its
 address (and the shared token, unless --grpc-token gave one).
 """
@@ -13,43 +13,31 @@ address (and the shared token, unless --grpc-token gave one).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import secrets
 import signal
 import threading
 import time
 from pathlib import Path
 
-from clawfast.engines.base import Engine
-from clawfast.proxy.core import ProxyConfig, ProxyCore
-from clawfast.proxy.render import ChatRenderer
-from clawfast.proxy.rollouts import RolloutRegistry
-from clawfast.proxy.server import ProxyApp, ProxyServer, tune_for_serving
+from clawfast.engines.base import Engine, Sampling
 
 
-def load_renderer(model_dir: str | Path | None) -> tuple[ChatRenderer, Path]:
-    from transformers import AutoTokenizer
+def build_engine(args: argparse.Namespace, model_dir: Path) -> Engine:
+    """The engine the flags name: the scripted engine playing --scripted FILE, the server at --vllm
+    URL, or the in-process torch engine on `model_dir`."""
+    from clawfast.train.build import build_engine as build_configured
+    from clawfast.train.config import EngineConfig
 
-    from clawfast.embedded import ensure_embedded_model
-
-    path = Path(model_dir) if model_dir else ensure_embedded_model()
-    return ChatRenderer(AutoTokenizer.from_pretrained(path)), path
-
-
-def build_engine(args: argparse.Namespace, renderer: ChatRenderer, model_dir: Path) -> Engine:
     if args.scripted:
-        from clawfast.engines.scripted import ScriptedEngine, load_script
+        from transformers import AutoTokenizer
 
+        from clawfast.engines.scripted import ScriptedEngine, load_script
+        from clawfast.proxy.render import ChatRenderer
+
+        renderer = ChatRenderer(AutoTokenizer.from_pretrained(model_dir))
         return ScriptedEngine(renderer.encode, renderer.turn_end_id, load_script(args.scripted), cycle=True)
     if args.vllm:
-        try:
-            from clawfast.engines.remote import RemoteEngine
-        except ImportError as exc:
-            raise SystemExit(f"--vllm needs clawfast.engines.remote, which this build lacks ({exc})") from None
-        return RemoteEngine(args.vllm)
-    from clawfast.engines.torch_engine import TorchEngine
-
-    return TorchEngine.from_pretrained(model_dir)
+        return build_configured(EngineConfig(kind="remote", url=args.vllm, sync_weights=False), model_dir)
+    return build_configured(EngineConfig(kind="torch"), model_dir)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -81,33 +69,31 @@ def _positive_int(text: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    renderer, model_dir = load_renderer(args.model)
-    engine = build_engine(args, renderer, model_dir)
-    config = ProxyConfig(
-        max_tokens_cap=args.max_tokens_cap, temperature=args.temperature, keepalive_s=args.keepalive, parser=args.parser,
-        max_calls_per_rollout=args.max_calls_per_rollout,
-    )
-    registry = RolloutRegistry(args.records)
-    app = ProxyApp(ProxyCore(engine, renderer, config), registry, model_name=args.model_name)
+    from clawfast.embedded import ensure_embedded_model
+    from clawfast.proxy.server import tune_for_serving
+    from clawfast.rollout import RolloutService
+
+    model_dir = Path(args.model) if args.model else ensure_embedded_model()
+    engine = build_engine(args, model_dir)
+    sampling = Sampling(temperature=args.temperature, max_calls=args.max_calls_per_rollout)
+    service = RolloutService(engine, model_dir, records_dir=args.records, max_tokens_cap=args.max_tokens_cap,
+                             parser=args.parser, keepalive_s=args.keepalive, default_sampling=sampling,
+                             host=args.host, port=args.port, grpc_port=args.grpc_port, grpc_token=args.grpc_token,
+                             model_name=args.model_name)
     tune_for_serving()
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    with contextlib.ExitStack() as stack:
-        server = stack.enter_context(ProxyServer(app, args.host, args.port))
-        opened = registry.open(f"manual-{time.strftime('%Y%m%d-%H%M%S')}", harness="manual")
-        print(f"http: {server.base_url}", flush=True)
+    with service:
+        opened = service.open(f"manual-{time.strftime('%Y%m%d-%H%M%S')}", harness="manual")
+        print(f"http: {service.base_url}", flush=True)
         print(f"key: {opened.key}", flush=True)
-        if args.grpc_port is not None:
-            from clawfast.proxy.grpc_service import GrpcControlServer
-
-            token = args.grpc_token or secrets.token_urlsafe(24)
-            control = stack.enter_context(GrpcControlServer(registry, token, host=args.host, port=args.grpc_port, engine=engine))
-            print(f"grpc: {control.address}", flush=True)
+        if service.grpc is not None:
+            print(f"grpc: {service.grpc.address}", flush=True)
             if not args.grpc_token:
-                print(f"grpc token: {token}", flush=True)
+                print(f"grpc token: {service.grpc_token}", flush=True)
         try:
             stop.wait()
         except KeyboardInterrupt:
             pass
-        registry.close_all(status="ok")
+        service.close(opened.rollout_id, status="ok")
     return 0

@@ -32,35 +32,13 @@ transformers = pytest.importorskip("transformers")
 
 from clawfast.engines.base import SamplingParams  # noqa: E402
 
-VOCAB = 384
-MAX_LEN = 256
-
-
-def _tiny_qwen3(seed: int):
-    torch.manual_seed(seed)
-    config = transformers.Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=64,  # vLLM's CPU attention backend refuses 16 (docs ENGINES.md)
-        max_position_embeddings=MAX_LEN,
-        # Wide init: peaked next-token distributions, so greedy argmax is not decided by 1e-6 ties.
-        initializer_range=0.2,
-        tie_word_embeddings=False,
-        eos_token_id=VOCAB - 1,
-        bos_token_id=VOCAB - 2,
-        pad_token_id=VOCAB - 3,
-    )
-    return transformers.Qwen3ForCausalLM(config).eval()
+from .tiny_qwen3 import MAX_LEN, VOCAB, tiny_qwen3  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-qwen3")
-    _tiny_qwen3(seed=1).save_pretrained(path)
+    tiny_qwen3(seed=1).save_pretrained(path)
     return path
 
 
@@ -142,7 +120,7 @@ def test_stop_token_is_included_and_ends_generation(engine, model_dir):
 
 
 def test_weight_update_switches_model_and_version(engine, model_dir):
-    new_model = _tiny_qwen3(seed=2)
+    new_model = tiny_qwen3(seed=2)
     prompt = np.random.default_rng(21).integers(0, VOCAB - 3, size=13).astype(np.int32)
     before = _run(engine.generate(prompt, SamplingParams(max_tokens=8, temperature=0.0)))
     expected = _reference_greedy(new_model, prompt, 8)
@@ -164,7 +142,7 @@ def test_weight_update_switches_model_and_version(engine, model_dir):
 def test_partial_update_keeps_the_other_weights(engine, model_dir):
     original = transformers.Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     hybrid = transformers.Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    new_head = _tiny_qwen3(seed=3).lm_head.weight.detach().clone()
+    new_head = tiny_qwen3(seed=3).lm_head.weight.detach().clone()
     with torch.no_grad():
         hybrid.lm_head.weight.copy_(new_head)
     prompt = np.random.default_rng(31).integers(0, VOCAB - 3, size=15).astype(np.int32)

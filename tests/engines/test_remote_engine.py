@@ -41,37 +41,15 @@ from starlette.routing import Route  # noqa: E402
 from clawfast.engines.base import SamplingParams  # noqa: E402
 from clawfast.engines.remote import RemoteEngine  # noqa: E402
 
-VOCAB = 384
-MAX_LEN = 256
-EOS = VOCAB - 1
+from .tiny_qwen3 import EOS, MAX_LEN, VOCAB, tiny_qwen3  # noqa: E402
 # fp32 transformers on both sides of the stand-in (exact up to summation order); the real vLLM
-# differs by kernels: measured <= 4e-6 (tests/proxy/test_vllm_engine.py). A wrong token is off by > 0.1.
+# differs by kernels: measured <= 4e-6 (tests/engines/test_vllm_engine.py). A wrong token is off by > 0.1.
 ATOL = 5e-5
-
-
-def _tiny_qwen3(seed: int = 1):
-    torch.manual_seed(seed)
-    config = transformers.Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=64,  # vLLM's CPU attention backend refuses 16
-        max_position_embeddings=MAX_LEN,
-        initializer_range=0.2,  # peaked distributions: no near-ties in the greedy path
-        tie_word_embeddings=False,
-        eos_token_id=EOS,
-        bos_token_id=VOCAB - 2,
-        pad_token_id=VOCAB - 3,
-    )
-    return transformers.Qwen3ForCausalLM(config).eval()
 
 
 @pytest.fixture(scope="module")
 def model():
-    return _tiny_qwen3()
+    return tiny_qwen3()
 
 
 @pytest.fixture(scope="module")

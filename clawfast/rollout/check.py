@@ -1,0 +1,153 @@
+"""End-to-end check of one real harness: proxy + sandbox + verifier, with the scripted engine replaying
+a task's oracle through the harness's own shell tool.
+
+`check_harness("mini-swe-agent")` installs the harness (cache), builds the embedded tokenizer, runs
+one clawbench-mini task through a `RolloutService` on the oracle engine (`clawfast.rollout.oracle`:
+the real proxy over HTTP in this process, a fresh sandbox, the verifier in another) and returns a
+`CheckReport`: status, reward, the captured calls and their tags, and whether consecutive
+main-thread calls share an exact token prefix (call i+1's prompt starts with call i's prompt and
+output: what training needs).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from clawfast.harness import get_harness
+from clawfast.records import CallRecord, RolloutResult
+from clawfast.rollout.oracle import FINAL_TEXT
+from clawfast.rollout.service import ORACLE, RolloutService
+from clawfast.rollout.spec import RolloutSpec
+from clawfast.tasks.task import Task
+
+DEFAULT_TASK = "files-lines-0"  # two oracle commands, one a heredoc: newlines through tool-call JSON
+
+
+@dataclass(frozen=True)
+class PairContinuity:
+    """Two consecutive main-thread calls a -> b. shared: tokens of a's path (prompt + output) that
+    begin b's prompt. path: len(a's path). output_kept: a's sampled tokens appear verbatim in b's
+    prompt (token in, token out), even where the harness moved other context around them."""
+
+    first: int
+    second: int
+    shared: int
+    path: int
+    output_kept: bool
+
+    @property
+    def exact(self) -> bool:
+        return self.shared == self.path
+
+
+@dataclass
+class CheckReport:
+    """harness / task_id: what ran. result: the rollout (status, reward, calls, info).
+    pairs: continuity of consecutive main-thread calls (see `PairContinuity`). turns_scripted: how
+    many answers the script had. `ok`: the rollout is ok with reward 1.0 and every sampled output
+    reappears verbatim in the next prompt (an exact prefix is reported, not required: OpenClaw, for
+    one, moves its runtime-context message behind each new turn, which edits its own history)."""
+
+    harness: str
+    task_id: str
+    result: RolloutResult
+    turns_scripted: int
+    pairs: list[PairContinuity] = field(default_factory=list)
+    tags: Counter = field(default_factory=Counter)
+
+    @property
+    def ok(self) -> bool:
+        r = self.result
+        return r.status == "ok" and r.reward == 1.0 and all(p.output_kept for p in self.pairs)
+
+    def lines(self) -> list[str]:
+        r = self.result
+        out = [
+            f"harness   {self.harness}   task {self.task_id}   rollout {r.rollout_id}",
+            f"status    {r.status}   reward {r.reward}",
+            f"calls     {len(r.calls)} captured ({self.turns_scripted} scripted turns); tags "
+            + ", ".join(f"{k} {v}" for k, v in sorted(self.tags.items())),
+        ]
+        for c in r.calls:
+            out.append(
+                f"  call {c.call_index}: {'/'.join(c.tags)} {c.metadata.get('protocol', '')} "
+                f"prompt {len(c.prompt_ids)} tok, output {len(c.output_ids)} tok, finish {c.finish_reason}"
+            )
+        exact = sum(p.exact for p in self.pairs)
+        kept = sum(p.output_kept for p in self.pairs)
+        out.append(f"prefix    {exact}/{len(self.pairs)} consecutive main calls extend the previous prompt + output "
+                   f"exactly; {kept}/{len(self.pairs)} keep the previous output tokens verbatim")
+        for p in self.pairs:
+            if not p.exact:
+                out.append(f"  call {p.first} -> {p.second}: shares {p.shared} of {p.path} tokens "
+                           f"(the harness changed the last {p.path - p.shared})")
+        timings = r.info.get("timings", {})
+        out.append("timings   " + ", ".join(f"{k} {v:.2f}s" for k, v in timings.items()))
+        for key in ("error", "stderr_tail", "logs"):
+            if r.info.get(key):
+                out.append(f"{key:<9} {str(r.info[key]).strip()[-1500:]}")
+        if r.info.get("verifier"):
+            v = r.info["verifier"]
+            out.append(f"verifier  {v.get('status')} score {v.get('score')} {v.get('error') or ''}".rstrip())
+        return out
+
+
+def _contains(haystack: np.ndarray, needle: np.ndarray) -> bool:
+    if len(needle) == 0:
+        return True
+    data, pattern = haystack.astype("<i4").tobytes(), needle.astype("<i4").tobytes()
+    start = data.find(pattern)
+    while start != -1 and start % 4:  # only matches aligned on token boundaries count
+        start = data.find(pattern, start + 1)
+    return start != -1
+
+
+def continuity(calls: list[CallRecord]) -> list[PairContinuity]:
+    """Continuity of each pair of consecutive main-thread (non-excluded) calls, in call order."""
+    main = sorted((c for c in calls if not c.excluded), key=lambda c: c.call_index)
+    pairs = []
+    for a, b in zip(main, main[1:]):
+        path = np.concatenate([a.prompt_ids, a.output_ids])
+        n = min(len(path), len(b.prompt_ids))
+        differ = np.flatnonzero(path[:n] != b.prompt_ids[:n])
+        shared = int(differ[0]) if len(differ) else n
+        pairs.append(PairContinuity(a.call_index, b.call_index, shared, len(path), _contains(b.prompt_ids, a.output_ids)))
+    return pairs
+
+
+def check_task(task_id: str = DEFAULT_TASK) -> Task:
+    from clawfast.tasks import clawbench_mini
+
+    for task in clawbench_mini():
+        if task.id == task_id:
+            return task
+    raise ValueError(f"clawbench-mini has no task {task_id!r}")
+
+
+def check_harness(
+    name: str,
+    *,
+    backend: str = "bwrap",
+    task: Task | None = None,
+    timeout_s: float = 300.0,
+    logs_dir: Path | None = None,
+) -> CheckReport:
+    """Run `task` (default: clawbench-mini's `DEFAULT_TASK`) once through harness `name` with its
+    oracle scripted; see the module docstring. `backend`: ``bwrap`` (default) or ``local``."""
+    from clawfast.embedded import ensure_embedded_model
+
+    task = task or check_task()
+    options = {"timeout_s": timeout_s, "max_steps": 2 * len(task.oracle) + 4}
+    turns = len(get_harness(name, **options).scripted_turns(list(task.oracle), FINAL_TEXT))
+    with tempfile.TemporaryDirectory(prefix="clawfast-check-") as tmp:
+        with RolloutService(ORACLE, ensure_embedded_model(), records_dir=Path(tmp) / "records",
+                            harnesses={name: options}, sandbox=backend, timeout_s=timeout_s,
+                            logs_dir=logs_dir or Path(tmp) / "logs", oracle_tasks=[task]) as service:
+            [result] = service.run([RolloutSpec(task, name, 0)])
+    tags = Counter(tag for c in result.calls for tag in c.tags)
+    return CheckReport(name, task.id, result, turns, continuity(result.calls), tags)

@@ -1,0 +1,259 @@
+"""The rollout service: the one place where a rollout run is assembled. It owns the serving proxy (HTTP
+server, rollout registry, optionally the gRPC control plane), the engine's life on the proxy's event
+loop, the sandbox backend, the verifier runner and the harness adapters, here or in Ray actors; a
+caller only asks for rollouts.
+
+    with RolloutService(engine, model_dir, records_dir="runs/r/records",
+                        harnesses={"mini-swe-agent": {"max_steps": 8}}, sandbox="bwrap") as service:
+        results = service.run(make_specs(tasks, ["mini-swe-agent"], k=4), Sampling(temperature=1.0))
+
+`run` returns one `RolloutResult` per spec, in spec order (status contract: `clawfast.rollout.worker`).
+`sampling` (temperature, top_p, output cap, call budget) travels with each rollout it opens, so two
+runs with different sampling never touch a shared setting. Records are written by the proxy as calls
+are answered (``<records_dir>/<rollout_id>.cfr``) and reach the caller once, from the registry.
+
+Where rollouts run: by default on one asyncio loop in this process (`RolloutScheduler`,
+`concurrency` at once). With ``ray=OnRay(...)``, in one `clawfast.rollout.ray_backend` actor per
+alive Ray node (each `concurrency` at once); the proxy then listens on all interfaces and each actor
+relays its node's loopback to it. The engine: any `Engine` (the service closes it on exit, on the
+proxy's loop where its workers live), or ``"oracle"``: the scripted engine playing `oracle_tasks`'
+oracles through each harness's own tools (`clawfast.rollout.oracle`; the cold start and
+`clawfast harness check`). With no harnesses the service is the proxy alone (`clawfast proxy serve`):
+`open` and `close` manage rollouts by hand.
+
+This module imports the machinery it assembles only when the service starts, so importing it (the
+trainer does, on every rank of an FSDP run) loads no HTTP server, sandbox or harness code.
+
+Guaranteed: every rollout a `run` opened is closed before it returns or raises; on exit the sandbox
+backend (or the Ray actors) and the gRPC server stop, every rollout still open is closed as
+``proxy_error``, the engine is closed on the proxy's loop, and then the HTTP server stops. Not guaranteed: that harnesses, sandbox backend or Ray exist on this
+machine (checked on entry, with errors that say what is missing).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+from clawfast.engines.base import Engine, Sampling
+from clawfast.records import RolloutResult
+from clawfast.rollout.spec import RolloutSpec
+from clawfast.tasks.task import Task
+
+ORACLE = "oracle"
+SANDBOXES = ("bwrap", "docker", "local")
+
+
+@dataclass(frozen=True)
+class OnRay:
+    """Run rollouts on the Ray cluster at `address` (``"auto"``, ``"ray://host:port"``, or
+    ``"local"`` to start a private one here). suite / suite_seed: what each actor loads its tasks
+    from (a built-in suite name or a task directory present on every node): every spec's task id must
+    be in it. num_actors: None for one per alive node; actor_options: `ray.remote` options."""
+
+    address: str
+    suite: str
+    suite_seed: int = 0
+    num_actors: int | None = None
+    actor_options: dict[str, Any] = field(default_factory=dict)
+
+
+class RolloutService:
+    """engine: an `Engine`, or ``"oracle"`` (needs `oracle_tasks`). tokenizer_dir: the Hugging Face
+    directory whose tokenizer and chat template the proxy renders with. records_dir: where each
+    rollout's records are written. harnesses: adapter name -> `clawfast.harness.get_harness` keyword
+    arguments (plain data: Ray actors build their own). sandbox: ``bwrap``, ``docker`` or ``local``
+    (no isolation; its verifier runs in a plain subprocess). concurrency: rollouts in flight (per
+    node on Ray). timeout_s: harness wall clock (None: each task's own). logs_dir: where harness
+    logs are kept (None: not kept). max_tokens_cap / default_max_tokens / max_model_len / parser /
+    keepalive_s: the proxy's bounds (`clawfast.proxy.core.ProxyConfig`). default_sampling: for
+    rollouts opened without a `Sampling` (over gRPC, or by `open`). host / port: the proxy's HTTP
+    address (default: loopback, a free port; all interfaces on Ray). grpc_port: also serve the gRPC
+    control plane there (0: any port) behind `grpc_token` (default: a fresh one). model_name: the
+    name harnesses are told to send and ``/v1/models`` reports."""
+
+    def __init__(
+        self,
+        engine: Engine | str,
+        tokenizer_dir: str | Path,
+        *,
+        records_dir: str | Path,
+        harnesses: Mapping[str, Mapping[str, Any]] | None = None,
+        sandbox: str = "bwrap",
+        concurrency: int = 4,
+        timeout_s: float | None = None,
+        logs_dir: str | Path | None = None,
+        max_tokens_cap: int = 4096,
+        default_max_tokens: int = 1024,
+        max_model_len: int | None = None,
+        parser: str | None = None,
+        keepalive_s: float = 5.0,
+        default_sampling: Sampling | None = None,
+        host: str | None = None,
+        port: int = 0,
+        grpc_port: int | None = None,
+        grpc_token: str | None = None,
+        ray: OnRay | None = None,
+        oracle_tasks: Sequence[Task] = (),
+        model_name: str = "policy",
+    ) -> None:
+        if isinstance(engine, str) and engine != ORACLE:
+            raise ValueError(f"engine must be an Engine or {ORACLE!r}, got {engine!r}")
+        if engine == ORACLE and not oracle_tasks:
+            raise ValueError("engine='oracle' needs oracle_tasks (the tasks whose oracles it plays)")
+        if sandbox not in SANDBOXES:
+            raise ValueError(f"sandbox must be one of {SANDBOXES}, got {sandbox!r}")
+        if concurrency < 1:
+            raise ValueError(f"concurrency must be at least 1, got {concurrency}")
+        if ray is not None and not harnesses:
+            raise ValueError("ray needs at least one harness to run")
+        self.engine = engine
+        self.tokenizer_dir = Path(tokenizer_dir)
+        self.records_dir = Path(records_dir)
+        self.harness_options = {name: dict(options) for name, options in (harnesses or {}).items()}
+        self.sandbox = sandbox
+        self.concurrency = concurrency
+        self.timeout_s = timeout_s
+        self.logs_dir = Path(logs_dir) if logs_dir is not None else None
+        self.proxy_bounds = {"max_tokens_cap": max_tokens_cap, "default_max_tokens": default_max_tokens,
+                             "max_model_len": max_model_len, "parser": parser, "keepalive_s": keepalive_s}
+        self.default_sampling = default_sampling
+        self.host = host or ("0.0.0.0" if ray is not None else "127.0.0.1")
+        self.port = port
+        self.grpc_port = grpc_port
+        self.grpc_token = grpc_token
+        self.ray = ray
+        self.oracle_tasks = list(oracle_tasks)
+        self.model_name = model_name
+        self._stack: contextlib.ExitStack | None = None
+
+    # -- life --------------------------------------------------------------------------------------
+
+    def __enter__(self) -> "RolloutService":
+        from transformers import AutoTokenizer
+
+        from clawfast.harness import get_harness
+        from clawfast.proxy.core import ProxyConfig, ProxyCore
+        from clawfast.proxy.render import ChatRenderer
+        from clawfast.proxy.rollouts import RolloutRegistry
+        from clawfast.proxy.server import ProxyApp, ProxyServer
+
+        stack = contextlib.ExitStack()
+        try:
+            self.harnesses = {name: get_harness(name, **options) for name, options in self.harness_options.items()}
+            for harness in self.harnesses.values():
+                harness.installation  # install (or find) before any rollout's clock starts
+            renderer = ChatRenderer(AutoTokenizer.from_pretrained(self.tokenizer_dir))
+            if self.engine == ORACLE:
+                from clawfast.engines.scripted import ScriptedEngine
+                from clawfast.rollout.oracle import OracleResponder
+
+                responder = OracleResponder(renderer, list(self.harnesses.values()), self.oracle_tasks)
+                self.engine = ScriptedEngine(renderer.encode, renderer.turn_end_id, responder=responder)
+            self.registry = RolloutRegistry(self.records_dir, default_sampling=self.default_sampling)
+            core = ProxyCore(self.engine, renderer, ProxyConfig(**self.proxy_bounds))
+            self.server = stack.enter_context(ProxyServer(ProxyApp(core, self.registry, model_name=self.model_name),
+                                                          self.host, self.port))
+            # Exit order (last registered runs first): what starts below stops first, then open
+            # rollouts are closed, then the engine closes on the proxy's loop, then the server stops.
+            stack.callback(self._close_engine)
+            stack.callback(self.registry.close_all)
+            self.grpc = self._start_grpc(stack) if self.grpc_port is not None else None
+            self._pool = self._start_ray(stack) if self.ray is not None else None
+            self._worker = self._start_local(stack) if self.harnesses and self.ray is None else None
+        except BaseException:
+            stack.close()
+            raise
+        self._stack = stack
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._stack is not None:
+            stack, self._stack = self._stack, None
+            stack.close()
+
+    def _close_engine(self) -> None:
+        loop = self.server.loop
+        if loop is not None and loop.is_running():
+            asyncio.run_coroutine_threadsafe(self.engine.close(), loop).result(timeout=60)
+
+    def _start_grpc(self, stack: contextlib.ExitStack):
+        from clawfast.proxy.grpc_service import GrpcControlServer
+
+        self.grpc_token = self.grpc_token or secrets.token_urlsafe(24)
+        return stack.enter_context(GrpcControlServer(self.registry, self.grpc_token, host=self.host,
+                                                     port=self.grpc_port, engine=self.engine))
+
+    def _start_local(self, stack: contextlib.ExitStack):
+        from clawfast.rollout.worker import RolloutConfig, RolloutWorker
+        from clawfast.sandbox import create_backend
+        from clawfast.tasks.sandbox_runner import SandboxRunner
+
+        backend = create_backend(self.sandbox, **({"allow_unsafe": True} if self.sandbox == "local" else {}))
+        stack.callback(backend.close)
+        # "local" has no isolation to offer a verifier: it scores in a plain subprocess.
+        runner = None if self.sandbox == "local" else SandboxRunner(backend)
+        config = RolloutConfig(model=self.model_name, timeout_s=self.timeout_s, logs_dir=self.logs_dir)
+        return RolloutWorker(self.registry, backend, self.harnesses, config=config, verifier_runner=runner)
+
+    def _start_ray(self, stack: contextlib.ExitStack):
+        import ray
+
+        from clawfast.rollout.ray_backend import RayRolloutPool, RaySetup
+
+        on = self.ray
+        if not ray.is_initialized():
+            ray.init(address=None if on.address == "local" else on.address)
+            stack.callback(ray.shutdown)
+        node = ray.util.get_node_ip_address()  # this node as the cluster reaches it
+        setup = RaySetup(
+            suite=on.suite, suite_seed=on.suite_seed, harnesses=self.harness_options, backend=self.sandbox,
+            model=self.model_name, timeout_s=self.timeout_s, concurrency=self.concurrency,
+            logs_dir=str(self.logs_dir) if self.logs_dir is not None else None,
+            proxy_address=f"{node}:{self.server.port}",
+        )  # fmt: skip
+        return stack.enter_context(RayRolloutPool(setup, num_actors=on.num_actors, actor_options=on.actor_options))
+
+    # -- rollouts ----------------------------------------------------------------------------------
+
+    def run(self, specs: Sequence[RolloutSpec], sampling: Sampling | None = None, *,
+            on_result: Callable[[RolloutResult], None] | None = None, progress: bool = False) -> list[RolloutResult]:
+        """Run every spec; every call of every rollout samples with `sampling` (None:
+        `default_sampling`). `on_result` gets each result as it ends; `progress` draws a live line."""
+        self._require_started()
+        unknown = sorted({s.harness for s in specs} - set(self.harness_options))
+        if unknown:
+            raise ValueError(f"specs use harness(es) {unknown}; this service runs {sorted(self.harness_options)}")
+        if self._pool is not None:
+            return self._pool.run(specs, self.registry, sampling=sampling, on_result=on_result, progress=progress)
+        from clawfast.rollout.scheduler import RolloutScheduler
+
+        scheduler = RolloutScheduler(self._worker, concurrency=self.concurrency, progress=progress, on_result=on_result)
+        return asyncio.run(scheduler.run(specs, sampling))
+
+    def open(self, rollout_id: str | None = None, *, task_id: str = "", harness: str = "", sample_index: int = 0,
+             sampling: Sampling | None = None):
+        """Open a rollout by hand (a harness run elsewhere): returns its `OpenedRollout` (key, URL)."""
+        self._require_started()
+        return self.registry.open(rollout_id, task_id=task_id, harness=harness, sample_index=sample_index,
+                                  sampling=sampling)
+
+    def close(self, rollout_id: str, *, reward: float = 0.0, status: str = "ok",
+              info: dict[str, Any] | None = None) -> RolloutResult:
+        """Close a rollout opened by `open`; returns it with every call."""
+        self._require_started()
+        return self.registry.close(rollout_id, reward=reward, status=status, info=info)
+
+    @property
+    def base_url(self) -> str:
+        """The proxy's HTTP root (no ``/v1``)."""
+        self._require_started()
+        return self.server.base_url
+
+    def _require_started(self) -> None:
+        if self._stack is None:
+            raise RuntimeError("RolloutService is not running: use it as a context manager (with ... as service)")

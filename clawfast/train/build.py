@@ -1,0 +1,119 @@
+"""What a run is built from: the model directory, the policy, the optimizer, the engine, the rollout
+service and the sampling of its rollouts, each from the run's config (`clawfast.train.config`).
+The training loop, the cold start, the FSDP followers and `clawfast proxy serve` build through here.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from clawfast.engines.base import Engine, Sampling
+from clawfast.rollout import OnRay, RolloutService
+from clawfast.train.config import EngineConfig, RunConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_model_dir(config: RunConfig) -> Path:
+    """The Hugging Face directory the run starts from ("embedded": built on first use)."""
+    if config.model.path == "embedded":
+        from clawfast.embedded import ensure_embedded_model
+
+        return ensure_embedded_model()
+    path = Path(config.model.path)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model.path {path} is not a Hugging Face model directory (no config.json)")
+    return path
+
+
+def load_policy(config: RunConfig, model_dir: Path, *, value_head: bool = False):
+    """A `Policy` from `model_dir` with the run's dtype and attention."""
+    from clawfast.train.policy import Policy
+
+    return Policy.from_pretrained(model_dir, dtype=DTYPES[config.model.dtype], attention=config.model.attention,
+                                  value_head=value_head)
+
+
+def build_policy(config: RunConfig, model_dir: Path):
+    """The trained policy (a value head under PPO; gradient checkpointing if configured)."""
+    policy = load_policy(config, model_dir, value_head=config.algorithm.name == "ppo")
+    if config.model.gradient_checkpointing:
+        policy.lm.gradient_checkpointing_enable()
+    return policy
+
+
+def build_optimizer(config: RunConfig, policy: torch.nn.Module) -> torch.optim.Optimizer:
+    o = config.optim
+    return torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=o.lr, betas=tuple(o.betas),
+                             eps=o.eps, weight_decay=o.weight_decay)
+
+
+def build_engine(engine: EngineConfig, model_dir: Path, *, dtype: str = "float32", seed: int = 0, lm=None,
+                 weight_version: int = 0) -> Engine:
+    """The engine `engine.kind` names, serving `lm`'s weights (a module, copied) at `weight_version`,
+    or, with no `lm`, the weights in `model_dir`."""
+    if engine.kind == "torch":
+        from clawfast.engines.torch_engine import TorchEngine
+
+        if lm is None:
+            from transformers import AutoModelForCausalLM
+
+            lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype])
+        built = TorchEngine(copy.deepcopy(lm).eval(), max_batch=engine.max_batch, seed=seed)
+        built.weight_version = weight_version
+        return built
+    if engine.kind == "vllm":
+        from clawfast.engines.vllm_engine import VLLMEngine
+
+        built = VLLMEngine(str(model_dir), dtype=dtype, max_model_len=engine.max_model_len, seed=seed)
+        if lm is not None:
+            built.update_weights(lm.state_dict(), weight_version)
+        return built
+    from clawfast.engines.remote import RemoteEngine
+
+    return RemoteEngine(engine.url, weight_version=weight_version)
+
+
+def push_weights(engine: Engine, policy, version: int) -> None:
+    """Send the policy's weights to the engine under `version` (every later call records it)."""
+    engine.update_weights({k: v.detach() for k, v in policy.lm.state_dict().items()}, version)
+
+
+def harness_options(config: RunConfig, *, max_steps: int | None = None) -> dict[str, dict]:
+    """`get_harness` keyword arguments per harness of the run (`max_steps`: instead of
+    ``rollout.harness_max_steps``)."""
+    rc = config.rollout
+    out = {}
+    for name in rc.harnesses:
+        options: dict = {"timeout_s": rc.timeout_s, "max_steps": max_steps or rc.harness_max_steps}
+        if name == "mini-swe-agent" and rc.mini_instance_template is not None:
+            options["instance_template"] = rc.mini_instance_template
+        out[name] = options
+    return out
+
+
+def rollout_sampling(config: RunConfig, temperature: float) -> Sampling:
+    """What every call of the run's rollouts samples with, at `temperature`."""
+    return Sampling(temperature=temperature, top_p=config.engine.top_p, max_calls=config.rollout.max_model_calls)
+
+
+def rollout_service(config: RunConfig, engine: Engine | str, model_dir: Path, records_dir: Path, *,
+                    logs_dir: Path | None = None, concurrency: int | None = None, max_steps: int | None = None,
+                    oracle_tasks: Sequence = (), on_ray: bool | None = None) -> RolloutService:
+    """The run's `RolloutService` over `engine` (``"oracle"``: the cold start's scripted oracle).
+    concurrency / max_steps: instead of ``rollout.concurrency`` / ``rollout.harness_max_steps``.
+    on_ray: run on the cluster of ``distributed`` (default: when ``distributed.rollouts = "ray"``)."""
+    rc, e = config.rollout, config.engine
+    if on_ray is None:
+        on_ray = config.distributed.rollouts == "ray"
+    ray = OnRay(config.distributed.ray_address, config.tasks.suite, config.tasks.suite_seed) if on_ray else None
+    return RolloutService(
+        engine, model_dir, records_dir=records_dir, harnesses=harness_options(config, max_steps=max_steps),
+        sandbox=rc.sandbox, concurrency=concurrency or rc.concurrency, timeout_s=rc.timeout_s, logs_dir=logs_dir,
+        max_tokens_cap=e.max_tokens, default_max_tokens=e.max_tokens, max_model_len=e.max_model_len, ray=ray,
+        oracle_tasks=oracle_tasks,
+    )  # fmt: skip

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import json
 import os
 import platform
@@ -60,15 +59,15 @@ def main(argv=None) -> None:
     rows = {b: {"times_s": []} for b in budgets}
     for b in budgets:  # warm-up, untimed: first-call allocations would otherwise land on the first budget
         warm = copy.deepcopy(base)
-        train_step(warm, build_optimizer(config, warm), rollouts, None, dataclasses.replace(step, max_tokens=b))
+        train_step(warm, build_optimizer(config, warm), rollouts, None, step.model_copy(update={"max_tokens": b}))
     for _ in range(args.repeats):
         for b in budgets:
             policy = copy.deepcopy(base)
             m = train_step(policy, build_optimizer(config, policy), rollouts, None,
-                           dataclasses.replace(step, max_tokens=b))
+                           step.model_copy(update={"max_tokens": b}))
             rows[b]["times_s"].append(m["time_total_s"])
     for b in budgets:
-        batches = prepare_step(rollouts, None, dataclasses.replace(step, max_tokens=b)).batches
+        batches = prepare_step(rollouts, None, step.model_copy(update={"max_tokens": b})).batches
         rows[b].update(median_s=statistics.median(rows[b]["times_s"]), micro_batches=len(batches),
                        rows=sum(x.num_tokens for x in batches),
                        context_rows=int(sum(x.is_context.sum() for x in batches)))

@@ -9,7 +9,6 @@ differs is only the order of the cross-rank gradient sums.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import gc
 import os
 
@@ -40,7 +39,7 @@ def _adamw(policy):
 
 
 def _ppo(config: StepConfig) -> StepConfig:
-    return dataclasses.replace(config, algorithm="ppo", gamma=0.99, lam=0.95)
+    return config.model_copy(update={"name": "ppo", "gamma": 0.99, "lam": 0.95})
 
 
 def _worker(rank: int, store: str, policy, ppo_policy, rollouts, config: StepConfig, out_dir: str) -> None:

@@ -233,7 +233,7 @@ def kv_end_of(torch, parent):
 def check_tree_attention(K, torch, device, gen, backend, dtype, tol, options=False):
     """``backend`` vs the dense float32 reference: output and q/k/v gradients (flex on a CPU: the
     output only, FlexAttention having no CPU backward). ``options``: with a sliding window,
-    soft-capping and sinks (and their gradient; flex on a CPU: no sinks, torch has no CPU LSE)."""
+    soft-capping and sinks (and their gradient)."""
     n, hq, hkv, d = (40, 4, 2, 16) if device.type == "cpu" else (1500, 8, 2, 64)
     kv_end = kv_end_of(torch, agent_parent(torch, n, gen)).to(device)
     n = kv_end.shape[0]
@@ -241,7 +241,7 @@ def check_tree_attention(K, torch, device, gen, backend, dtype, tol, options=Fal
     q, k, v = (torch.randn(n, h, d, generator=gen).to(device, dtype).requires_grad_(grads) for h in (hq, hkv, hkv))
     g = torch.randn(n, hq, d, generator=gen).to(device)
     extra = dict(window=max(2, n // 8), softcap=5.0) if options else {}
-    if options and not (backend == "flex" and device.type == "cpu"):
+    if options:
         extra["sinks"] = torch.randn(hq, generator=gen).to(device, dtype).requires_grad_(grads)
     out = K.tree_attention(q, k, v, kv_end, backend=backend, **extra)
     inputs = [q, k, v] + ([extra["sinks"]] if "sinks" in extra else [])
@@ -252,8 +252,7 @@ def check_tree_attention(K, torch, device, gen, backend, dtype, tol, options=Fal
         (out.float() * g).sum().backward()
         (ref * g).sum().backward()
         errs.update({f"d{name}": rel(torch, t.grad, r.grad) for name, t, r in zip("qkvs", inputs, refs)})
-    case = f"check {backend} {str(dtype)[6:]}" + (" window+softcap" + ("+sinks" if "sinks" in extra else "")
-                                                  if options else "")
+    case = f"check {backend} {str(dtype)[6:]}" + (" window+softcap+sinks" if options else "")
     return dict(op="tree_attention", case=case + ("" if grads else " fwd"),
                 shape=f"N={n} Hq={hq} Hkv={hkv} D={d}", err=max(errs.values()), tol=tol)
 

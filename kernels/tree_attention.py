@@ -183,7 +183,7 @@ class TreeMask:
         self._max_depth: int | None = None
         self._schedules: dict[tuple[int, int | None], BlockSchedule] = {}
         self._host: dict[tuple[int, int | None], tuple[list[int], list[int], list[bool]]] = {}
-        self._flex: dict[int | None, object] = {}
+        self._flex: dict[tuple[int | None, bool], object] = {}
 
     @property
     def device(self) -> torch.device:
@@ -229,8 +229,9 @@ class TreeMask:
         rows = torch.arange(self.num_rows, device=self.device)
         return int((self.kv_end.long() - rows + 1).sum())
 
-    def mask_mod(self, window: int | None = None):
-        """The predicate in FlexAttention's ``mask_mod`` signature."""
+    def mask_mod(self, window: int | None = None, sink_key: bool = False):
+        """The predicate in FlexAttention's ``mask_mod`` signature; with `sink_key`, key row N (the
+        sinks' virtual key, one past the last row) is seen by every query."""
         kv_end, last = self.kv_end, self.num_rows - 1
         depth = None if window is None else self.depth()
 
@@ -238,36 +239,54 @@ class TreeMask:
             # flex may evaluate padding positions of a partial last block: keep the indices in range
             return (kv_idx <= q_idx) & (kv_end[torch.clamp(kv_idx, max=last)] >= q_idx)
 
-        if depth is None:
-            return tree_mask_mod
-
         def windowed_tree_mask_mod(b, h, q_idx, kv_idx):
             in_window = depth[torch.clamp(q_idx, max=last)] - depth[torch.clamp(kv_idx, max=last)] < window
             return tree_mask_mod(b, h, q_idx, kv_idx) & in_window
 
-        return windowed_tree_mask_mod
+        visible = tree_mask_mod if depth is None else windowed_tree_mask_mod
+        if not sink_key:
+            return visible
 
-    def flex_block_mask(self, window: int | None = None):
-        """``schedule(128, window)`` as a FlexAttention ``BlockMask`` (partial and full blocks), cached."""
-        if window not in self._flex:
+        def sink_key_mask_mod(b, h, q_idx, kv_idx):
+            return visible(b, h, q_idx, kv_idx) | (kv_idx == last + 1)
+
+        return sink_key_mask_mod
+
+    def flex_block_mask(self, window: int | None = None, sink_key: bool = False):
+        """``schedule(128, window)`` as a FlexAttention ``BlockMask`` (partial and full blocks), cached.
+        With `sink_key` the keys are N + 1 rows: the sinks' virtual key N joins every query block's
+        list (as a partial block, unless the block holding it is listed already)."""
+        if (window, sink_key) not in self._flex:
             from torch.nn.attention.flex_attention import BlockMask
 
             s = self.schedule(_FLEX_BLOCK, window)
             nb = s.num_blocks
+            num_keys = self.num_rows + sink_key
+            key_blocks = -(-num_keys // _FLEX_BLOCK)
             qb, kb = _pairs(s)
+            full = s.kv_full
+            if sink_key:
+                sink_block = self.num_rows // _FLEX_BLOCK
+                listed = torch.zeros(nb, key_blocks, dtype=torch.bool, device=self.device)
+                listed[qb, kb] = True
+                extra = torch.nonzero(~listed[:, sink_block])[:, 0]
+                order = torch.argsort(torch.cat([qb, extra]), stable=True)
+                qb = torch.cat([qb, extra])[order]
+                kb = torch.cat([kb, torch.full_like(extra, sink_block)])[order]
+                full = torch.cat([full, torch.zeros_like(extra, dtype=torch.bool)])[order]
             parts = []
-            for sel in (~s.kv_full, s.kv_full):
+            for sel in (~full, full):
                 q_sel, k_sel = qb[sel], kb[sel]
                 counts = torch.bincount(q_sel, minlength=nb)
                 start = torch.cumsum(counts, 0) - counts
                 rank = torch.arange(q_sel.shape[0], device=self.device) - start[q_sel]
-                idx = torch.zeros(nb, nb, dtype=torch.int32, device=self.device)
+                idx = torch.zeros(nb, key_blocks, dtype=torch.int32, device=self.device)
                 idx[q_sel, rank] = k_sel.to(torch.int32)
                 parts += [counts.to(torch.int32)[None, None], idx[None, None]]
-            self._flex[window] = BlockMask.from_kv_blocks(*parts, BLOCK_SIZE=_FLEX_BLOCK,
-                                                          mask_mod=self.mask_mod(window),
-                                                          seq_lengths=(self.num_rows, self.num_rows))
-        return self._flex[window]
+            self._flex[(window, sink_key)] = BlockMask.from_kv_blocks(
+                *parts, BLOCK_SIZE=_FLEX_BLOCK, mask_mod=self.mask_mod(window, sink_key),
+                seq_lengths=(self.num_rows, num_keys))
+        return self._flex[(window, sink_key)]
 
 
 def _pairs(s: BlockSchedule) -> tuple[torch.Tensor, torch.Tensor]:
@@ -748,34 +767,37 @@ _compiled_flex = None
 
 def _forward_flex(q, k, v, sinks, mask: TreeMask, rule: Scores) -> torch.Tensor:
     global _compiled_flex
-    from torch.nn.attention.flex_attention import AuxRequest, flex_attention
+    from torch.nn.attention.flex_attention import flex_attention
 
     if q.device.type == "cpu" and torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (q, k, v, sinks)):
         raise NotImplementedError("FlexAttention has no backward on CPU (torch "
                                   f"{torch.__version__}): use backend='torch' to train on CPU")
-    if q.device.type == "cpu" and sinks is not None:
-        raise NotImplementedError("FlexAttention on CPU does not return the log-sum-exp that sinks need (torch "
-                                  f"{torch.__version__}): use backend='torch' on CPU")
     if _compiled_flex is None:
         # torch.compile's default: the second row count recompiles with a dynamic N, later ones reuse it
         _compiled_flex = torch.compile(flex_attention)
-    score_mod = None
-    if rule.softcap is not None:
-        cap = rule.softcap
+    n = q.shape[0]
+    cap = rule.softcap
+    if sinks is not None:
+        # The sinks as one more key (row N, value 0, seen by every query) whose score is the head's
+        # sink logit: the softmax over N + 1 keys is the sink-corrected one, with no log-sum-exp needed.
+        zero = k.new_zeros(1, k.shape[1], k.shape[2])
+        k, v = torch.cat([k, zero]), torch.cat([v, zero])
+        sink_logits = sinks.float()
 
-        def score_mod(score, b, h, q_idx, kv_idx):
-            return cap * torch.tanh(score / cap)
+    def score_mod(score, b, h, q_idx, kv_idx):
+        if cap is not None:
+            score = cap * torch.tanh(score / cap)
+        if sinks is not None:
+            score = torch.where(kv_idx == n, sink_logits[h].to(score.dtype), score)
+        return score
 
     # flex takes [B, H, N, D]; enable_gqa maps query head h to key head h // G as the other paths do
     args = (q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None])
-    kwargs = dict(score_mod=score_mod, block_mask=mask.flex_block_mask(rule.window), scale=rule.scale,
-                  enable_gqa=k.shape[1] != q.shape[1])
-    if sinks is None:
-        return _compiled_flex(*args, **kwargs)[0].transpose(0, 1)
-    out, aux = _compiled_flex(*args, **kwargs, return_aux=AuxRequest(lse=True))
-    lse = aux.lse[0]
-    return _with_sinks(lse, out[0].to(lse.dtype), sinks.to(lse.dtype)[:, None])[1].to(q.dtype).transpose(0, 1)
+    out = _compiled_flex(*args, score_mod=score_mod if cap is not None or sinks is not None else None,
+                         block_mask=mask.flex_block_mask(rule.window, sink_key=sinks is not None),
+                         scale=rule.scale, enable_gqa=k.shape[1] != q.shape[1])
+    return out[0].transpose(0, 1)
 
 
 # ----------------------------------------------------------------------------------------------

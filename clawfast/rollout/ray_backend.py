@@ -30,6 +30,7 @@ import asyncio
 import os
 import threading
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -115,13 +116,6 @@ class LoopbackRelay:
         self.loop.close()
 
 
-def _load_tasks(setup: RaySetup) -> dict:
-    from clawfast.tasks import clawbench_mini, load_suite
-
-    tasks = clawbench_mini(setup.suite_seed) if setup.suite == "clawbench-mini" else load_suite(setup.suite)
-    return {task.id: task for task in tasks}
-
-
 class RolloutActor:
     """The body of a Ray actor (wrapped with `ray.remote` by `RayRolloutPool`)."""
 
@@ -130,9 +124,10 @@ class RolloutActor:
 
         from clawfast.harness import get_harness
         from clawfast.sandbox import create_backend
+        from clawfast.tasks import load_suite
         from clawfast.tasks.sandbox_runner import SandboxRunner
 
-        self.tasks = _load_tasks(setup)
+        self.tasks = {task.id: task for task in load_suite(setup.suite, seed=setup.suite_seed)}
         harnesses = {name: get_harness(name, **options) for name, options in setup.harnesses.items()}
         for harness in harnesses.values():
             harness.installation  # install on this node before the first rollout's clock starts
@@ -233,7 +228,7 @@ class RayRolloutPool:
         results: list[RolloutResult | None] = [None] * len(specs)
         inflight: dict[Any, _InFlight] = {}
         load = [0] * len(self.actors)
-        queue = list(enumerate(specs))[::-1]
+        queue = deque(enumerate(specs))
 
         def finish(index: int, result: RolloutResult) -> None:
             results[index] = result
@@ -246,7 +241,7 @@ class RayRolloutPool:
                 display.start()
             while queue or inflight:
                 while queue and min(load) < self.setup.concurrency:
-                    index, spec = queue.pop()
+                    index, spec = queue.popleft()
                     try:
                         opened = control.open(task_id=spec.task.id, harness=spec.harness,
                                               sample_index=spec.sample_index, sampling=sampling)

@@ -9,19 +9,20 @@ from clawfast.tasks.mini import SUITE_NAME as MINI, clawbench_mini
 from clawfast.tasks.task import SPLITS, Task
 from clawfast.tasks.taskdir import load_task_dir
 
-BUILTIN_SUITES: dict[str, Callable[[], list[Task]]] = {MINI: clawbench_mini}
+BUILTIN_SUITES: dict[str, Callable[[int], list[Task]]] = {MINI: clawbench_mini}
 
 
-def load_suite(name_or_path: str | Path, split: str | None = None) -> list[Task]:
-    """The tasks of a built-in suite (``clawbench-mini``) or of a task directory (see
-    `load_task_dir`), optionally only those of `split` (``train`` or ``eval``).
+def load_suite(name_or_path: str | Path, split: str | None = None, *, seed: int = 0) -> list[Task]:
+    """The tasks of a built-in suite (``clawbench-mini``, generated from `seed`) or of a task
+    directory (see `load_task_dir`; it has no seed), optionally only those of `split` (``train`` or
+    ``eval``).
 
     A name that is both a built-in suite and an existing path means the built-in suite; write
     ``./clawbench-mini`` for the directory."""
     if split is not None and split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     if str(name_or_path) in BUILTIN_SUITES:
-        tasks = BUILTIN_SUITES[str(name_or_path)]()
+        tasks = BUILTIN_SUITES[str(name_or_path)](seed)
     elif Path(name_or_path).is_dir():
         tasks = load_task_dir(name_or_path)
     else:

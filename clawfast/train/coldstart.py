@@ -39,15 +39,13 @@ from clawfast.train.config import RunConfig
 
 def demonstration_tasks(config: RunConfig) -> list:
     """The tasks to demonstrate (see the module docstring), in a deterministic order."""
-    from clawfast.tasks import clawbench_mini, load_suite
+    from clawfast.tasks import BUILTIN_SUITES, load_suite
 
     cs = config.coldstart
-    if config.tasks.suite == "clawbench-mini":
-        held_out = {t.instruction for t in clawbench_mini(config.tasks.suite_seed) if t.split == config.eval.split}
-        pools = [[t for t in clawbench_mini(seed) if t.split == config.tasks.split] for seed in cs.suite_seeds]
-    else:  # a task directory has no generator seed: its training split, once
-        held_out = {t.instruction for t in load_suite(config.tasks.suite, config.eval.split)}
-        pools = [load_suite(config.tasks.suite, config.tasks.split)]
+    held_out = {t.instruction for t in load_suite(config.tasks.suite, config.eval.split, seed=config.tasks.suite_seed)}
+    # A built-in suite is drawn anew per seed; a task directory has no generator seed: its split, once.
+    seeds = cs.suite_seeds if config.tasks.suite in BUILTIN_SUITES else (0,)
+    pools = [load_suite(config.tasks.suite, config.tasks.split, seed=seed) for seed in seeds]
     seen: set[str] = set()
     out = []
     for pool in pools:

@@ -46,12 +46,9 @@ class TaskSampler:
 
 def load_tasks(config: RunConfig, split: str, difficulties: Sequence[str] = ()) -> dict:
     """Task id -> Task of the configured suite's `split` (filtered by difficulty tags)."""
-    from clawfast.tasks import clawbench_mini, load_suite
+    from clawfast.tasks import load_suite
 
-    if config.tasks.suite == "clawbench-mini":  # the one built-in suite with a generator seed
-        tasks = [t for t in clawbench_mini(config.tasks.suite_seed) if t.split == split]
-    else:
-        tasks = load_suite(config.tasks.suite, split)
+    tasks = load_suite(config.tasks.suite, split, seed=config.tasks.suite_seed)
     if difficulties:
         tasks = [t for t in tasks if t.tags.get("difficulty") in difficulties]
     return {t.id: t for t in tasks}

@@ -264,13 +264,18 @@ def real_empty(monkeypatch):
 
 # One compiled FlexAttention forward per case (compiling costs seconds on CPU): the block mask is
 # exercised with partial and full blocks, a partial last block, GQA and several trees.
-# One case runs a window and softcap (a score_mod) through flex.
+# One case runs a window and softcap (a score_mod) through flex; two run sinks (the virtual key row N:
+# in a new key block at N = 640, inside the partial last block at N = 333, with window and softcap).
 @pytest.mark.parametrize("kind, n, options", [("segments", 700, {}), ("bushy", 300, {}), ("chains", 333, {}),
-                                              ("segments", 700, {"window": 150, "softcap": 0.9})])
+                                              ("segments", 700, {"window": 150, "softcap": 0.9}),
+                                              ("bushy", 640, {"sinks": True}),
+                                              ("chains", 333, {"sinks": True, "window": 50, "softcap": 0.9})])
 def test_flex_forward_matches_reference(real_empty, kind, n, options):
     gen = torch.Generator().manual_seed(n)
     kv_end = make_kv_end(kind, n, gen)
     q, k, v = (t.detach() for t in qkv(n, 4, 2, 16, torch.float32, gen))
+    if options.get("sinks"):
+        options = {**options, "sinks": torch.randn(4, generator=gen, dtype=torch.float32) * 3}
     out = tree_attention(q, k, v, kv_end, backend="flex", **options)
     ref = tree_attention_ref(q.double(), k.double(), v.double(), kv_end, **options)
     assert err(out, ref) <= 1e-5
@@ -296,13 +301,11 @@ def test_flex_block_mask_is_the_schedule(window):
     assert torch.equal(dense, listed)
 
 
-def test_flex_has_no_cpu_backward_nor_cpu_sinks_and_says_so():
+def test_flex_has_no_cpu_backward_and_says_so():
     gen = torch.Generator().manual_seed(0)
     q, k, v = qkv(20, 2, 1, 16, torch.float32, gen)
     with pytest.raises(NotImplementedError, match="backward on CPU.*backend='torch'"):
         tree_attention(q, k, v, chains([20]), backend="flex")
-    with torch.no_grad(), pytest.raises(NotImplementedError, match="sinks.*backend='torch'"):
-        tree_attention(q, k, v, chains([20]), sinks=torch.zeros(2), backend="flex")
 
 
 def test_bad_inputs():

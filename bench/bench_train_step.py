@@ -145,7 +145,7 @@ def flat_step_data(rollouts, layout: str, config: StepConfig) -> StepData:
                     continue
                 n = len(c.prompt_ids)
                 samples.append({"ids": np.concatenate([c.prompt_ids, c.output_ids]), "rollout": g,
-                                "pos": np.arange(n, n + len(c.output_ids)), "lp": c.output_logprobs,
+                                "pos": np.arange(n, n + len(c.output_ids)), "lp": c.infer_logprobs,
                                 "w": np.ones(len(c.output_ids))})
         denominator = float(sum(len(s["pos"]) for s in samples))
     else:
@@ -160,7 +160,7 @@ def flat_step_data(rollouts, layout: str, config: StepConfig) -> StepData:
                 count.update((g, int(t)) for t in path[pos])
                 per_leaf.append((g, tree, path, pos))
         for g, tree, path, pos in per_leaf:
-            samples.append({"ids": tree.tokens[path], "rollout": g, "pos": pos, "lp": tree.token_logprob[path[pos]],
+            samples.append({"ids": tree.tokens[path], "rollout": g, "pos": pos, "lp": tree.infer_logprobs[path[pos]],
                             "w": np.array([1.0 / count[(g, int(t))] for t in path[pos]])})
         denominator = float(len(count))
     bins = [[s] for s in samples] if layout == "call-1" else _first_fit_decreasing(samples, config.max_tokens)

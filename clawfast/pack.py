@@ -93,7 +93,7 @@ def _tree_arrays(tree) -> dict[str, np.ndarray]:
         "seg_len": seg_len,
         "seg_train": seg_train.astype(np.uint8),
         "tokens": np.asarray(tree.tokens),
-        "token_logprob": np.asarray(tree.token_logprob),
+        "infer_logprobs": np.asarray(tree.infer_logprobs),
         "token_call": token_call,
         "leaf_node": np.fromiter((leaf.node for leaf in tree.leaves), dtype=np.int32, count=len(tree.leaves)),
         "leaf_kept": np.fromiter((leaf.status == "kept" for leaf in tree.leaves), dtype=np.uint8,
@@ -103,7 +103,7 @@ def _tree_arrays(tree) -> dict[str, np.ndarray]:
 
 _EMPTY = {
     "seg_parent": np.zeros(0, np.int32), "seg_start": np.zeros(0, np.int32), "seg_len": np.zeros(0, np.int32),
-    "seg_train": np.zeros(0, np.uint8), "tokens": np.zeros(0, np.int32), "token_logprob": np.zeros(0, np.float32),
+    "seg_train": np.zeros(0, np.uint8), "tokens": np.zeros(0, np.int32), "infer_logprobs": np.zeros(0, np.float32),
     "token_call": np.zeros(0, np.int32), "leaf_node": np.zeros(0, np.int32), "leaf_kept": np.zeros(0, np.uint8),
 }
 
@@ -140,7 +140,7 @@ def pack(trees: Sequence, max_tokens: int, *, rewards: Sequence[float] | None = 
     out = _core.pack_forest(
         _offsets(parts, "seg_parent"), _concat(parts, "seg_parent", np.int32), _concat(parts, "seg_start", np.int32),
         _concat(parts, "seg_len", np.int32), _concat(parts, "seg_train", np.uint8),
-        _offsets(parts, "tokens"), _concat(parts, "tokens", np.int32), _concat(parts, "token_logprob", np.float32),
+        _offsets(parts, "tokens"), _concat(parts, "tokens", np.int32), _concat(parts, "infer_logprobs", np.float32),
         _concat(parts, "token_call", np.int32),
         _offsets(parts, "leaf_node"), _concat(parts, "leaf_node", np.int32), _concat(parts, "leaf_kept", np.uint8),
         int(max_tokens),

@@ -103,7 +103,7 @@ def _merge(trees: Sequence) -> _Row:
                     child = node.children[tok] = _Row(tok, node, node.depth + 1)
                 node = child
                 if trainable[t]:
-                    node.targets.append((r, first_leaf[s], int(tree.token_call[t]), float(tree.token_logprob[t])))
+                    node.targets.append((r, first_leaf[s], int(tree.token_call[t]), float(tree.infer_logprobs[t])))
             seg_end[s] = node
         for leaf in tree.kept_leaves:
             seg_end[int(tree.leaves[leaf].node)].leaves.append((r, leaf))

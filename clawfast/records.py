@@ -67,7 +67,7 @@ class CallRecord:
 
     prompt_ids: the exact token ids the engine was given (int32).
     output_ids: the token ids it sampled (int32).
-    output_logprobs: the sampler's own log-prob of each sampled token (float32, same length).
+    infer_logprobs: the sampler's own log-prob of each sampled token (float32, same length).
     tags: what the call was (`main`, `subagent`, `compaction`, `title`, `quota`, ...).
     metadata: the request facts that produced the tags and anything else worth keeping (protocol,
         headers of interest, prompt drift against the previous call, client disconnects).
@@ -79,7 +79,7 @@ class CallRecord:
     harness: str
     prompt_ids: np.ndarray
     output_ids: np.ndarray
-    output_logprobs: np.ndarray
+    infer_logprobs: np.ndarray
     weight_version: int = 0
     finish_reason: str = "stop"
     timings: dict[str, float] = field(default_factory=dict)
@@ -89,21 +89,21 @@ class CallRecord:
     def __post_init__(self) -> None:
         self.prompt_ids = _as_array(self.prompt_ids, np.int32, "prompt_ids")
         self.output_ids = _as_array(self.output_ids, np.int32, "output_ids")
-        self.output_logprobs = _as_array(self.output_logprobs, np.float32, "output_logprobs")
+        self.infer_logprobs = _as_array(self.infer_logprobs, np.float32, "infer_logprobs")
         self.tags = tuple(self.tags)
         self.validate()
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError if the record cannot be training data."""
-        if len(self.output_ids) != len(self.output_logprobs):
+        if len(self.output_ids) != len(self.infer_logprobs):
             raise ValueError(
                 f"call {self.call_index} of rollout {self.rollout_id!r}: {len(self.output_ids)} output ids "
-                f"but {len(self.output_logprobs)} logprobs"
+                f"but {len(self.infer_logprobs)} logprobs"
             )
         if len(self.prompt_ids) == 0:
             raise ValueError(f"call {self.call_index} of rollout {self.rollout_id!r}: empty prompt")
-        if self.output_logprobs.size:
-            lp = self.output_logprobs
+        if self.infer_logprobs.size:
+            lp = self.infer_logprobs
             if not np.all(np.isfinite(lp)):
                 raise ValueError(f"call {self.call_index}: non-finite output logprob")
             # Sampling log-probs are <= 0; allow float32 rounding of log(1).
@@ -126,7 +126,7 @@ class CallRecord:
             _meta_of(self) == _meta_of(other)
             and np.array_equal(self.prompt_ids, other.prompt_ids)
             and np.array_equal(self.output_ids, other.output_ids)
-            and self.output_logprobs.tobytes() == other.output_logprobs.tobytes()
+            and self.infer_logprobs.tobytes() == other.infer_logprobs.tobytes()
         )
 
 
@@ -208,7 +208,7 @@ def _call_parts(call: CallRecord) -> list:
     # Records are little-endian on disk; on a little-endian host these are views, not copies.
     arrays = [
         memoryview(np.ascontiguousarray(a, dtype=dt)).cast("B")
-        for a, dt in ((call.prompt_ids, "<i4"), (call.output_ids, "<i4"), (call.output_logprobs, "<f4"))
+        for a, dt in ((call.prompt_ids, "<i4"), (call.output_ids, "<i4"), (call.infer_logprobs, "<f4"))
     ]
     return _frame_parts(_KIND_CALL, [struct.pack("<I", len(meta)), meta, *arrays])
 
@@ -251,7 +251,7 @@ def _decode_call(payload: bytes, offset: int) -> CallRecord:
             harness=meta["harness"],
             prompt_ids=arrays[:n_p].astype(np.int32),
             output_ids=arrays[n_p:].astype(np.int32),
-            output_logprobs=logprobs.astype(np.float32),
+            infer_logprobs=logprobs.astype(np.float32),
             weight_version=int(meta["weight_version"]),
             finish_reason=meta["finish_reason"],
             timings=meta["timings"],

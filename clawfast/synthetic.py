@@ -48,7 +48,7 @@ def _call(rollout_id, index, harness, prompt, output, rng, tags=("main",), finis
         harness=harness,
         prompt_ids=np.asarray(prompt, dtype=np.int32),
         output_ids=np.asarray(output, dtype=np.int32),
-        output_logprobs=_logprobs(rng, len(output)),
+        infer_logprobs=_logprobs(rng, len(output)),
         finish_reason=finish,
         tags=tags,
         metadata=dict(meta),

@@ -24,7 +24,7 @@ Decisions where docs/TREE.md leaves room (the reference in tree_ref.py must matc
   excluded, then dead, then kept).
 - "The rollout's last main-thread call" is the non-excluded call with the highest call index (none
   if every call is excluded). A call is excluded iff one of its tags is in ``exclude_tags``.
-- dtypes: seg_* and token_call int32 except seg_kind int8; tokens int32; token_logprob float32.
+- dtypes: seg_* and token_call int32 except seg_kind int8; tokens int32; infer_logprobs float32.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ class PrefixTree:
     seg_kind: np.ndarray
     seg_depth: np.ndarray
     tokens: np.ndarray
-    token_logprob: np.ndarray
+    infer_logprobs: np.ndarray
     token_call: np.ndarray
     call_indices: np.ndarray
     end_node: np.ndarray
@@ -119,9 +119,9 @@ def _sorted_calls(calls: Sequence[CallRecord]) -> list[CallRecord]:
     for call in calls:
         _check_ids(call.prompt_ids, "prompt_ids", call)
         _check_ids(call.output_ids, "output_ids", call)
-        lp = call.output_logprobs
+        lp = call.infer_logprobs
         if not isinstance(lp, np.ndarray) or lp.ndim != 1:
-            raise ValueError(f"call {call.call_index}: output_logprobs must be a one-dimensional numpy array")
+            raise ValueError(f"call {call.call_index}: infer_logprobs must be a one-dimensional numpy array")
         call.validate()
     return calls
 
@@ -153,11 +153,11 @@ def build_tree(
     np.cumsum(path_len, out=path_off[1:])
     parts = [a for c in calls for a in (c.prompt_ids, c.output_ids)]
     ids = np.concatenate(parts).astype(np.int32, copy=False)
-    logprobs = np.concatenate([c.output_logprobs for c in calls]).astype(np.float32, copy=False)
+    infer_logprobs = np.concatenate([c.infer_logprobs for c in calls]).astype(np.float32, copy=False)
     call_index = np.fromiter((int(c.call_index) for c in calls), dtype=np.int64, count=n)
     excluded = np.fromiter((bool(exclude.intersection(c.tags)) for c in calls), dtype=np.uint8, count=n)
 
-    out = _core.build_tree(ids, path_off, prompt_len, logprobs, call_index, excluded, bool(drop_dead))
+    out = _core.build_tree(ids, path_off, prompt_len, infer_logprobs, call_index, excluded, bool(drop_dead))
 
     call_off = out["leaf_call_off"]
     leaf_calls = out["leaf_calls"].tolist()
@@ -176,7 +176,7 @@ def build_tree(
         seg_kind=out["seg_kind"],
         seg_depth=out["seg_depth"],
         tokens=out["tokens"],
-        token_logprob=out["token_logprob"],
+        infer_logprobs=out["infer_logprobs"],
         token_call=out["token_call"],
         call_indices=call_index.astype(np.int32),
         end_node=out["end_node"],

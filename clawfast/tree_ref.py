@@ -55,7 +55,7 @@ class PrefixTreeRef:
     seg_kind: np.ndarray  # int8[S]: 0 context, 1 generated
     seg_depth: np.ndarray  # int32[S]
     tokens: np.ndarray  # int32[T]
-    token_logprob: np.ndarray  # float32[T], NaN for context
+    infer_logprobs: np.ndarray  # float32[T], NaN for context
     token_call: np.ndarray  # int32[T], owner call index, -1 for context
     call_indices: np.ndarray  # int32[C], ascending
     end_node: np.ndarray  # int32[C]: segment where the call's path ends
@@ -160,7 +160,7 @@ def build_tree_ref(
             node = child
             if pos >= len(prompt) and node.owner < 0:
                 node.owner = c.call_index
-                node.logprob = float(c.output_logprobs[pos - len(prompt)])
+                node.logprob = float(c.infer_logprobs[pos - len(prompt)])
             if pos == len(prompt) - 1:
                 node.boundary = True
         node.boundary = True
@@ -252,7 +252,7 @@ def build_tree_ref(
         seg_kind=np.array(seg_kind, dtype=np.int8),
         seg_depth=np.array(seg_depth, dtype=np.int32),
         tokens=np.array(tokens, dtype=np.int32),
-        token_logprob=np.array(logprobs, dtype=np.float32),
+        infer_logprobs=np.array(logprobs, dtype=np.float32),
         token_call=np.array(owners, dtype=np.int32),
         call_indices=np.array([c.call_index for c in ordered], dtype=np.int32),
         end_node=np.array(end_node, dtype=np.int32),

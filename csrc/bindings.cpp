@@ -46,12 +46,12 @@ void check_offsets(const int64_t* off, int64_t n, int64_t total, const char* nam
     REQUIRE(off[n] == total, std::string(name) + " must end at " + std::to_string(total));
 }
 
-py::dict build_tree(Arr<int32_t> ids, Arr<int64_t> path_off, Arr<int64_t> prompt_len, Arr<float> logprobs,
+py::dict build_tree(Arr<int32_t> ids, Arr<int64_t> path_off, Arr<int64_t> prompt_len, Arr<float> infer_logprobs,
                     Arr<int64_t> call_index, Arr<uint8_t> excluded, bool drop_dead) {
     vec(ids, "ids");
     vec(path_off, "path_off");
     vec(prompt_len, "prompt_len");
-    vec(logprobs, "logprobs");
+    vec(infer_logprobs, "infer_logprobs");
     vec(call_index, "call_index");
     vec(excluded, "excluded");
     const int64_t n = prompt_len.shape(0);
@@ -69,7 +69,7 @@ py::dict build_tree(Arr<int32_t> ids, Arr<int64_t> path_off, Arr<int64_t> prompt
         REQUIRE(c == 0 || ci[c - 1] < ci[c], "call indices must be strictly increasing");
         n_out += off[c + 1] - off[c] - pl[c];
     }
-    REQUIRE(logprobs.shape(0) == n_out, "logprobs must hold one entry per output token");
+    REQUIRE(infer_logprobs.shape(0) == n_out, "infer_logprobs must hold one entry per output token");
     REQUIRE(ids.shape(0) < INT32_MAX, "too many tokens for int32 offsets");
     const int32_t* t = ids.data();
     for (int64_t c = 0; c < n; ++c)
@@ -80,7 +80,7 @@ py::dict build_tree(Arr<int32_t> ids, Arr<int64_t> path_off, Arr<int64_t> prompt
     in.ids = t;
     in.path_off = off;
     in.prompt_len = pl;
-    in.logprobs = logprobs.data();
+    in.infer_logprobs = infer_logprobs.data();
     in.call_index = ci;
     in.excluded = excluded.data();
     in.n = n;
@@ -97,7 +97,7 @@ py::dict build_tree(Arr<int32_t> ids, Arr<int64_t> path_off, Arr<int64_t> prompt
     d["seg_depth"] = to_numpy(std::move(out.seg_depth));
     d["seg_kind"] = to_numpy(std::move(out.seg_kind));
     d["tokens"] = to_numpy(std::move(out.tokens));
-    d["token_logprob"] = to_numpy(std::move(out.token_logprob));
+    d["infer_logprobs"] = to_numpy(std::move(out.infer_logprobs));
     d["token_call"] = to_numpy(std::move(out.token_call));
     d["end_node"] = to_numpy(std::move(out.end_node));
     d["leaf_node"] = to_numpy(std::move(out.leaf_node));
@@ -112,20 +112,20 @@ py::dict build_tree(Arr<int32_t> ids, Arr<int64_t> path_off, Arr<int64_t> prompt
 }
 
 py::dict pack_forest(Arr<int64_t> seg_off, Arr<int32_t> seg_parent, Arr<int32_t> seg_start, Arr<int32_t> seg_len,
-                     Arr<uint8_t> seg_train, Arr<int64_t> tok_off, Arr<int32_t> tokens, Arr<float> token_logprob,
+                     Arr<uint8_t> seg_train, Arr<int64_t> tok_off, Arr<int32_t> tokens, Arr<float> infer_logprobs,
                      Arr<int32_t> token_call, Arr<int64_t> leaf_off, Arr<int32_t> leaf_node, Arr<uint8_t> leaf_kept,
                      int64_t max_tokens) {
     for (auto* a : {&seg_off, &tok_off, &leaf_off}) vec(*a, "offsets");
     for (auto* a : {&seg_parent, &seg_start, &seg_len, &tokens, &token_call, &leaf_node}) vec(*a, "int32 arrays");
     vec(seg_train, "seg_train");
     vec(leaf_kept, "leaf_kept");
-    vec(token_logprob, "token_logprob");
+    vec(infer_logprobs, "infer_logprobs");
     REQUIRE(max_tokens >= 1, "max_tokens must be positive");
     const int64_t R = seg_off.shape(0) - 1;
     REQUIRE(R >= 0 && tok_off.shape(0) == R + 1 && leaf_off.shape(0) == R + 1, "offsets need one entry per tree plus one");
     const int64_t S = seg_parent.shape(0), N = tokens.shape(0), L = leaf_node.shape(0);
     REQUIRE(seg_start.shape(0) == S && seg_len.shape(0) == S && seg_train.shape(0) == S, "segment arrays differ in length");
-    REQUIRE(token_logprob.shape(0) == N && token_call.shape(0) == N, "token arrays differ in length");
+    REQUIRE(infer_logprobs.shape(0) == N && token_call.shape(0) == N, "token arrays differ in length");
     REQUIRE(leaf_kept.shape(0) == L, "leaf arrays differ in length");
     if (R == 0) {
         REQUIRE(S == 0 && N == 0 && L == 0, "arrays given without trees");
@@ -158,7 +158,7 @@ py::dict pack_forest(Arr<int64_t> seg_off, Arr<int32_t> seg_parent, Arr<int32_t>
     in.seg_train = seg_train.data();
     in.tok_off = to;
     in.tokens = tokens.data();
-    in.token_logprob = token_logprob.data();
+    in.infer_logprobs = infer_logprobs.data();
     in.token_call = token_call.data();
     in.leaf_off = lo;
     in.leaf_node = ln;
@@ -194,11 +194,11 @@ py::dict pack_forest(Arr<int64_t> seg_off, Arr<int32_t> seg_parent, Arr<int32_t>
 
 PYBIND11_MODULE(_core, m) {
     m.doc() = "clawfast C++ core: prefix tree, leaf filter, packer (use clawfast.tree / clawfast.pack)";
-    m.def("build_tree", &build_tree, py::arg("ids"), py::arg("path_off"), py::arg("prompt_len"), py::arg("logprobs"),
+    m.def("build_tree", &build_tree, py::arg("ids"), py::arg("path_off"), py::arg("prompt_len"), py::arg("infer_logprobs"),
           py::arg("call_index"), py::arg("excluded"), py::arg("drop_dead"),
           "Prefix tree of one rollout's calls (sorted by call index), as a dict of numpy arrays.");
     m.def("pack_forest", &pack_forest, py::arg("seg_off"), py::arg("seg_parent"), py::arg("seg_start"),
-          py::arg("seg_len"), py::arg("seg_train"), py::arg("tok_off"), py::arg("tokens"), py::arg("token_logprob"),
+          py::arg("seg_len"), py::arg("seg_train"), py::arg("tok_off"), py::arg("tokens"), py::arg("infer_logprobs"),
           py::arg("token_call"), py::arg("leaf_off"), py::arg("leaf_node"), py::arg("leaf_kept"),
           py::arg("max_tokens"), "Merged, split and packed micro-batches, concatenated, as a dict of numpy arrays.");
 }

@@ -200,7 +200,7 @@ class Forest {
                     t_tree_.push_back(a.tree);
                     t_leaf_.push_back(first_leaf_[a.seg]);
                     t_call_.push_back(in_.token_call[tok0 + j]);
-                    t_lp_.push_back(in_.token_logprob[tok0 + j]);
+                    t_lp_.push_back(in_.infer_logprobs[tok0 + j]);
                 }
             }
         }

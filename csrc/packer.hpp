@@ -22,7 +22,7 @@ struct PackInput {
     const uint8_t* seg_train = nullptr;   // generated and owned by a non-excluded call
     const int64_t* tok_off = nullptr;
     const int32_t* tokens = nullptr;
-    const float* token_logprob = nullptr;
+    const float* infer_logprobs = nullptr;
     const int32_t* token_call = nullptr;
     const int64_t* leaf_off = nullptr;
     const int32_t* leaf_node = nullptr;   // leaves in DFS order

@@ -26,7 +26,7 @@ struct Node {
     int32_t parent = -1;
     int32_t first = -1; // first token, cached for child lookup
     int32_t owner = -1; // position (in input order) of the lowest call generating this node
-    int64_t lp_src = 0; // offset of the first token's logprob in TreeInput::logprobs
+    int64_t lp_src = 0; // offset of the first token's logprob in TreeInput::infer_logprobs
     std::vector<int32_t> children;
 };
 
@@ -222,7 +222,7 @@ class Builder {
         out.seg_depth.resize(n_segs);
         out.seg_kind.resize(n_segs);
         out.tokens.resize(total);
-        out.token_logprob.resize(total);
+        out.infer_logprobs.resize(total);
         out.token_call.resize(total);
         const float nan = std::numeric_limits<float>::quiet_NaN();
         int64_t pos = 0;
@@ -235,10 +235,10 @@ class Builder {
             out.seg_kind[v] = x.owner >= 0 ? 1 : 0;
             std::memcpy(out.tokens.data() + pos, in_.ids + x.src, x.len * sizeof(int32_t));
             if (x.owner >= 0) {
-                std::memcpy(out.token_logprob.data() + pos, in_.logprobs + x.lp_src, x.len * sizeof(float));
+                std::memcpy(out.infer_logprobs.data() + pos, in_.infer_logprobs + x.lp_src, x.len * sizeof(float));
                 std::fill_n(out.token_call.data() + pos, x.len, static_cast<int32_t>(in_.call_index[x.owner]));
             } else {
-                std::fill_n(out.token_logprob.data() + pos, x.len, nan);
+                std::fill_n(out.infer_logprobs.data() + pos, x.len, nan);
                 std::fill_n(out.token_call.data() + pos, x.len, -1);
             }
             pos += x.len;

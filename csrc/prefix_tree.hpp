@@ -14,12 +14,12 @@ enum LeafStatus : int8_t { kKept = 0, kDead = 1, kExcluded = 2 };
 
 // One rollout's calls, already sorted by call index. Call c's path P(c) = prompt + output is
 // ids[path_off[c] .. path_off[c+1]); its first prompt_len[c] tokens are the prompt. The output
-// logprobs of all calls are concatenated in the same call order in `logprobs`.
+// logprobs of all calls are concatenated in the same call order in `infer_logprobs`.
 struct TreeInput {
     const int32_t* ids = nullptr;
     const int64_t* path_off = nullptr;   // n + 1, non-decreasing, path_off[0] == 0
     const int64_t* prompt_len = nullptr; // n, 1 <= prompt_len[c] <= path length
-    const float* logprobs = nullptr;     // sum of output lengths
+    const float* infer_logprobs = nullptr;     // sum of output lengths
     const int64_t* call_index = nullptr; // n, strictly increasing
     const uint8_t* excluded = nullptr;   // n, 1 if the call carries an excluded tag
     int64_t n = 0;
@@ -31,7 +31,7 @@ struct TreeOutput {
     std::vector<int32_t> seg_parent, seg_start, seg_len, seg_depth;
     std::vector<int8_t> seg_kind;        // 0 context, 1 generated
     std::vector<int32_t> tokens;
-    std::vector<float> token_logprob;    // NaN for context
+    std::vector<float> infer_logprobs;    // NaN for context
     std::vector<int32_t> token_call;     // owner call index, -1 for context
     std::vector<int32_t> end_node;       // per call (input order)
     std::vector<int32_t> leaf_node, leaf_depth;

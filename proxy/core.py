@@ -201,7 +201,7 @@ class ProxyCore:
             return call.rollout.append(
                 prompt_ids=call.prompt.ids,
                 output_ids=np.asarray(gen.output_ids, np.int32),
-                output_logprobs=np.asarray(gen.logprobs, np.float32),
+                infer_logprobs=np.asarray(gen.infer_logprobs, np.float32),
                 weight_version=gen.weight_version,
                 finish_reason=gen.finish_reason,
                 timings=timings,

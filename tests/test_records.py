@@ -23,7 +23,7 @@ def _call(i, rng, rollout="r0"):
         harness="claude-code",
         prompt_ids=rng.integers(0, 1000, n_p),
         output_ids=rng.integers(0, 1000, n_o),
-        output_logprobs=-rng.random(n_o).astype(np.float32) * 5,
+        infer_logprobs=-rng.random(n_o).astype(np.float32) * 5,
         weight_version=3,
         finish_reason="tool_use",
         timings={"received": 1.5, "answered": 2.25},
@@ -45,7 +45,7 @@ def test_round_trip_is_lossless(tmp_path):
     path = write_rollout(tmp_path / "a.cfr", r)
     back = read_rollout(path)
     assert back.equals(r)
-    assert back.calls[1].output_logprobs.dtype == np.float32
+    assert back.calls[1].infer_logprobs.dtype == np.float32
     assert back.calls[0].excluded and not back.calls[1].excluded
 
 
@@ -99,20 +99,20 @@ def test_live_log_survives_a_torn_tail(tmp_path):
         (dict(prompt_ids=[1, -2]), "outside"),
         (dict(prompt_ids=[1, 2**40]), "outside"),
         (dict(prompt_ids=[1.5]), "integers"),
-        (dict(output_ids=[1, 2], output_logprobs=[-0.1]), "logprobs"),
+        (dict(output_ids=[1, 2], infer_logprobs=[-0.1]), "logprobs"),
         (dict(prompt_ids=[]), "empty prompt"),
-        (dict(output_ids=[1], output_logprobs=[float("nan")]), "non-finite"),
-        (dict(output_ids=[1], output_logprobs=[0.5]), "positive"),
+        (dict(output_ids=[1], infer_logprobs=[float("nan")]), "non-finite"),
+        (dict(output_ids=[1], infer_logprobs=[0.5]), "positive"),
     ],
 )
 def test_malformed_calls_raise(kwargs, match):
-    base = dict(rollout_id="r", call_index=0, harness="h", prompt_ids=[1, 2], output_ids=[3], output_logprobs=[-0.5])
+    base = dict(rollout_id="r", call_index=0, harness="h", prompt_ids=[1, 2], output_ids=[3], infer_logprobs=[-0.5])
     base.update(kwargs)
     with pytest.raises(ValueError, match=match):
         CallRecord(**base)
 
 
 def test_vocab_bound():
-    c = CallRecord(rollout_id="r", call_index=0, harness="h", prompt_ids=[1, 99], output_ids=[], output_logprobs=[])
+    c = CallRecord(rollout_id="r", call_index=0, harness="h", prompt_ids=[1, 99], output_ids=[], infer_logprobs=[])
     with pytest.raises(ValueError, match="vocab"):
         c.validate(vocab_size=50)

@@ -68,9 +68,9 @@ def test_multi_turn_with_tool_result_gaps():
         dropped=False,
     )
     want_lp = [NAN] * 3 + [lp(0, 0), lp(0, 1)] + [NAN] * 2 + [lp(1, 0)] + [NAN] + [lp(2, 0), lp(2, 1)]
-    np.testing.assert_array_equal(tree.token_logprob, np.array(want_lp, np.float32))
+    np.testing.assert_array_equal(tree.infer_logprobs, np.array(want_lp, np.float32))
     assert tree.leaves == [Leaf(node=5, depth=11, calls=(2,), status="kept")]
-    assert tree.tokens.dtype == np.int32 and tree.token_logprob.dtype == np.float32
+    assert tree.tokens.dtype == np.int32 and tree.infer_logprobs.dtype == np.float32
     assert tree.seg_kind.dtype == np.int8 and tree.seg_parent.dtype == np.int32
 
 
@@ -105,7 +105,7 @@ def test_identical_regeneration_shares_one_kept_leaf():
     # Same path twice: one leaf holding both calls; the last main call keeps it alive.
     assert tree.leaves == [Leaf(1, 4, (0, 1), "kept")]
     assert_tree(tree, token_call=[-1, -1, 0, 0], end_node=[1, 1], num_call_tokens=8)
-    np.testing.assert_array_equal(tree.token_logprob[2:], [lp(0, 0), lp(0, 1)])  # the lower index owns
+    np.testing.assert_array_equal(tree.infer_logprobs[2:], [lp(0, 0), lp(0, 1)])  # the lower index owns
 
 
 def test_last_main_call_is_never_dead():
@@ -150,7 +150,7 @@ def test_generated_wins_and_lowest_call_owns():
         token_call=[-1, -1, 0, 0, 1],
         end_node=[2, 3],
     )
-    np.testing.assert_array_equal(tree.token_logprob[2:], [lp(0, 0), lp(0, 1), lp(1, 1)])
+    np.testing.assert_array_equal(tree.infer_logprobs[2:], [lp(0, 0), lp(0, 1), lp(1, 1)])
 
 
 def test_subagent_branch_is_excluded():
@@ -182,7 +182,7 @@ def test_out_of_order_arrival_and_index_gaps():
         for name in ("seg_parent", "seg_start", "seg_len", "seg_kind", "seg_depth", "tokens", "token_call",
                      "call_indices", "end_node", "call_excluded"):
             np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
-        np.testing.assert_array_equal(got.token_logprob, want.token_logprob)
+        np.testing.assert_array_equal(got.infer_logprobs, want.infer_logprobs)
         assert got.leaves == want.leaves
     np.testing.assert_array_equal(want.call_indices, [0, 3, 7, 9])
     assert want.token_call.tolist() == [-1, -1, 0, -1, 3, 3, -1, 9, 7]
@@ -274,8 +274,8 @@ def _bad(mutate):
         [call(0, [1], [2]), call(0, [1, 2], [3])],
         _bad(lambda c: setattr(c, "prompt_ids", np.array([1, -2], np.int32))),
         _bad(lambda c: setattr(c, "output_ids", np.array([3.5]))),
-        _bad(lambda c: setattr(c, "output_logprobs", np.array([-0.1, -0.2], np.float32))),
-        _bad(lambda c: setattr(c, "output_logprobs", np.array([np.nan], np.float32))),
+        _bad(lambda c: setattr(c, "infer_logprobs", np.array([-0.1, -0.2], np.float32))),
+        _bad(lambda c: setattr(c, "infer_logprobs", np.array([np.nan], np.float32))),
         _bad(lambda c: setattr(c, "prompt_ids", np.zeros(0, np.int32))),
         _bad(lambda c: setattr(c, "prompt_ids", np.ones((1, 2), np.int32))),
         _bad(lambda c: setattr(c, "call_index", -1)),
@@ -300,7 +300,7 @@ def _core_args(**override):
         ids=np.array([1, 2, 3, 1, 2, 3, 4], np.int32),
         path_off=np.array([0, 3, 7], np.int64),
         prompt_len=np.array([2, 3], np.int64),
-        logprobs=np.array([-0.1, -0.2], np.float32),
+        infer_logprobs=np.array([-0.1, -0.2], np.float32),
         call_index=np.array([0, 1], np.int64),
         excluded=np.array([0, 0], np.uint8),
         drop_dead=True,
@@ -317,14 +317,14 @@ def _core_args(**override):
         {"path_off": np.array([0, 8, 7], np.int64)},
         {"prompt_len": np.array([0, 3], np.int64)},
         {"prompt_len": np.array([4, 3], np.int64)},
-        {"logprobs": np.array([-0.1], np.float32)},
+        {"infer_logprobs": np.array([-0.1], np.float32)},
         {"call_index": np.array([1, 1], np.int64)},
         {"call_index": np.array([-1, 1], np.int64)},
         {"ids": np.array([1, 2, -3, 1, 2, 3, 4], np.int32)},
         {"excluded": np.array([0], np.uint8)},
         {"ids": np.ones((7, 1), np.int32)},
         {"prompt_len": np.zeros(0, np.int64), "path_off": np.zeros(1, np.int64), "call_index": np.zeros(0, np.int64),
-         "excluded": np.zeros(0, np.uint8), "ids": np.zeros(0, np.int32), "logprobs": np.zeros(0, np.float32)},
+         "excluded": np.zeros(0, np.uint8), "ids": np.zeros(0, np.int32), "infer_logprobs": np.zeros(0, np.float32)},
     ],
 )
 def test_core_build_rejects_inconsistent_buffers(override):
@@ -394,7 +394,7 @@ def expected_targets(trees):
             for t in range(a, a + n):
                 base = base + (int(tree.tokens[t]),)
                 if s in first_leaf and tree.seg_kind[s] == 1 and int(tree.token_call[t]) not in excluded:
-                    want[(r, base)] = (int(tree.token_call[t]), float(tree.token_logprob[t]), first_leaf[s])
+                    want[(r, base)] = (int(tree.token_call[t]), float(tree.infer_logprobs[t]), first_leaf[s])
             path_of[s] = base
     return want
 
@@ -602,7 +602,7 @@ def _pack_args(**override):
         seg_off=np.array([0, 2], np.int64), seg_parent=np.array([-1, 0], np.int32),
         seg_start=np.array([0, 2], np.int32), seg_len=np.array([2, 1], np.int32),
         seg_train=np.array([0, 1], np.uint8), tok_off=np.array([0, 3], np.int64),
-        tokens=np.array([1, 2, 3], np.int32), token_logprob=np.array([np.nan, np.nan, -0.5], np.float32),
+        tokens=np.array([1, 2, 3], np.int32), infer_logprobs=np.array([np.nan, np.nan, -0.5], np.float32),
         token_call=np.array([-1, -1, 0], np.int32), leaf_off=np.array([0, 1], np.int64),
         leaf_node=np.array([1], np.int32), leaf_kept=np.array([1], np.uint8), max_tokens=8,
     )

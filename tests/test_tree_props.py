@@ -28,7 +28,7 @@ from clawfast.tree import build_tree
 from clawfast.tree_ref import build_tree_ref
 
 TREE_ARRAYS = (
-    "seg_parent seg_start seg_len seg_kind seg_depth tokens token_logprob token_call "
+    "seg_parent seg_start seg_len seg_kind seg_depth tokens infer_logprobs token_call "
     "call_indices end_node call_excluded"
 ).split()
 TREE_SCALARS = ("rollout_id", "num_unique_tokens", "num_flat_tokens", "num_call_tokens", "dropped", "num_segments")
@@ -104,7 +104,7 @@ def expected_contents(trees, calls_of):
                 continue
             union.add(path)
             if tree.seg_kind[seg_of[t]] == 1 and int(tree.token_call[t]) not in excluded:
-                targets[(r, path)] = (int(tree.token_call[t]), float(tree.token_logprob[t]), min(below))
+                targets[(r, path)] = (int(tree.token_call[t]), float(tree.infer_logprobs[t]), min(below))
     return targets, leaves, union
 
 
@@ -216,7 +216,7 @@ def check_tree_shape(tree, calls) -> None:
         kind = int(tree.seg_kind[s])
         owners = set(tree.token_call[a : a + n].tolist())
         assert len(owners) == 1 and (owners == {-1}) == (kind == 0)
-        assert np.isnan(tree.token_logprob[a : a + n]).all() == (kind == 0)
+        assert np.isnan(tree.infer_logprobs[a : a + n]).all() == (kind == 0)
     for p, kids in children.items():
         firsts = [int(tree.tokens[tree.seg_start[c]]) for c in kids]
         assert firsts == sorted(set(firsts)), "children by ascending, distinct first token"
@@ -433,9 +433,9 @@ MALFORMED = {
     "duplicate index": [call(3, [1], [2]), call(3, [1, 2], [5])],
     "negative index": [call(-1, [1], [2])],
     "negative token": _mutated("prompt_ids", np.array([1, -2], np.int32)),
-    "logprob length": _mutated("output_logprobs", np.zeros(1, np.float32)),
-    "positive logprob": _mutated("output_logprobs", np.array([-0.1, 0.5], np.float32)),
-    "nan logprob": _mutated("output_logprobs", np.array([-0.1, np.nan], np.float32)),
+    "logprob length": _mutated("infer_logprobs", np.zeros(1, np.float32)),
+    "positive logprob": _mutated("infer_logprobs", np.array([-0.1, 0.5], np.float32)),
+    "nan logprob": _mutated("infer_logprobs", np.array([-0.1, np.nan], np.float32)),
     "empty prompt": _mutated("prompt_ids", np.zeros(0, np.int32)),
 }
 

@@ -16,7 +16,7 @@ import numpy as np
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """max_tokens: output budget. temperature 0 means greedy (logprobs are then of the greedy token
+    """max_tokens: output budget. temperature 0 means greedy (infer_logprobs are then of the greedy token
     under the untempered distribution). stop_token_ids end generation and are included in the output."""
 
     max_tokens: int = 256
@@ -53,11 +53,11 @@ class Sampling:
 
 @dataclass
 class Generation:
-    """output_ids (int32) and logprobs (float32, same length); finish_reason is "stop" (a stop token
+    """output_ids (int32) and infer_logprobs (float32, same length: the sampler's log-prob of each); finish_reason is "stop" (a stop token
     or end of sequence) or "length" (max_tokens reached); weight_version of the weights that sampled."""
 
     output_ids: np.ndarray
-    logprobs: np.ndarray
+    infer_logprobs: np.ndarray
     finish_reason: str
     weight_version: int
     timings: dict[str, float] = field(default_factory=dict)

@@ -118,7 +118,7 @@ class RemoteEngine(Engine):
             raise RuntimeError(f"{self.api} server returned {len(output_ids)} tokens but {len(logprobs)} logprobs")
         return Generation(
             output_ids=np.asarray(output_ids, dtype=np.int32),
-            logprobs=np.asarray(logprobs, dtype=np.float32),
+            infer_logprobs=np.asarray(logprobs, dtype=np.float32),
             finish_reason=finish,
             weight_version=version,
             timings={"generate": time.perf_counter() - t0},

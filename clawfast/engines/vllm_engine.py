@@ -225,7 +225,7 @@ class VLLMEngine(Engine):
             raise RuntimeError(f"vLLM request ended with finish_reason={completion.finish_reason!r}")
         return Generation(
             output_ids=output_ids,
-            logprobs=logprobs,
+            infer_logprobs=logprobs,
             finish_reason=completion.finish_reason,
             weight_version=version,
             timings={"generate": time.perf_counter() - t0},

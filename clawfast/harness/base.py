@@ -111,16 +111,16 @@ class Harness(abc.ABC):
     version: ClassVar[str]
     protocol: ClassVar[str]
 
-    def __init__(self, *, timeout_s: float = 600.0, max_steps: int = 30, install: HarnessInstall | None = None) -> None:
+    def __init__(self, *, timeout_s: float = 600.0, max_turns: int = 30, install: HarnessInstall | None = None) -> None:
         """timeout_s: the harness's own run limit where it has one (the sandbox enforces the wall
-        clock). max_steps: its turn/step limit where it has one. install: an existing install to use
+        clock). max_turns: its turn limit where it has one. install: an existing install to use
         instead of the pinned one in the cache."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
-        if max_steps < 1:
-            raise ValueError(f"max_steps must be at least 1, got {max_steps}")
+        if max_turns < 1:
+            raise ValueError(f"max_turns must be at least 1, got {max_turns}")
         self.timeout_s = float(timeout_s)
-        self.max_steps = int(max_steps)
+        self.max_turns = int(max_turns)
         self._install = install
 
     # -- install ------------------------------------------------------------------------------

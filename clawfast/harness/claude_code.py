@@ -61,7 +61,7 @@ class ClaudeCode(Harness):
         return [
             str(self.installation.executable), "-p", task_instruction,
             "--dangerously-skip-permissions", "--output-format", "json",
-            "--max-turns", str(self.max_steps),
+            "--max-turns", str(self.max_turns),
         ]  # fmt: skip
 
     def artifacts(self, layout: RunLayout) -> list[Path]:

@@ -56,7 +56,7 @@ class MiniSweAgent(Harness):
                 "model_name": f"hosted_vllm/{model}",
                 "model_kwargs": {"api_base": base_url.rstrip("/") + "/v1", "api_key": key},
             },
-            "agent": {"step_limit": self.max_steps},
+            "agent": {"step_limit": self.max_turns},
             "environment": {"cwd": layout.workspace_inside},
         }
         self._write(layout.home / _OVERRIDES, json.dumps(overrides, indent=2) + "\n", written)

@@ -142,7 +142,7 @@ def check_harness(
     from clawfast.embedded import ensure_embedded_model
 
     task = task or check_task()
-    options = {"timeout_s": timeout_s, "max_steps": 2 * len(task.oracle) + 4}
+    options = {"timeout_s": timeout_s, "max_turns": 2 * len(task.oracle) + 4}
     turns = len(get_harness(name, **options).scripted_turns(list(task.oracle), FINAL_TEXT))
     with tempfile.TemporaryDirectory(prefix="clawfast-check-") as tmp:
         with RolloutService(ORACLE, ensure_embedded_model(), records_dir=Path(tmp) / "records",

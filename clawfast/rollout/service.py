@@ -4,7 +4,7 @@ loop, the sandbox backend, the verifier runner and the harness adapters, here or
 caller only asks for rollouts.
 
     with RolloutService(engine, model_dir, records_dir="runs/r/records",
-                        harnesses={"mini-swe-agent": {"max_steps": 8}}, sandbox="bwrap") as service:
+                        harnesses={"mini-swe-agent": {"max_turns": 8}}, sandbox="bwrap") as service:
         results = service.run(make_specs(tasks, ["mini-swe-agent"], k=4), Sampling(temperature=1.0))
 
 `run` returns one `RolloutResult` per spec, in spec order (status contract: `clawfast.rollout.worker`).

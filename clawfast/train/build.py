@@ -83,13 +83,13 @@ def push_weights(engine: Engine, policy, version: int) -> None:
     engine.update_weights({k: v.detach() for k, v in policy.lm.state_dict().items()}, version)
 
 
-def harness_options(config: RunConfig, *, max_steps: int | None = None) -> dict[str, dict]:
-    """`get_harness` keyword arguments per harness of the run (`max_steps`: instead of
-    ``rollout.harness_max_steps``)."""
+def harness_options(config: RunConfig, *, max_turns: int | None = None) -> dict[str, dict]:
+    """`get_harness` keyword arguments per harness of the run (`max_turns`: instead of
+    ``rollout.harness_max_turns``)."""
     rc = config.rollout
     out = {}
     for name in rc.harnesses:
-        options: dict = {"timeout_s": rc.timeout_s, "max_steps": max_steps or rc.harness_max_steps}
+        options: dict = {"timeout_s": rc.timeout_s, "max_turns": max_turns or rc.harness_max_turns}
         if name == "mini-swe-agent" and rc.mini_instance_template is not None:
             options["instance_template"] = rc.mini_instance_template
         out[name] = options
@@ -102,17 +102,17 @@ def rollout_sampling(config: RunConfig, temperature: float) -> Sampling:
 
 
 def rollout_service(config: RunConfig, engine: Engine | str, model_dir: Path, records_dir: Path, *,
-                    logs_dir: Path | None = None, concurrency: int | None = None, max_steps: int | None = None,
+                    logs_dir: Path | None = None, concurrency: int | None = None, max_turns: int | None = None,
                     oracle_tasks: Sequence = (), on_ray: bool | None = None) -> RolloutService:
     """The run's `RolloutService` over `engine` (``"oracle"``: the cold start's scripted oracle).
-    concurrency / max_steps: instead of ``rollout.concurrency`` / ``rollout.harness_max_steps``.
+    concurrency / max_turns: instead of ``rollout.concurrency`` / ``rollout.harness_max_turns``.
     on_ray: run on the cluster of ``distributed`` (default: when ``distributed.rollouts = "ray"``)."""
     rc, e = config.rollout, config.engine
     if on_ray is None:
         on_ray = config.distributed.rollouts == "ray"
     ray = OnRay(config.distributed.ray_address, config.tasks.suite, config.tasks.suite_seed) if on_ray else None
     return RolloutService(
-        engine, model_dir, records_dir=records_dir, harnesses=harness_options(config, max_steps=max_steps),
+        engine, model_dir, records_dir=records_dir, harnesses=harness_options(config, max_turns=max_turns),
         sandbox=rc.sandbox, concurrency=concurrency or rc.concurrency, timeout_s=rc.timeout_s, logs_dir=logs_dir,
         max_tokens_cap=e.max_tokens, default_max_tokens=e.max_tokens, max_model_len=e.max_model_len, ray=ray,
         oracle_tasks=oracle_tasks,

@@ -47,7 +47,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
 
 @dataclass
 class TrainState:
-    """step: optimizer steps done. data_position: training tasks consumed by the sampler (the next
+    """step: RL steps done (`RunConfig.steps`). data_position: training tasks consumed by the sampler (the next
     step starts there). weight_version: the version the engine serves. extra: small JSON facts."""
 
     step: int = 0

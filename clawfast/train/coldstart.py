@@ -65,7 +65,7 @@ def capture_demonstrations(config: RunConfig, model_dir: Path, tasks: list, reco
     longest = max(len(t.oracle) for t in tasks)
     single = config.model_copy(update={"rollout": config.rollout.model_copy(update={"harnesses": (harness_name,)})})
     service = rollout_service(single, ORACLE, model_dir, records_dir, concurrency=config.coldstart.concurrency,
-                              max_steps=max(config.rollout.harness_max_steps, longest + 2), oracle_tasks=tasks,
+                              max_turns=max(config.rollout.harness_max_turns, longest + 2), oracle_tasks=tasks,
                               on_ray=False)
     with service:
         return service.run([RolloutSpec(t, harness_name, 0) for t in tasks])

@@ -106,7 +106,7 @@ class RolloutSection(_Section):
     by task x harness unless `algorithm.group_by` says otherwise). tasks_per_step x
     samples_per_task x len(harnesses) rollouts per step. concurrency: rollouts in flight.
     sandbox: "bwrap", "docker" or "local" (no isolation). timeout_s: harness wall clock.
-    harness_max_steps: the harness's own turn limit, where it has one (mini-swe-agent's step_limit,
+    harness_max_turns: the harness's own turn limit, where it has one (mini-swe-agent's step_limit,
     Claude Code's --max-turns; `codex exec` and OpenClaw have none). max_model_calls: the proxy
     refuses a rollout's model calls beyond this many (side calls included) with a 400 in the harness's
     protocol, which ends the harness's run: the step bound for Codex and OpenClaw (None: unlimited,
@@ -123,10 +123,17 @@ class RolloutSection(_Section):
     concurrency: int = Field(4, ge=1)
     sandbox: Literal["bwrap", "docker", "local"] = "bwrap"
     timeout_s: float = Field(120.0, gt=0)
-    harness_max_steps: int = Field(4, ge=1)
+    harness_max_turns: int = Field(4, ge=1)
     max_model_calls: int | None = Field(None, ge=1)
     mini_instance_template: str | None = None
     keep_logs: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, raw: Any) -> Any:
+        if isinstance(raw, dict) and "harness_max_steps" in raw:
+            raise ValueError("harness_max_steps is now harness_max_turns (the harness's turn limit)")
+        return raw
 
     @field_validator("harnesses")
     @classmethod
@@ -279,7 +286,8 @@ class DistributedConfig(_Section):
 
 
 class RunConfig(_Section):
-    """The whole run. steps: optimizer steps of RL. seed: seeds the data order, sampling and torch."""
+    """The whole run. steps: RL steps (each: rollouts, `optim.updates_per_step` optimizer updates, a
+    weight push). seed: seeds the data order, sampling and torch."""
 
     run_dir: str = "runs/run"
     seed: int = 0

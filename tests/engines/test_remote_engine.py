@@ -207,9 +207,9 @@ def test_ids_and_logprobs_are_the_servers_own(reference_server, model, api):
     for prompt, gen in zip(prompts, gens):
         out, lps, finish = _greedy(model, prompt.tolist(), 9, {EOS})
         np.testing.assert_array_equal(gen.output_ids, np.asarray(out, dtype=np.int32))
-        np.testing.assert_allclose(gen.logprobs, _reference_logprobs(model, prompt, gen.output_ids), atol=ATOL)
+        np.testing.assert_allclose(gen.infer_logprobs, _reference_logprobs(model, prompt, gen.output_ids), atol=ATOL)
         assert gen.finish_reason == finish and gen.weight_version == 3
-        assert gen.output_ids.dtype == np.int32 and gen.logprobs.dtype == np.float32
+        assert gen.output_ids.dtype == np.int32 and gen.infer_logprobs.dtype == np.float32
     kind, body = reference_server.requests[-1]
     assert kind == api
     if api == "vllm":
@@ -331,13 +331,13 @@ def test_real_vllm_server(vllm_server, model):
     for prompt, gen in zip(prompts, greedy):
         out, _, finish = _greedy(model, prompt.tolist(), 8, {EOS})
         np.testing.assert_array_equal(gen.output_ids, np.asarray(out, dtype=np.int32))
-        np.testing.assert_allclose(gen.logprobs, _reference_logprobs(model, prompt, gen.output_ids), atol=ATOL)
+        np.testing.assert_allclose(gen.infer_logprobs, _reference_logprobs(model, prompt, gen.output_ids), atol=ATOL)
         assert gen.finish_reason == finish
     # Sampling at temperature 1: whatever it drew, the reported log-probs are the model's.
     engine = RemoteEngine(vllm_server, model="tiny")
     sampled = _generate_all(engine, prompts, SamplingParams(max_tokens=8, temperature=1.0, seed=5))
     for prompt, gen in zip(prompts, sampled):
-        np.testing.assert_allclose(gen.logprobs, _reference_logprobs(model, prompt, gen.output_ids), atol=ATOL)
+        np.testing.assert_allclose(gen.infer_logprobs, _reference_logprobs(model, prompt, gen.output_ids), atol=ATOL)
     # A stop token is kept in the output.
     stop = int(greedy[1].output_ids[2])
     engine = RemoteEngine(vllm_server, model="tiny")

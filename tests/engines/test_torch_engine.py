@@ -49,11 +49,11 @@ def test_batched_sampling_matches_reference_and_solo(engine):
     assert engine.batches_run - before == 1 + len(prompts)  # the concurrent calls shared one batch
     for prompt, params, b, s in zip(prompts, PARAMS, batched, solo):
         np.testing.assert_array_equal(b.output_ids, s.output_ids)  # same seed, same tokens alone or batched
-        assert len(b.output_ids) == len(b.logprobs) <= params.max_tokens
+        assert len(b.output_ids) == len(b.infer_logprobs) <= params.max_tokens
         assert b.finish_reason in ("stop", "length")
         # fp32 on CPU: padded batched matmuls differ from the unpadded forward by float rounding only.
-        np.testing.assert_allclose(b.logprobs, reference_logprobs(engine.model, prompt, b.output_ids, params), atol=1e-4)
-        assert (b.logprobs <= 0).all()
+        np.testing.assert_allclose(b.infer_logprobs, reference_logprobs(engine.model, prompt, b.output_ids, params), atol=1e-4)
+        assert (b.infer_logprobs <= 0).all()
 
 
 def test_sampling_logprobs_truncation():
@@ -80,7 +80,7 @@ def test_update_weights_changes_outputs_and_version(embedded_dir):
     engine.update_weights(state, 3)
     second = asyncio.run(engine.generate(prompt, params))
     assert second.weight_version == 3
-    assert not np.array_equal(first.output_ids, second.output_ids) or not np.allclose(first.logprobs, second.logprobs)
+    assert not np.array_equal(first.output_ids, second.output_ids) or not np.allclose(first.infer_logprobs, second.infer_logprobs)
     with pytest.raises(RuntimeError):
         engine.update_weights({"nope": torch.zeros(1)}, 4)
     assert engine.weight_version == 3
@@ -111,7 +111,7 @@ def test_torch_engine_behind_the_proxy(embedded_dir, renderer, tmp_path):
     result = registry.close("t")
     assert len(result.calls) == 4 and engine.max_batch_seen >= 2
     for call in result.calls:
-        assert 1 <= len(call.output_ids) <= 6 and (call.output_logprobs <= 0).all()
+        assert 1 <= len(call.output_ids) <= 6 and (call.infer_logprobs <= 0).all()
         assert call.finish_reason in ("stop", "length")
         question = renderer.decode(call.prompt_ids)
         assert question.startswith("<|im_start|>user\nquestion ") and question.endswith("<|im_start|>assistant\n")
@@ -136,7 +136,7 @@ def test_batches_group_prompts_of_similar_length(engine):
     for prompt, o in zip(prompts, out):
         expected = 3.0 if len(prompt) < 100 else 2.0
         assert o.timings["batch_size"] == expected
-        np.testing.assert_allclose(o.logprobs, reference_logprobs(engine.model, prompt, o.output_ids, params), atol=1e-4)
+        np.testing.assert_allclose(o.infer_logprobs, reference_logprobs(engine.model, prompt, o.output_ids, params), atol=1e-4)
 
 
 def test_cancelled_requests_leave_the_queue_without_running(engine):
@@ -159,7 +159,7 @@ def test_cancelled_requests_leave_the_queue_without_running(engine):
     assert isinstance(out[1], asyncio.CancelledError) and isinstance(out[3], asyncio.CancelledError)
     for i in (0, 2):
         assert out[i].timings["batch_size"] == 2.0
-        np.testing.assert_allclose(out[i].logprobs, reference_logprobs(engine.model, prompts[i], out[i].output_ids, params), atol=1e-4)
+        np.testing.assert_allclose(out[i].infer_logprobs, reference_logprobs(engine.model, prompts[i], out[i].output_ids, params), atol=1e-4)
 
 
 def test_a_batch_whose_callers_are_all_cancelled_stops_early(engine):

@@ -92,11 +92,11 @@ def test_sampled_tokens_and_logprobs_match_reference(engine, model_dir):
 
     gens = _run(many())
     for prompt, gen in zip(prompts, gens):
-        assert gen.output_ids.dtype == np.int32 and gen.logprobs.dtype == np.float32
-        assert len(gen.output_ids) == len(gen.logprobs) >= 1
+        assert gen.output_ids.dtype == np.int32 and gen.infer_logprobs.dtype == np.float32
+        assert len(gen.output_ids) == len(gen.infer_logprobs) >= 1
         assert gen.finish_reason in ("stop", "length")
         assert gen.weight_version == 0
-        np.testing.assert_allclose(gen.logprobs, _reference_logprobs(ref, prompt, gen.output_ids), atol=LOGPROB_ATOL)
+        np.testing.assert_allclose(gen.infer_logprobs, _reference_logprobs(ref, prompt, gen.output_ids), atol=LOGPROB_ATOL)
 
 
 def test_greedy_follows_reference_argmax(engine, model_dir):
@@ -105,7 +105,7 @@ def test_greedy_follows_reference_argmax(engine, model_dir):
     gen = _run(engine.generate(prompt, SamplingParams(max_tokens=10, temperature=0.0)))
     expected = _reference_greedy(ref, prompt, len(gen.output_ids))
     np.testing.assert_array_equal(gen.output_ids, expected)
-    np.testing.assert_allclose(gen.logprobs, _reference_logprobs(ref, prompt, gen.output_ids), atol=LOGPROB_ATOL)
+    np.testing.assert_allclose(gen.infer_logprobs, _reference_logprobs(ref, prompt, gen.output_ids), atol=LOGPROB_ATOL)
 
 
 def test_stop_token_is_included_and_ends_generation(engine, model_dir):
@@ -130,7 +130,7 @@ def test_weight_update_switches_model_and_version(engine, model_dir):
         assert before.weight_version == 0 and after.weight_version == 1 and engine.weight_version == 1
         np.testing.assert_array_equal(after.output_ids, expected[: len(after.output_ids)])
         np.testing.assert_allclose(
-            after.logprobs, _reference_logprobs(new_model, prompt, after.output_ids), atol=LOGPROB_ATOL
+            after.infer_logprobs, _reference_logprobs(new_model, prompt, after.output_ids), atol=LOGPROB_ATOL
         )
         assert not np.array_equal(before.output_ids, after.output_ids)
     finally:
@@ -152,7 +152,7 @@ def test_partial_update_keeps_the_other_weights(engine, model_dir):
         gen = _run(engine.generate(prompt, SamplingParams(max_tokens=8, temperature=0.0)))
         assert gen.weight_version == version
         np.testing.assert_array_equal(gen.output_ids, _reference_greedy(hybrid, prompt, len(gen.output_ids)))
-        np.testing.assert_allclose(gen.logprobs, _reference_logprobs(hybrid, prompt, gen.output_ids), atol=LOGPROB_ATOL)
+        np.testing.assert_allclose(gen.infer_logprobs, _reference_logprobs(hybrid, prompt, gen.output_ids), atol=LOGPROB_ATOL)
     finally:
         engine.update_weights(original.state_dict(), version=version + 1)
 
@@ -246,6 +246,6 @@ def test_proxy_records_vllm_samples_and_weight_versions(embedded_engine, embedde
     for call, model, version in ((first, ref, 0), (second, new, 1)):
         assert call.weight_version == version and len(call.output_ids) >= 1
         np.testing.assert_allclose(
-            call.output_logprobs, _reference_logprobs(model, call.prompt_ids, call.output_ids), atol=LOGPROB_ATOL
+            call.infer_logprobs, _reference_logprobs(model, call.prompt_ids, call.output_ids), atol=LOGPROB_ATOL
         )
     np.testing.assert_array_equal(first.prompt_ids, second.prompt_ids)  # same question, new weights

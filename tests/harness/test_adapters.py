@@ -95,7 +95,7 @@ def test_codex_config_toml_parses_and_quotes_safely(layout, tmp_path):
 
 
 def test_mini_swe_agent_overrides_and_argv(layout, tmp_path):
-    harness = get_harness("mini-swe-agent", install=fake_install(tmp_path, "mini"), max_steps=7)
+    harness = get_harness("mini-swe-agent", install=fake_install(tmp_path, "mini"), max_turns=7)
     prepared = harness.prepare(layout, BASE, KEY, "policy")
     # The overrides file is JSON, which YAML reads as is.
     overrides = json.loads((layout.home / ".clawfast" / "mini-overrides.yaml").read_text())

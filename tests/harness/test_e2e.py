@@ -108,7 +108,7 @@ def test_call_budget_ends_harnesses_without_a_turn_limit(name, tmp_path):
     task = check_task()
     task = dataclasses.replace(task, oracle=("true",) * 8 + tuple(task.oracle))
     with RolloutService(ORACLE, ensure_embedded_model(), records_dir=tmp_path / "records",
-                        harnesses={name: {"timeout_s": 120, "max_steps": 30}}, timeout_s=120,
+                        harnesses={name: {"timeout_s": 120, "max_turns": 30}}, timeout_s=120,
                         logs_dir=tmp_path / "logs", oracle_tasks=[task]) as service:
         [result] = service.run([RolloutSpec(task, name, 0)], Sampling(max_calls=3))
     assert len(result.calls) == 3

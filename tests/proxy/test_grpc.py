@@ -47,7 +47,7 @@ def _append_random(registry: RolloutRegistry, rollout_id: str, rng: np.random.Ge
     return registry.get(rollout_id).append(
         prompt_ids=rng.integers(0, 150_000, n_prompt),
         output_ids=rng.integers(0, 150_000, n_out),
-        output_logprobs=-rng.exponential(1.0, n_out).astype(np.float32),
+        infer_logprobs=-rng.exponential(1.0, n_out).astype(np.float32),
         weight_version=int(rng.integers(0, 5)),
         finish_reason=str(rng.choice(["stop", "length"])),
         timings={"received": float(rng.random()), "answered": float(rng.random())},

@@ -13,7 +13,7 @@ from clawfast.records import read_rollout, rollout_path
 
 
 def fields(i: int) -> dict:
-    return dict(prompt_ids=np.arange(1, 5 + i), output_ids=[7, 8], output_logprobs=[-0.5, -1.5], tags=("main",), metadata={"i": i})
+    return dict(prompt_ids=np.arange(1, 5 + i), output_ids=[7, 8], infer_logprobs=[-0.5, -1.5], tags=("main",), metadata={"i": i})
 
 
 def test_open_lookup_close(tmp_path):

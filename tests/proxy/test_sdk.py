@@ -31,7 +31,7 @@ def assert_continuity(calls, n: int) -> None:
         assert cur.metadata["spliced_turns"] >= 1
     for call in calls:
         assert call.tags == ("main",)
-        assert len(call.output_logprobs) == len(call.output_ids) and (call.output_logprobs < 0).all()
+        assert len(call.infer_logprobs) == len(call.output_ids) and (call.infer_logprobs < 0).all()
 
 
 # -- Anthropic ------------------------------------------------------------------------------------

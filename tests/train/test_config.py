@@ -102,3 +102,8 @@ def test_config_is_frozen():
     config = RunConfig()
     with pytest.raises(Exception):
         config.steps = 4
+
+
+def test_a_renamed_key_says_its_new_name():
+    with pytest.raises(ConfigError, match="harness_max_steps is now harness_max_turns"):
+        config_from_dict({"rollout": {"harness_max_steps": 3}})

@@ -122,7 +122,7 @@ def test_harness_rollouts_record_the_weight_version(tmp_path):
     from clawfast.train.build import rollout_service
     from clawfast.train.data import HarnessRollouts
 
-    config = config_from_dict({"rollout": {"sandbox": "local", "concurrency": 2, "harness_max_steps": 4},
+    config = config_from_dict({"rollout": {"sandbox": "local", "concurrency": 2, "harness_max_turns": 4},
                                "run_dir": str(tmp_path / "run")})
     tasks = {t.id: t for t in clawbench_mini() if t.id in ("files-create-1", "shell-chmod-1")}
     model_dir = ensure_embedded_model()
@@ -148,7 +148,7 @@ def test_mini_instance_template_is_one_more_config_layer(tmp_path):
     from clawfast.harness.base import RunLayout
     from clawfast.train.build import harness_options
 
-    config = config_from_dict({"rollout": {"mini_instance_template": "Do: {{task}}", "harness_max_steps": 5}})
+    config = config_from_dict({"rollout": {"mini_instance_template": "Do: {{task}}", "harness_max_turns": 5}})
     harness = get_harness("mini-swe-agent", **harness_options(config)["mini-swe-agent"])
     layout = RunLayout(home=tmp_path / "home", workspace=tmp_path / "ws", home_inside="/run/home",
                        workspace_inside="/run/ws")
@@ -158,7 +158,7 @@ def test_mini_instance_template_is_one_more_config_layer(tmp_path):
     argv = harness.command("a task", layout)
     assert argv[-2:] == ["-c", f"/run/home/{MINI_LAYER}"] and argv.index("mini.yaml") < len(argv) - 2
     assert tmp_path / "home" / MINI_LAYER in prepared.files
-    assert harness.max_steps == 5
+    assert harness.max_turns == 5
 
 
 MINI_LAYER = ".clawfast/mini-instance-template.yaml"

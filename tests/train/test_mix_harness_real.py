@@ -160,7 +160,7 @@ def check_mixed_step(config, seen: dict) -> None:
             assert (c.rollout_id, c.harness) == (r.rollout_id, r.harness)
             assert c.metadata["protocol"] == PROTOCOL[r.harness], why
             assert len(c.prompt_ids) > 0 and 0 < len(c.output_ids) <= config.engine.max_tokens
-            assert np.all(np.isfinite(c.output_logprobs)) and np.all(c.output_logprobs <= 0)
+            assert np.all(np.isfinite(c.infer_logprobs)) and np.all(c.infer_logprobs <= 0)
             assert c.weight_version == 0  # sampled before the step's weight push
         assert task.instruction in tokenizer.decode(r.calls[0].prompt_ids.tolist()), why
         logs = run_dir / "logs" / r.rollout_id

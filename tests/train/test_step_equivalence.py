@@ -64,7 +64,7 @@ def near_policy_logprobs(lm, calls, rng) -> None:
         logp = torch.log_softmax(lm(input_ids=ids[None]).logits[0].double(), -1)
         n = len(c.prompt_ids)
         lp = logp[n - 1: -1].gather(1, ids[n:, None])[:, 0].numpy()
-        c.output_logprobs = np.minimum(lp + rng.normal(0, 0.4, size=lp.shape), 0).astype(np.float32)
+        c.infer_logprobs = np.minimum(lp + rng.normal(0, 0.4, size=lp.shape), 0).astype(np.float32)
 
 
 def harness_rollouts(policy: Policy, seed: int = 0) -> list[RolloutResult]:
@@ -164,7 +164,7 @@ def flat_loss(policy: Policy, rollouts, config: StepConfig, *, ref_policy: Polic
             ratio = torch.exp(lp - lp.detach())
             clip_high = config.clip_low if config.clip_high is None else config.clip_high
             pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - config.clip_low, 1 + clip_high))
-            rho = float(np.exp(float(lp.detach()) - float(trees[g].token_logprob[t])))
+            rho = float(np.exp(float(lp.detach()) - float(trees[g].infer_logprobs[t])))
             if config.is_mode == "truncate":
                 w = min(rho, config.is_cap)
             elif config.is_mode == "mask":

@@ -190,6 +190,9 @@ class RayRolloutPool:
         self.started_ray = not ray.is_initialized()
         if self.started_ray:
             ray.init(address=None if address == "local" else address)
+        # Rollouts running on each actor, over every concurrent `run` (the cap is per actor).
+        self._load: list[int] = []
+        self._freed = threading.Condition()
         options = {"num_cpus": 1, "max_concurrency": setup.concurrency, **(actor_options or {})}
         actor_cls = ray.remote(RolloutActor)
         try:
@@ -207,6 +210,7 @@ class RayRolloutPool:
         except BaseException:
             self._shutdown()
             raise
+        self._load = [0] * len(self.actors)
 
     def __enter__(self) -> "RayRolloutPool":
         return self
@@ -217,7 +221,8 @@ class RayRolloutPool:
     def run(self, specs: Sequence[RolloutSpec], control: RolloutControl, *, sampling: Sampling | None = None,
             on_result: Callable[[RolloutResult], None] | None = None, progress: bool = False) -> list[RolloutResult]:
         """Every spec on the actors, each rollout opened and closed through `control` (the proxy's
-        registry) in this process; results in spec order, `on_result` called with each as it ends."""
+        registry) in this process; results in spec order, `on_result` called with each as it ends.
+        Several threads may run at once: each actor runs at most ``concurrency`` rollouts of all of them."""
         import ray
 
         unknown = sorted({s.harness for s in specs} - set(self.setup.harnesses))
@@ -227,8 +232,8 @@ class RayRolloutPool:
         display = ProgressDisplay(stats) if progress else None
         results: list[RolloutResult | None] = [None] * len(specs)
         inflight: dict[Any, _InFlight] = {}
-        load = [0] * len(self.actors)
         queue = deque(enumerate(specs))
+        load, freed = self._load, self._freed
 
         def finish(index: int, result: RolloutResult) -> None:
             results[index] = result
@@ -240,27 +245,33 @@ class RayRolloutPool:
             if display:
                 display.start()
             while queue or inflight:
-                while queue and min(load) < self.setup.concurrency:
+                while queue:
+                    with freed:
+                        if min(load) >= self.setup.concurrency:
+                            break
+                        actor = load.index(min(load))
+                        load[actor] += 1  # the slot is taken before the rollout opens
                     index, spec = queue.popleft()
                     try:
                         opened = control.open(task_id=spec.task.id, harness=spec.harness,
                                               sample_index=spec.sample_index, sampling=sampling)
                     except Exception as exc:
+                        self._release(actor)
                         finish(index, unopened_result(spec, exc, {"timings": {}}))
                         continue
-                    actor = load.index(min(load))
                     ref = self.actors[actor].run.remote(spec.task.id, spec.harness, spec.sample_index,
                                                         opened.rollout_id, opened.key, opened.base_url)
                     inflight[ref] = _InFlight(index, spec, opened.rollout_id, actor)
-                    load[actor] += 1
                 stats.running = len(inflight)
                 if display:
                     display.update()
-                if not inflight:
+                if not inflight:  # every slot is another run's: wait for one to free
+                    with freed:
+                        freed.wait(timeout=1.0)
                     continue
                 [ref], _ = ray.wait(list(inflight), num_returns=1)
                 job = inflight.pop(ref)
-                load[job.actor] -= 1
+                self._release(job.actor)
                 try:
                     outcome = ray.get(ref)
                 except Exception as exc:  # the actor died, or raised (a bug): no outcome to trust
@@ -272,9 +283,15 @@ class RayRolloutPool:
         finally:
             for ref, job in inflight.items():  # interrupted: nothing opened stays open
                 ray.cancel(ref)
+                self._release(job.actor)
                 close_rollout(control, job.spec, job.rollout_id, 0.0, "harness_error", {"error": "cancelled"}, job.t0)
             if display:
                 display.stop()
+
+    def _release(self, actor: int) -> None:
+        with self._freed:
+            self._load[actor] -= 1
+            self._freed.notify_all()
 
     def close(self) -> None:
         """Close every actor (its sandboxes destroyed), kill it, and stop a cluster we started."""

@@ -1,34 +1,44 @@
-"""Run tasks x harnesses x k samples with a concurrency cap, in one process on one asyncio loop.
+"""Run rollouts with one concurrency cap, in this process, on one asyncio loop of its own.
 
-`RolloutScheduler(worker, concurrency).run(specs, sampling)` starts at most `concurrency` rollouts at once (each
-a `RolloutWorker.run`: proxy rollout, fresh sandbox, harness, verifier) and returns one
-`RolloutResult` per spec, in spec order. Blocking work (sandbox starts and runs, verifiers, proxy
-calls) runs on a thread pool sized to the cap, so a slow sandbox never stalls the loop.
+    with RolloutScheduler(worker, concurrency=8) as scheduler:
+        results = scheduler.run(specs, sampling)           # from any thread, concurrently
 
-Guaranteed: every spec gets a result with a truthful status (see `clawfast.rollout.worker`); if the
-caller cancels `run` (Ctrl-C), every rollout in flight is closed and its sandbox destroyed before the
-cancellation propagates. Not guaranteed: result order of completion (use `on_result` for streaming).
+The scheduler owns a loop in a background thread; every `run` (or `submit`) from any thread puts
+its rollouts on that loop, where at most `concurrency` run at once across all callers (each a
+`RolloutWorker.run`: proxy rollout, fresh sandbox, harness, verifier). So an asynchronous trainer
+can ask for the next groups while earlier ones still run, and an evaluation can run beside them,
+all under the one cap. Blocking work (sandbox starts and runs, verifiers, proxy calls) runs on a
+thread pool sized to the cap, so a slow sandbox never stalls the loop.
+
+Guaranteed: every spec of a `run` gets a result with a truthful status (see
+`clawfast.rollout.worker`), in spec order; if the caller is interrupted (Ctrl-C) or a rollout
+raises (a bug), every rollout of that `run` still in flight is closed and its sandbox destroyed
+before the exception propagates; `close` does the same for every rollout of every caller. Not
+guaranteed: an order of completion (use `on_result` for streaming).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+from clawfast.engines.base import Sampling
 from clawfast.records import RolloutResult
 from clawfast.rollout.progress import ProgressDisplay
-from clawfast.engines.base import Sampling
 from clawfast.rollout.spec import RolloutSpec
 from clawfast.rollout.worker import RolloutWorker
 
 
 @dataclass
 class RunStats:
-    """Counts of one `RolloutScheduler.run`; `failed` counts every status other than ``ok``."""
+    """Counts of one `run`; `failed` counts every status other than ``ok``; `running`: rollouts
+    running now for any caller of the scheduler."""
 
     total: int = 0
     done: int = 0
@@ -53,80 +63,151 @@ class RunStats:
         return 60.0 * self.done / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
 
-class RolloutScheduler:
-    """concurrency: rollouts in flight at once. progress: show a live rich display (done / running /
-    failed, rollouts per minute). on_result: called on the loop with each result as it completes."""
+def gather(futures: Sequence[concurrent.futures.Future], *, on_result: Callable[[RolloutResult], None] | None,
+           progress: bool, running: Callable[[], int],
+           cancel: Callable[[Sequence[concurrent.futures.Future]], None]) -> list[RolloutResult]:
+    """Wait for every future (each a rollout's result), in the calling thread: `on_result` with each
+    as it ends, a live display if `progress`; results in the futures' order. On an exception (the
+    caller interrupted, a rollout's bug) `cancel(futures)` cancels the rollouts not done and returns
+    once they are closed; then it propagates. `running()`: rollouts running now, for the display."""
+    stats = RunStats(total=len(futures))
+    display = ProgressDisplay(stats) if progress else None
+    try:
+        if display:
+            display.start()
+        for future in concurrent.futures.as_completed(futures):
+            result = future.result()
+            stats.record(result)
+            stats.running = running()
+            if display:
+                display.update()
+            if on_result is not None:
+                on_result(result)
+    except BaseException:
+        cancel(futures)
+        raise
+    finally:
+        if display:
+            display.stop()
+    return [future.result() for future in futures]
 
-    def __init__(
-        self,
-        worker: RolloutWorker,
-        *,
-        concurrency: int = 8,
-        progress: bool = False,
-        on_result: Callable[[RolloutResult], None] | None = None,
-    ) -> None:
+
+class RolloutScheduler:
+    """concurrency: rollouts in flight at once, over every caller. Start with `start` (or `with`),
+    stop with `close`."""
+
+    def __init__(self, worker: RolloutWorker, *, concurrency: int = 8) -> None:
         if concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, got {concurrency}")
         self.worker = worker
         self.concurrency = concurrency
-        self.progress = progress
-        self.on_result = on_result
-        self.stats = RunStats()
+        self.running = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._semaphore: asyncio.Semaphore | None = None
+        self._tasks: dict[concurrent.futures.Future, asyncio.Task] = {}
 
-    async def run(self, specs: Sequence[RolloutSpec], sampling: Sampling | None = None) -> list[RolloutResult]:
-        """One result per spec, in spec order; every call of every rollout samples with `sampling`."""
-        specs = list(specs)
+    def __enter__(self) -> "RolloutScheduler":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def start(self) -> None:
+        if self._loop is not None:
+            return
+        # Each rollout holds at most two threads at once (its harness run, and the forwarder work of
+        # sandbox close); a private pool keeps the loop's small default executor free.
+        if self.worker.executor is None:
+            self.worker.executor = ThreadPoolExecutor(self.concurrency * 2 + 2, thread_name_prefix="clawfast-rollout")
+        self._loop = asyncio.new_event_loop()
+        ready = threading.Event()
+
+        def serve() -> None:
+            asyncio.set_event_loop(self._loop)
+            self._semaphore = asyncio.Semaphore(self.concurrency)
+            ready.set()
+            self._loop.run_forever()
+
+        self._thread = threading.Thread(target=serve, name="clawfast-scheduler", daemon=True)
+        self._thread.start()
+        ready.wait()
+
+    def submit(self, spec: RolloutSpec, sampling: Sampling | None = None) -> concurrent.futures.Future:
+        """Queue one rollout (from any thread); its future holds the `RolloutResult`. Stop it with
+        `cancel` (which waits until it is closed), not with the future's own ``cancel``."""
+        if self._loop is None:
+            raise RuntimeError("RolloutScheduler is not started")
+        if spec.harness not in self.worker.harnesses:
+            raise ValueError(f"no adapter for harness {spec.harness!r}; have {sorted(self.worker.harnesses)}")
+        out: concurrent.futures.Future = concurrent.futures.Future()
+
+        def start() -> None:
+            task = self._loop.create_task(self._one(spec, sampling))
+            self._tasks[out] = task
+            task.add_done_callback(lambda t: self._settle(out, t))
+
+        self._loop.call_soon_threadsafe(start)
+        return out
+
+    def _settle(self, out: concurrent.futures.Future, task: asyncio.Task) -> None:
+        self._tasks.pop(out, None)
+        if out.done():
+            return
+        if task.cancelled():
+            out.cancel()
+            out.set_running_or_notify_cancel()  # wakes `as_completed` waiters, which `cancel` alone does not
+        elif task.exception() is not None:
+            out.set_exception(task.exception())
+        else:
+            out.set_result(task.result())
+
+    async def _one(self, spec: RolloutSpec, sampling: Sampling | None) -> RolloutResult:
+        async with self._semaphore:
+            self.running += 1
+            try:
+                return await self.worker.run(spec, sampling)
+            finally:
+                self.running -= 1
+
+    def cancel(self, futures: Sequence[concurrent.futures.Future] | None = None) -> None:
+        """Cancel the rollouts of `futures` (None: every one) that are not done, from any thread, and
+        return once each is closed (its sandbox destroyed)."""
+        if self._loop is None:
+            return
+
+        async def cancel_and_wait() -> None:
+            wanted = self._tasks if futures is None else futures
+            tasks = [self._tasks[f] for f in wanted if f in self._tasks]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(cancel_and_wait(), self._loop).result()
+
+    def run(self, specs: Sequence[RolloutSpec], sampling: Sampling | None = None, *,
+            on_result: Callable[[RolloutResult], None] | None = None, progress: bool = False) -> list[RolloutResult]:
+        """One result per spec, in spec order, every call of every rollout sampled with `sampling`;
+        blocks the calling thread (any thread: concurrent runs share the cap). `on_result` gets each
+        result as it ends (in the calling thread); `progress` draws a live line."""
         unknown = sorted({s.harness for s in specs} - set(self.worker.harnesses))
         if unknown:
             raise ValueError(f"no adapter for harness(es) {unknown}; have {sorted(self.worker.harnesses)}")
-        # Install (or find) every harness first, off the loop: an npm install takes minutes and must
-        # not count against the first rollouts' clocks.
-        loop = asyncio.get_running_loop()
-        for name in sorted({s.harness for s in specs}):
-            await loop.run_in_executor(None, lambda h=self.worker.harnesses[name]: h.installation)
-        self.stats = stats = RunStats(total=len(specs))
-        semaphore = asyncio.Semaphore(self.concurrency)
-        results: list[RolloutResult | None] = [None] * len(specs)
-        # Each rollout holds at most two threads at once (its harness run, and the forwarder work of
-        # sandbox close); a private pool keeps the loop's small default executor free.
-        own_executor = self.worker.executor is None
-        if own_executor:
-            self.worker.executor = ThreadPoolExecutor(self.concurrency * 2 + 2, thread_name_prefix="clawfast-rollout")
-        display = ProgressDisplay(stats) if self.progress else None
+        futures = [self.submit(spec, sampling) for spec in specs]
+        return gather(futures, on_result=on_result, progress=progress, running=lambda: self.running,
+                      cancel=self.cancel)
 
-        async def one(i: int, spec: RolloutSpec) -> None:
-            async with semaphore:
-                stats.running += 1
-                if display:
-                    display.update()
-                try:
-                    result = await self.worker.run(spec, sampling)
-                finally:
-                    stats.running -= 1
-                stats.record(result)
-                results[i] = result
-                if display:
-                    display.update()
-                if self.on_result is not None:
-                    self.on_result(result)
-
-        try:
-            if display:
-                display.start()
-            tasks = [asyncio.create_task(one(i, spec)) for i, spec in enumerate(specs)]
-            try:
-                await asyncio.gather(*tasks)
-            except BaseException:
-                # One rollout raised (a bug, not a rollout failure) or we were cancelled: cancel the
-                # rest and wait, so each closes its proxy rollout and sandbox before we propagate.
-                for t in tasks:
-                    t.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
-                raise
-        finally:
-            if display:
-                display.stop()
-            if own_executor:
-                self.worker.executor.shutdown(wait=True)
-                self.worker.executor = None
-        return [r for r in results if r is not None]
+    def close(self) -> None:
+        """Cancel every rollout still queued or running (each is closed, its sandbox destroyed), then
+        stop the loop and the thread pool. Idempotent."""
+        if self._loop is None:
+            return
+        self.cancel()
+        loop, self._loop = self._loop, None
+        loop.call_soon_threadsafe(loop.stop)
+        self._thread.join()
+        loop.close()
+        if self.worker.executor is not None:
+            self.worker.executor.shutdown(wait=True)
+            self.worker.executor = None

@@ -12,8 +12,8 @@ caller only asks for rollouts.
 runs with different sampling never touch a shared setting. Records are written by the proxy as calls
 are answered (``<records_dir>/<rollout_id>.cfr``) and reach the caller once, from the registry.
 
-Where rollouts run: by default on one asyncio loop in this process (`RolloutScheduler`,
-`concurrency` at once). With ``ray=OnRay(...)``, in one `clawfast.rollout.ray_backend` actor per
+Where rollouts run: by default on one asyncio loop of this process (`RolloutScheduler`,
+`concurrency` at once over every caller: `run` may be called from several threads at once). With ``ray=OnRay(...)``, in one `clawfast.rollout.ray_backend` actor per
 alive Ray node (each `concurrency` at once); the proxy then listens on all interfaces and each actor
 relays its node's loopback to it. The engine: any `Engine` (the service closes it on exit, on the
 proxy's loop where its workers live), or ``"oracle"``: the scripted engine playing `oracle_tasks`'
@@ -164,7 +164,7 @@ class RolloutService:
             stack.callback(self.registry.close_all)
             self.grpc = self._start_grpc(stack) if self.grpc_port is not None else None
             self._pool = self._start_ray(stack) if self.ray is not None else None
-            self._worker = self._start_local(stack) if self.harnesses and self.ray is None else None
+            self._scheduler = self._start_local(stack) if self.harnesses and self.ray is None else None
         except BaseException:
             stack.close()
             raise
@@ -197,8 +197,11 @@ class RolloutService:
         stack.callback(backend.close)
         # "local" has no isolation to offer a verifier: it scores in a plain subprocess.
         runner = None if self.sandbox == "local" else SandboxRunner(backend)
+        from clawfast.rollout.scheduler import RolloutScheduler
+
         config = RolloutConfig(model=self.model_name, timeout_s=self.timeout_s, logs_dir=self.logs_dir)
-        return RolloutWorker(self.registry, backend, self.harnesses, config=config, verifier_runner=runner)
+        worker = RolloutWorker(self.registry, backend, self.harnesses, config=config, verifier_runner=runner)
+        return stack.enter_context(RolloutScheduler(worker, concurrency=self.concurrency))
 
     def _start_ray(self, stack: contextlib.ExitStack):
         import ray
@@ -223,17 +226,16 @@ class RolloutService:
     def run(self, specs: Sequence[RolloutSpec], sampling: Sampling | None = None, *,
             on_result: Callable[[RolloutResult], None] | None = None, progress: bool = False) -> list[RolloutResult]:
         """Run every spec; every call of every rollout samples with `sampling` (None:
-        `default_sampling`). `on_result` gets each result as it ends; `progress` draws a live line."""
+        `default_sampling`). `on_result` gets each result as it ends; `progress` draws a live line.
+        Blocks the calling thread; several threads may run at once (an asynchronous trainer's
+        groups, an evaluation beside them): their rollouts share the one concurrency cap."""
         self._require_started()
         unknown = sorted({s.harness for s in specs} - set(self.harness_options))
         if unknown:
             raise ValueError(f"specs use harness(es) {unknown}; this service runs {sorted(self.harness_options)}")
         if self._pool is not None:
             return self._pool.run(specs, self.registry, sampling=sampling, on_result=on_result, progress=progress)
-        from clawfast.rollout.scheduler import RolloutScheduler
-
-        scheduler = RolloutScheduler(self._worker, concurrency=self.concurrency, progress=progress, on_result=on_result)
-        return asyncio.run(scheduler.run(specs, sampling))
+        return self._scheduler.run(specs, sampling, on_result=on_result, progress=progress)
 
     def open(self, rollout_id: str | None = None, *, task_id: str = "", harness: str = "", sample_index: int = 0,
              sampling: Sampling | None = None):

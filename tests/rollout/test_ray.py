@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import ray
@@ -32,6 +33,11 @@ def test_two_actor_local_cluster_runs_rollouts_with_truthful_results(tmp_path):
                             harnesses={"mini-swe-agent": {}}, concurrency=2, timeout_s=240,
                             logs_dir=tmp_path / "logs", ray=on_ray, oracle_tasks=tasks) as service:
             results = service.run(specs, Sampling(max_calls=20))
+            # Two callers at once (the asynchronous loop's groups) share the actors' slots.
+            with ThreadPoolExecutor(2) as callers:
+                runs = [callers.submit(service.run, make_specs([t], ["mini-swe-agent"], k=2), Sampling(max_calls=20))
+                        for t in tasks]
+                concurrent = [r for run in runs for r in run.result()]
             assert service.registry.open_ids() == []
     finally:
         ray.shutdown()
@@ -42,6 +48,8 @@ def test_two_actor_local_cluster_runs_rollouts_with_truthful_results(tmp_path):
         assert r.info["actor_pid"] != os.getpid() and r.info["ray_node_id"]
     assert len({r.rollout_id for r in results}) == 4
     assert len({r.info["actor_pid"] for r in results}) == 2  # both actors ran rollouts
+    assert [(r.task_id, r.sample_index) for r in concurrent] == [(s.task.id, s.sample_index) for s in specs]
+    assert all((r.status, r.reward) == ("ok", 1.0) for r in concurrent), [r.info for r in concurrent]
     # The records the caller got are the proxy's own, written in this process as calls were answered.
     on_disk = {r.rollout_id: r for r in read_rollouts(tmp_path / "records")}
     for r in results:

@@ -4,7 +4,7 @@ rollout registry; the harness is the trivial `/bin/sh -c` one."""
 
 from __future__ import annotations
 
-import asyncio
+import concurrent.futures
 import os
 import shutil
 import time
@@ -84,25 +84,48 @@ def test_progress_line_counts():
     assert line.startswith("rollouts 2/3  running 1  failed 1") and "(timeout 1)" in line
 
 
-@needs_bwrap
-def test_concurrency_cap_and_spec_order(env, capsys):
-    registry, backend, harnesses, tmp = env
-    # Each run prints its start and end time; the kept stdout shows how many overlapped.
-    tasks = [task(f"t{i}", "date +%s.%N; sleep 0.4; date +%s.%N") for i in range(10)]
-    worker = RolloutWorker(registry, backend, harnesses, config=RolloutConfig(logs_dir=tmp / "logs"))
-    scheduler = RolloutScheduler(worker, concurrency=3, progress=True)
-    results = asyncio.run(scheduler.run(make_specs(tasks, ["script"])))
-    assert "rollouts 10/10  running 0  failed 0" in capsys.readouterr().err  # the live line's last state
-    assert [r.task_id for r in results] == [t.id for t in tasks]
-    assert all((r.status, r.reward) == ("ok", 1.0) for r in results)
+def peak_overlap(results) -> int:
+    """Most rollouts running at once, from the start and end times each task's command printed."""
     spans = [tuple(map(float, (Path(r.info["logs"]) / "stdout").read_text().split())) for r in results]
     events = sorted([(s, 1) for s, _ in spans] + [(e, -1) for _, e in spans])
     running, peak = 0, 0
     for _, delta in events:
         running += delta
         peak = max(peak, running)
-    assert 2 <= peak <= 3
-    assert scheduler.stats.done == 10 and scheduler.stats.failed == 0 and scheduler.stats.running == 0
+    return peak
+
+
+@needs_bwrap
+def test_concurrency_cap_and_spec_order(env, capsys):
+    registry, backend, harnesses, tmp = env
+    # Each run prints its start and end time; the kept stdout shows how many overlapped.
+    tasks = [task(f"t{i}", "date +%s.%N; sleep 0.4; date +%s.%N") for i in range(10)]
+    worker = RolloutWorker(registry, backend, harnesses, config=RolloutConfig(logs_dir=tmp / "logs"))
+    with RolloutScheduler(worker, concurrency=3) as scheduler:
+        results = scheduler.run(make_specs(tasks, ["script"]), progress=True)
+    assert "rollouts 10/10  running 0  failed 0" in capsys.readouterr().err  # the live line's last state
+    assert [r.task_id for r in results] == [t.id for t in tasks]
+    assert all((r.status, r.reward) == ("ok", 1.0) for r in results)
+    assert 2 <= peak_overlap(results) <= 3
+    assert scheduler.running == 0
+
+
+@needs_bwrap
+def test_runs_from_several_threads_share_one_cap(env):
+    """Two callers at once (an asynchronous trainer's groups): each gets its own results in its own
+    spec order, and at most `concurrency` rollouts of both run at any moment."""
+    registry, backend, harnesses, tmp = env
+    worker = RolloutWorker(registry, backend, harnesses, config=RolloutConfig(logs_dir=tmp / "logs"))
+    groups = [[task(f"g{g}-{i}", "date +%s.%N; sleep 0.4; date +%s.%N") for i in range(4)] for g in range(2)]
+    with RolloutScheduler(worker, concurrency=3) as scheduler:
+        with concurrent.futures.ThreadPoolExecutor(2) as callers:
+            runs = [callers.submit(scheduler.run, make_specs(ts, ["script"])) for ts in groups]
+            results = [run.result() for run in runs]
+    for ts, rs in zip(groups, results):
+        assert [r.task_id for r in rs] == [t.id for t in ts]
+        assert all((r.status, r.reward) == ("ok", 1.0) for r in rs)
+    assert 2 <= peak_overlap([r for rs in results for r in rs]) <= 3
+    assert len({r.rollout_id for rs in results for r in rs}) == 8
 
 
 @needs_bwrap
@@ -111,18 +134,15 @@ def test_cancel_closes_every_rollout_and_kills_every_sandbox(env):
     token = uuid.uuid4().hex[:10]
     tasks = [task(f"slow{i}", f": {token}; sleep 60") for i in range(5)]
     worker = RolloutWorker(registry, backend, harnesses)
-    scheduler = RolloutScheduler(worker, concurrency=3)
-
-    async def main():
-        run = asyncio.create_task(scheduler.run(make_specs(tasks, ["script"])))
-        while scheduler.stats.running < 3:
-            await asyncio.sleep(0.05)
-        await asyncio.sleep(1.0)  # the three harnesses are running now
-        run.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await run
-
-    asyncio.run(main())
+    with RolloutScheduler(worker, concurrency=3) as scheduler:
+        with concurrent.futures.ThreadPoolExecutor(1) as caller:
+            run = caller.submit(scheduler.run, make_specs(tasks, ["script"]))
+            while scheduler.running < 3:
+                time.sleep(0.05)
+            time.sleep(1.0)  # the three harnesses are running now
+            scheduler.cancel()
+            with pytest.raises(concurrent.futures.CancelledError):
+                run.result()
     assert registry.open_ids() == []
     closed = read_rollouts(tmp / "records")  # every opened rollout has its result frame
     assert len(closed) == 3
@@ -144,7 +164,8 @@ def test_proxy_failing_to_close_is_proxy_error(env):
             raise ConnectionError("injected: proxy went away")
 
     worker = RolloutWorker(CloseFails(), backend, harnesses)
-    [result] = asyncio.run(RolloutScheduler(worker).run([RolloutSpec(task("c", "true"), "script")]))
+    with RolloutScheduler(worker) as scheduler:
+        [result] = scheduler.run([RolloutSpec(task("c", "true"), "script")])
     # The harness and verifier succeeded, but the calls could not be collected: not usable as ok.
     assert result.status == "proxy_error" and result.reward == 1.0 and result.calls == []
     assert "proxy went away" in result.info["error"]
@@ -176,14 +197,11 @@ def test_cancel_while_opening_and_starting_leaks_nothing(env):
         worker = RolloutWorker(control, sandboxes, harnesses)
         tasks = [task(f"x{i}", "sleep 60") for i in range(4)]
 
-        async def main():
-            run = asyncio.create_task(RolloutScheduler(worker, concurrency=4).run(make_specs(tasks, ["script"])))
-            await asyncio.sleep(delay)  # the opens (or starts) are in flight in their threads
-            run.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await run
-
-        asyncio.run(main())
+        with RolloutScheduler(worker, concurrency=4) as scheduler:
+            futures = [scheduler.submit(spec) for spec in make_specs(tasks, ["script"])]
+            time.sleep(delay)  # the opens (or starts) are in flight in their threads
+            scheduler.cancel(futures)
+            assert all(f.cancelled() for f in futures)
         assert registry.open_ids() == []
         assert os.listdir(backend.base_dir) == []  # every sandbox directory is gone
     closed = read_rollouts(tmp / "records")
@@ -193,6 +211,7 @@ def test_cancel_while_opening_and_starting_leaks_nothing(env):
 def test_proxy_without_an_address_is_proxy_error_and_closed(tmp_path):
     registry = RolloutRegistry(tmp_path / "records")  # no server bound: base_url is ""
     worker = RolloutWorker(registry, backend=None, harnesses={"script": ScriptHarness(tmp_path)})
-    [result] = asyncio.run(RolloutScheduler(worker).run([RolloutSpec(task("u", "true"), "script")]))
+    with RolloutScheduler(worker) as scheduler:
+        [result] = scheduler.run([RolloutSpec(task("u", "true"), "script")])
     assert result.status == "proxy_error" and "127.0.0.1:PORT" in result.info["error"]
     assert registry.open_ids() == [] and [r.status for r in read_rollouts(tmp_path / "records")] == ["proxy_error"]

@@ -1,7 +1,10 @@
 """Importance-sampling correction for the trainer/inference mismatch.
 
 The engine samples with log-probs ``infer_logprobs``; the trainer recomputes ``logprobs`` for the
-same tokens. Their ratio ``rho = exp(logprobs - infer_logprobs)`` corrects the policy gradient.
+same tokens. Their ratio ``rho = exp(logprobs - infer_logprobs)`` corrects the policy gradient. In
+decoupled PPO (``policy_loss``) ``logprobs`` are the proximal policy's (the trainer at the start of
+its step) and ``infer_logprobs`` the behaviour policy's (whatever weights sampled each token, possibly
+several versions old), so rho covers both the engine/trainer mismatch and the staleness.
 
 - level ``"token"``: one ratio per target. level ``"sequence"``: one ratio per sequence, the
   product of its token ratios, i.e. the sum of log-ratios along each root-to-leaf path

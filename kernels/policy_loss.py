@@ -10,7 +10,12 @@ trainable token in a packed tree, so shared tokens count once):
     k3     = exp(ref - lp) - (ref - lp) - 1                    (log-ratio clamped to +-20)
 
 ``is_w`` is the (detached) importance weight of ``old_logprobs`` against ``infer_logprobs``
-(``importance.py``; 1 when ``infer_logprobs`` is None). Aggregation of ``l`` with weights ``a``:
+(``importance.py``), or the precomputed ``is_weights`` (e.g. sequence-level weights of paths that
+span several micro-batches), or 1 when neither is given. This is the decoupled PPO loss of
+asynchronous RL: ``old_logprobs`` is the *proximal* policy (the one the clip is measured against),
+``infer_logprobs`` the *behaviour* policy that sampled the tokens, and the IS weight corrects from
+behaviour to proximal. With ``old_logprobs`` = ``infer_logprobs`` it is plain PPO against the
+sampler. Aggregation of ``l`` with weights ``a``:
 
 - ``"token-mean"``: ``sum a l / sum a``.
 - ``"seq-mean-token-mean"``: mean over sequences of each sequence's ``sum a l / sum a``.
@@ -162,6 +167,7 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor | None,
                 advantages: torch.Tensor, *, mask: torch.Tensor | None = None,
                 weight: torch.Tensor | None = None, infer_logprobs: torch.Tensor | None = None,
                 is_config: ISConfig = ISConfig(), paths: TreePaths | None = None,
+                is_weights: torch.Tensor | None = None,
                 clip_low: float = 0.2, clip_high: float | None = None,
                 dual_clip: float | None = None, aggregation: str = "token-mean",
                 seq_ids: torch.Tensor | None = None, entropy: torch.Tensor | None = None,
@@ -170,11 +176,16 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor | None,
     """The clipped-surrogate loss (a 0-d tensor with grad) and its metrics (see module docstring).
 
     old_logprobs None means on-policy (old = logprobs detached). ``paths`` is needed only for
-    sequence-level IS. ``entropy`` is per target (e.g. ``entropy[target_rows]``).
+    sequence-level IS. ``is_weights``: detached IS weights (>= 0) to use as they are, instead of
+    computing them from ``infer_logprobs`` (give one or neither; no IS metrics are then returned).
+    ``entropy`` is per target (e.g. ``entropy[target_rows]``).
     """
     if clip_high is None:
         clip_high = clip_low
-    extra = (("infer_logprobs", infer_logprobs), ("entropy", entropy), ("ref_logprobs", ref_logprobs))
+    if infer_logprobs is not None and is_weights is not None:
+        raise ValueError("give infer_logprobs (weights computed here) or is_weights (precomputed), not both")
+    extra = (("infer_logprobs", infer_logprobs), ("is_weights", is_weights), ("entropy", entropy),
+             ("ref_logprobs", ref_logprobs))
     _check(logprobs, old_logprobs, advantages, mask, weight, extra, seq_ids, aggregation,
            clip_low, clip_high, dual_clip)
     backend = pick_backend(backend, logprobs)
@@ -196,6 +207,10 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor | None,
     if infer_logprobs is not None:
         is_w, is_vec = importance_weights_device(old, infer_logprobs, a, config=is_config,
                                                  paths=paths, backend=backend)
+    elif is_weights is not None:
+        if bool((valid & (is_weights < 0)).any()):
+            raise ValueError("is_weights must be >= 0 where mask > 0")
+        is_w, is_vec = torch.where(valid, is_weights.detach().to(dt), 0.0), None
     else:
         is_w, is_vec = torch.ones(m, dtype=dt, device=dev), None
 

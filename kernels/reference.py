@@ -261,10 +261,13 @@ def importance_weights_ref(logprobs, infer_logprobs, mask=None, *, config=ISConf
 
 
 def policy_loss_ref(logprobs, old_logprobs, advantages, *, mask=None, weight=None,
-                    infer_logprobs=None, is_config=ISConfig(), sequences=None, clip_low=0.2,
+                    infer_logprobs=None, is_config=ISConfig(), sequences=None, is_weights=None, clip_low=0.2,
                     clip_high=None, dual_clip=None, aggregation="token-mean", seq_ids=None,
                     entropy=None, entropy_coef=0.0, ref_logprobs=None, kl_coef=0.0):
-    """Per-target loss terms and the aggregation written out with Python loops over sequences."""
+    """Per-target loss terms and the aggregation written out with Python loops over sequences.
+
+    IS weight: from ``old_logprobs`` vs ``infer_logprobs`` (`importance_weights_ref`), or
+    ``is_weights`` as given, or 1."""
     clip_high = clip_low if clip_high is None else clip_high
     m = logprobs.shape[0]
     dt = _acc(logprobs.dtype)
@@ -278,6 +281,8 @@ def policy_loss_ref(logprobs, old_logprobs, advantages, *, mask=None, weight=Non
         is_w, is_metrics = importance_weights_ref(old, infer_logprobs, a, config=is_config,
                                                   sequences=sequences)
         is_w = is_w.to(dt)
+    elif is_weights is not None:
+        is_w, is_metrics = is_weights.detach().to(dt), {}
     else:
         is_w, is_metrics = torch.ones(m, dtype=dt), {}
 

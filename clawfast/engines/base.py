@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import numpy as np
 
@@ -72,8 +72,10 @@ class Engine(abc.ABC):
     async def generate(self, prompt_ids: np.ndarray, params: SamplingParams) -> Generation:
         """Sample a continuation of `prompt_ids`."""
 
-    def update_weights(self, state_dict: Mapping[str, Any], version: int) -> None:
-        """Load new policy weights and set `weight_version`; engines that cannot, say so."""
+    def update_weights(self, state_dict: Mapping[str, Any] | Iterable[tuple[str, Any]], version: int) -> None:
+        """Load new policy weights (a state dict, or (name, tensor) pairs an engine may consume one
+        at a time, as a sharded trainer streams them) and set `weight_version`; engines that cannot,
+        say so."""
         raise NotImplementedError(f"{type(self).__name__} does not take weight updates")
 
     async def close(self) -> None:

@@ -16,16 +16,39 @@ log-prob the server reported for it, and the two agree in length (else RuntimeEr
 (prompt too long, bad parameter) is a ValueError carrying the server's message; a 5xx or an
 unreachable server is a RuntimeError / httpx error. Not guaranteed: which distribution the server's
 log-probs are from (vLLM: its ``--logprobs-mode``, raw by default, i.e. before temperature/top-p;
-start it with ``--logprobs-mode processed_logprobs`` to match what it sampled), or weight updates:
-push weights to the server by its own means and set `weight_version` here.
+start it with ``--logprobs-mode processed_logprobs`` to match what it sampled).
 
-The HTTP client is created on first use and belongs to that event loop (the proxy's).
+Weights: without ``reload_dir`` the engine is frozen: `update_weights` raises NotImplementedError
+(push weights by other means and set `weight_version` by hand). With ``reload_dir`` an update writes
+the tensors as a Hugging Face safetensors checkpoint into a fresh subdirectory ``v<version>`` (in
+shards of at most `SHARD_BYTES`, so an iterable of pairs is never held whole; ``model_dir``'s
+non-weight files, config.json and tokenizer, are copied beside them) and asks the server to load it:
+
+- vLLM (``vllm serve`` with ``VLLM_SERVER_DEV_MODE=1``, which mounts the dev and RL routes):
+  ``POST /pause?mode=wait`` (running requests finish, new ones wait), ``POST /collective_rpc``
+  ``{"method": "reload_weights", "kwargs": {"weights_path": DIR}}`` (every worker's in-place reload
+  from disk), ``POST /reset_prefix_cache``, ``POST /update_weight_version``, ``POST /resume``.
+- SGLang: ``POST /update_weights_from_disk {"model_path": DIR, "weight_version": "<version>"}``
+  (SGLang waits for running requests and flushes its cache itself); ``success: false`` is an error.
+
+Meanwhile this engine's own calls are held back (new ones wait, running ones finish first), so every
+`Generation` carries the version that produced it; the version is bumped only after the server
+answered, and the previous version directory is deleted then. Not checked: that the tensors fit the
+served model (the server's load decides; a vLLM server fed a wrong name dies); an update must be
+a full state dict unless the server's loader keeps what a partial checkpoint lacks.
+
+The HTTP client is created on first use and belongs to that event loop (the proxy's); `update_weights`
+is synchronous and must be called from another thread.
 """
 
 from __future__ import annotations
 
 import asyncio
+import shutil
+import threading
 import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -35,12 +58,19 @@ from clawfast.engines.base import Engine, Generation, SamplingParams
 
 APIS = ("vllm", "sglang")
 _TOKEN_PREFIX = "token_id:"
+# A reload checkpoint is written in shards of at most this many bytes (HF's own default is 5 GB;
+# smaller bounds what an iterable's tensors cost in memory before they reach the disk).
+SHARD_BYTES = 1 << 30
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 
 class RemoteEngine(Engine):
     """base_url: the server root (``http://host:port``; a trailing ``/v1`` is accepted for vLLM).
     model: the served model name for vLLM (default: the first one ``GET /v1/models`` lists).
-    api_key: sent as ``Authorization: Bearer`` if given."""
+    api_key: sent as ``Authorization: Bearer`` if given. reload_dir: where weight updates are
+    written for the server to reload (None: frozen; the directory must be readable by the server).
+    model_dir: a Hugging Face directory whose non-weight files are copied into each version
+    directory (SGLang builds its model config from there, so it needs one)."""
 
     def __init__(
         self,
@@ -52,9 +82,17 @@ class RemoteEngine(Engine):
         timeout: float = 600.0,
         weight_version: int = 0,
         max_connections: int = 256,
+        reload_dir: str | Path | None = None,
+        model_dir: str | Path | None = None,
     ) -> None:
         if api not in APIS:
             raise ValueError(f"api must be one of {APIS}, got {api!r}")
+        if model_dir is not None and reload_dir is None:
+            raise ValueError("model_dir is only used with reload_dir")
+        if model_dir is not None and not (Path(model_dir) / "config.json").is_file():
+            raise ValueError(f"model_dir {model_dir} is not a Hugging Face model directory (no config.json)")
+        if api == "sglang" and reload_dir is not None and model_dir is None:
+            raise ValueError("api='sglang' with reload_dir needs model_dir: SGLang reloads a whole model directory")
         if not base_url.startswith(("http://", "https://")):
             raise ValueError(f"base_url must be an http(s) URL, got {base_url!r}")
         base = base_url.rstrip("/")
@@ -69,6 +107,14 @@ class RemoteEngine(Engine):
         self._limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
         self._client: httpx.AsyncClient | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.reload_dir = Path(reload_dir) if reload_dir is not None else None
+        self.model_dir = Path(model_dir) if model_dir is not None else None
+        self._written: Path | None = None  # the version directory the server serves from
+        self._update_lock = threading.Lock()
+        # Gate for weight updates, bound to the client's loop: calls start while it is set.
+        self._open: asyncio.Event | None = None
+        self._drained: asyncio.Event | None = None
+        self._inflight = 0
 
     def _http(self) -> httpx.AsyncClient:
         loop = asyncio.get_running_loop()
@@ -77,6 +123,9 @@ class RemoteEngine(Engine):
                 base_url=self.base_url, headers=self._headers, timeout=self._timeout, limits=self._limits
             )
             self._loop = loop
+            self._open, self._drained = asyncio.Event(), asyncio.Event()
+            self._open.set()
+            self._drained.set()
         elif loop is not self._loop:
             raise RuntimeError("RemoteEngine is bound to the event loop of its first call; use one engine per loop")
         return self._client
@@ -108,12 +157,23 @@ class RemoteEngine(Engine):
         if params.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {params.max_tokens}")
         prompt = [int(i) for i in ids]
+        self._http()
+        assert self._open is not None and self._drained is not None
+        while not self._open.is_set():  # a weight update is in progress
+            await self._open.wait()
+        self._inflight += 1
+        self._drained.clear()
         version = self.weight_version
         t0 = time.perf_counter()
-        if self.api == "vllm":
-            output_ids, logprobs, finish = await self._generate_vllm(prompt, params)
-        else:
-            output_ids, logprobs, finish = await self._generate_sglang(prompt, params)
+        try:
+            if self.api == "vllm":
+                output_ids, logprobs, finish = await self._generate_vllm(prompt, params)
+            else:
+                output_ids, logprobs, finish = await self._generate_sglang(prompt, params)
+        finally:
+            self._inflight -= 1
+            if self._inflight == 0:
+                self._drained.set()
         if len(output_ids) != len(logprobs):
             raise RuntimeError(f"{self.api} server returned {len(output_ids)} tokens but {len(logprobs)} logprobs")
         return Generation(
@@ -180,6 +240,123 @@ class RemoteEngine(Engine):
             raise RuntimeError("SGLang output_ids disagree with the ids of output_token_logprobs")
         return output_ids, logprobs, _finish(finish)
 
+    # ------------------------------------------------------------------------------------------
+    # Weights
+
+    def update_weights(self, state_dict: Mapping[str, Any] | Iterable[tuple[str, Any]], version: int) -> None:
+        """Write the weights (HF names -> tensors, a Mapping or an iterable of pairs) under
+        ``reload_dir/v<version>``, have the server reload from there, set ``weight_version``.
+        Blocks until the server serves them; this engine's new calls wait meanwhile."""
+        if self.reload_dir is None:
+            raise NotImplementedError(
+                "RemoteEngine without reload_dir is frozen: it cannot take weight updates (give it reload_dir, "
+                "with a server that can reload from disk, or push weights by other means and set weight_version)"
+            )
+        if int(version) < self.weight_version:
+            raise ValueError(f"update_weights: version {version} is older than the serving version {self.weight_version}")
+        loop = self._loop if self._client is not None else None
+        if loop is not None and loop.is_running():
+            try:
+                on_loop = asyncio.get_running_loop() is loop
+            except RuntimeError:
+                on_loop = False
+            if on_loop:
+                raise RuntimeError("RemoteEngine.update_weights blocks: call it from another thread than its loop's")
+        else:
+            loop = None  # no call of this engine can be running
+        with self._update_lock:
+            target = self._write_checkpoint(state_dict, int(version))
+            if loop is not None:
+                asyncio.run_coroutine_threadsafe(self._pause(), loop).result()
+            try:
+                with httpx.Client(base_url=self.base_url, headers=self._headers, timeout=self._timeout) as http:
+                    if self.api == "vllm":
+                        self._reload_vllm(http, target, int(version))
+                    else:
+                        self._reload_sglang(http, target, int(version))
+                self.weight_version = int(version)
+            except BaseException:
+                if target != self._written:
+                    shutil.rmtree(target, ignore_errors=True)
+                raise
+            finally:
+                if loop is not None:
+                    asyncio.run_coroutine_threadsafe(self._resume(), loop).result()
+            previous, self._written = self._written, target
+            if previous is not None and previous != target:
+                shutil.rmtree(previous, ignore_errors=True)  # the server no longer reads it
+
+    def _write_checkpoint(self, state_dict: Mapping[str, Any] | Iterable[tuple[str, Any]], version: int) -> Path:
+        """``reload_dir/v<version>`` holding the tensors in safetensors shards (written to a temporary
+        name, then renamed, so the server never sees half a checkpoint)."""
+        import torch
+        from safetensors.torch import save_file
+
+        assert self.reload_dir is not None
+        self.reload_dir.mkdir(parents=True, exist_ok=True)
+        target = self.reload_dir / f"v{version}"
+        partial = self.reload_dir / f".v{version}.partial"
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir()
+        try:
+            pairs = state_dict.items() if isinstance(state_dict, Mapping) else state_dict
+            shard: dict[str, Any] = {}
+            size, shards, names = 0, 0, set()
+            for name, tensor in pairs:
+                if not isinstance(tensor, torch.Tensor):
+                    raise ValueError(f"update_weights: {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
+                if name in names:
+                    raise ValueError(f"update_weights: {name!r} appears twice")
+                names.add(name)
+                data = tensor.detach().to("cpu").contiguous()
+                if any(t.untyped_storage().data_ptr() == data.untyped_storage().data_ptr() for t in shard.values()):
+                    data = data.clone()  # tied weights share storage, which safetensors refuses
+                if shard and size + data.nbytes > SHARD_BYTES:
+                    shards += 1
+                    save_file(shard, str(partial / f"model-{shards:05d}.safetensors"))
+                    shard, size = {}, 0
+                shard[name], size = data, size + data.nbytes
+            if not names:
+                raise ValueError("update_weights: empty state dict")
+            save_file(shard, str(partial / f"model-{shards + 1:05d}.safetensors"))
+            if self.model_dir is not None:
+                for item in self.model_dir.iterdir():
+                    if item.is_file() and not item.name.endswith(_WEIGHT_SUFFIXES) and not item.name.endswith(".index.json"):
+                        shutil.copy2(item, partial / item.name)
+            shutil.rmtree(target, ignore_errors=True)  # a retried version replaces its own files
+            partial.rename(target)
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
+        return target
+
+    def _reload_vllm(self, http: httpx.Client, target: Path, version: int) -> None:
+        _checked(http.post("/pause", params={"mode": "wait"}), "pause (is VLLM_SERVER_DEV_MODE=1 set?)")
+        try:
+            _checked(http.post("/collective_rpc", json={"method": "reload_weights",
+                                                         "kwargs": {"weights_path": str(target.resolve())}}),
+                     "reload_weights")
+            _checked(http.post("/reset_prefix_cache"), "reset_prefix_cache")
+            _checked(http.post("/update_weight_version", json={"new_version": str(version)}), "update_weight_version")
+        finally:
+            _checked(http.post("/resume"), "resume")
+
+    def _reload_sglang(self, http: httpx.Client, target: Path, version: int) -> None:
+        response = http.post("/update_weights_from_disk",
+                             json={"model_path": str(target.resolve()), "weight_version": str(version)})
+        data = _checked(response, "update_weights_from_disk")
+        if not isinstance(data, dict) or not data.get("success"):
+            raise RuntimeError(f"SGLang update_weights_from_disk failed: {str(data)[:500]}")
+
+    async def _pause(self) -> None:
+        assert self._open is not None and self._drained is not None
+        self._open.clear()
+        await self._drained.wait()
+
+    async def _resume(self) -> None:
+        assert self._open is not None
+        self._open.set()
+
     async def close(self) -> None:
         if self._client is not None:
             client, self._client = self._client, None
@@ -197,6 +374,13 @@ def _finish(reason: Any) -> str:
     if reason not in ("stop", "length"):
         raise RuntimeError(f"generation ended with finish_reason={reason!r}")
     return reason
+
+
+def _checked(response: httpx.Response, what: str) -> Any:
+    """The JSON of a 200 answer (None if it has no body), else RuntimeError naming the step."""
+    if response.status_code != 200:
+        raise RuntimeError(f"weight reload: {what} answered {response.status_code}: {_message(response)}")
+    return response.json() if response.content else None
 
 
 def _message(response: httpx.Response) -> str:

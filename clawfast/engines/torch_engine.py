@@ -13,8 +13,12 @@ alone or in a batch, up to float rounding of padded batched matmuls):
   renormalise: the token is drawn from that distribution and its log-prob *under that distribution* is
   returned — exactly the sampler's own probability, which is what truncated importance sampling needs.
 
-`update_weights(state_dict, version)` swaps weights between batches (a lock keeps a batch on one
-version); every `Generation` carries the version that produced all of its tokens.
+`update_weights(state_dict, version)` swaps weights in process (`load_state_dict`, a copy into the
+served tensors). No new batch starts while an update waits, and the running batch either finishes
+on the old weights (``on_update="finish"``) or stops at its next token, its calls re-queued to run
+again from their prompts on the new weights (``on_update="abort"``: counted in `aborted_calls`;
+each call's seed makes the retry the call the new weights would have sampled). Either way every
+`Generation` carries the one version that produced all of its tokens.
 
 A cancelled request (its rollout closed) leaves the queue unrun; inside a running batch it stops
 sampling at the next step, and a batch whose rows are all cancelled ends there, so neither the next
@@ -30,7 +34,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 import torch
@@ -70,9 +74,25 @@ class _Pending:
     loop: asyncio.AbstractEventLoop
 
 
+ON_UPDATE = ("finish", "abort")
+
+
+class _Aborted(Exception):
+    """The running batch stopped for a weight update; its calls run again."""
+
+
 class TorchEngine(Engine):
-    def __init__(self, model: torch.nn.Module, *, max_batch: int = 8, seed: int | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, *, max_batch: int = 8, seed: int | None = None,
+                 on_update: str = "finish") -> None:
+        if on_update not in ON_UPDATE:
+            raise ValueError(f"on_update must be one of {ON_UPDATE}, got {on_update!r}")
         self.model = model.eval()
+        self.on_update = on_update
+        self.aborted_calls = 0
+        # Set while no update waits: a batch starts only then, so a busy engine cannot starve an update.
+        self._no_update = threading.Event()
+        self._no_update.set()
+        self._abort = threading.Event()
         # transformers 5.x renamed past_key_values to cache; accept both generations of the API.
         self._cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self.max_batch = max_batch
@@ -85,6 +105,7 @@ class TorchEngine(Engine):
         self.batches_run = 0
         self.max_batch_seen = 0
         self.decode_steps = 0  # forward passes of every batch's decode loop
+        self.busy_s = 0.0  # seconds spent generating (the rest of its life the engine waited for calls)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, dtype: torch.dtype = torch.float32, **kwargs: Any) -> "TorchEngine":
@@ -131,6 +152,10 @@ class TorchEngine(Engine):
             try:
                 results = await asyncio.to_thread(self._generate_batch, [(p.prompt, p.params) for p in live],
                                                   [p.future.cancelled for p in live])
+            except _Aborted:
+                self.aborted_calls += len(live)
+                self._queue[:0] = live  # first in line, on the new weights
+                continue
             except Exception as exc:  # fail this batch's callers, keep serving others
                 for p in live:
                     if not p.future.done():
@@ -146,7 +171,9 @@ class TorchEngine(Engine):
     @torch.inference_mode()
     def _generate_batch(self, requests: list[tuple[np.ndarray, SamplingParams]],
                         cancelled: list[Callable[[], bool]] | None = None) -> list[Generation]:
-        """`cancelled[i]()` says row i's caller is gone (read from this worker thread each step)."""
+        """`cancelled[i]()` says row i's caller is gone (read from this worker thread each step).
+        Raises `_Aborted` when an update asks the running batch to stop (``on_update="abort"``)."""
+        self._no_update.wait()
         with self._weights_lock:
             t0 = time.time()
             version = self.weight_version
@@ -171,6 +198,8 @@ class TorchEngine(Engine):
             cache = self._cache_of(out)
             next_positions = positions[:, -1:] + 1
             while not all(done):
+                if self._abort.is_set():
+                    raise _Aborted
                 last = out.logits[:, -1, :]
                 step_tokens = torch.zeros((n, 1), dtype=torch.long)
                 for i, (_, params) in enumerate(requests):
@@ -201,6 +230,7 @@ class TorchEngine(Engine):
                 next_positions = next_positions + 1
                 self.decode_steps += 1
             elapsed = time.time() - t0
+            self.busy_s += elapsed
             return [
                 Generation(
                     np.asarray(outputs[i], dtype=np.int32),
@@ -215,12 +245,20 @@ class TorchEngine(Engine):
     def _cache_of(self, out: Any) -> Any:
         return out["cache"] if "cache" in out else out["past_key_values"]
 
-    def update_weights(self, state_dict: Mapping[str, Any], version: int) -> None:
-        """Load `state_dict` (strict: every parameter, matching shapes) and set the version; waits for
-        the running batch to finish."""
-        with self._weights_lock:
-            self.model.load_state_dict(dict(state_dict), strict=True)
-            self.weight_version = int(version)
+    def update_weights(self, state_dict: Mapping[str, Any] | Iterable[tuple[str, Any]], version: int) -> None:
+        """Load `state_dict` (strict: every parameter, matching shapes) and set the version, once the
+        running batch has finished (or stopped: ``on_update="abort"``); no batch starts meanwhile."""
+        state_dict = dict(state_dict)  # a stream (a sharded trainer's gathers) is read before generation pauses
+        self._no_update.clear()
+        if self.on_update == "abort":
+            self._abort.set()
+        try:
+            with self._weights_lock:
+                self.model.load_state_dict(state_dict, strict=True)
+                self.weight_version = int(version)
+        finally:
+            self._abort.clear()
+            self._no_update.set()
 
     async def close(self) -> None:
         self._closed = True

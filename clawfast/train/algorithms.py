@@ -1,6 +1,6 @@
 """RL algorithms on packed prefix trees: GRPO and PPO advantages, value loss, rollout filters.
 
-The loss itself (clipped surrogate x truncated IS, k3 KL to a reference, entropy bonus) is
+The loss itself (clipped surrogate x truncated/masked IS, k3 KL to a reference, entropy bonus) is
 `clawfast.kernels.policy_loss`; this module supplies what it needs per target:
 
 - **GRPO** (`grpo_rollout_advantages`): one advantage per rollout, ``(r - mean) / (std + eps)``
@@ -15,6 +15,8 @@ The loss itself (clipped surrogate x truncated IS, k3 KL to a reference, entropy
   its *predicting* row (the state before the token), as in verl. The rollout's reward is placed on
   the last trainable token of every kept leaf's path (context tokens carry values and advantages
   across, verl's multi-turn convention).
+- **Sequences** (`forest_paths`): the kept root-to-leaf paths of every rollout over the unsplit
+  kept forest, for sequence-level IS (a path may span several micro-batches).
 - **Rollout filters**: `stale_rollouts` (weight-version lag above a limit).
 
 Guaranteed: `KeptForest.locate` maps every packed target to its token in its rollout's tree and
@@ -33,7 +35,7 @@ from typing import Hashable, Sequence
 import numpy as np
 import torch
 
-from clawfast.kernels import grpo_advantages, tree_gae
+from clawfast.kernels import TreePaths, grpo_advantages, tree_gae
 
 GROUP_BY = ("task", "task_harness")
 
@@ -102,6 +104,9 @@ class KeptForest:
     tokens: np.ndarray      # int64[R]
     trainable: np.ndarray   # bool[R]
     reward_row: np.ndarray  # bool[R]
+    subtree_end: np.ndarray   # int64[R], last row of the row's subtree (DFS: a subtree is a row range)
+    leaf_rows: np.ndarray     # int64[L], last row of each kept leaf's path (trees, then leaves, in order)
+    leaf_rollout: np.ndarray  # int64[L], its tree
     _keys: np.ndarray       # sorted int64 (rollout, first kept leaf below, depth) of trainable rows
     _rows: np.ndarray       # the row of each key
     _leaf_mult: int
@@ -133,6 +138,7 @@ class KeptForest:
         keys = (rollout[rows] * leaf_mult + minleaf[rows]) * depth_mult + depth[rows]
         order = np.argsort(keys, kind="stable")
         return cls(parent, rollout, depth, cat("tokens", np.int64), trainable, cat("reward_row", bool),
+                   cat("subtree_end", np.int64), cat("leaf_rows", np.int64), cat("leaf_rollout", np.int64),
                    keys[order], rows[order], leaf_mult, depth_mult)
 
     def locate(self, batch) -> np.ndarray:
@@ -176,12 +182,14 @@ def _tree_part(tree, g: int, base: int) -> dict[str, np.ndarray]:
             kept[leaf.node] = True
             minleaf[leaf.node] = min(minleaf[leaf.node], i)
     par = seg_parent.tolist()
+    last = (seg_start + seg_len - 1).tolist()
+    sub_end = list(last)  # last token of the kept subtree below each segment (final once visited)
     for s in range(n_seg - 1, -1, -1):  # children follow parents in DFS order: one reverse sweep
         p = par[s]
         if p >= 0 and kept[s]:
             kept[p] = True
             minleaf[p] = min(minleaf[p], minleaf[s])
-    last = (seg_start + seg_len - 1).tolist()
+            sub_end[p] = max(sub_end[p], sub_end[s])
     last_train = [-1] * n_seg  # last trainable token on the path ending with segment s
     for s in range(n_seg):
         last_train[s] = last[s] if seg_train[s] else (last_train[par[s]] if par[s] >= 0 else -1)
@@ -199,7 +207,12 @@ def _tree_part(tree, g: int, base: int) -> dict[str, np.ndarray]:
     for i, leaf in enumerate(tree.leaves):
         if leaf.status == "kept" and last_train[leaf.node] >= 0:
             reward_tok[last_train[leaf.node]] = True
+    kept_leaves = [last[leaf.node] for leaf in tree.leaves if leaf.status == "kept"]
     return {
+        # every token of a segment has the segment's kept subtree below it (the rest of the segment first)
+        "subtree_end": new[np.asarray(sub_end, np.int64)[seg_of]][keep],
+        "leaf_rows": new[np.asarray(kept_leaves, np.int64)],
+        "leaf_rollout": np.full(len(kept_leaves), g, np.int64),
         "parent": parent,
         "rollout": np.full(int(keep.sum()), g, np.int64),
         "depth": (np.asarray(tree.seg_depth, np.int64)[seg_of] + offset)[keep],
@@ -208,6 +221,21 @@ def _tree_part(tree, g: int, base: int) -> dict[str, np.ndarray]:
         "reward_row": reward_tok[keep],
         "minleaf": np.asarray(minleaf, np.int64)[seg_of][keep],
     }
+
+
+def forest_paths(forest: KeptForest, rows: np.ndarray, device=None) -> TreePaths:
+    """The kept root-to-leaf paths of the forest as a `clawfast.kernels.TreePaths` (one path per kept
+    leaf), over the targets whose tokens are the forest ``rows`` (trainable rows, in target order,
+    e.g. the concatenated `KeptForest.locate` of a step's micro-batches). It sees whole trees, so a
+    path's sum is exact however the micro-batches split it."""
+    rows = np.asarray(rows, np.int64)
+
+    def t(x):
+        return torch.as_tensor(np.asarray(x, np.int64), device=device)
+
+    return TreePaths.from_tree(t(forest.parent), t(forest.tokens), t(forest.subtree_end), t(forest.parent[rows]),
+                               t(forest.tokens[rows]), t(forest.rollout[rows]), t(forest.leaf_rows),
+                               t(forest.leaf_rollout))
 
 
 def ppo_advantages(forest: KeptForest, values: torch.Tensor, rewards: Sequence[float], *, gamma: float = 1.0,

@@ -63,23 +63,27 @@ def build_engine(engine: EngineConfig, model_dir: Path, *, dtype: str = "float32
             from transformers import AutoModelForCausalLM
 
             lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype])
-        built = TorchEngine(copy.deepcopy(lm).eval(), max_batch=engine.max_batch, seed=seed)
+        built = TorchEngine(copy.deepcopy(lm).eval(), max_batch=engine.max_batch, seed=seed,
+                            on_update=engine.on_update)
         built.weight_version = weight_version
         return built
     if engine.kind == "vllm":
         from clawfast.engines.vllm_engine import VLLMEngine
 
-        built = VLLMEngine(str(model_dir), dtype=dtype, max_model_len=engine.max_model_len, seed=seed)
+        built = VLLMEngine(str(model_dir), dtype=dtype, max_model_len=engine.max_model_len, seed=seed,
+                           weight_sync=engine.weight_sync or "broadcast")
         if lm is not None:
             built.update_weights(lm.state_dict(), weight_version)
         return built
     from clawfast.engines.remote import RemoteEngine
 
-    return RemoteEngine(engine.url, weight_version=weight_version)
+    return RemoteEngine(engine.url, weight_version=weight_version, reload_dir=engine.reload_dir,
+                        model_dir=model_dir if engine.reload_dir else None)
 
 
 def push_weights(engine: Engine, policy, version: int) -> None:
-    """Send the policy's weights to the engine under `version` (every later call records it)."""
+    """Send a plain policy's weights to the engine under `version` (every later call records it);
+    a sharded policy streams them instead (`clawfast.train.distributed.ShardedTrainer.push_weights`)."""
     engine.update_weights({k: v.detach() for k, v in policy.lm.state_dict().items()}, version)
 
 

@@ -59,16 +59,30 @@ class ModelConfig(_Section):
 
 
 class EngineConfig(_Section):
-    """kind: "torch" (in-process Hugging Face engine, weights pushed after every step), "vllm"
-    (vLLM in a child process, weights pushed by collective RPC) or "remote" (a server at `url`;
-    it cannot take weight pushes, so `remote` needs `sync_weights = false`: rollouts then come from
-    fixed weights, which is off-policy and only sensible for evaluation or offline data).
+    """kind: "torch" (in-process Hugging Face engine, weights swapped in process after every
+    step), "vllm" (vLLM in a child process) or "remote" (a server at `url`).
+    weight_sync (vllm only): how pushes travel (`clawfast.engines.vllm_engine`): "broadcast"
+    (tensor by tensor over a process group with vLLM's workers, gloo on CPU, NCCL on CUDA; a
+    setup failure stops the run), "bytes" (one collective RPC holding every tensor) or "auto"
+    (broadcast, else bytes, logged); None: the engine's default, "broadcast".
+    reload_dir (remote only): a directory the server can read; each push is written there as a
+    safetensors checkpoint and the server reloads it (a vLLM server started with
+    VLLM_SERVER_DEV_MODE=1, or SGLang's /update_weights_from_disk). `remote` with
+    `sync_weights = true` needs it; without it the server's weights are frozen, so set
+    `sync_weights = false`: rollouts then come from fixed weights, which is off-policy and only
+    sensible for evaluation or offline data.
+    on_update: what happens to calls in flight when a push arrives: "finish" (they end on the old
+    weights; the update waits for them) or "abort" (torch only: they stop and run again from their
+    prompts on the new weights). Either way a call's tokens all come from the version it records.
     temperature / top_p: sampling for training rollouts (overrides what the harness asks for).
     max_tokens: cap on one call's output. max_batch: torch engine batch size. max_model_len:
     prompt + output limit (None: unchecked)."""
 
     kind: Literal["torch", "vllm", "remote"] = "torch"
     url: str | None = None
+    weight_sync: Literal["broadcast", "bytes", "auto"] | None = None
+    reload_dir: str | None = None
+    on_update: Literal["finish", "abort"] = "finish"
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     max_tokens: int = Field(256, ge=1)
@@ -81,10 +95,20 @@ class EngineConfig(_Section):
         if self.kind == "remote":
             if not self.url:
                 raise ValueError("kind = 'remote' needs url")
-            if self.sync_weights:
-                raise ValueError("kind = 'remote' cannot take weight pushes: set sync_weights = false")
-        elif self.url is not None:
-            raise ValueError(f"url is only used with kind = 'remote', not {self.kind!r}")
+            if self.sync_weights and not self.reload_dir:
+                raise ValueError(
+                    "kind = 'remote' takes weight pushes only through reload_dir (a directory the server "
+                    "reloads from): set reload_dir, or sync_weights = false"
+                )
+        else:
+            for name in ("url", "reload_dir"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name} is only used with kind = 'remote', not {self.kind!r}")
+        if self.weight_sync is not None and self.kind != "vllm":
+            raise ValueError(f"weight_sync is only used with kind = 'vllm', not {self.kind!r}")
+        if self.on_update == "abort" and self.kind != "torch":
+            raise ValueError(f"on_update = 'abort' is implemented by the torch engine only, not {self.kind!r} "
+                             "(which finishes calls in flight on the old weights)")
         return self
 
 
@@ -166,12 +190,26 @@ class AlgorithmConfig(_Section):
     task x harness when several harnesses run). normalize_std: divide GRPO advantages by the
     group's std (False: mean-centred only). aggregation: how token losses average (see
     clawfast.train.step). gamma / lam / gae_mode: PPO's tree GAE; value_coef / value_clip: its value
-    loss. kl_coef: k3 KL to the frozen reference policy. entropy_coef: entropy bonus. is_mode:
-    "truncate" (weight min(rho, is_cap)), "mask" (rho inside [is_lo, is_hi], else 0) or "off", the
-    token-level correction between sampler and trainer log-probs. clip_low / clip_high / dual_clip:
-    PPO ratio clipping. max_kept_leaves / drop_dead: the leaf filter of `build_tree`.
-    keep_statuses: rollout statuses that are trained. max_staleness: the largest weight-version lag
-    kept (None: no filter)."""
+    loss. kl_coef: k3 KL to the frozen reference policy. entropy_coef: entropy bonus.
+
+    The policy loss is decoupled PPO (clawfast.train.step): per target, IS weight x clipped surrogate,
+    where the IS ratio rho = pi_prox / pi_behav compares the policy at the start of the RL step
+    (proximal) with the sampler's `infer_logprobs` (behaviour: whatever weight version sampled the
+    call), and the clipped ratio pi / pi_prox compares the current policy with the proximal one.
+    is_mode: "truncate" (weight min(rho, is_cap)), "mask" (rho inside [is_lo, is_hi], else 0) or
+    "off" (weight 1). is_level: "token" (one rho per target) or "sequence" (one rho per kept
+    root-to-leaf path of a rollout, the product of its targets' ratios; a target shared by several
+    kept paths gets the mean of their weights); "sequence" needs is_mode "truncate" or "mask".
+    clip_low / clip_high / dual_clip: the clipping of pi / pi_prox, which acts only when a step makes
+    several optimizer updates (`OptimConfig.ppo_epochs`, `OptimConfig.updates_per_step`).
+    max_kept_leaves / drop_dead: the leaf filter of `build_tree`.
+    keep_statuses: rollout statuses that are trained. max_staleness: the loop's schedule. None: the
+    synchronous loop (a step's rollouts start after the previous step's weight push, and the step
+    waits for all of them). k >= 0: the asynchronous loop (`clawfast.train.producer`): rollout
+    groups run up to k steps ahead of the trainer, a step takes the first groups to finish, and a
+    group with any call sampled more than k weight versions before the trainer's is dropped and
+    counted (``async/dropped_stale_groups``); k = 0 is the synchronous schedule exactly. The step
+    also drops any such rollout (``dropped_stale``)."""
 
     name: Literal["grpo", "ppo"] = "grpo"
     group_by: Literal["auto", "task", "task_harness"] = "auto"
@@ -185,6 +223,7 @@ class AlgorithmConfig(_Section):
     kl_coef: float = Field(0.0, ge=0)
     entropy_coef: float = Field(0.0, ge=0)
     is_mode: Literal["truncate", "mask", "off"] = "truncate"
+    is_level: Literal["token", "sequence"] = "token"
     is_cap: float = Field(2.0, gt=0)
     is_lo: float = Field(0.5, ge=0)
     is_hi: float = Field(2.0, gt=0)
@@ -208,14 +247,20 @@ class AlgorithmConfig(_Section):
     def _bounds(self) -> "AlgorithmConfig":
         if self.is_mode == "mask" and not self.is_lo < self.is_hi:
             raise ValueError(f"is_lo ({self.is_lo}) must be below is_hi ({self.is_hi})")
+        if self.is_level == "sequence" and self.is_mode == "off":
+            raise ValueError('is_level="sequence" needs is_mode "truncate" or "mask" (is_mode="off" uses no IS weight)')
         return self
 
 
 class OptimConfig(_Section):
-    """AdamW. max_tokens: rows per packed micro-batch; the step accumulates gradients over every
-    micro-batch of its rollouts and normalises once (exact, whatever the micro-batching), so this is
-    the gradient-accumulation knob. updates_per_step: split the step's GRPO groups into this many
-    mini-batches, one optimizer update each (1: one update per step, fully on-policy)."""
+    """AdamW. max_tokens: rows per packed micro-batch; an update accumulates gradients over every
+    micro-batch of its mini-batch and normalises once (exact, whatever the micro-batching), so this
+    is the gradient-accumulation knob. updates_per_step: mini-batches per PPO epoch (the step's
+    rollouts split into this many parts of whole GRPO groups, one optimizer update each; the name
+    predates epochs). ppo_epochs: passes over those mini-batches per RL step, in a seeded order per
+    epoch. An RL step thus makes ppo_epochs x updates_per_step optimizer updates on the same prepared
+    data, advantages and proximal log-probs; with 1 x 1 the clipped ratio is 1 at the update (the
+    IS correction against the sampler still acts)."""
 
     lr: float = Field(1e-5, gt=0)
     weight_decay: float = Field(0.0, ge=0)
@@ -224,6 +269,7 @@ class OptimConfig(_Section):
     max_grad_norm: float | None = Field(1.0, gt=0)
     max_tokens: int = Field(4096, ge=16)
     updates_per_step: int = Field(1, ge=1)
+    ppo_epochs: int = Field(1, ge=1)
 
     @field_validator("betas")
     @classmethod
@@ -286,8 +332,8 @@ class DistributedConfig(_Section):
 
 
 class RunConfig(_Section):
-    """The whole run. steps: RL steps (each: rollouts, `optim.updates_per_step` optimizer updates, a
-    weight push). seed: seeds the data order, sampling and torch."""
+    """The whole run. steps: RL steps (each: rollouts, ``optim.ppo_epochs x optim.updates_per_step``
+    optimizer updates, a weight push). seed: seeds the data order, sampling and torch."""
 
     run_dir: str = "runs/run"
     seed: int = 0

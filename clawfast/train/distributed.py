@@ -17,10 +17,13 @@ CPU, not in an NCCL collective, while rank 0 runs rollouts:
 - ``step``: carries the step's rollouts and `TrainState`; every rank runs
   `clawfast.train.step.train_on_rollouts` on the same rollouts (`train_step` splits the micro-batches
   over ranks and keeps the loss a global average).
+- ``stream_weights``: each step's weight push, one gathered tensor at a time (`_gather_each`), rank 0
+  handing each to ``Engine.update_weights`` as it arrives (the vLLM engine's broadcast path sends it
+  on and drops it), so no full copy is built for a push.
 - ``weights`` / ``optimizer``: the collectives that gather full weights (`full_state_dict`) and full
-  optimizer state (`gather_full_optimizer_state`); rank 0 alone keeps them: in a plain CPU copy of
-  the policy (`ShardedTrainer.view`), from which it pushes weights to the engine and writes
-  checkpoints in the one-process format (so a checkpoint of either kind resumes in either).
+  optimizer state (`gather_full_optimizer_state`) for a checkpoint; rank 0 alone keeps them: in a
+  plain CPU copy of the policy (`ShardedTrainer.view`), from which it writes checkpoints in the
+  one-process format (so a checkpoint of either kind resumes in either).
 - ``reference``: the frozen KL reference (``kl_coef > 0``), broadcast from rank 0.
 - ``stop`` / ``error``: the leader finished, or failed (then every follower raises `LeaderFailed`).
 
@@ -28,7 +31,7 @@ Guaranteed: an FSDP run computes the one-process run's losses and weights up to 
 sums across ranks (tests/train/test_train_fsdp.py: 2 gloo processes against 1, within 1e-5, also
 across a resume). Not guaranteed: the cold start under FSDP (refused at start: run it in one
 process, then ``--resume`` with ``fsdp = true``); memory: rank 0 holds a full CPU copy of the
-policy besides its shard (and the engine its own); a follower reads nothing from disk but
+policy besides its shard for checkpoints (and the engine its own); a follower reads nothing from disk but
 ``model.path`` (which must exist on its node).
 """
 
@@ -46,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from clawfast.records import RolloutResult
-from clawfast.train.build import build_optimizer, build_policy, load_policy, resolve_model_dir
+from clawfast.train.build import build_optimizer, build_policy, load_policy, push_weights, resolve_model_dir
 from clawfast.train.checkpoint import TrainState, rng_state, save_checkpoint, set_rng_state
 from clawfast.train.config import RunConfig
 from clawfast.train.step import train_on_rollouts
@@ -77,6 +80,9 @@ class LocalTrainer:
     def current_policy(self):
         """A plain `Policy` holding the current weights (to push to an engine or save)."""
         return self.policy
+
+    def push_weights(self, engine, version: int) -> None:
+        push_weights(engine, self.policy, version)
 
     def share_reference(self, ref_policy):
         return ref_policy
@@ -118,6 +124,18 @@ class ShardedTrainer:
         self.group.send("step", results, copy.deepcopy(state))
         self._view_stale = True
         return {**self.shard.step(results, state, ref_policy), "fsdp_world_size": float(self.group.world_size)}
+
+    def push_weights(self, engine, version: int) -> None:
+        """Stream the weights to the engine one gathered tensor at a time (no full copy on rank 0:
+        `view` is refreshed only for checkpoints). Every rank runs each gather; whatever the engine
+        does with them, rank 0 finishes the gathers so that no follower is left in a collective."""
+        self.group.send("stream_weights")
+        tensors = _gather_each(self.shard.policy)
+        try:
+            engine.update_weights(tensors, version)
+        finally:
+            for _ in tensors:
+                pass
 
     def current_policy(self):
         if self._view_stale:
@@ -244,6 +262,16 @@ class _Shard:
         return ref.eval()
 
 
+def _gather_each(policy):
+    """(name, full tensor) of each parameter of the sharded policy's LM, in name order, gathered one
+    at a time (a collective per tensor: every rank iterates it to the end; only rank 0 keeps them)."""
+    from torch.distributed.tensor import DTensor
+
+    for name, tensor in sorted(policy.lm.state_dict().items()):
+        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        yield name, full.detach()
+
+
 def _broadcast_module(module: torch.nn.Module) -> None:
     """Every rank's parameters and buffers become rank 0's (a collective; same architecture on all)."""
     with torch.no_grad():
@@ -348,6 +376,9 @@ def follow(group: FsdpGroup, config: RunConfig) -> dict[str, object]:
             steps = state.step + 1
         elif kind == "weights":
             shard.full_weights()
+        elif kind == "stream_weights":
+            for _ in _gather_each(shard.policy):
+                pass
         elif kind == "optimizer":
             gather_full_optimizer_state(shard.optimizer, group)
         elif kind == "reference":

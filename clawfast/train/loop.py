@@ -13,13 +13,21 @@ Per step:
    every call token for token; the sampling travels with each rollout), or are read from recorded
    rollout files (`RecordedRollouts`: offline data and fast tests of the loop).
 3. **Train.** The step's rollouts are shuffled (seeded by ``(seed, step)``: harnesses and tasks mix
-   at random in the batch) and handed to `clawfast.train.step.train_step` (tree, leaf filter, pack,
-   forward under the tree mask, truncated IS, GRPO/PPO, AdamW); GRPO groups by task, or by task x
-   harness in a mixed-harness run. ``updates_per_step > 1`` splits the groups into mini-batches.
+   at random in the batch) and handed to `clawfast.train.step.train_on_rollouts` (tree, leaf filter,
+   pack, proximal pass, forward under the tree mask, decoupled PPO loss with truncated IS, GRPO/PPO,
+   AdamW): ``optim.ppo_epochs`` x ``optim.updates_per_step`` optimizer updates; GRPO groups by task,
+   or by task x harness in a mixed-harness run.
 4. **Sync.** The weight version is bumped and the policy's weights pushed to the engine
    (`Engine.update_weights`); every CallRecord carries the version that sampled it.
 5. **Log** (`clawfast.train.metrics`), **checkpoint** every ``checkpoint.interval`` steps and at the
    end (`clawfast.train.checkpoint`), **evaluate** on the eval split when configured.
+
+**Asynchronous** (``algorithm.max_staleness = k``; unset: the synchronous schedule above): a
+`clawfast.train.producer.RolloutProducer` runs rollout groups (one task's rollouts each) up to k
+steps ahead of the trainer, so the engine generates while the trainer trains and no step waits for
+a straggler the next groups can overtake; a step takes the first groups to finish, drops (and
+counts) any with a call older than ``weight_version - k``, and frees their slots after its push and
+checkpoint. k = 0 is the synchronous schedule exactly. docs/DESIGN.md section 4a has the rules.
 
 Distributed (the ``[distributed]`` section): ``rollouts = "ray"`` makes the rollout service run
 step 2's harness rollouts in Ray actors, one per alive node of the cluster at ``ray_address``
@@ -32,9 +40,10 @@ weights and writes metrics and checkpoints (in the one-process format, so either
 either). examples/multi_node.toml has the commands for a cluster.
 
 Guaranteed: a run resumed from its latest checkpoint (``resume=True``) continues at the saved step
-and data position with the saved weights, optimizer and RNG states; with a deterministic rollout
-source (recorded rollouts) it produces the same checkpoints as an uninterrupted run
-(tests/train/test_resume.py). Not guaranteed: identical rollouts from real harnesses across a
+and data position with the saved weights, optimizer and RNG states (an asynchronous run's groups
+in flight at the checkpoint are not stored: the resumed run says how many and runs their tasks
+again first); with a deterministic rollout source (recorded rollouts) it produces the same
+checkpoints as an uninterrupted run (tests/train/test_resume.py). Not guaranteed: identical rollouts from real harnesses across a
 resume (their timing and the engine's batching are not deterministic).
 """
 
@@ -46,6 +55,7 @@ import random
 import shutil
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -66,6 +76,7 @@ from clawfast.train.coldstart import run_coldstart
 from clawfast.train.config import RunConfig
 from clawfast.train.data import HarnessRollouts, RecordedRollouts, TaskSampler, load_tasks
 from clawfast.train.distributed import make_trainer, train_sharded
+from clawfast.train.producer import RolloutProducer
 from clawfast.train.metrics import MetricsLogger, ProgressView, pass_at_1_by_tag, plot_run, rollout_metrics
 from clawfast.train.report import eval_line, pass_at_1, step_line
 
@@ -88,17 +99,25 @@ def prepare_run_dir(config: RunConfig, resume: bool) -> tuple[Path, Path | None]
     return run_dir, ckpt
 
 
-def train(config: RunConfig, *, resume: bool = False, progress: bool = True) -> dict[str, object]:
+def train(config: RunConfig, *, resume: bool = False, progress: bool = True,
+          make_source: Callable | None = None) -> dict[str, object]:
     """Run (or resume) the training run `config` describes; returns a summary (eval before/after,
     steps done, run directory, curves PNG). Under ``distributed.fsdp`` every torchrun process calls
-    this; rank 0 runs the loop below and the others follow it (clawfast.train.distributed)."""
+    this; rank 0 runs the loop below and the others follow it (clawfast.train.distributed).
+    make_source: ``engine -> source`` instead of ``rollout.source`` (e.g. a
+    `clawfast.train.sampled.EngineRollouts` over the run's engine; it has ``task_ids`` and
+    ``close``; no evaluation, no cold start)."""
     if config.distributed.fsdp:
-        return train_sharded(config, lambda group: run_loop(config, resume=resume, progress=progress, group=group))
-    return run_loop(config, resume=resume, progress=progress)
+        return train_sharded(config, lambda group: run_loop(config, resume=resume, progress=progress, group=group,
+                                                            make_source=make_source))
+    return run_loop(config, resume=resume, progress=progress, make_source=make_source)
 
 
-def run_loop(config: RunConfig, *, resume: bool, progress: bool, group=None) -> dict[str, object]:
+def run_loop(config: RunConfig, *, resume: bool, progress: bool, group=None,
+             make_source: Callable | None = None) -> dict[str, object]:
     """The loop of `train`; `group`: rank 0's `FsdpGroup` in an FSDP run (None: one process)."""
+    if make_source is not None and config.coldstart.enabled:
+        raise ValueError("a cold start runs through harnesses: it cannot run with make_source")
     run_dir, ckpt = prepare_run_dir(config, resume)
     seed_everything(config.seed)
     model_dir = resolve_model_dir(config)
@@ -116,7 +135,13 @@ def run_loop(config: RunConfig, *, resume: bool, progress: bool, group=None) -> 
         if view:
             view.start()
         with contextlib.ExitStack() as stack:
-            if config.rollout.source == "recorded":
+            if make_source is not None:
+                engine = build_engine(config.engine, model_dir, dtype=config.model.dtype, seed=config.seed,
+                                      lm=policy.lm, weight_version=state.weight_version)
+                source = make_source(engine)
+                stack.callback(source.close)
+                train_ids, eval_tasks = source.task_ids, {}
+            elif config.rollout.source == "recorded":
                 source = RecordedRollouts(config.rollout.recorded_dir)
                 train_ids, eval_tasks, engine = source.task_ids, {}, None
             else:
@@ -148,9 +173,10 @@ def run_loop(config: RunConfig, *, resume: bool, progress: bool, group=None) -> 
                     summary["eval_coldstart"] = _evaluate(source, config, eval_tasks, logger, view, 0, "coldstart",
                                                           "eval after cold start", shown="after cold start")
             ref_policy = trainer.share_reference(_reference_policy(config, policy, run_dir, model_dir))
+            feed = stack.enter_context(_make_feed(config, source, sampler, state, view))
             done_here = 0
             while state.step < config.steps:
-                record = _one_step(config, trainer, source, sampler, state, engine, ref_policy, view)
+                record = _one_step(config, trainer, feed, state, engine, ref_policy, view)
                 logger.log("train", state.step, record)
                 if view:
                     view.add_step({"step": state.step, **record})
@@ -159,9 +185,12 @@ def run_loop(config: RunConfig, *, resume: bool, progress: bool, group=None) -> 
                 done_here += 1
                 last = state.step == config.steps
                 if state.step % config.checkpoint.interval == 0 or last:
+                    feed.store(state)
                     trainer.save_checkpoint(run_dir, state, tokenizer_dir=model_dir, keep=config.checkpoint.keep)
+                feed.release()
                 if eval_tasks and not last and config.eval.interval and state.step % config.eval.interval == 0:
                     _evaluate(source, config, eval_tasks, logger, view, state.step, f"step {state.step}", None)
+            feed.close()
             # A resumed run that had already finished does not evaluate again.
             if state.step == config.steps and (done_here or fresh) and config.eval.after and eval_tasks:
                 summary["eval_after"] = _evaluate(source, config, eval_tasks, logger, view, state.step, "after",
@@ -222,11 +251,120 @@ def _reference_policy(config: RunConfig, policy, run_dir: Path, model_dir: Path)
     return ref.eval()
 
 
-def _one_step(config: RunConfig, trainer, source, sampler: TaskSampler, state: TrainState, engine,
-              ref_policy, view: ProgressView | None) -> dict[str, float]:
+class _SyncFeed:
+    """The synchronous schedule: a step's groups start once the previous step's weights are pushed,
+    all at once, and the step waits for all of them (``algorithm.max_staleness`` unset)."""
+
+    def __init__(self, config: RunConfig, source, sampler: TaskSampler, state: TrainState) -> None:
+        self.config, self.source, self.sampler, self.state = config, source, sampler, state
+        # Positions an asynchronous run had in flight at its checkpoint: run first.
+        self.requeued = list(state.extra.pop(IN_FLIGHT, []))
+
+    def __enter__(self) -> "_SyncFeed":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def next(self, on_result) -> tuple[list[RolloutResult], dict[str, float]]:
+        rc = self.config.rollout
+        n = rc.tasks_per_step
+        positions, self.requeued = self.requeued[:n], self.requeued[n:]
+        fresh = n - len(positions)
+        task_ids = [self.sampler.take(p, 1)[0] for p in positions]
+        task_ids += self.sampler.take(self.state.data_position, fresh)
+        self.state.data_position += fresh
+        batch = self.source.run(task_ids, rc.harnesses, rc.samples_per_task,
+                                sampling=rollout_sampling(self.config, self.config.engine.temperature),
+                                on_result=on_result, first_position=self.state.data_position - fresh)
+        return batch.results, {"time/rollout_s": batch.seconds, "tasks": ",".join(task_ids)}
+
+    def store(self, state: TrainState) -> None:
+        if self.requeued:
+            state.extra[IN_FLIGHT] = list(self.requeued)
+
+    def release(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class _AsyncFeed:
+    """The asynchronous schedule (``algorithm.max_staleness = k``): a `RolloutProducer` keeps groups
+    running ahead of the trainer, at most k + 1 steps' worth, and a step takes the first to finish
+    within the bound."""
+
+    def __init__(self, config: RunConfig, source, sampler: TaskSampler, state: TrainState) -> None:
+        rc = config.rollout
+        requeued = list(state.extra.pop(IN_FLIGHT, []))
+        self.state = state
+        self.producer = RolloutProducer(
+            source, sampler, harnesses=rc.harnesses, samples_per_task=rc.samples_per_task,
+            tasks_per_step=rc.tasks_per_step, max_staleness=config.algorithm.max_staleness,
+            groups_needed=(config.steps - state.step) * rc.tasks_per_step,
+            sampling=rollout_sampling(config, config.engine.temperature), next_position=state.data_position,
+            requeued=requeued,
+        )  # fmt: skip
+        self.taken = 0
+
+    def __enter__(self) -> "_AsyncFeed":
+        self.producer.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.producer.stop()
+
+    def next(self, on_result) -> tuple[list[RolloutResult], dict[str, float]]:
+        t0 = time.monotonic()
+        groups, dropped = self.producer.take(self.state.weight_version)
+        self.taken = len(groups)
+        results = [r for g in groups for r in g.results]
+        for r in results:
+            on_result(r)
+        lags = [self.state.weight_version - min(int(c.weight_version) for c in r.calls) for r in results if r.calls]
+        return results, {
+            "time/rollout_s": time.monotonic() - t0,  # what the trainer waited: rollouts ran meanwhile
+            "async/dropped_stale_groups": float(dropped),
+            "async/staleness_mean": float(np.mean(lags)) if lags else 0.0,
+            "async/staleness_max": float(max(lags, default=0)),
+            "tasks": ",".join(g.task_id for g in groups),
+        }
+
+    def store(self, state: TrainState) -> None:
+        # What is in flight is not stored: a resumed run runs those tasks again (their rollouts are lost).
+        state.data_position, pending = self.producer.snapshot()
+        if pending:
+            state.extra[IN_FLIGHT] = pending
+        else:
+            state.extra.pop(IN_FLIGHT, None)
+
+    def release(self) -> None:
+        self.producer.retire(self.taken)
+        self.taken = 0
+
+    def close(self) -> None:
+        self.producer.stop()
+
+
+# TrainState.extra key: data positions started but not trained when a checkpoint was written.
+IN_FLIGHT = "in_flight_positions"
+
+
+def _make_feed(config: RunConfig, source, sampler: TaskSampler, state: TrainState, view: ProgressView | None):
+    requeued = state.extra.get(IN_FLIGHT) or []
+    if requeued:
+        _say(view, f"resuming at step {state.step}: {len(requeued)} task group(s) were in flight at the "
+                   f"checkpoint; their rollouts were not stored and those tasks run again first")
+    if config.algorithm.max_staleness is None:
+        return _SyncFeed(config, source, sampler, state)
+    return _AsyncFeed(config, source, sampler, state)
+
+
+def _one_step(config: RunConfig, trainer, feed, state: TrainState, engine, ref_policy,
+              view: ProgressView | None) -> dict[str, float]:
     rc = config.rollout
-    task_ids = sampler.take(state.data_position, rc.tasks_per_step)
-    total = len(task_ids) * len(rc.harnesses) * rc.samples_per_task
+    total = rc.tasks_per_step * len(rc.harnesses) * rc.samples_per_task
     done = [0, 0]
 
     def on_result(r: RolloutResult) -> None:
@@ -237,24 +375,21 @@ def _one_step(config: RunConfig, trainer, source, sampler: TaskSampler, state: T
 
     if view:
         view.set_phase(f"step {state.step + 1}: rollouts 0/{total}")
-    batch = source.run(task_ids, rc.harnesses, rc.samples_per_task,
-                       sampling=rollout_sampling(config, config.engine.temperature), on_result=on_result)
+    results, feed_metrics = feed.next(on_result)
     if view:
-        view.set_phase(f"step {state.step + 1}: training on {len(batch.results)} rollouts")
+        view.set_phase(f"step {state.step + 1}: training on {len(results)} rollouts")
     t0 = time.monotonic()
-    metrics = trainer.step(batch.results, config, state, ref_policy)
+    metrics = trainer.step(results, config, state, ref_policy)
     t_train = time.monotonic() - t0
     state.step += 1
-    state.data_position += rc.tasks_per_step
     t1 = time.monotonic()
     if engine is not None and config.engine.sync_weights:
         state.weight_version += 1
-        push_weights(engine, trainer.current_policy(), state.weight_version)
+        trainer.push_weights(engine, state.weight_version)
     t_sync = time.monotonic() - t1
-    record = {**rollout_metrics(batch.results), **metrics}
-    record.update({"time/rollout_s": batch.seconds, "time/train_s": t_train, "time/sync_s": t_sync,
-                   "weight_version": float(state.weight_version), "data_position": float(state.data_position),
-                   "tasks": ",".join(task_ids)})
+    record = {**rollout_metrics(results), **metrics, **feed_metrics}
+    record.update({"time/train_s": t_train, "time/sync_s": t_sync, "weight_version": float(state.weight_version),
+                   "data_position": float(state.data_position)})
     return record
 
 

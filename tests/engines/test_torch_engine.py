@@ -189,3 +189,39 @@ def test_a_batch_whose_callers_are_all_cancelled_stops_early(engine):
     done, steps = asyncio.run(run(cancel_both=False))
     assert isinstance(done[0], asyncio.CancelledError)
     assert len(done[1].output_ids) == 600 and steps >= 599  # the other caller got its whole answer
+
+
+@pytest.mark.parametrize("on_update", ["finish", "abort"])
+def test_a_call_in_flight_at_an_update_runs_on_one_version(embedded_dir, on_update):
+    """An update while a call decodes: "finish" lets it end on the old weights, "abort" stops it and
+    runs it again on the new ones; either way all its tokens come from the version it reports."""
+    engine = TorchEngine.from_pretrained(embedded_dir, seed=0, max_batch=2, on_update=on_update)
+    torch.manual_seed(3)
+    new = {k: v + 0.05 * torch.randn_like(v) for k, v in engine.model.state_dict().items()}
+    old = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    prompt = np.arange(20, 36)
+    params = SamplingParams(max_tokens=48, temperature=1.0, seed=5)  # no stop token: all 48 decode
+
+    async def in_flight_update():
+        call = asyncio.ensure_future(engine.generate(prompt, params))
+        start = engine.decode_steps
+        while engine.decode_steps < start + 3:  # decoding now
+            await asyncio.sleep(0.001)
+        await asyncio.to_thread(engine.update_weights, new, 1)
+        return await call
+
+    got = asyncio.run(in_flight_update())
+    fresh_new = asyncio.run(engine.generate(prompt, params))
+    engine.update_weights(old, 0)
+    fresh_old = asyncio.run(engine.generate(prompt, params))
+    assert not np.array_equal(fresh_new.output_ids, fresh_old.output_ids)  # the update matters
+    expected = fresh_old if on_update == "finish" else fresh_new
+    assert got.weight_version == expected.weight_version == (0 if on_update == "finish" else 1)
+    np.testing.assert_array_equal(got.output_ids, expected.output_ids)
+    np.testing.assert_allclose(got.infer_logprobs, expected.infer_logprobs, atol=1e-6)
+    assert engine.aborted_calls == (1 if on_update == "abort" else 0)
+
+
+def test_on_update_is_validated(embedded_dir):
+    with pytest.raises(ValueError, match="on_update must be one of"):
+        TorchEngine(torch.nn.Linear(1, 1), on_update="later")

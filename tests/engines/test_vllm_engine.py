@@ -157,13 +157,170 @@ def test_partial_update_keeps_the_other_weights(engine, model_dir):
         engine.update_weights(original.state_dict(), version=version + 1)
 
 
+@pytest.fixture(scope="module")
+def bytes_engine(model_dir):
+    from clawfast.engines.vllm_engine import VLLMEngine
+
+    eng = VLLMEngine(
+        str(model_dir), dtype="float32", max_model_len=MAX_LEN, seed=0, kv_cache_memory_bytes=64 << 20,
+        weight_sync="bytes",
+    )
+    yield eng
+    asyncio.run(eng.close())
+
+
+@pytest.fixture(params=["broadcast", "bytes"])
+def either_engine(request, engine, bytes_engine):
+    eng = engine if request.param == "broadcast" else bytes_engine
+    assert eng.weight_sync_path == request.param
+    return eng
+
+
+def _greedy_of(eng, prompt, n=8):
+    return _run(eng.generate(prompt, SamplingParams(max_tokens=n, temperature=0.0)))
+
+
+def test_broadcast_and_bytes_paths_load_the_same_weights(engine, bytes_engine, model_dir):
+    new_model = tiny_qwen3(seed=4)
+    prompt = np.random.default_rng(41).integers(0, VOCAB - 3, size=19).astype(np.int32)
+    expected = _reference_greedy(new_model, prompt, 8)
+    gens = {}
+    try:
+        for eng in (engine, bytes_engine):
+            version = eng.weight_version + 1
+            eng.update_weights(new_model.state_dict(), version=version)
+            gens[eng.weight_sync_path] = _greedy_of(eng, prompt)
+            assert gens[eng.weight_sync_path].weight_version == version
+    finally:
+        original = transformers.Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
+        for eng in (engine, bytes_engine):
+            eng.update_weights(original, version=eng.weight_version + 1)
+    broadcast, raw = gens["broadcast"], gens["bytes"]
+    np.testing.assert_array_equal(broadcast.output_ids, expected[: len(broadcast.output_ids)])
+    np.testing.assert_array_equal(broadcast.output_ids, raw.output_ids)
+    # Same fp32 values loaded by the same reload into the same kernels: equal up to nothing but
+    # run-to-run summation order (measured identical).
+    np.testing.assert_allclose(broadcast.infer_logprobs, raw.infer_logprobs, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(
+        broadcast.infer_logprobs, _reference_logprobs(new_model, prompt, broadcast.output_ids), atol=LOGPROB_ATOL
+    )
+
+
+def test_broadcast_update_sends_metadata_free_rpc_only(engine, model_dir):
+    """The broadcast path's only RPC is `clawfast_receive_broadcast` with no arguments: the
+    tensors travel over the process group, never through the bytes path's RPC."""
+    calls = []
+    rpc = engine._llm.collective_rpc
+
+    async def spy(method, *args, **kwargs):
+        calls.append((method, args, kwargs))
+        return await rpc(method, *args, **kwargs)
+
+    new_model = tiny_qwen3(seed=5)
+    prompt = np.random.default_rng(51).integers(0, VOCAB - 3, size=11).astype(np.int32)
+    engine._llm.collective_rpc = spy
+    try:
+        engine.update_weights(new_model.state_dict(), version=engine.weight_version + 1)
+    finally:
+        engine._llm.collective_rpc = rpc
+    try:
+        assert calls == [("clawfast_receive_broadcast", (), {})]
+        gen = _greedy_of(engine, prompt)
+        np.testing.assert_array_equal(gen.output_ids, _reference_greedy(new_model, prompt, len(gen.output_ids)))
+    finally:
+        original = transformers.Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        engine.update_weights(original.state_dict(), version=engine.weight_version + 1)
+
+
+def test_update_streams_from_an_iterator(engine, model_dir):
+    """A generator of (name, tensor) pairs, each tensor made only when asked for (a sharded
+    trainer gathering one at a time): consumed once, loaded as it streams."""
+    new_model = tiny_qwen3(seed=6)
+    names = list(new_model.state_dict())
+    made = []
+
+    def gathered():
+        for name in names:
+            made.append(name)
+            yield name, new_model.get_parameter(name).detach().clone()
+
+    prompt = np.random.default_rng(61).integers(0, VOCAB - 3, size=14).astype(np.int32)
+    version = engine.weight_version + 1
+    engine.update_weights(gathered(), version=version)
+    try:
+        assert made == names
+        gen = _greedy_of(engine, prompt)
+        assert gen.weight_version == version
+        np.testing.assert_array_equal(gen.output_ids, _reference_greedy(new_model, prompt, len(gen.output_ids)))
+        np.testing.assert_allclose(gen.infer_logprobs, _reference_logprobs(new_model, prompt, gen.output_ids), atol=LOGPROB_ATOL)
+    finally:
+        original = transformers.Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        engine.update_weights(iter(original.state_dict().items()), version=engine.weight_version + 1)
+
+
 def test_update_rejects_bad_input(engine):
+    version = engine.weight_version
     with pytest.raises(ValueError, match="empty state dict"):
-        engine.update_weights({}, version=5)
+        engine.update_weights({}, version=version)
+    with pytest.raises(ValueError, match="empty state dict"):
+        engine.update_weights(iter([]), version=version)
     with pytest.raises(ValueError, match="older"):
         engine.update_weights({"lm_head.weight": torch.zeros(VOCAB, 128)}, version=-1)
     with pytest.raises(ValueError, match="not a torch.Tensor"):
         engine.update_weights({"lm_head.weight": np.zeros((VOCAB, 128))}, version=engine.weight_version)
+    with pytest.raises(ValueError, match="weight_sync"):
+        from clawfast.engines.vllm_engine import VLLMEngine
+
+        VLLMEngine("unused", weight_sync="nccl")
+
+
+Q = "model.layers.0.self_attn.q_proj.weight"
+BAD_UPDATES = {
+    "unknown name": ({"model.layers.0.mlp.nope.weight": torch.zeros(4)}, "not a tensor of this model"),
+    "wrong shape": ({"lm_head.weight": torch.zeros(VOCAB, 127)}, "shape"),
+    "wrong dtype": ({"lm_head.weight": torch.zeros(VOCAB, 128, dtype=torch.int64)}, "dtype"),
+    # q_proj alone: vLLM would process the fused qkv_proj with k and v unloaded (measured: token 0 forever).
+    "split layer": ({Q: torch.zeros(128, 128)}, "whole layers"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_UPDATES))
+def test_bad_update_is_refused_and_old_weights_serve(either_engine, model_dir, case):
+    update, message = BAD_UPDATES[case]
+    ref = transformers.Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompt = np.random.default_rng(71).integers(0, VOCAB - 3, size=12).astype(np.int32)
+    version = either_engine.weight_version
+    with pytest.raises(ValueError, match=message):
+        either_engine.update_weights(update, version=version + 1)
+    gen = _greedy_of(either_engine, prompt)
+    assert either_engine.weight_version == version and gen.weight_version == version
+    np.testing.assert_array_equal(gen.output_ids, _reference_greedy(ref, prompt, len(gen.output_ids)))
+
+
+def test_stream_that_fails_first_loses_nothing_and_late_failure_stops_serving(engine, model_dir):
+    """An iterable is checked pair by pair: bad from the start, nothing moved and the old weights
+    serve; bad after tensors were loaded, those cannot be taken back, so the engine refuses to
+    generate until an update succeeds."""
+    ref = transformers.Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompt = np.random.default_rng(81).integers(0, VOCAB - 3, size=10).astype(np.int32)
+    version = engine.weight_version
+    with pytest.raises(ValueError, match="shape"):
+        engine.update_weights(iter([("lm_head.weight", torch.zeros(3, 3))]), version=version + 1)
+    gen = _greedy_of(engine, prompt)
+    assert gen.weight_version == version
+    np.testing.assert_array_equal(gen.output_ids, _reference_greedy(ref, prompt, len(gen.output_ids)))
+
+    new_model = tiny_qwen3(seed=8)
+    late_bad = [*new_model.state_dict().items()][:5] + [("model.nope.weight", torch.zeros(1))]
+    with pytest.raises(ValueError, match="not a tensor of this model"):
+        engine.update_weights(iter(late_bad), version=version + 1)
+    assert engine.weight_version == version
+    with pytest.raises(RuntimeError, match="streamed weight update failed after 5 tensors"):
+        _greedy_of(engine, prompt)
+    engine.update_weights(ref.state_dict(), version=version + 1)
+    gen = _greedy_of(engine, prompt)
+    assert gen.weight_version == version + 1
+    np.testing.assert_array_equal(gen.output_ids, _reference_greedy(ref, prompt, len(gen.output_ids)))
 
 
 def test_bad_prompts_are_value_errors(engine):
@@ -218,6 +375,16 @@ def embedded_engine(embedded_dir):
     eng = VLLMEngine(str(embedded_dir), dtype="float32", max_model_len=2048, kv_cache_memory_bytes=64 << 20)
     yield eng
     asyncio.run(eng.close())
+
+
+def test_tied_model_takes_lm_head_with_the_embedding_only(embedded_engine, embedded_dir):
+    """A tied model's HF state dict lists the embedding twice (``lm_head.weight``); vLLM reloads its
+    lm_head from that name, so one without the other is refused (the other would keep old values)."""
+    state = transformers.AutoModelForCausalLM.from_pretrained(embedded_dir, dtype=torch.float32).state_dict()
+    assert "lm_head.weight" in state
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        with pytest.raises(ValueError, match="whole layers"):
+            embedded_engine.update_weights({name: state[name]}, version=embedded_engine.weight_version)
 
 
 def test_proxy_records_vllm_samples_and_weight_versions(embedded_engine, embedded_dir, renderer, tmp_path):

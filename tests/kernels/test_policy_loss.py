@@ -175,3 +175,106 @@ def test_triton_matches_reference(triton_device, aggregation, dtype):
     assert rel_err(loss, loss_r) <= tol and rel_err(lp.grad, lp_r.grad) <= tol
     for k in met_r:
         assert met[k] == pytest.approx(met_r[k], rel=max(tol, 1e-6), abs=1e-7), k
+
+
+# ------------------------------------------------------------------ decoupled PPO (async off-policy)
+
+
+def _decoupled_inputs(seed, n=90):
+    """A random packed forest and, per target, current / proximal / behaviour log-probs (float64):
+    the current policy has moved from the proximal one (so the clip acts) and the behaviour policy
+    (the sampler, possibly stale) differs from both (so truncation / masking act)."""
+    g = torch.Generator().manual_seed(seed)
+    batch = random_packed(n, g)
+    m = batch["target_rows"].shape[0]
+    prox = -torch.rand(m, generator=g, dtype=torch.float64) * 3
+    return batch, dict(
+        logprobs=prox + 0.3 * torch.randn(m, generator=g, dtype=torch.float64),
+        proximal=prox,
+        behaviour=prox + 0.3 * torch.randn(m, generator=g, dtype=torch.float64),
+        advantages=torch.randn(m, generator=g, dtype=torch.float64),
+        a=(torch.rand(m, generator=g) < 0.8).double() * (torch.rand(m, generator=g, dtype=torch.float64) + 0.5),
+    )
+
+
+def _decoupled_ref(x, sequences, level, mode, cap, lo, hi, clip_low, clip_high):
+    """Decoupled PPO in plain float64 torch: w(rho) x max(-A r, -A clip(r)), token-mean with weights a,
+    where rho = pi_prox / pi_behav (per target, or the product over each sequence's valid targets,
+    a target taking the mean weight of the sequences through it) and r = pi / pi_prox."""
+    a, adv = x["a"], x["advantages"]
+    lp = x["logprobs"].clone().requires_grad_()
+    log_rho = torch.where(a > 0, x["proximal"] - x["behaviour"], 0.0)
+    if level == "sequence":
+        log_rho = torch.stack([log_rho[s].sum() for s in sequences])
+    rho = torch.exp(log_rho.clamp(-20, 20))
+    w = rho.clamp(max=cap) if mode == "truncate" else torch.where((rho >= lo) & (rho <= hi), rho, 0.0)
+    if level == "sequence":
+        w = torch.stack([torch.stack([w[j] for j, s in enumerate(sequences) if k in s]).mean()
+                         for k in range(a.shape[0])])
+    r = torch.exp((lp - x["proximal"]).clamp(-20, 20))
+    unclipped, clipped = -adv * r, -adv * r.clamp(1 - clip_low, 1 + clip_high)
+    loss = (a * w * torch.maximum(unclipped, clipped)).sum() / a.sum()
+    loss.backward()
+    clip_frac = float((a * (clipped > unclipped)).sum() / a.sum())
+    above = float((rho > (cap if mode == "truncate" else hi)).double().mean())
+    return loss.detach(), lp.grad, w, clip_frac, above
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("mode", ["truncate", "mask"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_decoupled_loss_matches_float64_reference(level, mode, seed):
+    batch, x = _decoupled_inputs(seed)
+    paths = TreePaths.from_tree(batch["parent_row"], batch["input_ids"], batch["kv_end"], batch["target_rows"],
+                                batch["target_ids"], batch["target_rollout"], batch["leaf_rows"],
+                                batch["leaf_rollout"])
+    seqs = tree_sequences_ref(batch["parent_row"], batch["input_ids"], batch["target_rows"], batch["target_ids"],
+                              batch["target_rollout"], batch["leaf_rows"], batch["leaf_rollout"])
+    cap, lo, hi = 1.4, 0.7, 1.5
+    loss_r, grad_r, w_r, clip_r, above = _decoupled_ref(x, seqs, level, mode, cap, lo, hi, 0.2, 0.28)
+    assert 0 < clip_r < 1 and 0 < above < 1, "clip or truncation/masking never (or always) acted"
+    cfg = ISConfig(level=level, mode=mode, cap=cap, lo=lo, hi=hi)
+    lp = x["logprobs"].clone().requires_grad_()
+    loss, met = policy_loss(lp, x["proximal"], x["advantages"], weight=x["a"], infer_logprobs=x["behaviour"],
+                            is_config=cfg, paths=paths, clip_low=0.2, clip_high=0.28, backend="torch")
+    loss.backward()
+    # float64 on both sides; only summation orders differ
+    assert rel_err(loss, loss_r) <= 1e-12 and rel_err(lp.grad, grad_r) <= 1e-12
+    assert met["clip_frac"] == pytest.approx(clip_r, abs=1e-12)
+    # the same weights handed in precomputed (how the trainer passes sequence-level weights)
+    lp2 = x["logprobs"].clone().requires_grad_()
+    loss2, met2 = policy_loss(lp2, x["proximal"], x["advantages"], weight=x["a"], is_weights=w_r,
+                              clip_low=0.2, clip_high=0.28, backend="torch")
+    loss2.backward()
+    assert rel_err(loss2, loss_r) <= 1e-12 and rel_err(lp2.grad, grad_r) <= 1e-12
+    assert "is_count" not in met2 and met2["clip_frac"] == pytest.approx(clip_r, abs=1e-12)
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_triton_decoupled_loss_matches_float64_reference(triton_device, level):
+    batch, x = _decoupled_inputs(2, n=60)
+    paths = TreePaths.from_tree(*(batch[k].to(triton_device) for k in (
+        "parent_row", "input_ids", "kv_end", "target_rows", "target_ids", "target_rollout", "leaf_rows",
+        "leaf_rollout")))
+    seqs = tree_sequences_ref(batch["parent_row"], batch["input_ids"], batch["target_rows"], batch["target_ids"],
+                              batch["target_rollout"], batch["leaf_rows"], batch["leaf_rollout"])
+    loss_r, grad_r, _, clip_r, _ = _decoupled_ref(x, seqs, level, "truncate", 1.4, 0.7, 1.5, 0.2, 0.2)
+    d = {k: v.to(triton_device) for k, v in x.items()}
+    lp = d["logprobs"].clone().requires_grad_()
+    loss, met = policy_loss(lp, d["proximal"], d["advantages"], weight=d["a"], infer_logprobs=d["behaviour"],
+                            is_config=ISConfig(level=level, cap=1.4), paths=paths, backend="triton")
+    loss.backward()
+    assert rel_err(loss, loss_r) <= 1e-10 and rel_err(lp.grad, grad_r) <= 1e-10
+    assert met["clip_frac"] == pytest.approx(clip_r, abs=1e-12)
+
+
+def test_precomputed_is_weights_are_checked():
+    x = _decoupled_inputs(3, n=30)[1]
+    lp, prox, adv = x["logprobs"], x["proximal"], x["advantages"]
+    with pytest.raises(ValueError, match="not both"):
+        policy_loss(lp, prox, adv, infer_logprobs=x["behaviour"], is_weights=torch.ones_like(lp))
+    with pytest.raises(ValueError, match="is_weights must be >= 0"):
+        policy_loss(lp, prox, adv, is_weights=-torch.ones_like(lp))
+    with pytest.raises(ValueError, match="is_weights"):
+        policy_loss(lp, prox, adv, is_weights=torch.ones(3, dtype=torch.float64))

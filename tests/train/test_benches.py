@@ -30,3 +30,13 @@ def test_budget_sweep_runs_on_recorded_rollouts(tmp_path):
     small, large = result["budgets"]["256"], result["budgets"]["1024"]
     assert small["micro_batches"] >= large["micro_batches"] >= 1 and small["median_s"] > 0
 
+
+
+def test_async_benchmark_runs_both_schedules(tmp_path):
+    out = tmp_path / "async.json"
+    proc = _run(["bench/bench_async.py", "--steps", "2", "--staleness", "1", "--out", str(out)])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {row["mode"]: row for row in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"sync", "async-1"}
+    assert all(row["steps"] == 2 and row["rollouts_per_min"] > 0 and 0 <= row["trainer_idle"] <= 1
+               for row in rows.values())

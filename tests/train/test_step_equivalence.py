@@ -10,6 +10,7 @@ leaves of its rollout has weight ``1/c`` in each of the c flat copies, so it cou
 The normaliser is the number of unique trainable tokens of the step ("token-mean"), or per rollout
 its number of unique trainable tokens, then the mean over rollouts ("seq-mean-token-mean"), or
 just the number of rollouts ("seq-mean-token-sum").
+IS weights: per target, or (``is_level="sequence"``) per flat copy from its whole path.
 PPO: per-path GAE with the plain verl loop on each flat copy (reward on the path's last trainable
 token, values from the value head at the predicting position); a shared token's advantage and
 return are the mean over the copies (the "path" mode of tree GAE).
@@ -153,9 +154,21 @@ def flat_loss(policy: Policy, rollouts, config: StepConfig, *, ref_policy: Polic
         adv_tok = {k: a / n for k, (a, _, n) in sums.items()}
         ret_tok = {k: r / n for k, (_, r, n) in sums.items()}
 
+    def is_weight(log_rho):
+        rho = float(np.exp(log_rho))
+        if config.is_mode == "truncate":
+            return min(rho, config.is_cap)
+        if config.is_mode == "mask":
+            return rho if config.is_lo <= rho <= config.is_hi else 0.0
+        return 1.0
+
     total = torch.zeros((), dtype=torch.float64)
     n_live = len(per_rollout)
     for g, path, ids, pos, logp, hidden, ref in runs:
+        # sequence level: one weight per flat copy, from the sum of its tokens' log-ratios (the
+        # proximal policy is the current one: one update)
+        lp_path = logp.detach()[[d - 1 for d in pos], ids[pos]].double()
+        seq_w = is_weight(float((lp_path - torch.as_tensor(trees[g].infer_logprobs[path[pos]]).double()).sum()))
         for d in pos:
             t = path[d]
             lp = logp[d - 1, ids[d]].double()
@@ -164,13 +177,10 @@ def flat_loss(policy: Policy, rollouts, config: StepConfig, *, ref_policy: Polic
             ratio = torch.exp(lp - lp.detach())
             clip_high = config.clip_low if config.clip_high is None else config.clip_high
             pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - config.clip_low, 1 + clip_high))
-            rho = float(np.exp(float(lp.detach()) - float(trees[g].infer_logprobs[t])))
-            if config.is_mode == "truncate":
-                w = min(rho, config.is_cap)
-            elif config.is_mode == "mask":
-                w = rho if config.is_lo <= rho <= config.is_hi else 0.0
+            if config.is_level == "sequence":
+                w = seq_w
             else:
-                w = 1.0
+                w = is_weight(float(lp.detach()) - float(trees[g].infer_logprobs[t]))
             term = w * pg - config.entropy_coef * ent
             if ref is not None:
                 diff = ref[d - 1, ids[d]].double() - lp
@@ -247,3 +257,15 @@ def test_ppo_step_equals_flat_per_leaf(aggregation):
     config = StepConfig(name="ppo", max_tokens=longest_kept(rollouts) + 40, aggregation=aggregation,
                         gamma=0.99, lam=0.95, value_coef=0.5, value_clip=0.2, is_cap=1.5, entropy_coef=0.01)
     assert_same_step(policy, rollouts, config)
+
+
+@pytest.mark.parametrize("mode", ["truncate", "mask"])
+def test_sequence_level_is_step_equals_flat_per_leaf(mode):
+    # one weight per kept root-to-leaf path, exact although the micro-batches split the trees: each
+    # flat copy carries its path's weight, a shared token the mean over its copies
+    policy = tiny_policy(0)
+    rollouts = harness_rollouts(policy, seed=1)
+    config = StepConfig(max_tokens=longest_kept(rollouts) + 40, is_level="sequence", is_mode=mode, is_cap=1.5,
+                        is_lo=0.2, is_hi=5.0, entropy_coef=0.01)
+    metrics = assert_same_step(policy, rollouts, config)
+    assert 0 < metrics["is_frac_above"] + metrics["is_frac_below"] < 1, "the path weights never (or always) acted"

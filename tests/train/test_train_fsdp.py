@@ -152,6 +152,51 @@ def test_a_failure_on_rank_0_stops_every_rank(single):
     assert "already holds checkpoints" in done.stderr and "rank 0 stopped" in done.stderr
 
 
+def test_sharded_async_run_streams_its_weights_to_the_engine(single):
+    """FSDP, the torch engine and the asynchronous loop (max_staleness 1): each step's push streams
+    one gathered tensor at a time to the engine, which ends up serving exactly the weights of the
+    run's last checkpoint (and not the initial ones)."""
+    path = single / "streamed.toml"
+    path.write_text(f"""
+run_dir = "{single / 'streamed'}"
+seed = 1
+steps = 3
+[model]
+path = "{single / 'model'}"
+[engine]
+kind = "torch"
+max_tokens = 4
+[rollout]
+tasks_per_step = 2
+samples_per_task = 4
+[algorithm]
+max_staleness = 1
+[optim]
+lr = 1e-2
+max_tokens = 256
+[eval]
+before = false
+after = false
+[checkpoint]
+interval = 3
+[distributed]
+fsdp = true
+""")
+    served = single / "served.safetensors"
+    script = Path(__file__).with_name("fsdp_sampled_run.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script),
+           str(path), str(served)]
+    done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    got = load_file(str(served))
+    final = load_file(str(list_checkpoints(single / "streamed")[-1] / "model" / "model.safetensors"))
+    initial = load_file(str(single / "model" / "model.safetensors"))
+    assert set(final) <= set(got)
+    assert all(torch.equal(got[k], final[k]) for k in final)
+    assert any(not torch.equal(got[k], initial[k]) for k in initial)
+    assert [r["fsdp_world_size"] for r in _losses(single / "streamed").values()] == [2.0, 2.0, 2.0]
+
+
 def test_fsdp_without_torchrun_is_refused(tmp_path):
     """A plain process with fsdp = true stops with a clear error instead of training unsharded."""
     make_tiny_model(tmp_path / "model")

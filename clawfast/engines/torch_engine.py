@@ -105,7 +105,9 @@ class TorchEngine(Engine):
         self.batches_run = 0
         self.max_batch_seen = 0
         self.decode_steps = 0  # forward passes of every batch's decode loop
-        self.busy_s = 0.0  # seconds spent generating (the rest of its life the engine waited for calls)
+        # Seconds with a batch on the worker thread, aborted ones and a waiting update's pause included
+        # (the rest of its life the engine waited for calls).
+        self.busy_s = 0.0
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, dtype: torch.dtype = torch.float32, **kwargs: Any) -> "TorchEngine":
@@ -149,6 +151,7 @@ class TorchEngine(Engine):
             live = [p for p in self._take_batch() if not p.future.cancelled()]
             if not live:
                 continue
+            started = time.monotonic()
             try:
                 results = await asyncio.to_thread(self._generate_batch, [(p.prompt, p.params) for p in live],
                                                   [p.future.cancelled for p in live])
@@ -161,6 +164,8 @@ class TorchEngine(Engine):
                     if not p.future.done():
                         p.future.set_exception(exc)
                 continue
+            finally:
+                self.busy_s += time.monotonic() - started
             for p, result in zip(live, results):
                 if not p.future.done():
                     p.future.set_result(result)
@@ -230,7 +235,6 @@ class TorchEngine(Engine):
                 next_positions = next_positions + 1
                 self.decode_steps += 1
             elapsed = time.time() - t0
-            self.busy_s += elapsed
             return [
                 Generation(
                     np.asarray(outputs[i], dtype=np.int32),

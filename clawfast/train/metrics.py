@@ -253,6 +253,7 @@ _PANELS = (
     ("importance sampling", ("is_ratio_", "is_frac_", "is_weight_mean", "clip_frac")),
     ("tokens: flat vs packed", ("tokens_per_call_flat", "tokens_packed")),
     ("time per step (s)", ("time/",)),
+    ("asynchronous loop: lag (versions), stale groups dropped", ("async/",)),
 )
 
 

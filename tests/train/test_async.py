@@ -182,10 +182,13 @@ def test_checkpoint_stores_what_was_in_flight_and_resume_reruns_it(tmp_path, tin
 
 
 @pytest.mark.harness
-def test_producer_runs_groups_of_a_real_harness_through_the_service(tmp_path):
+def test_producer_keeps_the_bound_with_slow_real_harness_rollouts(tmp_path):
     """The producer over the rollout service (proxy, mini-swe-agent, local sandbox, verifier, the
-    scripted engine playing the oracle): groups run from their own threads at once, under the bound,
-    and each call records the version served when it was answered."""
+    scripted engine playing the oracle), max_staleness 1, the first two groups in data order slow
+    (their oracle sleeps 10 s): fast groups overtake them, and whatever the timing, every group the
+    trainer is handed has its oldest call within one version of the trainer's."""
+    import dataclasses
+
     from transformers import AutoTokenizer
 
     from clawfast.embedded import ensure_embedded_model
@@ -199,28 +202,33 @@ def test_producer_runs_groups_of_a_real_harness_through_the_service(tmp_path):
     from clawfast.train.data import HarnessRollouts, TaskSampler
     from clawfast.train.producer import RolloutProducer
 
-    config = RunConfig.model_validate({"rollout": {"sandbox": "local", "concurrency": 3, "harness_max_turns": 4},
+    config = RunConfig.model_validate({"rollout": {"sandbox": "local", "concurrency": 4, "harness_max_turns": 4},
                                        "run_dir": str(tmp_path / "run")})
     wanted = ("files-create-1", "shell-chmod-1", "files-create-2", "files-lines-1")
     tasks = {t.id: t for t in clawbench_mini() if t.id in wanted}
+    sampler = TaskSampler(sorted(tasks), 0)
+    for slow in sampler.take(0, 2):
+        tasks[slow] = dataclasses.replace(tasks[slow], oracle=tuple(f"sleep 10; {c}" for c in tasks[slow].oracle))
     model_dir = ensure_embedded_model()
     renderer = ChatRenderer(AutoTokenizer.from_pretrained(model_dir))
     engine = ScriptedEngine(renderer.encode, renderer.turn_end_id,
                             responder=OracleResponder(renderer, get_harness("mini-swe-agent"), list(tasks.values())))
+    taken, dropped = [], 0
     with rollout_service(config, engine, model_dir, tmp_path / "records") as service:
-        producer = RolloutProducer(HarnessRollouts(service, tasks), TaskSampler(sorted(tasks), 0),
-                                   harnesses=("mini-swe-agent",), samples_per_task=2, tasks_per_step=2,
-                                   max_staleness=1, groups_needed=4)
+        producer = RolloutProducer(HarnessRollouts(service, tasks), sampler, harnesses=("mini-swe-agent",),
+                                   samples_per_task=1, tasks_per_step=2, max_staleness=1, groups_needed=6)
         with producer:
-            first, dropped1 = producer.take(0)
-            engine.update_weights({}, 1)
-            producer.retire(len(first))
-            second, dropped2 = producer.take(1)
-            producer.retire(len(second))
-    groups = first + second
-    assert sorted(g.position for g in groups) == [0, 1, 2, 3] and dropped1 == dropped2 == 0
-    assert sorted(g.task_id for g in groups) == sorted(tasks)
-    for g in groups:
-        assert [(r.status, r.reward) for r in g.results] == [("ok", 1.0)] * 2, [r.info for r in g.results]
-    assert {c.weight_version for g in first for r in g.results for c in r.calls} == {0}
-    assert {c.weight_version for g in second for r in g.results for c in r.calls} <= {0, 1}
+            for version in range(3):
+                groups, n = producer.take(version)
+                dropped += n
+                taken.append((version, groups))
+                engine.update_weights({}, version + 1)
+                producer.retire(len(groups))
+    assert [len(groups) for _, groups in taken] == [2, 2, 2]
+    assert [g.position for g in taken[0][1]] == [2, 3]  # the fast ones, overtaking positions 0 and 1
+    for version, groups in taken:
+        for g in groups:
+            assert version - g.oldest_version <= 1, (version, g.position, g.oldest_version)
+            assert [(r.status, r.reward) for r in g.results] == [("ok", 1.0)], [r.info for r in g.results]
+    positions = sorted(g.position for _, groups in taken for g in groups)
+    assert len(positions) == 6 and len(set(positions)) == 6 and max(positions) == 5 + dropped

@@ -17,7 +17,7 @@ The loss itself (clipped surrogate x truncated/masked IS, k3 KL to a reference, 
   across, verl's multi-turn convention).
 - **Sequences** (`forest_paths`): the kept root-to-leaf paths of every rollout over the unsplit
   kept forest, for sequence-level IS (a path may span several micro-batches).
-- **Rollout filters**: `stale_rollouts` (weight-version lag above a limit).
+- **Rollout filters**: `stale_rollouts` (weight-version lag, `version_lags`, above a limit).
 
 Guaranteed: `KeptForest.locate` maps every packed target to its token in its rollout's tree and
 checks the token id (a mismatch is an error, never a silent misalignment). Not guaranteed: GAE
@@ -75,6 +75,13 @@ def grpo_rollout_advantages(rewards: Sequence[float], ids: np.ndarray, *, normal
 # ---------------------------------------------------------------------------------- filters
 
 
+def version_lags(rollouts: Sequence, weight_version: int) -> np.ndarray:
+    """int64[R]: how many weight versions before ``weight_version`` each rollout's oldest call was
+    sampled (0 for a rollout without calls)."""
+    oldest = [min((int(c.weight_version) for c in r.calls), default=weight_version) for r in rollouts]
+    return np.array([weight_version - v for v in oldest], dtype=np.int64)
+
+
 def stale_rollouts(rollouts: Sequence, weight_version: int | None, max_lag: int | None) -> np.ndarray:
     """bool[R]: True for a rollout whose oldest call was sampled more than ``max_lag`` weight
     versions before ``weight_version`` (no filter when either is None)."""
@@ -82,8 +89,7 @@ def stale_rollouts(rollouts: Sequence, weight_version: int | None, max_lag: int 
         return np.zeros(len(rollouts), dtype=bool)
     if max_lag < 0:
         raise ValueError(f"max_lag must be >= 0, got {max_lag}")
-    oldest = [min((int(c.weight_version) for c in r.calls), default=weight_version) for r in rollouts]
-    return np.array([weight_version - v > max_lag for v in oldest], dtype=bool)
+    return version_lags(rollouts, weight_version) > max_lag
 
 
 # -------------------------------------------------------------------------------------- PPO

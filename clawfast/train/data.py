@@ -1,9 +1,9 @@
 """Where a step's rollouts come from: the data order over tasks, the tasks of a split, and the
 rollout sources the loop reads (`HarnessRollouts` through the rollout service, `RecordedRollouts`
 from .cfr files; `clawfast.train.sampled.EngineRollouts` straight from an engine). Every source
-answers ``run(task_ids, harnesses, k, *, sampling, on_result, first_position)`` with one result per
-task x harness x sample, task-major, and the seconds it took; `first_position` is the data position
-of ``task_ids[0]`` (a source that seeds by position uses it). Any thread may call `run`, and
+answers ``run(task_ids, harnesses, k, *, sampling, on_result, positions)`` with one result per
+task x harness x sample, task-major, and the seconds it took; `positions` are the data positions of
+the task ids (a source that seeds by position uses them). Any thread may call `run`, and
 several at once (the asynchronous loop runs one group per thread).
 """
 
@@ -84,8 +84,8 @@ class RecordedRollouts:
         return sorted({t for t, _ in self.by_key})
 
     def run(self, task_ids: Sequence[str], harnesses: Sequence[str], k: int, *, sampling: Sampling | None = None,
-            on_result: Callable[[RolloutResult], None] | None = None, first_position: int = 0) -> Batch:
-        """Recorded rollouts were sampled already: `sampling` and `first_position` change nothing."""
+            on_result: Callable[[RolloutResult], None] | None = None, positions: Sequence[int] = ()) -> Batch:
+        """Recorded rollouts were sampled already: `sampling` and `positions` change nothing."""
         t0 = time.monotonic()
         out = []
         for task_id in task_ids:
@@ -109,7 +109,7 @@ class HarnessRollouts:
         self.tasks = tasks
 
     def run(self, task_ids: Sequence[str], harnesses: Sequence[str], k: int, *, sampling: Sampling | None = None,
-            on_result: Callable[[RolloutResult], None] | None = None, first_position: int = 0) -> Batch:
+            on_result: Callable[[RolloutResult], None] | None = None, positions: Sequence[int] = ()) -> Batch:
         specs = make_specs([self.tasks[t] for t in task_ids], harnesses, k)
         t0 = time.monotonic()
         results = self.service.run(specs, sampling, on_result=on_result)

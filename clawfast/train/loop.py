@@ -61,6 +61,7 @@ import numpy as np
 import torch
 
 from clawfast.records import RolloutResult
+from clawfast.train.algorithms import version_lags
 from clawfast.train.build import (
     build_engine,
     build_optimizer,
@@ -251,37 +252,19 @@ def _reference_policy(config: RunConfig, policy, run_dir: Path, model_dir: Path)
     return ref.eval()
 
 
-class _SyncFeed:
-    """The synchronous schedule: a step's groups start once the previous step's weights are pushed,
-    all at once, and the step waits for all of them (``algorithm.max_staleness`` unset)."""
+class _Feed:
+    """Where a step's rollouts come from: `next` (the step's results and their metrics), `store`
+    (what a checkpoint keeps of the schedule), `release` (the step is done: pushed, checkpointed),
+    `close`. A context manager; these defaults do nothing."""
 
-    def __init__(self, config: RunConfig, source, sampler: TaskSampler, state: TrainState) -> None:
-        self.config, self.source, self.sampler, self.state = config, source, sampler, state
-        # Positions an asynchronous run had in flight at its checkpoint: run first.
-        self.requeued = list(state.extra.pop(IN_FLIGHT, []))
-
-    def __enter__(self) -> "_SyncFeed":
+    def __enter__(self) -> "_Feed":
         return self
 
     def __exit__(self, *exc) -> None:
-        pass
-
-    def next(self, on_result) -> tuple[list[RolloutResult], dict[str, float]]:
-        rc = self.config.rollout
-        n = rc.tasks_per_step
-        positions, self.requeued = self.requeued[:n], self.requeued[n:]
-        fresh = n - len(positions)
-        task_ids = [self.sampler.take(p, 1)[0] for p in positions]
-        task_ids += self.sampler.take(self.state.data_position, fresh)
-        self.state.data_position += fresh
-        batch = self.source.run(task_ids, rc.harnesses, rc.samples_per_task,
-                                sampling=rollout_sampling(self.config, self.config.engine.temperature),
-                                on_result=on_result, first_position=self.state.data_position - fresh)
-        return batch.results, {"time/rollout_s": batch.seconds, "tasks": ",".join(task_ids)}
+        self.close()
 
     def store(self, state: TrainState) -> None:
-        if self.requeued:
-            state.extra[IN_FLIGHT] = list(self.requeued)
+        pass
 
     def release(self) -> None:
         pass
@@ -290,7 +273,34 @@ class _SyncFeed:
         pass
 
 
-class _AsyncFeed:
+class _SyncFeed(_Feed):
+    """The synchronous schedule: a step's groups start once the previous step's weights are pushed,
+    all at once, and the step waits for all of them (``algorithm.max_staleness`` unset)."""
+
+    def __init__(self, config: RunConfig, source, sampler: TaskSampler, state: TrainState) -> None:
+        self.config, self.source, self.sampler, self.state = config, source, sampler, state
+        # Positions an asynchronous run had in flight at its checkpoint: run first.
+        self.requeued = list(state.extra.pop(IN_FLIGHT, []))
+
+    def next(self, on_result) -> tuple[list[RolloutResult], dict[str, float]]:
+        rc = self.config.rollout
+        n = rc.tasks_per_step
+        positions, self.requeued = self.requeued[:n], self.requeued[n:]
+        fresh = n - len(positions)
+        positions += range(self.state.data_position, self.state.data_position + fresh)
+        self.state.data_position += fresh
+        task_ids = [self.sampler.take(p, 1)[0] for p in positions]
+        batch = self.source.run(task_ids, rc.harnesses, rc.samples_per_task,
+                                sampling=rollout_sampling(self.config, self.config.engine.temperature),
+                                on_result=on_result, positions=positions)
+        return batch.results, {"time/rollout_s": batch.seconds, "tasks": ",".join(task_ids)}
+
+    def store(self, state: TrainState) -> None:
+        if self.requeued:
+            state.extra[IN_FLIGHT] = list(self.requeued)
+
+
+class _AsyncFeed(_Feed):
     """The asynchronous schedule (``algorithm.max_staleness = k``): a `RolloutProducer` keeps groups
     running ahead of the trainer, at most k + 1 steps' worth, and a step takes the first to finish
     within the bound."""
@@ -312,22 +322,20 @@ class _AsyncFeed:
         self.producer.__enter__()
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.producer.stop()
-
     def next(self, on_result) -> tuple[list[RolloutResult], dict[str, float]]:
         t0 = time.monotonic()
         groups, dropped = self.producer.take(self.state.weight_version)
         self.taken = len(groups)
+        self.state.data_position = self.producer.snapshot()[0]  # for the step's record; `store` keeps it exact
         results = [r for g in groups for r in g.results]
         for r in results:
             on_result(r)
-        lags = [self.state.weight_version - min(int(c.weight_version) for c in r.calls) for r in results if r.calls]
+        lags = version_lags([r for r in results if r.calls], self.state.weight_version)
         return results, {
             "time/rollout_s": time.monotonic() - t0,  # what the trainer waited: rollouts ran meanwhile
             "async/dropped_stale_groups": float(dropped),
-            "async/staleness_mean": float(np.mean(lags)) if lags else 0.0,
-            "async/staleness_max": float(max(lags, default=0)),
+            "async/staleness_mean": float(lags.mean()) if lags.size else 0.0,
+            "async/staleness_max": float(lags.max(initial=0)),
             "tasks": ",".join(g.task_id for g in groups),
         }
 

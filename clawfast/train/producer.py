@@ -37,6 +37,7 @@ from typing import Sequence
 
 from clawfast.engines.base import Sampling
 from clawfast.records import RolloutResult
+from clawfast.train.algorithms import stale_rollouts
 
 
 @dataclass(frozen=True)
@@ -48,16 +49,11 @@ class Group:
     results: list[RolloutResult]
     seconds: float
 
-    @property
-    def oldest_version(self) -> int | None:
-        """The oldest weight version that sampled any call of the group (None: no calls)."""
-        versions = [int(c.weight_version) for r in self.results for c in r.calls]
-        return min(versions) if versions else None
 
 
 class RolloutProducer:
     """source: anything with the rollout sources' ``run(task_ids, harnesses, k, *, sampling,
-    first_position)`` (`clawfast.train.data`); sampler: the run's `TaskSampler`. groups_needed: how
+    positions)`` (`clawfast.train.data`); sampler: the run's `TaskSampler`. groups_needed: how
     many groups the trainer will take in all (no group starts beyond that, plus replacements of
     dropped ones). next_position / requeued: where new groups start, and positions to run first."""
 
@@ -130,7 +126,7 @@ class RolloutProducer:
         try:
             [task_id] = self.sampler.take(position, 1)
             batch = self.source.run([task_id], self.harnesses, self.samples_per_task, sampling=self.sampling,
-                                    first_position=position)
+                                    positions=[position])
             group = Group(position, task_id, batch.results, batch.seconds)
         except BaseException as exc:  # raised in the trainer's thread by `take`
             with self._cond:
@@ -160,8 +156,7 @@ class RolloutProducer:
                 if self._error is not None:
                     raise RuntimeError("a rollout group failed") from self._error
                 group = self._finished.pop(0)
-                oldest = group.oldest_version
-                if oldest is not None and weight_version - oldest > self.max_staleness:
+                if stale_rollouts(group.results, weight_version, self.max_staleness).any():
                     dropped += 1
                     self.dropped_groups += 1
                     self._outstanding -= 1  # retired now: a replacement may start

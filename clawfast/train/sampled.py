@@ -4,7 +4,7 @@ no proxy, no sandbox. The loop's third rollout source, for what needs the RL loo
 
     tasks = {"t0": TokenTask("t0", prompt=(5, 9, 2), reward=lambda outputs: float(outputs[0][0] == 7))}
     source = EngineRollouts(engine, tasks, max_tokens=4, seed=0)
-    batch = source.run(["t0"], ["sampled"], 16, sampling=Sampling(temperature=1.0), first_position=0)
+    batch = source.run(["t0"], ["sampled"], 16, sampling=Sampling(temperature=1.0), positions=[0])
 
 A rollout makes ``task.turns`` calls shaped like a harness session: call i's prompt is call i-1's
 prompt + output + ``task.feedback`` (a tool result), so a rollout is a chain of prefix extensions
@@ -93,15 +93,18 @@ class EngineRollouts:
         self._loop.close()
 
     def run(self, task_ids: Sequence[str], harnesses: Sequence[str], k: int, *, sampling: Sampling | None = None,
-            on_result: Callable[[RolloutResult], None] | None = None, first_position: int = 0) -> Batch:
+            on_result: Callable[[RolloutResult], None] | None = None, positions: Sequence[int] = ()) -> Batch:
         """One rollout per task x harness x sample (task-major); task j's seeds use data position
-        ``first_position + j``."""
+        ``positions[j]`` (none given: j)."""
         unknown = [t for t in task_ids if t not in self.tasks]
         if unknown:
             raise ValueError(f"unknown task id(s) {unknown}; have {self.task_ids}")
         sampling = sampling or Sampling()
         t0 = time.monotonic()
-        specs = [(first_position + j, t, h, i) for j, t in enumerate(task_ids) for h in harnesses for i in range(k)]
+        positions = list(positions) or list(range(len(task_ids)))
+        if len(positions) != len(task_ids):
+            raise ValueError(f"{len(positions)} positions for {len(task_ids)} task ids")
+        specs = [(p, t, h, i) for p, t in zip(positions, task_ids) for h in harnesses for i in range(k)]
         futures = [asyncio.run_coroutine_threadsafe(self._rollout(*spec, sampling), self._loop) for spec in specs]
         results = []
         for future in futures:

@@ -198,7 +198,7 @@ def prepare_step(rollouts: Sequence[RolloutResult], groups: Sequence[Hashable] |
     too_long = [not t.dropped and max((lf.depth for lf in t.leaves if lf.status == "kept"), default=0)
                 > config.max_tokens for t in trees]
     trees = [dataclasses.replace(t, dropped=True) if long else t for t, long in zip(trees, too_long)]
-    parts = _split_ids(ids, config.updates_per_step)
+    parts = split_groups(ids, config.updates_per_step)
     batches: list[PackedBatch] = []
     minibatches = []
     for part in parts:
@@ -241,9 +241,10 @@ def prepare_step(rollouts: Sequence[RolloutResult], groups: Sequence[Hashable] |
                     minibatches, denominators)
 
 
-def _split_ids(ids: np.ndarray, n: int) -> list[np.ndarray]:
-    """Indices of each of min(n, #groups) parts (at least one): group g (first-appearance index, as
-    `group_ids` numbers them) goes to part g mod parts, so a group never straddles two parts."""
+def split_groups(ids: np.ndarray, n: int) -> list[np.ndarray]:
+    """The mini-batches of a step: indices of each of min(n, #groups) parts (at least one) of the
+    rollouts whose group ids (`group_ids`) are `ids`: group g (first-appearance index) goes to part
+    g mod parts, so a group never straddles two parts."""
     num = max(1, min(n, int(ids.max()) + 1 if ids.size else 0))
     return [np.flatnonzero(ids % num == k) for k in range(num)]
 
@@ -623,12 +624,6 @@ def _combine(updates: list[dict[str, float]]) -> dict[str, float]:
     keys = sorted({k for m in updates for k in m})
     vals = {k: [m[k] for m in updates if k in m] for k in keys}
     return {k: float(np.sum(v) if k.startswith("time_") else np.mean(v)) for k, v in vals.items()}
-
-
-def split_groups(results: list[RolloutResult], group_by: str, n: int) -> list[list[RolloutResult]]:
-    """Split whole GRPO groups into `n` mini-batches (round-robin over groups in batch order): the
-    partition `prepare_step` makes of its trained rollouts, on a list of results."""
-    return [[results[i] for i in part] for part in _split_ids(group_ids(results, group_by), n) if len(part)]
 
 
 def train_on_rollouts(policy, optimizer, results: list[RolloutResult], config: RunConfig, state: TrainState,

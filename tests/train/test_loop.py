@@ -166,12 +166,13 @@ MINI_LAYER = ".clawfast/mini-instance-template.yaml"
 
 def test_updates_per_step_split_whole_groups():
     from clawfast.records import RolloutResult
+    from clawfast.train.algorithms import group_ids
     from clawfast.train.step import split_groups
 
     rs = [RolloutResult(f"r{i}", f"t{i % 5}", "codex" if i % 2 else "claude-code", i) for i in range(20)]
     for group_by in ("task", "task_harness"):
         for n in (1, 2, 3, 7):
-            parts = split_groups(rs, group_by, n)
+            parts = [[rs[i] for i in part] for part in split_groups(group_ids(rs, group_by), n)]
             assert sorted(r.rollout_id for p in parts for r in p) == sorted(r.rollout_id for r in rs)
             key = (lambda r: r.task_id) if group_by == "task" else (lambda r: (r.task_id, r.harness))
             owners = {}

@@ -1,4 +1,5 @@
-"""`clawfast eval`: pass@1 per harness of a checkpoint on the eval split.
+"""`clawfast eval`: pass@1 and mean reward of a checkpoint on the eval split, per harness, difficulty,
+category (and per task with ``--json``).
 
     clawfast eval CONFIG --checkpoint DIR [--split eval|train] [--samples K] [--set KEY=VALUE ...] [--json]
 
@@ -15,6 +16,9 @@ import json
 import sys
 import time
 from pathlib import Path
+
+# Sub-score names are mostly a task's own: a suite of many tasks has too many to print them all.
+SHOWN_SUBSCORES = 8
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -61,11 +65,23 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(metrics, indent=2, sort_keys=True))
         return 0
-    print(f"model {model_dir}  split {config.eval.split}  {int(metrics.get('rollouts', 0))} rollouts")
-    print(f"pass@1 {metrics.get('pass@1', 0.0):.3f}")
-    for k, v in sorted(metrics.items()):
-        if k.startswith("pass@1/"):
-            print(f"  {k[7:]:<16} {v:.3f}")
+    print(f"model {model_dir}  suite {config.tasks.suite}  split {config.eval.split}  "
+          f"{int(metrics.get('rollouts', 0))} rollouts")
+    print(f"pass@1 {metrics.get('pass@1', 0.0):.3f}  mean reward {metrics.get('reward/mean', 0.0):.3f}  "
+          f"verifier errors {int(metrics.get('verifier_errors', 0))}")
+    for title, pass_prefix, reward_prefix in (("harness", "pass@1/", "reward/"),
+                                               ("difficulty", "pass@1_difficulty/", "reward_difficulty/"),
+                                               ("category", "pass@1_category/", "reward_category/")):
+        rows = [(k[len(pass_prefix):], v, metrics.get(reward_prefix + k[len(pass_prefix):], 0.0))
+                for k, v in sorted(metrics.items()) if k.startswith(pass_prefix)]
+        if rows:
+            print(f"  per {title:<12} {'pass@1':>7} {'reward':>7}")
+            for name, p, r in rows:
+                print(f"    {name:<22} {p:7.3f} {r:7.3f}")
+    subscores = [f"{k[9:]} {v:.3f}" for k, v in sorted(metrics.items()) if k.startswith("subscore/")]
+    if subscores:
+        more = f", and {len(subscores) - SHOWN_SUBSCORES} more (--json)" if len(subscores) > SHOWN_SUBSCORES else ""
+        print(f"mean sub-scores: {', '.join(subscores[:SHOWN_SUBSCORES])}{more}")
     statuses = ", ".join(f"{k[7:]} {int(v)}" for k, v in sorted(metrics.items()) if k.startswith("status/"))
-    print(f"statuses: {statuses}")
+    print(f"statuses: {statuses}  (per task: --json)")
     return 0

@@ -6,7 +6,8 @@ Status (one per rollout):
 
 - ``proxy_error``: the proxy could not open the rollout, or could not close it (then no calls are
   returned; the proxy's own log file may still hold them).
-- ``sandbox_error``: no sandbox started after `RolloutConfig.sandbox_start_attempts` tries, or the
+- ``sandbox_error``: no sandbox started after `RolloutConfig.sandbox_start_attempts` tries (or the
+  backend refused the task outright, e.g. a `Task.workdir` the local backend cannot place), or the
   sandbox died or lost its forwarder while the harness ran (or, on Ray, the actor running it died).
 - ``timeout``: the harness ran past the wall-clock limit and was killed with its process tree.
 - ``harness_error``: the harness exited non-zero (128+N when signal N killed it), its adapter could
@@ -29,6 +30,7 @@ Not guaranteed: detecting proxy failures that the harness only saw as HTTP error
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import threading
 import time
@@ -47,6 +49,8 @@ from clawfast.sandbox.base import Limits, RunResult, Sandbox, SandboxBackend, Sa
 from clawfast.tasks.verify import CommandRunner, VerifierResult, run_verifier
 
 T = TypeVar("T")
+# The end of the harness's stdout a reward script may grade as the final answer.
+FINAL_MESSAGE_BYTES = 65536
 
 
 class RolloutControl(Protocol):
@@ -293,6 +297,8 @@ class RolloutWorker:
             allow_ports=(port,),
             # Same path inside and out: argv and the install's own absolute paths stay valid.
             ro_binds={str(install.root): str(install.root)},
+            workdir=task.workdir,
+            hide_paths=tuple(str(p) for p in task.private_dirs),
             limits=cfg.limits,
             default_timeout=cfg.timeout_s or task.timeout,
             name=rollout_id,
@@ -309,6 +315,12 @@ class RolloutWorker:
                 return sandbox
             except SandboxError as exc:
                 errors.append(str(exc))
+            except ValueError as exc:
+                # The backend cannot make this sandbox at all (e.g. a workdir the local backend cannot
+                # place): no retry can help, and the rest of the batch runs on.
+                info["sandbox_attempts"] = attempt + 1
+                info["error"] = f"sandbox refused the task: {exc}"
+                return None
         info["sandbox_attempts"] = cfg.sandbox_start_attempts
         info["error"] = f"sandbox did not start: {errors[-1]}"
         info["sandbox_errors"] = errors
@@ -354,8 +366,11 @@ class RolloutWorker:
 
         t = time.monotonic()
         try:
+            # The harness's stdout is its final answer for the harnesses run in print mode.
+            final = run.stdout[-FINAL_MESSAGE_BYTES:].decode("utf-8", errors="replace")
             verdict: VerifierResult = await self._call(
-                run_verifier, task, Path(sandbox.host_workdir), self.verifier_runner
+                functools.partial(run_verifier, final_message=final), task, Path(sandbox.host_workdir),
+                self.verifier_runner,
             )
         except Exception as exc:  # the runner itself failed (e.g. its sandbox did not start)
             timings["verify"] = time.monotonic() - t

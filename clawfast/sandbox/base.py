@@ -33,12 +33,17 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 
-# Where the workspace, the private home, the proxy sockets and the harness install appear inside the
-# isolating backends (bwrap, docker). The local backend uses the host paths instead.
+# Where the workspace (unless `SandboxSpec.workdir` says otherwise), the private home and the proxy
+# sockets appear inside the isolating backends (bwrap, docker). The local backend uses the host paths
+# instead.
 WORKDIR = "/run/ws"
 HOMEDIR = "/run/home"
 PROXYDIR = "/run/proxy"
 RESERVED_TARGETS = (WORKDIR, HOMEDIR, PROXYDIR)
+# What the isolating backends mount themselves: a workspace may not cover or sit inside the first, and
+# may lie under the second (their private tmpfs) but not replace them.
+SYSTEM_DIRS = ("/proc", "/dev", "/sys")
+TMPFS_DIRS = ("/tmp", "/run")
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
@@ -101,6 +106,18 @@ class SandboxSpec:
     limits: see `Limits`.
     default_timeout: seconds, for `run` calls that give none.
     name: a label (e.g. the rollout id) used in temporary directory and container names.
+    workdir: the absolute path inside where the workspace is mounted read-write and where commands
+        start (None: /run/ws), for tasks whose files name their workspace's absolute path (e.g.
+        /root/.openclaw/workspace). It must be normalised, and may not be / or /tmp or /run themselves
+        (a path under /tmp or /run is fine), lie on or under /proc, /dev or /sys, or lie on, under or
+        above /run/home, /run/proxy or a `ro_binds` target. The local backend refuses it (it cannot
+        place a workspace at an absolute path); the others leave the rest of the sandbox's filesystem
+        as it is without one (see each backend's docstring).
+    hide_paths: host directories the sandbox must not see (a task suite's own folder, which holds
+        its verifiers' files), each covered by an empty tmpfs inside; absolute and normalised, not /.
+        A path that does not exist on the host has nothing to hide and is skipped. Only bwrap shows
+        the host's files at all: a docker container sees its image, and the local backend (no
+        isolation) sees everything.
     """
 
     files: Mapping[str, bytes | str] = field(default_factory=dict)
@@ -112,6 +129,8 @@ class SandboxSpec:
     limits: Limits = field(default_factory=Limits)
     default_timeout: float = 600.0
     name: str = "sandbox"
+    workdir: str | None = None
+    hide_paths: tuple[str, ...] = ()
 
     def validate(self) -> None:
         for label, files in (("files", self.files), ("home_files", self.home_files)):
@@ -135,6 +154,13 @@ class SandboxSpec:
             for reserved in RESERVED_TARGETS:
                 if norm == reserved or norm.startswith(reserved + "/"):
                     raise ValueError(f"SandboxSpec.ro_binds: target {target!r} is reserved ({reserved})")
+        if self.workdir is not None:
+            check_workdir(self.workdir, [os.path.normpath(t) for t in self.ro_binds.values()])
+        for path in self.hide_paths:
+            if not isinstance(path, str) or not path.startswith("/") or os.path.normpath(path) != path or path == "/":
+                raise ValueError(f"SandboxSpec.hide_paths: {path!r} must be a normalised absolute path other than /")
+            if any(_on_or_under(path, d) for d in ("/proc", "/dev")):
+                raise ValueError(f"SandboxSpec.hide_paths: {path!r} lies on or under /proc or /dev")
         for key, value in self.env.items():
             check_env_entry(key, value)
         if not self.default_timeout > 0:
@@ -177,6 +203,34 @@ def check_relative_path(path: str, *, what: str = "path") -> PurePosixPath:
     if p.is_absolute() or ".." in p.parts or str(p) == ".":
         raise ValueError(f"{what} {path!r} must be relative and stay inside the workspace")
     return p
+
+
+def check_workdir(workdir: str, ro_targets: Sequence[str]) -> None:
+    """ValueError unless `workdir` is a place the isolating backends can mount a workspace at (see
+    `SandboxSpec.workdir`); `ro_targets` are the normalised `ro_binds` targets."""
+    what = f"SandboxSpec.workdir {workdir!r}"
+    if not isinstance(workdir, str) or "\0" in workdir:
+        raise ValueError(f"{what} must be a str without NUL")
+    # normpath keeps a leading '//' (POSIX leaves its meaning open), so it is refused separately.
+    if not workdir.startswith("/") or workdir.startswith("//") or os.path.normpath(workdir) != workdir:
+        raise ValueError(f"{what} must be a normalised absolute path")
+    if workdir == "/":
+        raise ValueError(f"{what}: the workspace cannot replace the whole filesystem")
+    if workdir in TMPFS_DIRS:
+        raise ValueError(f"{what} is a private tmpfs of every sandbox; a directory under it is fine")
+    for system in SYSTEM_DIRS:
+        if _on_or_under(workdir, system):
+            raise ValueError(f"{what} lies on or under {system}, which the sandbox mounts itself")
+    for reserved in (HOMEDIR, PROXYDIR):
+        if _on_or_under(workdir, reserved) or _on_or_under(reserved, workdir):
+            raise ValueError(f"{what} overlaps {reserved}, which is reserved")
+    for target in ro_targets:
+        if _on_or_under(workdir, target) or _on_or_under(target, workdir):
+            raise ValueError(f"{what} overlaps the ro_binds target {target!r}")
+
+
+def _on_or_under(path: str, directory: str) -> bool:
+    return path == directory or path.startswith(directory + "/")
 
 
 def check_env_entry(key: str, value: str) -> None:
@@ -329,7 +383,8 @@ def wait_exit(proc: subprocess.Popen, timeout: float) -> bool:
 class Sandbox(abc.ABC):
     """One started sandbox. Thread-safe for `run` from several threads; `close` ends everything.
 
-    workdir: the workspace as commands see it (the initial directory of every command).
+    workdir: the workspace as commands see it (the initial directory of every command; the spec's
+        `workdir` where it has one).
     home: HOME as commands see it.
     host_workdir: the same workspace on the host (read it only while no command runs).
     host_home: the private home on the host.

@@ -5,14 +5,28 @@ Each `run` starts `bwrap` with:
 
 - the host root read-only (`--ro-bind / /`), fresh /dev, /proc, a private /tmp and /run (tmpfs), the
   pool's own directory hidden (so a sandbox cannot read another sandbox's workspace), the workspace
-  read-write at /run/ws, the private home read-write at /run/home, `ro_binds` read-only, and
-  `hide_paths` covered by empty tmpfs;
+  read-write at /run/ws (or `SandboxSpec.workdir`), the private home read-write at /run/home,
+  `ro_binds` read-only, and the backend's and the spec's `hide_paths` covered by empty tmpfs;
 - new user, PID, IPC, UTS, cgroup, mount and network namespaces (`--unshare-all`), so the only network
   is the sandbox's own loopback; `--cap-drop ALL` (bwrap keeps every capability for root otherwise),
   `--new-session` (no terminal injection), `--die-with-parent`;
 - for each allowed port, a socat listening on the sandbox's 127.0.0.1:<port> and connecting to a Unix
   socket bound in from the host, where `HostForwarder` forwards to the host's 127.0.0.1:<port>.
   Without allowed ports no forwarder is started at all.
+
+A `workdir` needs a mount point, which bwrap cannot create in the read-only root. So:
+- a workdir that is a directory on the host, or lies under /tmp or /run, is bound onto directly (the
+  host directory is covered, not changed);
+- a workdir that exists on the host as anything but a directory, or below a component that does (a
+  symlink included: bwrap would follow it), is refused (ValueError from `create`);
+- otherwise its deepest existing ancestor A is rebuilt: a tmpfs on A (with the host's mode) holding
+  each entry of the host's A at the same path, read-only (directories and files bound, symlinks
+  recreated, never followed), the missing directories made in it, then A remounted read-only. When A
+  is /, the root itself is built that way instead of `--ro-bind / /` (bwrap's own tmpfs, mode 0755),
+  without /proc, /dev, /tmp and /run, which the sandbox mounts itself. Inside, A holds what the host's
+  A held when the sandbox was created (an entry made later is missing, one removed later is left
+  out) and is owned by the sandbox's root. Everything else is as without a workdir: the pool
+  directory and `hide_paths` are hidden and `ro_binds` mounted after this, so they apply inside A too.
 
 Limits and how they are enforced (`Sandbox.enforced` lists what this host gives):
 - memory: cgroup v1 `memory.limit_in_bytes` (+ memsw) when the hierarchy is writable; else none.
@@ -43,6 +57,7 @@ import select
 import shlex
 import shutil
 import signal
+import stat
 import subprocess
 import tempfile
 import threading
@@ -52,6 +67,7 @@ from collections.abc import Mapping, Sequence
 from clawfast.sandbox.base import (
     HOMEDIR,
     PROXYDIR,
+    TMPFS_DIRS,
     WORKDIR,
     RunResult,
     Sandbox,
@@ -71,6 +87,8 @@ from clawfast.sandbox.hostdir import (
 )
 
 KILL_GRACE_S = 5.0
+# Mounted fresh in every sandbox, so never copied from the host when the root is rebuilt.
+OWN_MOUNTS = ("/proc", "/dev") + TMPFS_DIRS
 
 
 class BwrapBackend(ForwardingBackend):
@@ -130,7 +148,9 @@ class BwrapSandbox(Sandbox):
     def __init__(self, backend: BwrapBackend, spec: SandboxSpec) -> None:
         self.backend = backend
         self.spec = spec
-        self.workdir = WORKDIR
+        self.workdir = spec.workdir or WORKDIR
+        # Checked before anything exists on the host, so a refused workdir leaves nothing to clean up.
+        self._room = _room_for(self.workdir)
         self.home = HOMEDIR
         self.hostdir: HostDir | None = None
         self.enforced: dict[str, str] = {"wall": "SIGKILL of the PID namespace at the timeout"}
@@ -162,20 +182,30 @@ class BwrapSandbox(Sandbox):
                 raise SandboxError(f"sandbox probe failed: {result}")
 
     def _bwrap_argv(self, forwarders: bool) -> list[str]:
-        spec = self.spec
-        argv = [self.backend.bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
-        argv += ["--tmpfs", "/tmp", "--tmpfs", "/run"]
+        spec, room = self.spec, self._room
+        argv = [self.backend.bwrap]
+        argv += _copy_of("/", skip=OWN_MOUNTS) if room == "/" else ["--ro-bind", "/", "/"]
+        argv += ["--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp", "--tmpfs", "/run"]
+        if room not in (None, "/"):
+            argv += ["--perms", _mode_of(room), "--tmpfs", room] + _copy_of(room)
+        # After the rebuilt room, so that what it re-exposes of these stays hidden.
         if not any(self.backend.base_dir.startswith(d) for d in ("/tmp/", "/run/", "/dev/")):
             argv += ["--tmpfs", self.backend.base_dir]  # else already hidden by the tmpfs/dev above
         for path in self.backend.hide_paths:
             argv += ["--tmpfs", path]
-        argv += ["--bind", self.hostdir.workspace, WORKDIR, "--bind", self.hostdir.home, HOMEDIR]
+        # bwrap cannot make a mount point in the read-only root, and a missing path hides nothing.
+        argv += [arg for path in spec.hide_paths if os.path.isdir(path) for arg in ("--tmpfs", path)]
+        argv += ["--bind", self.hostdir.workspace, self.workdir, "--bind", self.hostdir.home, HOMEDIR]
         if spec.allow_ports:
             argv += ["--ro-bind", self.hostdir.proxy, PROXYDIR]
         for host_path, target in spec.ro_binds.items():
             argv += ["--ro-bind", os.path.abspath(host_path), target]
+        if room is not None:
+            # Read-only like the host root it stands for, once every mount point in it is made; not
+            # recursive, so the workspace and home mounted in it stay writable.
+            argv += ["--remount-ro", room]
         argv += ["--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL"]
-        argv += ["--hostname", "sandbox", "--chdir", WORKDIR]
+        argv += ["--hostname", "sandbox", "--chdir", self.workdir]
         argv += ["--", "/bin/sh", "-c", start_script(spec, self.backend.socat or "socat", forwarders), "sh"]
         if self.cgroup is not None:
             # Join the cgroup before bwrap exists, so no sandbox process is ever outside it.
@@ -289,6 +319,56 @@ class BwrapSandbox(Sandbox):
             stdout_truncated=stdout_trunc,
             stderr_truncated=stderr_trunc,
         )
+
+
+def _room_for(workdir: str) -> str | None:
+    """The directory to rebuild so that bwrap can make the mount point `workdir` (see the module
+    docstring): its deepest ancestor that exists on the host, or None when none is needed. ValueError
+    when `workdir` or one of its ancestors exists on the host as something other than a directory."""
+    if any(workdir.startswith(d + "/") for d in TMPFS_DIRS):
+        return None
+    existing = "/"
+    for part in workdir.split("/")[1:]:
+        path = os.path.join(existing, part)
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return existing
+        except OSError as exc:
+            raise SandboxError(f"cannot inspect {path!r} for the workdir {workdir!r}: {exc}") from exc
+        if not stat.S_ISDIR(st.st_mode):
+            raise ValueError(
+                f"SandboxSpec.workdir {workdir!r}: {path!r} exists on the host and is not a directory"
+                " (a symlink is refused too), so the workspace cannot be mounted there"
+            )
+        existing = path
+    return None
+
+
+def _copy_of(directory: str, skip: Sequence[str] = ()) -> list[str]:
+    """bwrap arguments that show each entry of the host's `directory` at the same path, read-only:
+    directories and files bound (`-try`: an entry removed after this listing is left out rather than
+    failing every run), symlinks recreated, never followed."""
+    argv = []
+    try:
+        for name in sorted(os.listdir(directory)):
+            path = os.path.join(directory, name)
+            if path in skip:
+                continue
+            if os.path.islink(path):
+                argv += ["--symlink", os.readlink(path), path]
+            else:
+                argv += ["--ro-bind-try", path, path]
+    except OSError as exc:
+        raise SandboxError(f"cannot list {directory!r} to make room for the workdir: {exc}") from exc
+    return argv
+
+
+def _mode_of(directory: str) -> str:
+    try:
+        return f"{stat.S_IMODE(os.stat(directory).st_mode):04o}"
+    except OSError as exc:
+        raise SandboxError(f"cannot stat {directory!r} to make room for the workdir: {exc}") from exc
 
 
 def _read_capped(f, start: int, cap: int) -> tuple[bytes, bool]:

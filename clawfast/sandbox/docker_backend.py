@@ -6,10 +6,11 @@ image is the caller's: it must provide /bin/sh and `sleep`, and `socat` on PATH 
 (checked at start: a missing one is a SandboxError); harness installs come in through `ro_binds`.
 
 Each container runs `sleep infinity` under docker's init with: `network_mode="none"` (loopback only),
-a read-only root filesystem, tmpfs /tmp and /run, the workspace at /run/ws and home at /run/home
-(read-write binds), the proxy sockets at /run/proxy and `ro_binds` read-only, all capabilities
-dropped, `no-new-privileges`. Commands are `docker exec`s of the same start script bwrap uses (rlimits,
-in-container socat forwarders, readiness marker).
+a read-only root filesystem, tmpfs /tmp and /run, the workspace at /run/ws or `SandboxSpec.workdir`
+(the working directory of every command) and home at /run/home (read-write binds), the proxy sockets
+at /run/proxy and `ro_binds` read-only, all capabilities dropped, `no-new-privileges`. Commands are
+`docker exec`s of the same start script bwrap uses (rlimits, in-container socat forwarders, readiness
+marker).
 
 Limits: memory = `mem_limit` and `memswap_limit` (cgroup, by the engine); processes = `pids_limit`;
 file size = RLIMIT_FSIZE (`ulimit -f` in the start script); address space = RLIMIT_AS if set; wall
@@ -95,7 +96,7 @@ class DockerSandbox(Sandbox):
     def __init__(self, backend: DockerBackend, spec: SandboxSpec) -> None:
         self.backend = backend
         self.spec = spec
-        self.workdir = WORKDIR
+        self.workdir = spec.workdir or WORKDIR
         self.home = HOMEDIR
         self.hostdir: HostDir | None = None
         self.container = None
@@ -117,7 +118,7 @@ class DockerSandbox(Sandbox):
         self.host_workdir = self.hostdir.workspace
         self.host_home = self.hostdir.home
         mounts = [
-            Mount(WORKDIR, self.hostdir.workspace, type="bind"),
+            Mount(self.workdir, self.hostdir.workspace, type="bind"),
             Mount(HOMEDIR, self.hostdir.home, type="bind"),
             Mount(IO_DIR, self.hostdir.io, type="bind", read_only=True),
         ]
@@ -137,7 +138,7 @@ class DockerSandbox(Sandbox):
                 read_only=True,
                 tmpfs={"/tmp": "", "/run": ""},
                 mounts=mounts,
-                working_dir=WORKDIR,
+                working_dir=self.workdir,
                 cap_drop=["ALL"],
                 security_opt=["no-new-privileges"],
                 mem_limit=limits.memory_bytes,
@@ -182,7 +183,7 @@ class DockerSandbox(Sandbox):
         t0 = time.monotonic()
         try:
             exec_id = api.exec_create(
-                self.container.id, ["/bin/sh", "-c", script, "sh", *argv], environment=full_env, workdir=WORKDIR
+                self.container.id, ["/bin/sh", "-c", script, "sh", *argv], environment=full_env, workdir=self.workdir
             )["Id"]
 
             def pump() -> None:

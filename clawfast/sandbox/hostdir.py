@@ -1,10 +1,11 @@
 """What the isolating backends (bwrap, docker) share: the sandbox's host directory and its start script.
 
-`HostDir` is one sandbox's directory on the host: `ws/` (the workspace, bound at /run/ws), `home/`
-(bound at /run/home), `proxy/` (one Unix socket per allowed port, bound read-only at /run/proxy) and,
-if asked, `io/` (stdin files for docker). bwrap keeps its capture files in the top directory, which is
-never visible inside. `close()` stops the forwarders and removes it all. (Every directory counts:
-`rmdir` on this machine's ext4 costs ~2.4 ms against ~0.01 ms on tmpfs; see bench/bench_sandbox.py.)
+`HostDir` is one sandbox's directory on the host: `ws/` (the workspace, bound at the sandbox's
+workdir: /run/ws unless `SandboxSpec.workdir` says otherwise), `home/` (bound at /run/home), `proxy/`
+(one Unix socket per allowed port, bound read-only at /run/proxy) and, if asked, `io/` (stdin files
+for docker). bwrap keeps its capture files in the top directory, which is never visible inside.
+`close()` stops the forwarders and removes it all. (Every directory counts: `rmdir` on this machine's
+ext4 costs ~2.4 ms against ~0.01 ms on tmpfs; see bench/bench_sandbox.py.)
 
 `start_script` is the POSIX sh that runs inside before the command: rlimits, proxy forwarders, then a
 readiness marker on stderr and `exec` of the command. A run whose stderr does not begin with the

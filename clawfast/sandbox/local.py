@@ -6,7 +6,8 @@ host port is reachable) and can write anywhere the user can. What it does give: 
 workspace and HOME (its `workdir`/`home` are host paths), a clean environment (the host's is not
 inherited), RLIMIT_FSIZE/RLIMIT_AS like bwrap, and on timeout the command's whole process group is
 killed, and so is whatever the command left running in it when it exits (a process that calls
-setsid() escapes both: there is no PID namespace here).
+setsid() escapes both: there is no PID namespace here). A spec with `workdir` is refused (ValueError):
+without a mount namespace the workspace cannot appear at an absolute path.
 """
 
 from __future__ import annotations
@@ -46,6 +47,12 @@ class LocalBackend(SandboxBackend):
 
     def create(self, spec: SandboxSpec) -> LocalSandbox:
         self._check_can_create(spec)
+        if spec.workdir is not None:
+            # Refused rather than ignored: the task's files and verifier name that absolute path.
+            raise ValueError(
+                f"the local backend cannot put the workspace at workdir {spec.workdir!r} (it has no mount"
+                " namespace); use the bwrap or docker backend"
+            )
         sandbox = LocalSandbox(self, spec)
         self._start_tracked(sandbox, sandbox.fill_from_spec)
         return sandbox

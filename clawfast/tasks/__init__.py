@@ -42,15 +42,22 @@ is in docs/TASKS.md; a minimal task.toml:
     command = "test \\"$(cat hello.txt)\\" = hi && echo '{\\"score\\": 1}' || echo '{\\"score\\": 0}'"
     timeout = 10
 
+**ClawGym folders** (the layout of the ClawGym paper's suites: ``data_entry.json``, ``input_files/``,
+``reward/reward.sh``) load as the suite ``clawgym:PATH[?eval=FRACTION]``
+(`clawfast.tasks.clawgym.load_clawgym`): the workspace lies at the task's ``input_mount_dir``
+(`Task.workdir`) and a `RewardScriptVerifier` runs ``reward.sh``, whose last stdout line is a graded
+reward in [0, 1], with ``check.py``'s named sub-scores kept.
+
 **Built-in suite** ``clawbench-mini`` (`clawbench_mini(seed)`): 64 generated tasks in four
 categories (files, code, data, shell), 48 train / 16 eval; see `clawfast.tasks.mini`.
 `load_suite(name_or_dir, split)` returns either kind; `check_task(task)` replays the oracle and the
 do-nothing solution and scores both.
 """
 
+from clawfast.tasks.clawgym import load_clawgym
 from clawfast.tasks.mini import clawbench_mini
 from clawfast.tasks.suites import BUILTIN_SUITES, load_suite
-from clawfast.tasks.task import CallableVerifier, CommandVerifier, Task, TaskFormatError
+from clawfast.tasks.task import CallableVerifier, CommandVerifier, RewardScriptVerifier, Task, TaskFormatError
 from clawfast.tasks.taskdir import load_task, load_task_dir
 from clawfast.tasks.verify import (
     CommandResult,
@@ -72,6 +79,7 @@ __all__ = [
     "CommandRunner",
     "CommandVerifier",
     "OracleRun",
+    "RewardScriptVerifier",
     "SubprocessRunner",
     "Task",
     "TaskCheck",
@@ -79,6 +87,7 @@ __all__ = [
     "VerifierResult",
     "check_task",
     "clawbench_mini",
+    "load_clawgym",
     "load_suite",
     "load_task",
     "load_task_dir",

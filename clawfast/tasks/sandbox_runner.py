@@ -13,6 +13,11 @@ fails to start raises `SandboxError` (an infrastructure fault, not a score): cal
 a score or a ``verifier_error``. Unlike `SubprocessRunner`, which keeps the end of the output, the
 sandbox keeps the first `Limits.max_output_bytes` (1 MiB here) of stdout: a verifier that prints
 more than that before its score line gets ``verifier_error``.
+
+With `workdir` (a task whose workspace has a fixed absolute path), the staged workspace is the
+sandbox's workspace at that path and the command starts there; the verifier files, if any, are bound
+read-only at /run/verifier (``$VERIFIER_DIR``). The local backend cannot place a workspace, so it
+refuses such a sandbox.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Mapping
 
 from clawfast.sandbox import Limits, SandboxBackend, SandboxSpec, create_backend
 from clawfast.tasks.verify import STDERR_TAIL_BYTES, STDOUT_TAIL_BYTES, CommandResult
@@ -28,6 +34,7 @@ from clawfast.tasks.verify import STDERR_TAIL_BYTES, STDOUT_TAIL_BYTES, CommandR
 VERIFIER_LIMITS = Limits(memory_bytes=1 << 30, max_processes=256, max_file_bytes=256 << 20,
                          max_output_bytes=1 << 20)
 _SCRIPT = 'cd workspace && exec bash -c "$0"'
+VERIFIER_INSIDE = "/run/verifier"
 
 
 def _tail(data: bytes, limit: int) -> str:
@@ -44,18 +51,27 @@ class SandboxRunner:
         self.backend = backend if backend is not None else create_backend("bwrap", probe=False)
         self.limits = limits
 
-    def __call__(self, command: str, workspace: Path, *, verifier_dir: Path | None,
-                 timeout: float) -> CommandResult:
+    def __call__(self, command: str, workspace: Path, *, verifier_dir: Path | None, timeout: float,
+                 workdir: str | None = None, env: Mapping[str, str] | None = None) -> CommandResult:
+        base_env = {"LC_ALL": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
         with tempfile.TemporaryDirectory(prefix="clawfast-stage-") as stage:
             shutil.copytree(workspace, Path(stage) / "workspace", symlinks=True)
             if verifier_dir is not None:
                 shutil.copytree(verifier_dir, Path(stage) / "verifier", symlinks=True)
-            spec = SandboxSpec(source_dir=stage, limits=self.limits, default_timeout=timeout,
-                               env={"LC_ALL": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"},
-                               name="verifier")
+            if workdir is None:
+                spec = SandboxSpec(source_dir=stage, limits=self.limits, default_timeout=timeout, env=base_env,
+                                   name="verifier")
+                argv = ["bash", "-c", _SCRIPT, command]
+            else:
+                binds = {str(Path(stage) / "verifier"): VERIFIER_INSIDE} if verifier_dir is not None else {}
+                spec = SandboxSpec(source_dir=str(Path(stage) / "workspace"), workdir=workdir, ro_binds=binds,
+                                   limits=self.limits, default_timeout=timeout, env=base_env, name="verifier")
+                argv = ["bash", "-c", command]
             with self.backend.create(spec) as sandbox:
-                env = {"VERIFIER_DIR": f"{sandbox.workdir}/verifier"} if verifier_dir is not None else {}
-                res = sandbox.run(["bash", "-c", _SCRIPT, command], env=env, timeout=timeout)
+                run_env = dict(env or {})
+                if verifier_dir is not None:
+                    run_env["VERIFIER_DIR"] = VERIFIER_INSIDE if workdir else f"{sandbox.workdir}/verifier"
+                res = sandbox.run(argv, env=run_env, timeout=timeout)
         return CommandResult(
             returncode=None if res.timed_out else res.exit_code,
             stdout=_tail(res.stdout, STDOUT_TAIL_BYTES),

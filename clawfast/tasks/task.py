@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Callable, Mapping
 
+from clawfast.sandbox.base import check_workdir
+
 if TYPE_CHECKING:
     from clawfast.tasks.verify import VerifierResult
 
@@ -120,7 +122,47 @@ class CallableVerifier:
         return self
 
 
-Verifier = CommandVerifier | CallableVerifier
+@dataclass(frozen=True)
+class RewardScriptVerifier:
+    """ClawGym's reward protocol: `directory` (the task's ``reward/`` folder, holding ``reward.sh``)
+    is copied to ``<workdir>/reward`` of a copy of the final workspace, placed at the task's `workdir`
+    inside a fresh sandbox, and ``bash <workdir>/reward/reward.sh`` runs there within `timeout`
+    seconds; the last non-empty stdout line is the reward, a float in [0, 1]. When the folder holds
+    ``check.py``, ``python3 <workdir>/reward/check.py <workdir>`` runs after it in another fresh
+    sandbox, and the JSON object of named sub-scores it prints is kept (the reward is reward.sh's
+    alone). `metadata` is the task's own metadata object, passed to the script in the file
+    ``$OPENCLAW_REWARD_PAYLOAD`` (see `clawfast.tasks.clawgym`)."""
+
+    directory: Path
+    timeout: float = DEFAULT_VERIFIER_TIMEOUT
+    metadata: Mapping[str, object] = field(default_factory=dict)
+
+    ENTRY = "reward.sh"
+    SUBSCORES = "check.py"
+
+    def validate(self, where: str) -> RewardScriptVerifier:
+        directory = _check_dir(where, "verifier.directory", self.directory)
+        if directory is None or not (directory / self.ENTRY).is_file():
+            raise _fail(where, "verifier.directory", f"must hold {self.ENTRY}")
+        return RewardScriptVerifier(directory=directory, metadata=dict(self.metadata),
+                                    timeout=_check_timeout(where, "verifier.timeout", self.timeout))
+
+    @property
+    def has_subscores(self) -> bool:
+        return (self.directory / self.SUBSCORES).is_file()
+
+
+Verifier = CommandVerifier | CallableVerifier | RewardScriptVerifier
+
+
+def check_workdir_field(where: str, field_name: str, workdir: str | None) -> str | None:
+    """A path a sandbox can mount the workspace at (`clawfast.sandbox.base.check_workdir`)."""
+    if workdir is not None:
+        try:
+            check_workdir(workdir, ())
+        except ValueError as exc:
+            raise _fail(where, field_name, str(exc)) from None
+    return workdir
 
 
 @dataclass(frozen=True)
@@ -135,6 +177,11 @@ class Task:
     oracle: bash command strings that solve the task when run in order, each with ``bash -c`` in the
         workspace (a scripted engine replays them as tool calls through any harness).
     timeout: seconds the harness gets.
+    workdir: where the workspace lies inside the sandbox, an absolute path (None: the sandbox
+        backend's own place, /run/ws). The harness starts there and the verifier sees the final
+        workspace there too, so tasks whose files name absolute paths keep working.
+    private_dirs: host directories the agent must not see, hidden inside its sandbox: the folder of
+        the suite the task was loaded from, which holds its verifier's files and the other tasks'.
     tags: string tags; ``category`` and ``split`` (``train`` or ``eval``) are required, others
         (``difficulty``, ``template``, ``suite``) are free.
     """
@@ -147,6 +194,8 @@ class Task:
     files: Mapping[str, bytes] = field(default_factory=dict)
     workspace_dir: Path | None = None
     timeout: float = DEFAULT_TASK_TIMEOUT
+    workdir: str | None = None
+    private_dirs: tuple[Path, ...] = ()
 
     def __post_init__(self) -> None:
         where = f"task {self.id!r}"
@@ -154,9 +203,12 @@ class Task:
             raise _fail(where, "id", f"must match {ID_PATTERN.pattern}")
         if not isinstance(self.instruction, str) or not self.instruction.strip():
             raise _fail(where, "instruction", "must be a non-empty string")
-        if not isinstance(self.verifier, (CommandVerifier, CallableVerifier)):
-            raise _fail(where, "verifier", f"must be a CommandVerifier or CallableVerifier, got "
-                                           f"{type(self.verifier).__name__}")
+        if not isinstance(self.verifier, (CommandVerifier, CallableVerifier, RewardScriptVerifier)):
+            raise _fail(where, "verifier", f"must be a CommandVerifier, CallableVerifier or RewardScriptVerifier, "
+                                           f"got {type(self.verifier).__name__}")
+        if isinstance(self.verifier, RewardScriptVerifier) and self.workdir is None:
+            raise _fail(where, "workdir", "is required with a RewardScriptVerifier (its scripts name the "
+                                          "workspace by its absolute path)")
         if isinstance(self.oracle, str) or not all(isinstance(c, str) for c in self.oracle):
             raise _fail(where, "oracle", "must be a list of bash command strings")
         if not isinstance(self.tags, Mapping) or not all(
@@ -174,6 +226,8 @@ class Task:
         object.__setattr__(self, "files", _check_files(where, "files", self.files))
         object.__setattr__(self, "workspace_dir", _check_dir(where, "workspace_dir", self.workspace_dir))
         object.__setattr__(self, "timeout", _check_timeout(where, "timeout", self.timeout))
+        object.__setattr__(self, "workdir", check_workdir_field(where, "workdir", self.workdir))
+        object.__setattr__(self, "private_dirs", tuple(Path(p).resolve() for p in self.private_dirs))
 
     @property
     def category(self) -> str:

@@ -9,7 +9,8 @@
 `load_task_dir(path)` returns the tasks sorted by id. Every problem raises `TaskFormatError` naming
 the task.toml and the field; unknown keys are errors too, so a typo never silently falls back to a
 default. Files are not read into memory: the task refers to its `workspace/` and `verifier/`
-folders, which must stay in place while the task is used.
+folders, which must stay in place while the task is used. The suite's folder is hidden from the
+agent's sandbox (`Task.private_dirs`), so its verifier files stay out of its reach.
 """
 
 from __future__ import annotations
@@ -60,8 +61,9 @@ def _unknown(data: dict[str, Any], allowed: set[str], where: str, prefix: str = 
         raise _field(where, prefix + extra[0], f"unknown key (allowed: {', '.join(sorted(allowed))})")
 
 
-def load_task(folder: Path | str) -> Task:
-    """Load one task folder (holding task.toml)."""
+def load_task(folder: Path | str, suite: Path | None = None) -> Task:
+    """Load one task folder (holding task.toml); `suite` (default: the folder itself) is hidden from
+    the agent's sandbox."""
     folder = Path(folder)
     toml_path = folder / TASK_FILE
     where = str(toml_path)
@@ -107,6 +109,7 @@ def load_task(folder: Path | str) -> Task:
             tags=tags,
             workspace_dir=workspace_dir if workspace_dir.is_dir() else None,
             timeout=timeout,
+            private_dirs=(suite or folder,),
         )
     except TaskFormatError as exc:
         raise TaskFormatError(f"{where}: {exc}") from None
@@ -124,7 +127,7 @@ def load_task_dir(path: Path | str) -> list[Task]:
     folders = sorted(p for p in path.iterdir() if p.is_dir() and (p / TASK_FILE).is_file())
     if not folders:
         raise TaskFormatError(f"{path}: no task folders (sub-folders holding {TASK_FILE})")
-    tasks = [load_task(folder) for folder in folders]
+    tasks = [load_task(folder, suite=path) for folder in folders]
     seen: dict[str, Path] = {}
     for folder, task in zip(folders, tasks):
         if task.id in seen:

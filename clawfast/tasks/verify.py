@@ -9,10 +9,12 @@ caller's workspace. Only the sandbox enforces that: under `SubprocessRunner` a v
 write anywhere by absolute path, so use it for trusted verifiers.
 
 Guaranteed: `run_verifier` never raises for anything the verifier does. A verifier that exits
-non-zero, times out, is killed, prints no JSON score object on its last stdout line, or prints a score
-outside [0, 1] yields ``VerifierResult(score=0.0, status="verifier_error")`` with the reason in
-`error` and the tail of its stderr in `stderr`. Only a runner that itself fails to run anything (for
-example a sandbox that cannot start) raises, since that is an infrastructure fault, not a score.
+non-zero, times out, is killed, prints no score on its last stdout line (a JSON score object for a
+`CommandVerifier`, a bare float for a `RewardScriptVerifier`), or prints a score outside [0, 1] yields
+``VerifierResult(score=0.0, status="verifier_error")`` with the reason in `error` and the tails of its
+stdout and stderr kept. Only a runner that itself fails to run anything (for example a sandbox that
+cannot start, or `SubprocessRunner` asked for a task whose workspace must lie at an absolute path)
+raises, since that is an infrastructure fault, not a score.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shlex
 import shutil
 import signal
 import stat
@@ -29,14 +32,18 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, Sequence
+from typing import Any, Mapping, Protocol, Sequence
 
-from clawfast.tasks.task import CallableVerifier, CommandVerifier, Task
+from clawfast.tasks.task import CallableVerifier, CommandVerifier, RewardScriptVerifier, Task
 
 VERIFIER_STATUSES = ("ok", "verifier_error")
 # Enough of a verifier's stderr to see a traceback; bounded so a chatty verifier cannot bloat records.
 STDERR_TAIL_BYTES = 8192
 STDOUT_TAIL_BYTES = 65536
+# Characters of a failed verifier's stdout kept in its result: enough to see why the score line is wrong.
+KEPT_STDOUT_CHARS = 4096
+# ClawGym's reward payload file, written into the verifier's copy of the workspace.
+PAYLOAD_FILE = ".openclaw_reward_payload.json"
 
 
 @dataclass
@@ -46,6 +53,7 @@ class VerifierResult:
     details: the verifier's own ``details`` object (empty on error).
     error: why the status is ``verifier_error`` (None when ok).
     stderr: the tail of the verifier's stderr (at most 8 KiB; empty for in-process verifiers).
+    stdout: on ``verifier_error``, the tail of its stdout (at most 4,096 characters; empty when ok).
     duration_s: wall time of the verifier run."""
 
     score: float
@@ -54,10 +62,11 @@ class VerifierResult:
     error: str | None = None
     stderr: str = ""
     duration_s: float = 0.0
+    stdout: str = ""
 
     def to_json(self) -> dict[str, Any]:
         return {"score": self.score, "status": self.status, "details": self.details, "error": self.error,
-                "stderr": self.stderr, "duration_s": self.duration_s}
+                "stderr": self.stderr, "stdout": self.stdout, "duration_s": self.duration_s}
 
 
 @dataclass
@@ -75,10 +84,12 @@ class CommandResult:
 class CommandRunner(Protocol):
     """Run ``bash -c command`` with `workspace` as the working directory and, if `verifier_dir` is
     given, ``$VERIFIER_DIR`` naming a (possibly read-only) view of it; kill everything it started after
-    `timeout` seconds. The workspace passed in is a scratch copy the command may change freely."""
+    `timeout` seconds. The workspace passed in is a scratch copy the command may change freely.
+    `workdir`: the absolute path the workspace must have where the command runs (None: anywhere).
+    `env`: variables added to the command's environment."""
 
-    def __call__(self, command: str, workspace: Path, *, verifier_dir: Path | None,
-                 timeout: float) -> CommandResult: ...
+    def __call__(self, command: str, workspace: Path, *, verifier_dir: Path | None, timeout: float,
+                 workdir: str | None = None, env: Mapping[str, str] | None = None) -> CommandResult: ...
 
 
 def _tail(path: Path, limit: int) -> str:
@@ -89,7 +100,7 @@ def _tail(path: Path, limit: int) -> str:
         return f.read().decode("utf-8", errors="replace")
 
 
-def _child_env(verifier_dir: Path | None) -> dict[str, str]:
+def _child_env(verifier_dir: Path | None, extra: Mapping[str, str] | None) -> dict[str, str]:
     # A small, explicit environment: the host's secrets (API keys, tokens) never reach task code.
     # The running interpreter's directory comes first on PATH so `python3` is this Python, not a
     # version-manager shim that costs ~150 ms a start.
@@ -97,6 +108,7 @@ def _child_env(verifier_dir: Path | None) -> dict[str, str]:
     env = {"PATH": path, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
     if verifier_dir is not None:
         env["VERIFIER_DIR"] = str(verifier_dir)
+    env.update(extra or {})
     return env
 
 
@@ -108,14 +120,19 @@ class SubprocessRunner:
     Output goes to temporary files, of which only the tails are read back, so memory stays bounded.
     """
 
-    def __call__(self, command: str, workspace: Path, *, verifier_dir: Path | None = None,
-                 timeout: float) -> CommandResult:
+    def __call__(self, command: str, workspace: Path, *, verifier_dir: Path | None = None, timeout: float,
+                 workdir: str | None = None, env: Mapping[str, str] | None = None) -> CommandResult:
+        if workdir is not None:
+            # A plain process cannot see the workspace at another path, and writing the host's own
+            # `workdir` would touch files outside every scratch copy.
+            raise ValueError(f"this task's workspace must lie at {workdir}: a plain subprocess cannot put it "
+                             f"there; run its verifier in a sandbox (clawfast.tasks.sandbox_runner.SandboxRunner)")
         with tempfile.TemporaryDirectory(prefix="clawfast-out-") as tmp:
             out_path, err_path = Path(tmp) / "stdout", Path(tmp) / "stderr"
             start = time.monotonic()
             with open(out_path, "wb") as out, open(err_path, "wb") as err:
                 proc = subprocess.Popen(["bash", "-c", command], cwd=workspace, stdout=out, stderr=err,
-                                        stdin=subprocess.DEVNULL, env=_child_env(verifier_dir),
+                                        stdin=subprocess.DEVNULL, env=_child_env(verifier_dir, env),
                                         start_new_session=True)
                 timed_out = False
                 try:
@@ -138,18 +155,23 @@ class SubprocessRunner:
             )
 
 
+def _last_json(stdout: str, who: str) -> tuple[Any, str]:
+    """The JSON value on the last non-empty stdout line of `who`, and that line. ValueError if none."""
+    lines = [line for line in stdout.splitlines() if line.strip()]
+    if not lines:
+        raise ValueError(f"{who} printed nothing on stdout")
+    try:
+        return json.loads(lines[-1]), lines[-1]
+    except json.JSONDecodeError:
+        raise ValueError(f"last stdout line of {who} is not JSON: {lines[-1][:200]!r}") from None
+
+
 def parse_score_line(stdout: str) -> tuple[float, dict[str, Any]]:
     """Parse the verifier protocol: the last non-empty stdout line is a JSON object with a finite
     ``score`` in [0, 1] and an optional ``details`` object. Raises ValueError saying what is wrong."""
-    lines = [line for line in stdout.splitlines() if line.strip()]
-    if not lines:
-        raise ValueError("verifier printed nothing on stdout")
-    try:
-        obj = json.loads(lines[-1])
-    except json.JSONDecodeError:
-        raise ValueError(f"last stdout line is not JSON: {lines[-1][:200]!r}") from None
+    obj, line = _last_json(stdout, "verifier")
     if not isinstance(obj, dict) or "score" not in obj:
-        raise ValueError(f"last stdout line is not a score object: {lines[-1][:200]!r}")
+        raise ValueError(f"last stdout line is not a score object: {line[:200]!r}")
     score = obj["score"]
     if isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score):
         raise ValueError(f"score must be a finite number, got {score!r}")
@@ -161,25 +183,109 @@ def parse_score_line(stdout: str) -> tuple[float, dict[str, Any]]:
     return float(score), details
 
 
-def _error(reason: str, stderr: str = "", duration: float = 0.0) -> VerifierResult:
+def _error(reason: str, stderr: str = "", duration: float = 0.0, stdout: str = "") -> VerifierResult:
     return VerifierResult(score=0.0, status="verifier_error", error=reason, stderr=stderr,
-                          duration_s=duration)
+                          duration_s=duration, stdout=stdout[-KEPT_STDOUT_CHARS:])
+
+
+def _failed_run(res: CommandResult, timeout: float) -> VerifierResult | None:
+    """The error of a verifier run that timed out or exited non-zero (None if it exited 0)."""
+    if res.timed_out:
+        return _error(f"verifier timed out after {timeout} s", res.stderr, res.duration_s, res.stdout)
+    if res.returncode != 0:
+        return _error(f"verifier exited with status {res.returncode}", res.stderr, res.duration_s, res.stdout)
+    return None
 
 
 def _run_command_verifier(verifier: CommandVerifier, scratch: Path, workspace: Path,
-                          runner: CommandRunner) -> VerifierResult:
+                          runner: CommandRunner, workdir: str | None) -> VerifierResult:
     verifier_dir = scratch / "verifier"
     verifier.materialize(verifier_dir)
-    res = runner(verifier.command, workspace, verifier_dir=verifier_dir, timeout=verifier.timeout)
-    if res.timed_out:
-        return _error(f"verifier timed out after {verifier.timeout} s", res.stderr, res.duration_s)
-    if res.returncode != 0:
-        return _error(f"verifier exited with status {res.returncode}", res.stderr, res.duration_s)
+    res = runner(verifier.command, workspace, verifier_dir=verifier_dir, timeout=verifier.timeout,
+                 workdir=workdir)
+    failed = _failed_run(res, verifier.timeout)
+    if failed is not None:
+        return failed
     try:
         score, details = parse_score_line(res.stdout)
     except ValueError as exc:
-        return _error(str(exc), res.stderr, res.duration_s)
+        return _error(str(exc), res.stderr, res.duration_s, res.stdout)
     return VerifierResult(score=score, details=details, stderr=res.stderr, duration_s=res.duration_s)
+
+
+def parse_float_line(stdout: str) -> float:
+    """ClawGym's reward line: the last non-empty stdout line is one finite float in [0, 1]. Raises
+    ValueError saying what is wrong."""
+    lines = [line.strip() for line in stdout.splitlines() if line.strip()]
+    if not lines:
+        raise ValueError("reward script printed nothing on stdout")
+    try:
+        value = float(lines[-1])
+    except ValueError:
+        raise ValueError(f"last stdout line is not a number: {lines[-1][:200]!r}") from None
+    if not math.isfinite(value) or not 0.0 <= value <= 1.0:
+        raise ValueError(f"reward must be a finite number in [0, 1], got {lines[-1][:200]!r}")
+    return value
+
+
+def parse_subscores(stdout: str) -> dict[str, float]:
+    """The sub-scores a ClawGym ``check.py`` prints: its last non-empty stdout line is a JSON object
+    of name -> finite number (booleans count as 0 / 1, as ``float()`` in the reward scripts reads
+    them). Raises ValueError saying what is wrong."""
+    obj, _ = _last_json(stdout, "check.py")
+    if not isinstance(obj, dict):
+        raise ValueError(f"check.py printed {type(obj).__name__}, not an object of sub-scores")
+    out = {}
+    for name, value in obj.items():
+        if not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"sub-score {name!r} is not a finite number: {value!r}")
+        out[name] = float(value)
+    return out
+
+
+def _reward_payload(task: Task, verifier: RewardScriptVerifier, final_message: str) -> dict[str, Any]:
+    # The fields ClawGym's rollout writes; no transcript is kept (the proxy records token ids, not text).
+    return {"task_id": task.id, "user_query": task.instruction, "metadata": dict(verifier.metadata),
+            "final_message": final_message, "transcript": []}
+
+
+def _run_reward_script(task: Task, verifier: RewardScriptVerifier, workspace: Path, runner: CommandRunner,
+                       final_message: str) -> VerifierResult:
+    workdir = task.workdir
+    reward = workspace / "reward"
+    # Whatever the agent left at reward/ is replaced: only the task's own scripts judge it.
+    if reward.is_dir() and not reward.is_symlink():
+        shutil.rmtree(reward)
+    elif reward.exists() or reward.is_symlink():
+        reward.unlink()
+    shutil.copytree(verifier.directory, reward, symlinks=True)
+    (workspace / PAYLOAD_FILE).write_text(json.dumps(_reward_payload(task, verifier, final_message)))
+    env = {"OPENCLAW_REWARD_PAYLOAD": f"{workdir}/{PAYLOAD_FILE}"}
+    inside = shlex.quote(f"{workdir}/reward")
+    res = runner(f"bash {inside}/{verifier.ENTRY}", workspace, verifier_dir=None, timeout=verifier.timeout,
+                 workdir=workdir, env=env)
+    failed = _failed_run(res, verifier.timeout)
+    if failed is not None:
+        return failed
+    try:
+        score = parse_float_line(res.stdout)
+    except ValueError as exc:
+        return _error(str(exc), res.stderr, res.duration_s, res.stdout)
+    details: dict[str, Any] = {}
+    duration = res.duration_s
+    if verifier.has_subscores:
+        sub = runner(f"python3 {inside}/{verifier.SUBSCORES} {shlex.quote(workdir)}", workspace, verifier_dir=None,
+                     timeout=verifier.timeout, workdir=workdir, env=env)
+        duration += sub.duration_s
+        try:
+            bad = _failed_run(sub, verifier.timeout)
+            if bad is not None:
+                raise ValueError(f"check.py: {bad.error}")
+            details["subscores"] = parse_subscores(sub.stdout)
+        except ValueError as exc:
+            # The reward stands: sub-scores only explain it.
+            details["subscores_error"] = str(exc)
+    return VerifierResult(score=score, details=details, stderr=res.stderr, duration_s=duration)
 
 
 def _run_callable_verifier(verifier: CallableVerifier, workspace: Path) -> VerifierResult:
@@ -217,9 +323,12 @@ def _special_files(directory: str, names: list[str]) -> set[str]:
     return skipped
 
 
-def run_verifier(task: Task, workspace: Path | str, runner: CommandRunner | None = None) -> VerifierResult:
+def run_verifier(task: Task, workspace: Path | str, runner: CommandRunner | None = None, *,
+                 final_message: str = "") -> VerifierResult:
     """Score the final `workspace` of `task`. The verifier runs on a scratch copy of it; `runner`
-    (default `SubprocessRunner()`) runs command verifiers. See the module docstring for the
+    (default `SubprocessRunner()`) runs command and reward-script verifiers, with the copy at
+    `task.workdir` where the task has one. `final_message`: the agent's last answer, for reward
+    scripts that grade it (`RewardScriptVerifier`'s payload). See the module docstring for the
     error contract."""
     workspace = Path(workspace)
     if not workspace.is_dir():
@@ -235,7 +344,9 @@ def run_verifier(task: Task, workspace: Path | str, runner: CommandRunner | None
             return _error(f"cannot copy workspace: {exc}")
         if isinstance(task.verifier, CallableVerifier):
             return _run_callable_verifier(task.verifier, copy)
-        return _run_command_verifier(task.verifier, scratch, copy, runner or SubprocessRunner())
+        if isinstance(task.verifier, RewardScriptVerifier):
+            return _run_reward_script(task, task.verifier, copy, runner or SubprocessRunner(), final_message)
+        return _run_command_verifier(task.verifier, scratch, copy, runner or SubprocessRunner(), task.workdir)
 
 
 @dataclass

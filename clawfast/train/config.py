@@ -7,8 +7,8 @@ Every section is a pydantic model with ``extra="forbid"``: a misspelt key is an 
 default. Any problem raises `ConfigError` (a `ValueError`) naming the file and the field, e.g.
 ``quickstart.toml: field 'optim.lr': Input should be greater than 0``.
 
-Relative input paths in the file (``model.path``, ``tasks.suite`` when it is a directory,
-``rollout.recorded_dir``) are resolved against the directory of the TOML file, so a config reads the
+Relative input paths in the file (``model.path``, ``tasks.suite`` when it is a directory or a
+``clawgym:PATH``, ``rollout.recorded_dir``) are resolved against the directory of the TOML file, so a config reads the
 same inputs from any working directory; ``run_dir`` (an output) is relative to the working directory.
 
 Guaranteed: a `RunConfig` that loaded is internally consistent (the cross-field checks at the end of
@@ -113,7 +113,8 @@ class EngineConfig(_Section):
 
 
 class TasksConfig(_Section):
-    """suite: "clawbench-mini" or a task directory. split: the training split. suite_seed: the
+    """suite: "clawbench-mini", a task.toml directory, or a ClawGym-format folder
+    ``clawgym:PATH[?eval=FRACTION]`` (`clawfast.tasks.clawgym`). split: the training split. suite_seed: the
     generator seed of a built-in suite. difficulties: train only on tasks with these
     ``difficulty`` tags (empty: all). The eval split is `EvalConfig.split`."""
 
@@ -379,7 +380,7 @@ _PATH_FIELDS = (("model", "path"), ("tasks", "suite"), ("rollout", "recorded_dir
 def _resolve_paths(raw: dict[str, Any], base: Path) -> None:
     """Make relative paths in `raw` relative to `base` (the TOML file's directory), in place.
     "embedded" (model) and built-in suite names are names, not paths."""
-    from clawfast.tasks.suites import BUILTIN_SUITES
+    from clawfast.tasks.suites import BUILTIN_SUITES, CLAWGYM
 
     for keys in _PATH_FIELDS:
         node = raw
@@ -391,6 +392,11 @@ def _resolve_paths(raw: dict[str, Any], base: Path) -> None:
         if keys == ("model", "path") and value == "embedded":
             continue
         if keys == ("tasks", "suite") and value in BUILTIN_SUITES:
+            continue
+        if keys == ("tasks", "suite") and value.startswith(CLAWGYM):
+            path, sep, options = value[len(CLAWGYM):].partition("?")
+            if not Path(path).expanduser().is_absolute():
+                node[keys[-1]] = CLAWGYM + str((base / Path(path).expanduser()).resolve()) + sep + options
             continue
         if not Path(value).expanduser().is_absolute():
             node[keys[-1]] = str((base / Path(value).expanduser()).resolve())

@@ -53,6 +53,7 @@ import contextlib
 import json
 import random
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -78,7 +79,7 @@ from clawfast.train.config import RunConfig
 from clawfast.train.data import HarnessRollouts, RecordedRollouts, TaskSampler, load_tasks
 from clawfast.train.distributed import make_trainer, train_sharded
 from clawfast.train.producer import RolloutProducer
-from clawfast.train.metrics import MetricsLogger, ProgressView, pass_at_1_by_tag, plot_run, rollout_metrics
+from clawfast.train.metrics import MetricsLogger, ProgressView, metrics_by_tag, plot_run, rollout_metrics
 from clawfast.train.report import eval_line, pass_at_1, step_line
 
 
@@ -149,6 +150,7 @@ def run_loop(config: RunConfig, *, resume: bool, progress: bool, group=None,
                 train_tasks = load_tasks(config, config.tasks.split, config.tasks.difficulties)
                 eval_tasks = load_tasks(config, config.eval.split)
                 train_ids = sorted(train_tasks)
+                _warn_if_not_held_out(train_tasks, eval_tasks, config.tasks.suite)
                 engine = build_engine(config.engine, model_dir, dtype=config.model.dtype, seed=config.seed,
                                       lm=policy.lm, weight_version=state.weight_version)
                 logs_dir = run_dir / "logs" if config.rollout.keep_logs else None
@@ -208,11 +210,25 @@ def run_loop(config: RunConfig, *, resume: bool, progress: bool, group=None,
     return summary
 
 
+EVAL_TAGS = ("difficulty", "category", "task")
+
+
+def _warn_if_not_held_out(train_tasks: dict, eval_tasks: dict, suite: str) -> None:
+    shared = set(train_tasks) & set(eval_tasks)
+    if shared:
+        print(f"warning: {len(shared)} of the {len(eval_tasks)} eval tasks of {suite} are training tasks too, "
+              f"so the eval is not held out (a ClawGym folder without ?eval=FRACTION is one split)",
+              file=sys.stderr, flush=True)
+
+
 def run_eval(source, config: RunConfig, eval_tasks: dict) -> dict[str, float]:
-    """pass@1 (overall, per harness, per difficulty) of `eval_tasks` at the eval's sampling."""
+    """pass@1 and mean reward of `eval_tasks` at the eval's sampling: overall, per harness, and per
+    difficulty, category and task."""
     batch = source.run(sorted(eval_tasks), config.rollout.harnesses, config.eval.samples_per_task,
                        sampling=rollout_sampling(config, config.eval.temperature))
-    metrics = {**pass_at_1(batch.results), **pass_at_1_by_tag(batch.results, eval_tasks, "difficulty")}
+    metrics = pass_at_1(batch.results)
+    for tag in EVAL_TAGS:
+        metrics.update(metrics_by_tag(batch.results, eval_tasks, tag))
     metrics["time/eval_s"] = batch.seconds
     return metrics
 

@@ -8,10 +8,13 @@ after S (they belong to work the checkpoint does not hold), so a resumed run's f
 step exactly once.
 
 Metric names (train): ``reward/mean``, ``reward/<harness>``, ``pass@1/<harness>`` (share of
-rollouts with reward 1), ``status/<status>`` (counts), the trainer's metrics (``loss``,
+rollouts with reward 1), ``status/<status>`` (counts), ``verifier_errors`` (rollouts whose verifier
+could not score them), the trainer's metrics (``loss``,
 ``entropy``, ``kl_ref``, ``clip_frac``, the ``is_*`` / ``mismatch_*`` statistics, token counts
 ``tokens_per_call_flat`` / ``tokens_packed`` / ``dedup_ratio_call``, ...), and timings
-``time/rollout_s``, ``time/train_s``, ``time/sync_s``.
+``time/rollout_s``, ``time/train_s``, ``time/sync_s``. An eval adds ``pass@1_<tag>/<value>`` and
+``reward_<tag>/<value>`` per difficulty, per category and per task (tag ``task``), and
+``subscore/<name>``, the mean of each named sub-score of a graded verifier (`subscore_means`).
 
 `plot_run(run_dir, png)` draws the curves with matplotlib's Agg backend (no display needed).
 Not guaranteed: TensorBoard output when the `tensorboard` package is missing (the JSONL is always
@@ -52,18 +55,37 @@ def rollout_metrics(results: Sequence[RolloutResult], prefix: str = "") -> dict[
         out[f"{prefix}status/{status}"] = float(n)
     out[f"{prefix}calls_per_rollout"] = sum(len(r.calls) for r in results) / len(results)
     out[f"{prefix}rollouts"] = float(len(results))
+    verdicts = [r.info.get("verifier") for r in results]
+    out[f"{prefix}verifier_errors"] = float(sum(v is not None and v.get("status") != "ok" for v in verdicts))
     return out
 
 
-def pass_at_1_by_tag(results: Sequence[RolloutResult], tasks: dict, tag: str) -> dict[str, float]:
-    """pass@1 per value of one task tag (``pass@1_difficulty/easy`` for tag ``difficulty``), so an
-    eval over mixed tasks shows where a change came from; tasks without the tag are left out."""
+def subscore_means(results: Sequence[RolloutResult]) -> dict[str, float]:
+    """``subscore/<name>``: the mean of each named sub-score of a graded verifier over the rollouts
+    that report it. Names are usually a task's own, so only evals log them (a training run over
+    thousands of tasks would log as many series)."""
+    subscores: dict[str, list[float]] = defaultdict(list)
+    for r in results:
+        details = (r.info.get("verifier") or {}).get("details") or {}
+        for name, value in details.get("subscores", {}).items():
+            subscores[name].append(value)
+    return {f"subscore/{name}": sum(xs) / len(xs) for name, xs in sorted(subscores.items())}
+
+
+def metrics_by_tag(results: Sequence[RolloutResult], tasks: dict, tag: str) -> dict[str, float]:
+    """pass@1 and mean reward per value of one task tag (``pass@1_difficulty/easy`` and
+    ``reward_difficulty/easy`` for tag ``difficulty``; tag ``task`` means the task id), so an eval
+    over mixed tasks shows where a change came from; tasks without the tag are left out."""
     by_value: dict[str, list[float]] = defaultdict(list)
     for r in results:
-        value = tasks[r.task_id].tags.get(tag)
+        value = r.task_id if tag == "task" else tasks[r.task_id].tags.get(tag)
         if value is not None:
             by_value[value].append(r.reward)
-    return {f"pass@1_{tag}/{v}": sum(x >= 1.0 for x in xs) / len(xs) for v, xs in sorted(by_value.items())}
+    out = {}
+    for v, xs in sorted(by_value.items()):
+        out[f"pass@1_{tag}/{v}"] = sum(x >= 1.0 for x in xs) / len(xs)
+        out[f"reward_{tag}/{v}"] = sum(xs) / len(xs)
+    return out
 
 
 def _clean(metrics: dict[str, Any]) -> dict[str, Any]:

@@ -6,14 +6,16 @@ from __future__ import annotations
 from typing import Sequence
 
 from clawfast.records import RolloutResult
-from clawfast.train.metrics import rollout_metrics
+from clawfast.train.metrics import rollout_metrics, subscore_means
 
 
 def pass_at_1(results: Sequence[RolloutResult]) -> dict[str, float]:
-    """pass@1 overall and per harness: the share of attempts whose reward is 1 (all-or-nothing
-    verifiers; with k samples per task this is the unbiased pass@1 estimate), plus counts."""
+    """pass@1 overall and per harness: the share of attempts whose reward is 1 (with k samples per
+    task this is the unbiased pass@1 estimate), the mean reward (graded verifiers give partial
+    credit), counts, verifier errors and mean sub-scores."""
     out = rollout_metrics(results)
-    return {k: v for k, v in out.items() if k.startswith(("pass@1", "reward/", "status/")) or k == "rollouts"}
+    kept = {k: v for k, v in out.items() if k.startswith(("pass@1", "reward/", "status/")) or k in ("rollouts", "verifier_errors")}
+    return {**kept, **subscore_means(results)}
 
 
 def breakdown(metrics: dict[str, float], prefix: str) -> str:

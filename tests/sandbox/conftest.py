@@ -133,5 +133,16 @@ class Host:
 
 
 @pytest.fixture
+def backend(leak_check):
+    """A bwrap backend, checked for leaks after the test (docker's tests bring their own)."""
+    from clawfast.sandbox.bwrap import BwrapBackend
+
+    b = BwrapBackend()
+    yield b
+    b.close()
+    leak_check(base_dirs=[b.base_dir])
+
+
+@pytest.fixture
 def host() -> Host:
     return Host()

@@ -21,14 +21,6 @@ from clawfast.sandbox.bwrap import BwrapBackend
 PY = "/usr/bin/python3"  # the host's system Python, visible through the read-only root
 
 
-@pytest.fixture
-def backend(leak_check):
-    b = BwrapBackend()
-    yield b
-    b.close()
-    leak_check(base_dirs=[b.base_dir])
-
-
 def py(code: str) -> list[str]:
     return [PY, "-c", code]
 

@@ -69,3 +69,29 @@ def test_allowed_port_reaches_host_loopback(backend, echo_server):
         assert r.stdout == b"echo:ping"
         r = sb.run(["bash", "-c", "exec 3<>/dev/tcp/127.0.0.1/1 || echo refused"])
         assert b"refused" in r.stdout
+
+
+@pytest.mark.parametrize("workdir", ["/root/.openclaw/workspace", "/srv/task", "/tmp/ws"])
+def test_workdir_places_the_workspace(backend, workdir):
+    with backend.create(SandboxSpec(files={"a.txt": "A"}, workdir=workdir)) as sb:
+        assert sb.workdir == workdir
+        r = sb.run(["sh", "-c", f'pwd; cat {workdir}/a.txt; echo x > b.txt'])
+        assert (r.exit_code, r.stdout) == (0, f"{workdir}\nA".encode())
+        assert sb.read_files() == {"a.txt": b"A", "b.txt": b"x\n"}
+
+
+def test_a_reward_script_verifies_at_its_mount_dir(backend, tmp_path):
+    from clawfast.tasks import RewardScriptVerifier, Task, run_verifier
+    from clawfast.tasks.sandbox_runner import SandboxRunner
+
+    reward = tmp_path / "reward"
+    reward.mkdir()
+    (reward / "reward.sh").write_text('test "$PWD" = /root/.openclaw/workspace && test -f reward/reward.sh '
+                                      '&& test "$(cat out.txt)" = ok && echo 1 || echo 0\n')
+    task = Task(id="t", instruction="x", verifier=RewardScriptVerifier(reward), oracle=(),
+                tags={"category": "c", "split": "eval"}, workdir="/root/.openclaw/workspace")
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "out.txt").write_text("ok")
+    v = run_verifier(task, ws, SandboxRunner(backend))
+    assert (v.status, v.score) == ("ok", 1.0), v

@@ -9,7 +9,15 @@ import pytest
 from clawfast.cli import main
 from clawfast.records import RolloutResult
 from clawfast.tasks import clawbench_mini
-from clawfast.train.metrics import MetricsLogger, pass_at_1_by_tag, plot_run, read_metrics, rollout_metrics
+from clawfast.train.metrics import (
+    MetricsLogger,
+    metrics_by_tag,
+    plot_run,
+    read_metrics,
+    rollout_metrics,
+    subscore_means,
+)
+from clawfast.train.report import pass_at_1
 
 
 def _fill(run_dir, steps=6):
@@ -79,6 +87,24 @@ def test_pass_at_1_by_difficulty_counts_each_attempt_once():
     rs = [RolloutResult("a", "files-create-0", "m", 0, reward=1.0), RolloutResult("b", "files-create-0", "m", 1, reward=0.0),
           RolloutResult("c", "shell-chmod-0", "m", 0, reward=1.0), RolloutResult("d", "files-replace-1", "m", 0, reward=0.5),
           RolloutResult("e", "data-csv-json-0", "m", 0, reward=0.0, status="timeout")]
-    assert pass_at_1_by_tag(rs, tasks, "difficulty") == {
-        "pass@1_difficulty/easy": 2 / 3, "pass@1_difficulty/medium": 0.0, "pass@1_difficulty/hard": 0.0}
-    assert pass_at_1_by_tag(rs, tasks, "no-such-tag") == {}
+    assert metrics_by_tag(rs, tasks, "difficulty") == {
+        "pass@1_difficulty/easy": 2 / 3, "pass@1_difficulty/medium": 0.0, "pass@1_difficulty/hard": 0.0,
+        "reward_difficulty/easy": 2 / 3, "reward_difficulty/medium": 0.5, "reward_difficulty/hard": 0.0}
+    assert metrics_by_tag(rs, tasks, "no-such-tag") == {}
+    by_task = metrics_by_tag(rs, tasks, "task")
+    assert by_task["pass@1_task/files-create-0"] == 0.5 and by_task["reward_task/files-replace-1"] == 0.5
+
+
+def test_rollout_metrics_count_verifier_errors_and_average_subscores():
+    def verdict(status, subscores=None):
+        return {"verifier": {"status": status, "details": {"subscores": subscores} if subscores else {}}}
+
+    rs = [RolloutResult("a", "t", "m", 0, reward=0.5, info=verdict("ok", {"exists": 1.0, "correct": 0.0})),
+          RolloutResult("b", "t", "m", 1, reward=1.0, info=verdict("ok", {"exists": 1.0, "correct": 1.0})),
+          RolloutResult("c", "t", "m", 2, reward=0.0, status="sandbox_error", info=verdict("verifier_error")),
+          RolloutResult("d", "t", "m", 3, reward=0.0, status="harness_error")]
+    m = rollout_metrics(rs)
+    assert m["verifier_errors"] == 1.0 and not any(k.startswith("subscore/") for k in m)
+    assert m["reward/mean"] == 0.375 and m["pass@1"] == 0.25
+    assert subscore_means(rs) == {"subscore/correct": 0.5, "subscore/exists": 1.0}
+    assert pass_at_1(rs)["subscore/correct"] == 0.5 and pass_at_1(rs)["verifier_errors"] == 1.0

@@ -6,13 +6,12 @@ the bad field, so a malformed task fails when it is loaded, never halfway throug
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Callable, Mapping
-
-from clawfast.sandbox.base import check_workdir
 
 if TYPE_CHECKING:
     from clawfast.tasks.verify import VerifierResult
@@ -156,12 +155,11 @@ Verifier = CommandVerifier | CallableVerifier | RewardScriptVerifier
 
 
 def check_workdir_field(where: str, field_name: str, workdir: str | None) -> str | None:
-    """A path a sandbox can mount the workspace at (`clawfast.sandbox.base.check_workdir`)."""
-    if workdir is not None:
-        try:
-            check_workdir(workdir, ())
-        except ValueError as exc:
-            raise _fail(where, field_name, str(exc)) from None
+    """A normalised absolute path other than /. Where a sandbox may mount a workspace is the
+    sandbox's to say (`clawfast.sandbox.base.check_workdir`, when the rollout's sandbox is made)."""
+    if workdir is not None and (not isinstance(workdir, str) or not workdir.startswith("/") or workdir == "/"
+                                or workdir.startswith("//") or os.path.normpath(workdir) != workdir):
+        raise _fail(where, field_name, f"must be a normalised absolute path other than /, got {workdir!r}")
     return workdir
 
 

@@ -275,7 +275,8 @@ print(json.dumps({
 """
 
 
-@pytest.mark.parametrize("harness", ["mini-swe-agent", pytest.param("claude-code", marks=pytest.mark.harness)])
+@pytest.mark.parametrize("harness", ["mini-swe-agent"] + [pytest.param(name, marks=pytest.mark.harness)
+                                                        for name in ("claude-code", "openclaw", "codex")])
 def test_a_harness_works_at_the_mount_dir_and_cannot_find_the_reward_scripts(harness):
     import shutil
     import tempfile

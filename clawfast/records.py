@@ -38,7 +38,7 @@ FILE_SUFFIX = ".cfr"
 
 TAGS = ("main", "subagent", "compaction", "title", "quota")
 EXCLUDED_TAGS = frozenset({"subagent", "compaction", "title", "quota"})
-STATUSES = ("ok", "timeout", "harness_error", "sandbox_error", "proxy_error", "running")
+STATUSES = ("ok", "timeout", "harness_error", "sandbox_error", "verifier_error", "proxy_error", "running")
 
 _FRAME_HEAD = struct.Struct("<BQ")
 _CRC = struct.Struct("<I")

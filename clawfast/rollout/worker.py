@@ -12,13 +12,16 @@ Status (one per rollout):
 - ``timeout``: the harness ran past the wall-clock limit and was killed with its process tree.
 - ``harness_error``: the harness exited non-zero (128+N when signal N killed it), its adapter could
   not configure it, or the run was cancelled (``info["error"] == "cancelled"``).
+- ``verifier_error``: the harness exited 0 but the verifier could not score the workspace (it
+  crashed, timed out, or printed no score): the reward is unknown.
 - ``ok``: the harness exited 0 and the verifier scored the workspace.
 
 The verifier runs whenever the harness ran (ok, timeout or harness_error): the reward is its score,
 whatever the status (a harness that timed out may still have done the work; the trainer decides by
-status what to use). If the verifier cannot score the workspace (its runner fails, or it crashes,
-times out or prints no score) the reward is unknown: it is 0.0, ``info["verifier"]`` says why, and an
-``ok`` rollout becomes ``sandbox_error`` so that no bogus reward reaches training.
+status what to use). If the verifier cannot score the workspace the reward is 0.0 and
+``info["verifier"]`` says why (with the verifier's output); an ``ok`` rollout becomes
+``verifier_error``, or ``sandbox_error`` when the verifier's own sandbox failed, so that no bogus
+reward reaches training.
 
 Guaranteed: a rollout that was opened is closed exactly once (also on cancellation), its sandbox is
 closed before `run` returns, and a sandbox start is retried but a harness run never is. The harness's
@@ -379,7 +382,7 @@ class RolloutWorker:
         timings["verify"] = time.monotonic() - t
         info["verifier"] = verdict.to_json()
         if verdict.status != "ok":
-            return ("sandbox_error" if status == "ok" else status), 0.0
+            return ("verifier_error" if status == "ok" else status), 0.0
         return status, verdict.score
 
     def _keep_logs(

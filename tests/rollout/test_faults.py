@@ -43,7 +43,7 @@ KINDS = {
     # A daemonised grandchild in a new session: it must die with the sandbox too.
     "timeout": ("(setsid sh -c ': daemon-{token}; sleep 300' &); sleep 300", CHECK_OUT, 1.0, "timeout", 0.0),
     "sandboxkill": ("echo hi > out.txt; sleep 300", CHECK_OUT, 60.0, "sandbox_error", 0.0),
-    "verifiercrash": ("echo hi > out.txt", "echo partial; kill -9 $$", 20.0, "sandbox_error", 0.0),
+    "verifiercrash": ("echo hi > out.txt", "echo partial; kill -9 $$", 20.0, "verifier_error", 0.0),
     "flakystart": ("echo hi > out.txt", CHECK_OUT, 20.0, "ok", 1.0),
     "deadstart": ("echo hi > out.txt", CHECK_OUT, 20.0, "sandbox_error", 0.0),
     "proxyfail": ("echo hi > out.txt", CHECK_OUT, 20.0, "proxy_error", 0.0),
@@ -197,8 +197,8 @@ def test_200_rollouts_with_faults_end_truthfully_and_leave_nothing(tmp_path, pri
     assert not wrong, wrong[:5]
     assert len(killed) == 25
     assert scheduler.running == 0
-    assert Counter(r.status for r in results) == {"ok": 50, "harness_error": 25, "timeout": 25, "sandbox_error": 75,
-                                                  "proxy_error": 25}
+    assert Counter(r.status for r in results) == {"ok": 50, "harness_error": 25, "timeout": 25, "sandbox_error": 50,
+                                                  "verifier_error": 25, "proxy_error": 25}
     for spec, result in zip(specs, results):
         kind = expected[spec.task.id][0]
         if kind == "flakystart":

@@ -382,3 +382,14 @@ def test_a_config_resolves_a_relative_clawgym_suite_and_keeps_its_options(tmp_pa
     train, held_out = load_tasks(config, "train"), load_tasks(config, "eval")
     assert not set(train) & set(held_out)
     assert sorted({*train, *held_out}) == ["notes_0000", "sum_0000", "sum_0001"]
+
+
+def test_a_broken_reward_script_makes_the_rollout_a_verifier_error(tmp_path):
+    from clawfast.rollout.check import check_harness
+
+    folder = write_task(tmp_path / "s", "broken_0000", "Do it.", reward_sh="echo 'graded: yes'\n",
+                        inputs={"a.txt": "a"})
+    (task,) = load_clawgym(f"clawgym:{folder}")
+    result = check_harness("mini-swe-agent", task=dataclasses.replace(task, oracle=("cat a.txt",))).result
+    assert (result.status, result.reward) == ("verifier_error", 0.0)
+    assert "not a number" in result.info["verifier"]["error"] and "graded: yes" in result.info["verifier"]["stdout"]

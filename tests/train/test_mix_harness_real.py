@@ -57,7 +57,7 @@ def expected_status(run: dict, verdict: dict) -> str:
         return "timeout"
     if run["exit_code"] != 0:
         return "harness_error"
-    return "ok" if verdict["status"] == "ok" else "sandbox_error"
+    return "ok" if verdict["status"] == "ok" else "verifier_error"
 
 
 def trainable_tokens(rollout) -> int:

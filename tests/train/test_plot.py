@@ -101,7 +101,7 @@ def test_rollout_metrics_count_verifier_errors_and_average_subscores():
 
     rs = [RolloutResult("a", "t", "m", 0, reward=0.5, info=verdict("ok", {"exists": 1.0, "correct": 0.0})),
           RolloutResult("b", "t", "m", 1, reward=1.0, info=verdict("ok", {"exists": 1.0, "correct": 1.0})),
-          RolloutResult("c", "t", "m", 2, reward=0.0, status="sandbox_error", info=verdict("verifier_error")),
+          RolloutResult("c", "t", "m", 2, reward=0.0, status="verifier_error", info=verdict("verifier_error")),
           RolloutResult("d", "t", "m", 3, reward=0.0, status="harness_error")]
     m = rollout_metrics(rs)
     assert m["verifier_errors"] == 1.0 and not any(k.startswith("subscore/") for k in m)

@@ -7,6 +7,9 @@ Part 1, latency (p50/p99 over --reps, after warm-up), all in one process and run
   `true` as the start probe) then `close()`; with and without a cgroup, with and without an allowed
   port (a host forwarder socket and socat inside).
 - `bwrap run`: one more `true` in an already created sandbox (the per-command cost).
+- `bwrap create+destroy workdir=...`: the same with the workspace placed at an absolute path, as
+  ClawGym tasks ask: under a missing child of /root (bwrap's view of /root is rebuilt on a tmpfs, one
+  bind per entry) and as a missing top-level directory (the root is rebuilt, one bind per entry of /).
 
 Part 2, throughput: rollouts per minute at concurrency 1, 8, 32. A *trivial loop over the pool*, not
 the rollout scheduler: each rollout creates a sandbox with a task file, runs `sh -c 'cat task.txt >
@@ -86,6 +89,10 @@ def latency(reps: int) -> list[dict]:
                 lambda b=backend, p=ports: b.create(SandboxSpec(allow_ports=p)).close()
             )
         variants[f"bwrap run(true) in a created sandbox, cgroup={label}"] = lambda sb=warm[label]: sb.run(["true"])
+    for workdir, rebuilt in (("/root/.clawfast-bench/workspace", "/root"), ("/clawfast-bench-ws", "/")):
+        variants[f"bwrap create+destroy cgroup=off workdir (rebuilt {rebuilt})"] = (
+            lambda w=workdir: plain.create(SandboxSpec(workdir=w)).close()
+        )
     variants["bwrap create+destroy without start probe, cgroup=on"] = lambda: unprobed.create(SandboxSpec()).close()
     if in_shm is not None:
         variants["bwrap create+destroy cgroup=on ports=0 base_dir=/dev/shm"] = lambda: in_shm.create(SandboxSpec()).close()

@@ -17,12 +17,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
-from clawfast.tasks import Task, TaskFormatError, check_task, load_suite, run_verifier
+from clawfast.tasks import Task, TaskFormatError, check_task, load_suite
+from clawfast.tasks.verify import score_do_nothing
 from clawfast.tasks.mini import SUITE_NAME
 
 
@@ -97,8 +96,7 @@ def _nothing_with(tasks: list[Task], as_json: bool, runner) -> int:
         if live:
             print(f"\r[{i + 1}/{len(tasks)}] {task.id}", end="", file=sys.stderr, flush=True)
         start = time.monotonic()
-        with tempfile.TemporaryDirectory(prefix=f"clawfast-check-{task.id}-") as tmp:
-            verdict = run_verifier(task, task.materialize(Path(tmp) / "nothing"), runner)
+        verdict = score_do_nothing(task, runner)
         seconds = time.monotonic() - start
         error = verdict.error if verdict.status != "ok" else None
         results.append({"id": task.id, "reward": verdict.score, "error": error})

@@ -27,11 +27,10 @@ skipped silently. Files are not read into memory: tasks refer to their folders, 
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 from urllib.parse import parse_qsl
 
 from clawfast.tasks.task import (
@@ -98,9 +97,9 @@ def _string(entry: dict[str, Any], where: Path, name: str, *, required: bool = T
     return value
 
 
-def load_clawgym_task(folder: Path | str, split: str, suite: Path | None = None) -> Task:
-    """Load one ClawGym task folder (holding data_entry.json) as a task of `split`; `suite` (default:
-    the folder itself) is hidden from the agent's sandbox."""
+def load_clawgym_task(folder: Path | str, split: str | Callable[[str], str], suite: Path | None = None) -> Task:
+    """Load one ClawGym task folder (holding data_entry.json) as a task of `split` (or of
+    `split(task_id)`); `suite` (default: the folder itself) is hidden from the agent's sandbox."""
     folder = Path(folder)
     where = folder / ENTRY_FILE
     try:
@@ -144,7 +143,8 @@ def load_clawgym_task(folder: Path | str, split: str, suite: Path | None = None)
             instruction=user_query,
             verifier=RewardScriptVerifier(reward, timeout=REWARD_TIMEOUT, metadata=metadata),
             oracle=(),
-            tags={"category": category or UNCATEGORIZED, "grading_type": grading, "split": split,
+            tags={"category": category or UNCATEGORIZED, "grading_type": grading,
+                  "split": split(task_id) if callable(split) else split,
                   "suite": "clawgym"},
             workspace_dir=inputs if inputs.is_dir() else None,
             timeout=DEFAULT_TASK_TIMEOUT,
@@ -184,15 +184,17 @@ def load_clawgym(spec: str, split: str | None = None) -> list[Task]:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     if not path.is_dir():
         raise TaskFormatError(f"{path}: not a directory")
+    if eval_fraction is None:
+        own_split: str | Callable[[str], str] = split or "train"
+    else:
+        own_split = lambda task_id: hash_split(task_id, eval_fraction)  # noqa: E731
     tasks, seen = [], {}
     for folder in _task_folders(path):
-        # A folder's split is known only after its id is read; load it as train, then retag.
-        task = load_clawgym_task(folder, "train", suite=path)
+        task = load_clawgym_task(folder, own_split, suite=path)
         if task.id in seen:
             raise TaskFormatError(f"{folder / ENTRY_FILE}: field 'task_id': {task.id!r} is also the id of "
                                   f"{seen[task.id] / ENTRY_FILE}")
         seen[task.id] = folder
-        own = hash_split(task.id, eval_fraction) if eval_fraction is not None else (split or "train")
-        if split is None or own == split:
-            tasks.append(dataclasses.replace(task, tags={**task.tags, "split": own}))
+        if split is None or task.split == split:
+            tasks.append(task)
     return sorted(tasks, key=lambda t: t.id)

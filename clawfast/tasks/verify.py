@@ -389,6 +389,12 @@ class TaskCheck:
         )
 
 
+def score_do_nothing(task: Task, runner: CommandRunner | None = None) -> VerifierResult:
+    """The verifier's verdict on an untouched copy of the initial workspace (the do-nothing solution)."""
+    with tempfile.TemporaryDirectory(prefix=f"clawfast-nothing-{task.id}-") as tmp:
+        return run_verifier(task, task.materialize(Path(tmp) / "nothing"), runner)
+
+
 def check_task(task: Task, runner: CommandRunner | None = None) -> TaskCheck:
     """Replay the oracle on a fresh copy of the initial workspace and score it, then score an
     untouched copy (the do-nothing solution). The oracle runs with `run_commands` (a trusted plain
@@ -397,6 +403,4 @@ def check_task(task: Task, runner: CommandRunner | None = None) -> TaskCheck:
         solved = task.materialize(Path(tmp) / "oracle")
         oracle_run = run_commands(task.oracle, solved)
         oracle = run_verifier(task, solved, runner)
-        untouched = task.materialize(Path(tmp) / "nothing")
-        nothing = run_verifier(task, untouched, runner)
-    return TaskCheck(task.id, oracle, nothing, oracle_run)
+    return TaskCheck(task.id, oracle, score_do_nothing(task, runner), oracle_run)

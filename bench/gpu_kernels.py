@@ -1,24 +1,27 @@
 """GPU check and benchmark of every Triton kernel in clawfast.kernels, in one script.
 
-On a CUDA machine (default sizes: N = 16K, 32K, 64K tokens, d = 4096, V = 152064, bfloat16):
+On a CUDA machine (bfloat16; default sizes are the issue's: Liger-Kernel's published shape for the
+log-probs, agent-length forests for attention and GAE):
 
-1. ``tree_logprobs``: correctness against the dense reference (float32, on a slice of rows, forward
-   and gradients), then CUDA-event timings (warm-up first, median of repeats) and peak memory of
-   a no-grad forward vs ONE bf16 matmul of the same shape, forward+backward vs THREE bf16 matmuls,
-   the naive ``log_softmax(h @ W.T).gather`` and, when importable, Liger-Kernel's fused linear
-   cross-entropy. Bars (from the issue): no-grad <= 1.2x one matmul, fwd+bwd <= 1.5x three,
-   peak extra memory <= 2% of naive.
-2. ``tree_attention``: the Triton kernel and FlexAttention against the dense reference (outputs and
-   q/k/v gradients, float32 and bfloat16, on a small packed forest), then forward+backward timings
-   and peak memory on agent-shaped forests of the same N (32 query / 8 key-value heads, head_dim
-   128, bfloat16): Triton vs FlexAttention vs SDPA with the dense [N, N] mask (where it fits).
-3. ``tree_gae``, ``importance_weights`` (token and sequence level) and ``policy_loss``: the Triton
-   backend against the torch backend on the same device (values must agree) and their timings.
+1. ``tree_logprobs`` at N = 32,768 rows, d = 4,096, V = 128,256: correctness against the dense
+   reference (float32, on a slice of rows, forward and gradients), then CUDA-event timings (warm-up
+   first, median of repeats) and peak memory of a no-grad forward vs ONE bf16 matmul of the same
+   shape, forward+backward vs THREE bf16 matmuls, the naive ``log_softmax(h @ W.T).gather`` and,
+   when importable, Liger-Kernel's fused linear cross-entropy. Bars (from the kernels issue):
+   no-grad <= 1.2x one matmul, fwd+bwd <= 1.5x three, peak extra memory <= 2% of naive.
+2. ``tree_attention`` at N = 16K and 64K rows: the Triton kernel and FlexAttention against the dense
+   reference (outputs and q/k/v gradients, float32 and bfloat16, on a small packed forest), then
+   forward+backward timings and peak memory on agent-shaped forests (32 query / 8 key-value heads,
+   head_dim 128, bfloat16): Triton vs FlexAttention vs SDPA with the dense [N, N] mask (where it fits).
+3. ``tree_gae`` on 64K rows: Triton vs the torch backend on the same device (values must agree) and
+   vs the per-step loop (``tree_gae_ref``: one Python step per row, on the host); then
+   ``importance_weights`` (token and sequence level) and ``policy_loss``, Triton vs torch.
 
 ``--smoke`` runs tiny sizes; without CUDA it sets TRITON_INTERPRET=1 before anything imports
 triton, runs the same code paths on the CPU with wall-clock timings, and checks the same
 tolerances (the test suite runs this mode). Prints one table; writes JSON with ``--out`` (default
-bench/results/gpu_kernels.json for full runs, nothing for smoke runs).
+bench/results/gpu_kernels.json for full runs, nothing for smoke runs). ``bench/gpu_check.py`` runs
+this script as one of its sections.
 """
 
 from __future__ import annotations
@@ -37,9 +40,11 @@ RESULTS = Path(__file__).resolve().parent / "results"
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny sizes; CPU + TRITON_INTERPRET=1 if no GPU")
-    ap.add_argument("--tokens", type=int, nargs="*", default=[16384, 32768, 65536])
+    ap.add_argument("--logprob-tokens", type=int, nargs="+", default=[32768], help="rows of the log-probs cases")
+    ap.add_argument("--attention-tokens", type=int, nargs="+", default=[16384, 65536], help="rows of the attention cases")
+    ap.add_argument("--gae-tokens", type=int, default=65536, help="rows of the GAE / IS / loss cases")
     ap.add_argument("--hidden", type=int, default=4096)
-    ap.add_argument("--vocab", type=int, default=152064)
+    ap.add_argument("--vocab", type=int, default=128256)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--out", type=Path, default=None)
@@ -314,6 +319,16 @@ def bench_small_ops(K, torch, bench, device, n, gen):
         t_c = bench.time_ms(lambda: K.tree_gae(r, v, parent, mask=mask, mode=mode, backend="torch"))
         out.append(dict(op="tree_gae", case=mode, shape=f"N={nn}", ms=t_t, baseline="torch path",
                         baseline_ms=t_c, ratio=t_t / t_c, err=rel(torch, a_t, a_c), tol=1e-5))
+    # The per-step loop a trainer without a tree kernel runs (one Python step per row, on the host,
+    # where such a loop lives): timed once, the device copy back included.
+    host = [t.cpu() for t in (r, v, parent, mask)]
+    t0 = time.perf_counter()
+    a_loop, _ = K.tree_gae_ref(host[0], host[1], host[2], mask=host[3], mode="tree")
+    t_loop = (time.perf_counter() - t0) * 1e3
+    t_t = bench.time_ms(lambda: K.tree_gae(r, v, parent, mask=mask, mode="tree", backend="triton"))
+    a_t, _ = K.tree_gae(r, v, parent, mask=mask, mode="tree", backend="triton")
+    out.append(dict(op="tree_gae", case="tree", shape=f"N={nn}", ms=t_t, baseline="per-step loop (host)",
+                    baseline_ms=t_loop, ratio=t_t / t_loop, err=rel(torch, a_t.cpu(), a_loop), tol=1e-5))
     m = nn
     infer = -torch.rand(m, generator=gen).to(device) * 3
     train = infer + 0.1 * torch.randn(m, generator=gen).to(device)
@@ -373,9 +388,10 @@ def main(argv=None):
     if device.type == "cpu" and not args.smoke:
         sys.exit("no CUDA device: run with --smoke (TRITON_INTERPRET=1 on the CPU)")
     if args.smoke:
-        tokens, d, v, repeats, warmup = [40], 32, 80, 1, 1
+        lp_tokens, attn_tokens, gae_tokens, d, v, repeats, warmup = [40], [64], 160, 32, 80, 1, 1
     else:
-        tokens, d, v, repeats, warmup = args.tokens, args.hidden, args.vocab, args.repeats, args.warmup
+        lp_tokens, attn_tokens, gae_tokens = args.logprob_tokens, args.attention_tokens, args.gae_tokens
+        d, v, repeats, warmup = args.hidden, args.vocab, args.repeats, args.warmup
     dtype = torch.bfloat16
     gen = torch.Generator().manual_seed(0)
     bench = Bench(torch, device, warmup, repeats)
@@ -392,15 +408,15 @@ def main(argv=None):
         for dt, tol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
             rows.append(check_tree_attention(K, torch, device, gen, backend, dt, tol))
         rows.append(check_tree_attention(K, torch, device, gen, backend, torch.float32, 1e-4, options=True))
-    for n in tokens:
+    for n in lp_tokens:
         rows += bench_logprobs(K, torch, bench, device, dtype, n, d, v, gen)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    for n in tokens:
-        rows += bench_tree_attention(K, torch, bench, device, n if device.type == "cuda" else 64, gen)
+    for n in attn_tokens:
+        rows += bench_tree_attention(K, torch, bench, device, n, gen)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    rows += bench_small_ops(K, torch, bench, device, tokens[-1] * (1 if device.type == "cuda" else 4), gen)
+    rows += bench_small_ops(K, torch, bench, device, gae_tokens, gen)
     for r in rows:
         if "err" in r and not r["err"] <= r["tol"]:
             failures.append(f"{r['op']} {r['case']}: err {r['err']:.3g} > {r['tol']}")

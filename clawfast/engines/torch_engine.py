@@ -192,6 +192,8 @@ class TorchEngine(Engine):
             for i, (prompt, _) in enumerate(requests):  # left padding keeps every row's last token at -1
                 input_ids[i, width - len(prompt) :] = torch.from_numpy(prompt)
                 mask[i, width - len(prompt) :] = 1
+            device = self.model.get_output_embeddings().weight.device
+            input_ids, mask = input_ids.to(device), mask.to(device)
             positions = (mask.cumsum(-1) - 1).clamp(min=0)
             generators = [torch.Generator().manual_seed(self._seed(params)) for _, params in requests]
             budgets = [max(0, params.max_tokens) for _, params in requests]
@@ -205,7 +207,9 @@ class TorchEngine(Engine):
             while not all(done):
                 if self._abort.is_set():
                     raise _Aborted
-                last = out.logits[:, -1, :]
+                # Sampled in float32 on the CPU with each request's CPU generator: the same seed samples
+                # the same tokens wherever the model runs.
+                last = out.logits[:, -1, :].float().cpu()
                 step_tokens = torch.zeros((n, 1), dtype=torch.long)
                 for i, (_, params) in enumerate(requests):
                     if not done[i] and cancelled is not None and cancelled[i]():
@@ -226,9 +230,9 @@ class TorchEngine(Engine):
                         done[i] = True
                 if all(done):
                     break
-                mask = torch.cat([mask, torch.ones((n, 1), dtype=torch.long)], dim=1)
+                mask = torch.cat([mask, torch.ones((n, 1), dtype=torch.long, device=device)], dim=1)
                 out = self.model(
-                    input_ids=step_tokens, attention_mask=mask, position_ids=next_positions, use_cache=True,
+                    input_ids=step_tokens.to(device), attention_mask=mask, position_ids=next_positions, use_cache=True,
                     **{self._cache_arg: cache},
                 )
                 cache = self._cache_of(out)

@@ -38,8 +38,23 @@ def load_policy(config: RunConfig, model_dir: Path, *, value_head: bool = False)
                                   value_head=value_head)
 
 
+def resolve_device(name: str) -> torch.device:
+    """The torch device ``model.device`` names ("auto": the first GPU torch sees, else the CPU)."""
+    if name == "auto":
+        return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"model.device = {name!r}, but torch sees no GPU here (torch {torch.__version__}, "
+                             f"CUDA build: {torch.version.cuda or 'none'}): use 'auto' or 'cpu'")
+        if (device.index or 0) >= torch.cuda.device_count():
+            raise ValueError(f"model.device = {name!r}, but torch sees {torch.cuda.device_count()} GPU(s)")
+    return device
+
+
 def build_policy(config: RunConfig, model_dir: Path):
-    """The trained policy (a value head under PPO; gradient checkpointing if configured)."""
+    """The trained policy (a value head under PPO; gradient checkpointing if configured), on the
+    CPU (a one-process run moves it to ``model.device``, an FSDP run shards it)."""
     policy = load_policy(config, model_dir, value_head=config.algorithm.name == "ppo")
     if config.model.gradient_checkpointing:
         policy.lm.gradient_checkpointing_enable()
@@ -53,16 +68,17 @@ def build_optimizer(config: RunConfig, policy: torch.nn.Module) -> torch.optim.O
 
 
 def build_engine(engine: EngineConfig, model_dir: Path, *, dtype: str = "float32", seed: int = 0, lm=None,
-                 weight_version: int = 0) -> Engine:
-    """The engine `engine.kind` names, serving `lm`'s weights (a module, copied) at `weight_version`,
-    or, with no `lm`, the weights in `model_dir`."""
+                 weight_version: int = 0, device: torch.device | None = None) -> Engine:
+    """The engine `engine.kind` names, serving `lm`'s weights (a module, copied, on its device) at
+    `weight_version`, or, with no `lm`, the weights in `model_dir` (a torch engine's on `device`,
+    default the CPU)."""
     if engine.kind == "torch":
         from clawfast.engines.torch_engine import TorchEngine
 
         if lm is None:
             from transformers import AutoModelForCausalLM
 
-            lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype])
+            lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).to(device or "cpu")
         built = TorchEngine(copy.deepcopy(lm).eval(), max_batch=engine.max_batch, seed=seed,
                             on_update=engine.on_update)
         built.weight_version = weight_version

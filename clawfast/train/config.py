@@ -19,6 +19,7 @@ starts, where the error can say how to install them).
 
 from __future__ import annotations
 
+import re
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -50,12 +51,24 @@ class ModelConfig(_Section):
     "torch", "triton", "flex" (FlexAttention; GPU for training) or "sdpa-dense" (the dense
     [N, N] mask: the reference, O(N^2) memory). gradient_checkpointing: recompute each decoder
     layer in the backward pass, so a micro-batch keeps only the layers' inputs instead of all their
-    activations (what long ``optim.max_tokens`` budgets need on a GPU; same gradients)."""
+    activations (what long ``optim.max_tokens`` budgets need on a GPU; same gradients).
+    device: where a one-process run keeps the policy and the torch engine: "auto" (the first GPU
+    when torch sees one, else the CPU), "cpu", "cuda" or "cuda:N"; a GPU named where torch sees none
+    stops the run with an error. An FSDP run places each rank on ``cuda:LOCAL_RANK`` itself, so it
+    must leave "auto"."""
 
     path: str = "embedded"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     attention: AttentionBackend = "auto"
     gradient_checkpointing: bool = False
+    device: str = "auto"
+
+    @field_validator("device")
+    @classmethod
+    def _device_form(cls, value: str) -> str:
+        if value not in ("auto", "cpu", "cuda") and re.fullmatch(r"cuda:\d+", value) is None:
+            raise ValueError(f"expected 'auto', 'cpu', 'cuda' or 'cuda:N', got {value!r}")
+        return value
 
 
 class EngineConfig(_Section):
@@ -356,6 +369,8 @@ class RunConfig(_Section):
             raise ValueError("GRPO needs rollout.samples_per_task >= 2 (a group of one has no advantage)")
         if self.distributed.rollouts == "ray" and not self.distributed.ray_address:
             raise ValueError("distributed.rollouts = 'ray' needs distributed.ray_address")
+        if self.distributed.fsdp and self.model.device != "auto":
+            raise ValueError("distributed.fsdp places each rank on cuda:LOCAL_RANK itself: leave model.device = 'auto'")
         if self.rollout.source == "recorded" and self.coldstart.enabled:
             raise ValueError("coldstart needs rollout.source = 'harness' (demonstrations run through a harness)")
         return self

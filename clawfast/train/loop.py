@@ -69,6 +69,7 @@ from clawfast.train.build import (
     build_policy,
     load_policy,
     push_weights,
+    resolve_device,
     resolve_model_dir,
     rollout_sampling,
     rollout_service,
@@ -124,6 +125,8 @@ def run_loop(config: RunConfig, *, resume: bool, progress: bool, group=None,
     seed_everything(config.seed)
     model_dir = resolve_model_dir(config)
     policy = build_policy(config, model_dir)
+    if group is None:
+        policy = policy.to(resolve_device(config.model.device))
     optimizer = build_optimizer(config, policy)
     state = TrainState()
     if ckpt is not None:
@@ -263,7 +266,7 @@ def _reference_policy(config: RunConfig, policy, run_dir: Path, model_dir: Path)
         shutil.rmtree(tmp, ignore_errors=True)
         policy.lm.save_pretrained(tmp)
         tmp.rename(ref_dir)
-    ref = load_policy(config, ref_dir)
+    ref = load_policy(config, ref_dir).to(policy.device)
     ref.requires_grad_(False)
     return ref.eval()
 
@@ -428,7 +431,8 @@ def evaluate(config: RunConfig, model_dir: str | Path, out_dir: str | Path) -> d
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     seed_everything(config.seed)
-    engine = build_engine(config.engine, model_dir, dtype=config.model.dtype, seed=config.seed)
+    engine = build_engine(config.engine, model_dir, dtype=config.model.dtype, seed=config.seed,
+                          device=resolve_device(config.model.device))
     eval_tasks = load_tasks(config, config.eval.split)
     with rollout_service(config, engine, model_dir, out_dir / "records") as service:
         return run_eval(HarnessRollouts(service, eval_tasks), config, eval_tasks)

@@ -54,6 +54,9 @@ def test_defaults_and_sections(tmp_path):
     ("[rollout]\nmini_instance_template = \"no task here\"\n", "rollout"),
     ("[rollout]\nharnesses = [\"codex\"]\nmini_instance_template = \"{{task}}\"\n", "rollout"),
     ("[distributed]\nrollouts = \"ray\"\n", "<root>"),
+    ("[model]\ndevice = \"gpu\"\n", "model.device"),
+    ("[model]\ndevice = \"cuda:x\"\n", "model.device"),
+    ("[model]\ndevice = \"cuda\"\n[distributed]\nfsdp = true\n", "<root>"),
 ])
 def test_bad_field_is_named(tmp_path, text, field):
     with pytest.raises(ConfigError) as info:
@@ -61,6 +64,25 @@ def test_bad_field_is_named(tmp_path, text, field):
     message = str(info.value)
     assert "run.toml" in message
     assert f"field {field!r}" in message
+
+
+def test_model_device_resolves_or_says_why_not(monkeypatch):
+    """"auto" takes the first GPU torch sees, else the CPU; a GPU named where there is none is an
+    error that says what torch sees (the run stops before anything is built)."""
+    import torch
+
+    from clawfast.train.build import resolve_device
+
+    assert resolve_device("cpu") == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == torch.device("cpu")
+    with pytest.raises(ValueError, match="torch sees no GPU"):
+        resolve_device("cuda:1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert resolve_device("auto") == torch.device("cuda", 0)
+    with pytest.raises(ValueError, match="sees 1 GPU"):
+        resolve_device("cuda:1")
 
 
 def test_unknown_key_says_so(tmp_path):

@@ -140,6 +140,7 @@ def run_section(name: str, args: argparse.Namespace, env: dict, log, left_s: flo
         rows_path = Path(tmp) / "rows.json"
         cmd = section_command(name, args, rows_path)
         child_env = dict(os.environ, PYTHONUNBUFFERED="1")
+        child_env.pop("TRITON_INTERPRET", None)  # a GPU run checks compiled kernels, whatever the shell set
         if args.smoke and not env["cuda_available"]:
             child_env["TRITON_INTERPRET"] = "1"
         log.write(f"\n===== {name}: {' '.join(cmd)}\n")

@@ -31,3 +31,9 @@ if [ "${CLAWFAST_SKIP_VLLM:-0}" != 1 ] && [ ! -e "$CACHE/venv-vllm/.complete" ];
   "$CACHE/venv-vllm/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec || true
   touch "$CACHE/venv-vllm/.complete"
 fi
+
+# The peers' own code for bench/bench_peers.py (AReaL, verl, Cut Cross-Entropy, ...), pinned, in a
+# venv of its own: their dependency sets are whole training stacks the package must not pull in.
+if [ "${CLAWFAST_SKIP_PEERS:-0}" != 1 ]; then
+  bash bench/peers/setup.sh
+fi

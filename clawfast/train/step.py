@@ -467,7 +467,7 @@ def _mismatch(lp: torch.Tensor, infer: torch.Tensor, a: torch.Tensor, seq: torch
     the rollouts ``seq``) and all of them again under verl's names."""
     res = importance_weights(lp, infer, a, config=config.is_config(), paths=paths)
     metrics = {**res.metrics, **_log_ppl(lp, infer, a, seq)}
-    metrics.update(verl_names(metrics, config))
+    metrics.update(verl_names(metrics, config, res.weights, a))
     return res.weights, metrics
 
 
@@ -508,20 +508,35 @@ VERL_MISMATCH_NAMES = {
     "mismatch_log_ppl_diff": "rollout_corr/log_ppl_diff",
     "mismatch_log_ppl_abs_diff": "rollout_corr/log_ppl_abs_diff",
 }
-VERL_RATIO_NAMES = {"is_ratio_mean": "mean", "is_ratio_min": "min", "is_ratio_max": "max",
-                    "is_frac_above": "ratio_fraction_high", "is_frac_below": "ratio_fraction_low"}
+# verl's IS statistics (`compute_is_metrics`): the high / low fractions are of rho before truncation
+# or masking; mean is of the applied weights (token-weighted); max and min of the applied weights at
+# token level, of rho at sequence level.
+VERL_RATIO_NAMES = {"is_frac_above": "rollout_corr/rollout_is_ratio_fraction_high",
+                    "is_frac_below": "rollout_corr/rollout_is_ratio_fraction_low"}
 
 
-def verl_names(metrics: dict[str, float], config: StepConfig) -> dict[str, float]:
-    """``metrics`` (of `_mismatch`) under verl's names: truncated IS is verl's ``rollout_is_*``,
-    masked IS its rejection sampling ``rollout_rs_*`` (plus the rejected fraction), "off" only the
-    mismatch diagnostics; ``is_chi2`` is verl's ``chi2_token`` or ``chi2_seq`` by level."""
+def verl_names(metrics: dict[str, float], config: StepConfig, weights: torch.Tensor,
+               a: torch.Tensor) -> dict[str, float]:
+    """``metrics`` (of `_mismatch`, with its applied IS ``weights`` and target weights ``a``) under
+    verl's names: truncated IS is verl's TIS and masked IS its IcePop (``rollout_is_*``), the masked
+    share also its rejection-sampling ``rollout_rs_*masked_fraction``; "off" only the mismatch
+    diagnostics; ``is_chi2`` is verl's ``chi2_token`` or ``chi2_seq`` by level. Checked against
+    verl's own code by ``bench/peers/importance.py``."""
     token = config.is_level == "token"
     out = {verl: metrics[ours] for ours, verl in VERL_MISMATCH_NAMES.items()}
     out["rollout_corr/chi2_token" if token else "rollout_corr/chi2_seq"] = metrics["is_chi2"]
-    if config.is_mode != "off":
-        prefix = "rollout_corr/rollout_is_" if config.is_mode == "truncate" else "rollout_corr/rollout_rs_"
-        out.update({prefix + verl: metrics[ours] for ours, verl in VERL_RATIO_NAMES.items()})
+    if config.is_mode == "off":
+        return out
+    out.update({verl: metrics[ours] for ours, verl in VERL_RATIO_NAMES.items()})
+    valid = a > 0
+    applied, count = weights.double()[valid], a.double()[valid]
+    out["rollout_corr/rollout_is_mean"] = float((applied * count).sum() / count.sum()) if applied.numel() else 0.0
+    if token:
+        out["rollout_corr/rollout_is_max"] = float(applied.max()) if applied.numel() else 0.0
+        out["rollout_corr/rollout_is_min"] = float(applied.min()) if applied.numel() else 0.0
+    else:
+        out["rollout_corr/rollout_is_max"] = metrics["is_ratio_max"]
+        out["rollout_corr/rollout_is_min"] = metrics["is_ratio_min"]
     if config.is_mode == "mask":  # rejected: outside [is_lo, is_hi], i.e. above or below
         name = "rollout_rs_masked_fraction" if token else "rollout_rs_seq_masked_fraction"
         out["rollout_corr/" + name] = metrics["is_frac_above"] + metrics["is_frac_below"]

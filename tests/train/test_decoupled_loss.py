@@ -187,12 +187,16 @@ def test_mismatch_metrics_and_their_verl_names(policy, rollouts, mode):
     for ours, verl in VERL_MISMATCH_NAMES.items():
         assert metrics[verl] == metrics[ours], verl
     assert metrics["rollout_corr/chi2_token"] == metrics["is_chi2"]
-    prefix = {"truncate": "rollout_corr/rollout_is_", "mask": "rollout_corr/rollout_rs_"}.get(mode)
-    for ours, verl in VERL_RATIO_NAMES.items():
-        if prefix is None:
-            assert not any(k.endswith(verl) for k in metrics if k.startswith("rollout_corr/rollout_")), verl
-        else:
-            assert metrics[prefix + verl] == metrics[ours], verl
+    if mode == "off":
+        assert not any(k.startswith(("rollout_corr/rollout_is_", "rollout_corr/rollout_rs_")) for k in metrics)
+    else:  # verl's IS statistics: fractions of rho, mean / max / min of the applied token weights
+        for ours, verl in VERL_RATIO_NAMES.items():
+            assert metrics[verl] == metrics[ours], verl
+        assert metrics["rollout_corr/rollout_is_max"] <= (1.3 if mode == "truncate" else 1.4)
+        assert metrics["rollout_corr/rollout_is_min"] == pytest.approx(
+            0.0 if metrics["is_frac_below"] + metrics["is_frac_above"] > 0 and mode == "mask"
+            else metrics["is_ratio_min"])
+        assert 0 < metrics["rollout_corr/rollout_is_mean"] <= metrics["rollout_corr/rollout_is_max"]
     if mode == "mask":
         rejected = metrics["rollout_corr/rollout_rs_masked_fraction"]
         assert rejected == metrics["is_frac_above"] + metrics["is_frac_below"] and 0 < rejected < 1

@@ -4,7 +4,9 @@
     ~/.cache/clawfast/venv-peers/bin/python bench/bench_peers.py     # every section; --quick: tiny
 
 Sections (one module each in bench/peers/, ``run(quick) -> rows``): ``packing`` (tree building and
-packing of harness-shaped rollouts: clawfast vs AReaL's trie packer), ``logprobs`` (fused log-probs:
+packing of harness-shaped rollouts: clawfast vs AReaL's and TRL's tree packers), ``attention``
+(tree attention on one packed tree: clawfast vs AReaL's FlexAttention BlockMask; forward on a CPU,
+where FlexAttention has no backward), ``logprobs`` (fused log-probs:
 clawfast vs Cut Cross-Entropy on the CPU), ``gae`` (clawfast's tree GAE vs verl's
 ``compute_gae_advantage_return`` on chains and, per path, on trees), ``importance`` (IS weights and
 rollout-correction metrics: clawfast vs verl). Each section first checks that both sides compute
@@ -32,7 +34,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE / "peers")]
 
-SECTIONS = ("packing", "logprobs", "gae", "importance")
+SECTIONS = ("packing", "attention", "logprobs", "gae", "importance")
 COLUMNS = ("section", "case", "shape", "ours_s", "peer_s", "speedup", "ours_mib", "peer_mib", "mem_ratio",
            "max_diff", "tol")
 

@@ -19,12 +19,14 @@ def test_every_section_agrees_with_its_peer_then_times_both(tmp_path):
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     sections = json.loads(out.read_text())["sections"]
-    assert set(sections) == {"packing", "logprobs", "gae", "importance"}
+    assert set(sections) == {"packing", "attention", "logprobs", "gae", "importance"}
     for name, section in sections.items():
         assert section["status"] == "ok" and section["rows"], name
         for row in section["rows"]:
             assert row["max_diff"] <= row["tol"], (name, row)
-            assert row["ours_s"] > 0 and row["peer_s"] > 0 and row["peer"], (name, row)
+            assert row["ours_s"] > 0, (name, row)
+            # a row with no peer timing (FlexAttention's backward on a CPU) must say why
+            assert (row["peer_s"] or 0) > 0 or "no CPU backward" in row["note"], (name, row)
 
 
 def test_a_missing_peer_is_reported_not_run(tmp_path):

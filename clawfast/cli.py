@@ -12,6 +12,7 @@ import sys
 
 COMMANDS = {
     "tree": ("clawfast.commands.tree", "inspect prefix trees of captured rollouts"),
+    "fidelity": ("clawfast.commands.fidelity", "report thread structure and continuity of captured rollouts"),
     "proxy": ("clawfast.commands.proxy", "run the serving proxy"),
     "sandbox": ("clawfast.commands.sandbox", "run a command in a fresh sandbox"),
     "harness": ("clawfast.commands.harness", "install and check real agent harnesses"),

@@ -36,8 +36,8 @@ MAGIC = b"CLAWFREC"
 FORMAT_VERSION = 1
 FILE_SUFFIX = ".cfr"
 
-TAGS = ("main", "subagent", "compaction", "title", "quota")
-EXCLUDED_TAGS = frozenset({"subagent", "compaction", "title", "quota"})
+TAGS = ("main", "subagent", "compaction", "title", "summary", "quota", "other-side")  # clawfast.threads.KINDS
+EXCLUDED_TAGS = frozenset(TAGS) - {"main"}
 STATUSES = ("ok", "timeout", "harness_error", "sandbox_error", "verifier_error", "proxy_error", "running")
 
 _FRAME_HEAD = struct.Struct("<BQ")
@@ -68,7 +68,8 @@ class CallRecord:
     prompt_ids: the exact token ids the engine was given (int32).
     output_ids: the token ids it sampled (int32).
     infer_logprobs: the sampler's own log-prob of each sampled token (float32, same length).
-    tags: what the call was (`main`, `subagent`, `compaction`, `title`, `quota`, ...).
+    tags: what the call was (`TAGS`): the proxy's hint from the request, or the kind
+        `clawfast.threads.reconstruct` gave it from the rollout's structure (`threads.with_kinds`).
     metadata: the request facts that produced the tags and anything else worth keeping (protocol,
         headers of interest, prompt drift against the previous call, client disconnects).
     timings: seconds, e.g. ``{"received": t0, "answered": t1, "generate": g}``.
@@ -118,7 +119,7 @@ class CallRecord:
 
     @property
     def excluded(self) -> bool:
-        """True if a tag keeps this call out of the loss (subagent, compaction, title, quota)."""
+        """True if a tag keeps this call out of the loss (any tag but main)."""
         return bool(EXCLUDED_TAGS.intersection(self.tags))
 
     def equals(self, other: "CallRecord") -> bool:

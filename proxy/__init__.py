@@ -5,7 +5,8 @@ Layers, each usable on its own:
 - `anthropic`, `chat`, `responses` (+ ``*_models``): protocol fronts, wire format <-> canonical.
 - `render`: canonical -> prompt ids through the chat template, incremental, splicing produced turns.
 - `parsers`: model output -> turn (Qwen3/Hermes, Mistral, Llama-3 JSON tool calls).
-- `tagging`: main / subagent / compaction / title / quota.
+- `tagging`: a hint per call (main / subagent / compaction / title / quota); the kinds training uses
+  come from the records' structure (`clawfast.threads`).
 - `rollouts`: the registry of open rollouts, their keys and append-only record logs.
 - `core`: prepare -> generate -> complete, no sockets.
 - `server`: Starlette/uvicorn routes, keep-alives, disconnects.

@@ -8,7 +8,11 @@ Guaranteed: every answered call is appended to its rollout's log before its last
 call whose client went away is still recorded once generation ends, with
 ``metadata["client_disconnected"] = True``; generation tasks are tracked and `drain` waits for them,
 so none outlives the server. Malformed tool-call text never fails a call: it is answered as text and
-recorded in ``metadata["parse_error"]``.
+recorded in ``metadata["parse_error"]``. Every record's ``metadata["http_status"]`` is the HTTP status
+the call was answered with: 200 (also a stream's: its 200 headers go out before the record is written
+or just after it), or None for a call whose client left before any response was sent. A call that is
+not answered (refused, engine failure, also one that fails after a stream's 200 headers went out) has
+no record: the server keeps it as a refusal of its rollout (`clawfast.proxy.rollouts.refusal`).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 from jinja2 import TemplateError
@@ -39,6 +43,8 @@ HEADERS_KEPT = (
     "x-claude-code-parent-agent-id",
     "anthropic-beta",
     "user-agent",
+    "x-codex-turn-metadata",  # names a compaction request ("request_kind")
+    "x-codex-window-id",  # its suffix counts the context windows of a session
 )
 
 
@@ -69,6 +75,7 @@ class PreparedCall:
     headers: dict[str, str]
     t_received: float
     t_rendered: float
+    path: str = ""  # the HTTP path it came on (for refusals)
     committed: bool = False
     extra_metadata: dict[str, Any] = field(default_factory=dict)
 
@@ -99,7 +106,10 @@ class ProxyCore:
     def count_tokens(self, rollout: Rollout, conversation: Conversation) -> int:
         return len(_rollout_prompts(rollout).render(self.renderer, conversation, "count").ids)
 
-    def prepare(self, front: Front, rollout: Rollout, request: Request, headers: dict[str, str]) -> PreparedCall:
+    def prepare(self, front: Front, rollout: Rollout, request: Request, headers: dict[str, str],
+                path: str = "") -> PreparedCall:
+        """Check the rollout's budget, tag and render the call, bound its output; ProtocolError (400)
+        if it is refused."""
         t0 = time.time()
         cfg, asked = self.config, rollout.sampling
         budget = asked.max_calls
@@ -134,16 +144,17 @@ class ProxyCore:
         )
         answer = front.new_answer(request, len(prompt.ids))
         kept = {k: headers[k] for k in HEADERS_KEPT if k in headers}
-        return PreparedCall(rollout, front, request, prompt, params, tagging, answer, kept, t0, time.time())
+        return PreparedCall(rollout, front, request, prompt, params, tagging, answer, kept, t0, time.time(), path)
 
     # -- generation ------------------------------------------------------------------------------
 
     def start(self, call: PreparedCall) -> asyncio.Task:
-        """The call's generation as a task; it is cancelled if the rollout closes before it ends."""
+        """The call's generation as a task; it is cancelled if the rollout closes before it ends (and
+        then kept as the rollout's refusal)."""
         task = asyncio.get_running_loop().create_task(self.engine.generate(call.prompt.ids, call.params))
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
-        call.rollout.track(task)
+        call.rollout.track(task, {"protocol": call.request.protocol, "path": call.path, "stream": call.request.stream})
         return task
 
     @property
@@ -164,8 +175,10 @@ class ProxyCore:
         text = self.renderer.decode(ids)
         return self._parse(text, gen.finish_reason, call.front.new_tool_call_id)
 
-    def complete(self, call: PreparedCall, gen: Generation, *, disconnected: bool = False) -> CallRecord | None:
+    def complete(self, call: PreparedCall, gen: Generation, *, disconnected: bool = False,
+                 http_status: int | None = 200) -> CallRecord | None:
         """Parse the generation into `call.answer.turn`, append the record, remember the turn.
+        `http_status`: what the call is answered with (None: nothing was sent, the client left).
         Returns None (and records nothing) if the rollout was closed while the call was in flight."""
         if call.committed:
             raise RuntimeError("call already completed")
@@ -174,18 +187,17 @@ class ProxyCore:
         call.answer.turn = turn
         call.answer.output_tokens = len(gen.output_ids)
         prompts = _rollout_prompts(call.rollout)
-        prompts.remember(self.renderer, call.tagging.thread, call.prompt.ids, gen.output_ids, turn.as_message().replay_key())
+        prompts.remember(self.renderer, gen.output_ids, turn.as_message().replay_key())
         metadata: dict[str, Any] = {
             "protocol": call.request.protocol,
             "model": call.request.model,
             "stream": call.request.stream,
             "thread": call.tagging.thread,
             "tag_reason": call.tagging.reason,
-            "drift": call.prompt.drift,
-            "reused_tokens": call.prompt.reused,
             "spliced_turns": call.prompt.spliced_turns,
             "response_id": call.answer.response_id,
             "tool_calls": [c.name for c in turn.tool_calls],
+            "http_status": http_status,
         }
         if call.headers:
             metadata["headers"] = call.headers
@@ -212,12 +224,19 @@ class ProxyCore:
             log.warning("dropped a call of closed rollout %s: %s", call.rollout.rollout_id, exc)
             return None
 
-    def complete_later(self, call: PreparedCall, task: asyncio.Task) -> None:
-        """The client went away: record the call, marked, once its generation ends."""
+    def complete_later(self, call: PreparedCall, task: asyncio.Task, *, http_status: int | None = None,
+                       on_failure: Callable[[asyncio.Task], None] | None = None) -> None:
+        """The client went away: record the call, marked, once its generation ends. `http_status`: the
+        status already sent (200 if a stream's head went out), None if nothing was. `on_failure` gets
+        the task if the engine failed it instead (a cancelled one is not a failure)."""
 
         def done(t: asyncio.Task) -> None:
-            if t.cancelled() or t.exception() is not None:
+            if t.cancelled():
                 return
-            self.complete(call, t.result(), disconnected=True)
+            if t.exception() is not None:
+                if on_failure is not None:
+                    on_failure(t)
+                return
+            self.complete(call, t.result(), disconnected=True, http_status=http_status)
 
         task.add_done_callback(done)

@@ -222,8 +222,6 @@ class ChatRenderer:
 class RenderedPrompt:
     ids: np.ndarray
     spliced_turns: int
-    drift: int  # tokens of this thread's previous path (prompt + output) not reused; 0 if it extends it
-    reused: int  # tokens of the previous path this prompt starts with
 
 
 @dataclass
@@ -243,14 +241,13 @@ class _LastRender:
 class RolloutPrompts:
     """Per-rollout memory: produced turns (replay key -> exact ids), each thread's last rendered
     prompt (so a call renders only the messages past the prefix it shares with the previous one —
-    found by identity, which `clawfast.proxy.incremental` preserves, or equality) and each thread's
-    last path (prompt + output, for drift).
+    found by identity, which `clawfast.proxy.incremental` preserves, or equality). How a call
+    continues the earlier ones is read from the records afterwards (`clawfast.threads`).
 
     A thread is a sequence of calls that continue one conversation (the main agent, one subagent,
     ...); the caller names it. Thread-safe for one rollout."""
 
     produced: dict = field(default_factory=dict)
-    last_path: dict = field(default_factory=dict)
     last_render: dict = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -262,11 +259,9 @@ class RolloutPrompts:
                 k = common_prefix(messages, last.messages)
                 end = last.ends[k - 1] if k else last.header_len
                 parts, ends, spliced, header_len = [last.ids[:end]], last.ends[:k], last.spliced[:k], last.header_len
-                end_reused = end
             else:
                 header = renderer.header_ids(conversation.system, conversation.tools)
                 k, end, parts, ends, spliced, header_len = 0, len(header), [header], [], [], len(header)
-                end_reused = 0
             for message in messages[k:]:
                 ids = self.produced.get(message.replay_key()) if message.role == "assistant" else None
                 spliced.append(ids is not None)
@@ -278,24 +273,9 @@ class RolloutPrompts:
             parts.append(renderer.generation_prompt_ids)
             ids = np.concatenate(parts)
             self.last_render[thread] = _LastRender(conversation.system, conversation.tools, messages, ends, spliced, header_len, ids)
-            prev = self.last_path.get(thread)
-            # Tokens known equal without looking: the prefix copied from the previous render, when
-            # that render is the previous path's prompt.
-            known = end_reused if last is not None and prev is not None and prev[0] is last.ids else 0
-        reused = drift = 0
-        if prev is not None:  # the previous path is kept as (prompt, output): no concatenated copy
-            reused = known
-            for part_start, part in ((0, prev[0]), (len(prev[0]), prev[1])):
-                lo = max(known - part_start, 0)
-                hi = max(lo, min(len(part), len(ids) - part_start))
-                diff = np.flatnonzero(part[lo:hi] != ids[part_start + lo : part_start + hi])
-                reused += int(diff[0]) if diff.size else hi - lo
-                if diff.size or hi < len(part):
-                    break
-            drift = len(prev[0]) + len(prev[1]) - reused
-        return RenderedPrompt(ids, sum(spliced), drift, reused)
+        return RenderedPrompt(ids, sum(spliced))
 
-    def remember(self, renderer: ChatRenderer, thread: str, prompt_ids: np.ndarray, output_ids: np.ndarray, turn_key: tuple) -> None:
+    def remember(self, renderer: ChatRenderer, output_ids: np.ndarray, turn_key: tuple) -> None:
+        """Keep the exact ids of a produced turn, to splice where a later prompt replays it."""
         with self._lock:
             self.produced[turn_key] = renderer.produced_turn_ids(output_ids)
-            self.last_path[thread] = (prompt_ids, np.asarray(output_ids, np.int32))

@@ -16,12 +16,25 @@ its own append-only `RolloutLog` file ``<records_dir>/<rollout_id>.cfr``; a call
 flushed) when it is answered, so a trainer crash loses nothing that was answered. Call indices are
 allocated in one place (`Rollout.append`), in answer order, without gaps.
 
+Refusals: a request whose key resolved to an open rollout and that the proxy then refused (budget
+spent, prompt too long, template or body rejected, engine error, ...) is kept with that rollout
+(`Rollout.refuse`, one `refusal` dict each) and written at close into the result frame's info, so
+``result.info["refusals"]`` (returned by `close` and read back from the .cfr file) lists them in the
+order they happened: the first `MAX_REFUSALS`, and ``info["refusals_dropped"]`` counts the rest. Both
+keys are present only when there was a refusal. A generation cut off by `close` is one too
+(``at_close: True``): its client is answered afterwards, when the rollout is gone.
+
 Guaranteed: a closed or unknown key is never resolved to a rollout (the proxy answers 401 and writes
-nothing); closing twice raises `KeyError`; closing cancels the rollout's generations still in the
-engine (a killed harness's queued calls would otherwise hold the engine for nothing); a call that
-finishes after its rollout closed is dropped, never written elsewhere. Not guaranteed: persistence of
-the in-memory index across processes (the files are the durable copy;
-`clawfast.records.read_rollout(..., recover=True)` reads a live or orphaned one).
+nothing: no record, no refusal); closing twice raises `KeyError`; closing cancels the rollout's
+generations still in the engine (a killed harness's queued calls would otherwise hold the engine for
+nothing); a call that finishes after its rollout closed is dropped, never written elsewhere; the
+refusals kept per rollout are bounded (`MAX_REFUSALS`, each message cut to `MAX_REFUSAL_MESSAGE`
+characters), so a harness's retry loop cannot grow memory. Not guaranteed: persistence of the
+in-memory index across processes (the files are the durable copy;
+`clawfast.records.read_rollout(..., recover=True)` reads a live or orphaned one); refusals of a
+rollout whose process died before `close` (they are written only in the result frame, which such a
+file lacks); a refusal that happens after `close` (the client of a generation that ended just as
+the rollout closed: it is in the access log only).
 """
 
 from __future__ import annotations
@@ -36,6 +49,27 @@ from typing import Any
 
 from clawfast.engines.base import Sampling
 from clawfast.records import CallRecord, RolloutLog, RolloutResult, rollout_path
+
+MAX_REFUSALS = 100  # refusals kept per rollout; later ones are only counted
+MAX_REFUSAL_MESSAGE = 2000  # characters of a refusal's message kept
+CLOSED_WHILE_GENERATING = "the rollout was closed while this call was generating"
+
+
+def refusal(status: int, error_type: str, message: str, *, protocol: str | None, path: str,
+            stream: bool | None = None, t: float | None = None, **extra: Any) -> dict[str, Any]:
+    """One refused request as a rollout keeps it (plain JSON). status: the error's HTTP status;
+    error_type: its kind in the generic vocabulary of `clawfast.proxy.front.ProtocolError` (invalid_request,
+    authentication, too_large, api_error, ...); protocol: ``anthropic`` | ``chat`` | ``responses``;
+    path: the request's path; stream: whether it asked to stream (None: its body was not read as far);
+    t: when it was refused (the entry's ``time``, epoch seconds; default: now). `extra`: ``in_stream: True`` when the 200 headers of a
+    stream were already sent and the error went out as an event, ``at_close: True`` for a generation
+    cut off by `RolloutRegistry.close`."""
+    if len(message) > MAX_REFUSAL_MESSAGE:
+        message = message[:MAX_REFUSAL_MESSAGE] + f"... ({len(message) - MAX_REFUSAL_MESSAGE} more characters)"
+    entry = {"time": round(time.time() if t is None else t, 6), "protocol": protocol, "path": path,
+             "stream": stream, "status": status, "error_type": error_type, "message": message}
+    entry.update(extra)
+    return entry
 
 
 @dataclass(frozen=True)
@@ -66,19 +100,39 @@ class Rollout:
     sampling: Sampling = field(default_factory=Sampling)
     calls: list[CallRecord] = field(default_factory=list)
     state: dict[str, Any] = field(default_factory=dict)
+    refusals: list[dict[str, Any]] = field(default_factory=list)  # the first MAX_REFUSALS
+    refusals_dropped: int = 0  # refusals beyond those, counted only
     _closed: bool = False
-    _generations: set[asyncio.Task] = field(default_factory=set)
+    # each generation in flight -> the request facts of its refusal should `close` cut it off
+    _generations: dict[asyncio.Task, dict[str, Any] | None] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def track(self, generation: asyncio.Task) -> None:
+    def track(self, generation: asyncio.Task, request: dict[str, Any] | None = None) -> None:
         """Remember a generation in flight for this rollout, so that `close` can cancel it. Call on the
-        task's loop; a rollout already closed cancels it at once."""
+        task's loop; a rollout already closed cancels it at once. `request`: the keyword arguments of
+        `refusal` (protocol, path, stream) naming the call, kept as a refusal if `close` cuts it off
+        (None: not kept)."""
         with self._lock:
             if not self._closed:
-                self._generations.add(generation)
+                self._generations[generation] = request
                 generation.add_done_callback(self._forget)
                 return
         generation.cancel()
+
+    def refuse(self, entry: dict[str, Any]) -> bool:
+        """Keep one refused request (a `refusal` dict), or only count it past `MAX_REFUSALS`. Returns
+        False, keeping nothing, if the rollout is already closed (its result is written)."""
+        with self._lock:
+            if self._closed:
+                return False
+            self._keep_refusal(entry)
+            return True
+
+    def _keep_refusal(self, entry: dict[str, Any]) -> None:
+        if len(self.refusals) < MAX_REFUSALS:
+            self.refusals.append(entry)
+        else:
+            self.refusals_dropped += 1
 
     def calls_started(self) -> int:
         """Calls answered plus generations in flight (what a call budget counts)."""
@@ -87,13 +141,19 @@ class Rollout:
 
     def _forget(self, generation: asyncio.Task) -> None:
         with self._lock:
-            self._generations.discard(generation)
+            self._generations.pop(generation, None)
 
     def _cancel_generations(self) -> None:
-        """Thread-safe: the tasks live on the server's loop, `close` may run on a gRPC worker thread."""
+        """Thread-safe: the tasks live on the server's loop, `close` may run on a gRPC worker thread.
+        Each cut-off generation that names its request is kept as a refusal (``at_close``)."""
         with self._lock:
             self._closed = True
-            pending, self._generations = self._generations, set()
+            pending, self._generations = self._generations, {}
+            now = time.time()
+            for task, request in pending.items():
+                if request is not None and not task.done():
+                    self._keep_refusal(refusal(401, "authentication", CLOSED_WHILE_GENERATING, t=now,
+                                               at_close=True, **request))
         for task in pending:
             try:
                 task.get_loop().call_soon_threadsafe(task.cancel)
@@ -187,13 +247,20 @@ class RolloutRegistry:
         """Revoke the key, cancel the rollout's generations in flight, write the result frame and return
         the rollout with all its calls. A call whose generation already ended is still appended to the
         in-memory list if it does so before the log closes, and is otherwise dropped (the log is closed
-        under the rollout's lock)."""
+        under the rollout's lock). The result's info (returned and written) is `info` plus, if any
+        request of the rollout was refused, ``"refusals"`` and ``"refusals_dropped"`` (the proxy's
+        own, replacing keys of those names in `info`; `info` itself is not changed)."""
         with self._lock:
             rollout = self._by_id.pop(rollout_id, None)
             if rollout is None:
                 raise KeyError(f"no open rollout {rollout_id!r}")
             self._by_key.pop(rollout.key, None)
         rollout._cancel_generations()
+        info = dict(info or {})
+        with rollout._lock:  # closed now: no refusal is added any more
+            if rollout.refusals or rollout.refusals_dropped:
+                info["refusals"] = list(rollout.refusals)
+                info["refusals_dropped"] = rollout.refusals_dropped
         result = RolloutResult(
             rollout_id=rollout_id,
             task_id=rollout.task_id,
@@ -201,10 +268,10 @@ class RolloutRegistry:
             sample_index=rollout.sample_index,
             reward=reward,
             status=status,
-            info=info or {},
+            info=info,
         )
         with rollout._lock:
-            rollout.log.close(reward=reward, status=status, info=info or {})
+            rollout.log.close(reward=reward, status=status, info=info)
             result.calls = list(rollout.calls)
         return result
 

@@ -1,13 +1,16 @@
 """`clawfast proxy serve`: run the serving proxy by hand.
 
     clawfast proxy serve [--model DIR | --scripted FILE | --vllm URL] [--host H] [--port P] [--records DIR]
+                         [--access-log FILE]
 
 The tokenizer and chat template come from --model (default: the embedded model, built on first use).
 The engine is the in-process torch engine on that model, or the scripted engine playing FILE, or a
 vLLM server at URL; the proxy runs in a `clawfast.rollout.RolloutService` with no harnesses. It
 prints the HTTP address and the key of a default rollout ("manual-<time>") whose calls are appended to <records>/manual-<time>.cfr. With
 --grpc-port it also serves the gRPC control plane (`clawfast.proxy.grpc_service`) and prints its
-address (and the shared token, unless --grpc-token gave one).
+address (and the shared token, unless --grpc-token gave one). With --access-log it appends one JSON
+line per HTTP request to FILE as each response ends (`clawfast.proxy.server.AccessLog`): ``tail -f``
+it to watch a harness's calls and refusals.
 """
 
 from __future__ import annotations
@@ -59,6 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="refuse a rollout's model calls beyond N (side calls included); default: unlimited")
     serve.add_argument("--grpc-port", type=int, default=None, help="also serve the gRPC control plane on this port (0: any)")
     serve.add_argument("--grpc-token", default=None, help="shared token for the gRPC control plane (default: a fresh one, printed)")
+    serve.add_argument("--access-log", default=None, metavar="FILE",
+                       help="append one JSON line per HTTP request to FILE (status, rollout, latency, error)")
 
 
 def _positive_int(text: str) -> int:
@@ -79,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     service = RolloutService(engine, model_dir, records_dir=args.records, max_tokens_cap=args.max_tokens_cap,
                              parser=args.parser, keepalive_s=args.keepalive, default_sampling=sampling,
                              host=args.host, port=args.port, grpc_port=args.grpc_port, grpc_token=args.grpc_token,
-                             model_name=args.model_name)
+                             model_name=args.model_name, access_log=args.access_log)
     tune_for_serving()
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

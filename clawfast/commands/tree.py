@@ -1,18 +1,21 @@
 """`clawfast tree inspect ROLLOUT`: what the prefix tree makes of captured rollouts.
 
-For each rollout (a `.cfr` file, or every one in a directory) it prints the calls (index, tags,
-prompt/output lengths, end node), the segments, the unique token count against the two flat layouts
+For each rollout (a `.cfr` file, or every one in a directory) it prints the calls (index, kind as
+the trainer sees it — from `clawfast.threads.reconstruct`, not the proxy's hint —, prompt/output
+lengths, end node), the segments, the unique token count against the two flat layouts
 (one sample per call as captured; one sample per kept leaf) with the dedup ratios, and each leaf
 with its status and calls. With several rollouts it also packs them together, as the trainer does
 for a group, and reports the deduplicated forest size. `--json` prints the same as one JSON object.
 
 Guaranteed: the numbers are those of `clawfast.tree.build_tree` / `clawfast.pack.pack` on the calls
-as stored. Not guaranteed: a stable text layout (parse `--json` instead).
+as stored, tagged with their reconstructed kinds (as the trainer does). Not guaranteed: a stable
+text layout (parse `--json` instead).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from typing import Any
@@ -149,6 +152,7 @@ def _print_group(g: dict[str, Any], out) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from clawfast.threads import reconstruct, with_kinds
     from clawfast.tree import build_tree
 
     try:
@@ -165,12 +169,13 @@ def run(args: argparse.Namespace) -> int:
             skipped.append({"rollout_id": rollout.rollout_id, "reason": "no calls"})
             continue
         try:
-            tree = build_tree(rollout.calls, max_kept_leaves=args.max_kept_leaves, drop_dead=not args.keep_dead)
+            calls = with_kinds(rollout.calls, reconstruct(rollout.calls))
+            tree = build_tree(calls, max_kept_leaves=args.max_kept_leaves, drop_dead=not args.keep_dead)
         except ValueError as exc:
             skipped.append({"rollout_id": rollout.rollout_id, "reason": str(exc)})
             continue
         trees.append(tree)
-        described.append(describe_rollout(rollout, tree))
+        described.append(describe_rollout(dataclasses.replace(rollout, calls=calls), tree))
     try:
         group = describe_group(trees, args.max_tokens) if trees else None
     except ValueError as exc:  # e.g. a kept path longer than --max-tokens

@@ -4,7 +4,7 @@ a task's oracle through the harness's own shell tool.
 `check_harness("mini-swe-agent")` installs the harness (cache), builds the embedded tokenizer, runs
 one clawbench-mini task through a `RolloutService` on the oracle engine (`clawfast.rollout.oracle`:
 the real proxy over HTTP in this process, a fresh sandbox, the verifier in another) and returns a
-`CheckReport`: status, reward, the captured calls and their tags, and whether consecutive
+`CheckReport`: status, reward, the captured calls and their kinds (`clawfast.threads`), and whether consecutive
 main-thread calls share an exact token prefix (call i+1's prompt starts with call i's prompt and
 output: what training needs).
 """
@@ -24,6 +24,7 @@ from clawfast.rollout.oracle import FINAL_TEXT
 from clawfast.rollout.service import ORACLE, RolloutService
 from clawfast.rollout.spec import RolloutSpec
 from clawfast.tasks.task import Task
+from clawfast.threads import reconstruct, with_kinds
 
 DEFAULT_TASK = "files-lines-0"  # two oracle commands, one a heredoc: newlines through tool-call JSON
 
@@ -149,5 +150,6 @@ def check_harness(
                             harnesses={name: options}, sandbox=backend, timeout_s=timeout_s,
                             logs_dir=logs_dir or Path(tmp) / "logs", oracle_tasks=[task]) as service:
             [result] = service.run([RolloutSpec(task, name, 0)])
-    tags = Counter(tag for c in result.calls for tag in c.tags)
-    return CheckReport(name, task.id, result, turns, continuity(result.calls), tags)
+    calls = with_kinds(result.calls, reconstruct(result.calls))  # main and side calls by structure
+    tags = Counter(tag for c in calls for tag in c.tags)
+    return CheckReport(name, task.id, result, turns, continuity(calls), tags)

@@ -74,7 +74,8 @@ class RolloutService:
     rollouts opened without a `Sampling` (over gRPC, or by `open`). host / port: the proxy's HTTP
     address (default: loopback, a free port; all interfaces on Ray). grpc_port: also serve the gRPC
     control plane there (0: any port) behind `grpc_token` (default: a fresh one). model_name: the
-    name harnesses are told to send and ``/v1/models`` reports."""
+    name harnesses are told to send and ``/v1/models`` reports. access_log: a file the proxy appends
+    one JSON line per HTTP request to (`clawfast.proxy.server.AccessLog`; None: no access log)."""
 
     def __init__(
         self,
@@ -100,6 +101,7 @@ class RolloutService:
         ray: OnRay | None = None,
         oracle_tasks: Sequence[Task] = (),
         model_name: str = "policy",
+        access_log: str | Path | None = None,
     ) -> None:
         if isinstance(engine, str) and engine != ORACLE:
             raise ValueError(f"engine must be an Engine or {ORACLE!r}, got {engine!r}")
@@ -129,6 +131,7 @@ class RolloutService:
         self.ray = ray
         self.oracle_tasks = list(oracle_tasks)
         self.model_name = model_name
+        self.access_log = access_log
         self._stack: contextlib.ExitStack | None = None
 
     # -- life --------------------------------------------------------------------------------------
@@ -156,8 +159,8 @@ class RolloutService:
                 self.engine = ScriptedEngine(renderer.encode, renderer.turn_end_id, responder=responder)
             self.registry = RolloutRegistry(self.records_dir, default_sampling=self.default_sampling)
             core = ProxyCore(self.engine, renderer, ProxyConfig(**self.proxy_bounds))
-            self.server = stack.enter_context(ProxyServer(ProxyApp(core, self.registry, model_name=self.model_name),
-                                                          self.host, self.port))
+            app = ProxyApp(core, self.registry, model_name=self.model_name, access_log=self.access_log)
+            self.server = stack.enter_context(ProxyServer(app, self.host, self.port))
             # Exit order (last registered runs first): what starts below stops first, then open
             # rollouts are closed, then the engine closes on the proxy's loop, then the server stops.
             stack.callback(self._close_engine)

@@ -124,7 +124,7 @@ def close_rollout(control: RolloutControl, spec: RolloutSpec, rollout_id: str, r
     timings = info.setdefault("timings", {})
     timings["close"] = time.monotonic() - t
     timings["total"] = time.monotonic() - t0
-    result.info = info
+    result.info = {**result.info, **info}  # what the proxy added at close (refusals) stays
     return result
 
 

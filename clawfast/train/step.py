@@ -7,7 +7,8 @@
    rollouts with more kept leaves than ``max_kept_leaves`` or a kept path longer than
    ``max_tokens`` are not trained either (they still count in their GRPO group's baseline).
 2. **Advantages** (GRPO): one per rollout, over its group (``groups`` or ``config.group_by``).
-3. **Tree + leaf filter** (`build_tree`: dead retries, excluded calls, ``max_kept_leaves``), split
+3. **Tree + leaf filter** (`build_tree`: dead retries, excluded calls — every call whose kind from
+   `clawfast.threads.reconstruct` is not main —, ``max_kept_leaves``), split
    into ``config.updates_per_step`` **mini-batches** of whole groups (round-robin over groups in
    batch order), each **packed** into micro-batches of at most ``config.max_tokens`` rows (shared
    prefixes once). Steps 1-3 are `prepare_step`, once per RL step.
@@ -95,6 +96,7 @@ from clawfast.train.algorithms import (
 from clawfast.train.checkpoint import TrainState
 from clawfast.train.config import AlgorithmConfig, RunConfig
 from clawfast.train.policy import Policy
+from clawfast.threads import fidelity_counts, reconstruct, with_kinds
 from clawfast.tree import PrefixTree, build_tree
 
 class StepConfig(AlgorithmConfig):
@@ -147,7 +149,8 @@ class StepData:
     the step's total D (module docstring), the sum of the mini-batches' ``denominators``.
     advantages[b]: per-target GRPO advantages (None for PPO: computed in the step). forest /
     forest_rows[b]: the unmerged kept trees and each target's row there (PPO and sequence-level IS;
-    else None). counts: filter counts. minibatches[k]: the indices into ``batches`` of mini-batch k
+    else None). counts: filter counts and the main-thread fidelity of the kept rollouts
+    (`clawfast.threads.fidelity_counts`). minibatches[k]: the indices into ``batches`` of mini-batch k
     (whole groups); empty means one mini-batch of every micro-batch (``denominators = [denominator]``).
     """
 
@@ -160,7 +163,7 @@ class StepData:
     advantages: list[np.ndarray] | None
     forest: KeptForest | None
     forest_rows: list[np.ndarray] | None
-    counts: dict[str, int] = field(default_factory=dict)
+    counts: dict[str, float] = field(default_factory=dict)
     minibatches: list[np.ndarray] = field(default_factory=list)
     denominators: list[float] = field(default_factory=list)
 
@@ -192,7 +195,10 @@ def prepare_step(rollouts: Sequence[RolloutResult], groups: Sequence[Hashable] |
     ids = group_ids(kept, config.group_by, None if groups is None else [groups[i] for i in keep])
     if config.name == "grpo":
         rollout_adv = grpo_rollout_advantages(rewards, ids, normalize_std=config.normalize_std)
-    trees = [build_tree(r.calls, max_kept_leaves=config.max_kept_leaves, drop_dead=config.drop_dead) for r in kept]
+    # Side calls are excluded by what the rollout's structure says they are, not by the proxy's hints.
+    threads = [reconstruct(r.calls) for r in kept]
+    trees = [build_tree(with_kinds(r.calls, t), max_kept_leaves=config.max_kept_leaves, drop_dead=config.drop_dead)
+             for r, t in zip(kept, threads)]
     # A kept path longer than a micro-batch cannot be trained (pack would raise): drop its rollout
     # and count it, rather than lose the whole step to one overlong session.
     too_long = [not t.dropped and max((lf.depth for lf in t.leaves if lf.status == "kept"), default=0)
@@ -236,6 +242,7 @@ def prepare_step(rollouts: Sequence[RolloutResult], groups: Sequence[Hashable] |
         "dropped_no_calls": int(empty.sum()),
         "dropped_branching": int(sum(t.dropped for t in trees)) - int(sum(too_long)),
         "dropped_too_long": int(sum(too_long)),
+        **fidelity_counts(threads),
     }
     return StepData(kept, trees, rewards, batches, weights, denominator, advantages, forest, forest_rows, counts,
                     minibatches, denominators)
@@ -592,7 +599,8 @@ def train_step(policy: Policy, optimizer: torch.optim.Optimizer, rollouts: Seque
     grad_norm; summed: time_fwd_bwd_s, time_optimizer_s; the step's: the is_* / mismatch_* metrics
     and their ``rollout_corr/...`` names, advantage_mean / value_mean (PPO), num_updates (optimizer
     steps taken), stepped (1 if any), token counts (flat per call, flat per leaf, packed, dedup
-    ratios), filter counts and the other timings (seconds). With nothing trainable the optimizer is
+    ratios), filter counts, main-thread fidelity (main_continuity, main_pairs, main_drift_tokens,
+    main_divergences, side_calls) and the other timings (seconds). With nothing trainable the optimizer is
     not stepped (``stepped`` = 0).
     """
     t0 = time.perf_counter()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from clawfast.threads import reconstruct
+
 
 def main_calls_extend_exactly(result, harness: str, engine_calls: int) -> list:
     """The rollout of `harness` scored 1.0 with one record per engine call, and each main-thread call's
@@ -21,5 +23,8 @@ def main_calls_extend_exactly(result, harness: str, engine_calls: int) -> list:
         # ids back in (splice), never re-render that text.
         assert cur.metadata["spliced_turns"] >= 1, f"assistant turn re-rendered, not spliced: {cur.metadata}"
         np.testing.assert_array_equal(cur.prompt_ids[: len(path)], path)
-    assert all(c.metadata["drift"] == 0 for c in main[1:])
+    # The structure gives the same main thread, continuing exactly (`clawfast fidelity`'s numbers).
+    threads = reconstruct(result.calls)
+    assert [t.call_index for t in threads.calls if t.kind == "main"] == [c.call_index for c in main], threads.calls
+    assert threads.continuity == 1.0 and threads.drift == 0 and not threads.divergences
     return main

@@ -16,6 +16,7 @@ import pytest
 
 from clawfast.harness import get_harness
 from clawfast.rollout.check import check_harness, check_task
+from clawfast.threads import CAUSES, reconstruct
 
 needs_bwrap = pytest.mark.skipif(
     shutil.which("bwrap") is None or shutil.which("socat") is None,
@@ -29,9 +30,12 @@ def run_check(name: str, tmp_path, *, exact_prefix: bool = True):
     report = check_harness(name, task=task, timeout_s=300, logs_dir=tmp_path / "logs")
     result = report.result
     assert (result.status, result.reward) == ("ok", 1.0), "\n".join(report.lines())
-    # One main call per scripted turn: each oracle command, then the final answer.
-    main = [c for c in result.calls if not c.excluded]
+    # One main call per scripted turn: each oracle command, then the final answer; by structure, and
+    # continuing exactly (what `clawfast fidelity` reports for this rollout).
+    threads = reconstruct(result.calls)
+    main = [t for t in threads.calls if t.kind == "main"]
     assert len(main) == len(task.oracle) + 1 == report.turns_scripted, "\n".join(report.lines())
+    assert threads.continuity >= 0.999 and all(d.cause in CAUSES for d in threads.divergences), threads
     # Token in, token out: every sampled output is in the next prompt verbatim ...
     assert report.pairs and all(p.output_kept for p in report.pairs), "\n".join(report.lines())
     if exact_prefix:

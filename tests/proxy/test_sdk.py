@@ -27,7 +27,6 @@ def assert_continuity(calls, n: int) -> None:
         path = np.concatenate([prev.prompt_ids, prev.output_ids])
         assert len(cur.prompt_ids) > len(path)
         np.testing.assert_array_equal(cur.prompt_ids[: len(path)], path)
-        assert cur.metadata["drift"] == 0
         assert cur.metadata["spliced_turns"] >= 1
     for call in calls:
         assert call.tags == ("main",)

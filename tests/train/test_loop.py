@@ -66,6 +66,9 @@ def test_recorded_run_trains_logs_checkpoints_and_plots(tmp_path):
         # Shared prefixes are packed once: fewer rows than the calls' tokens.
         assert r["tokens_packed"] < r["tokens_per_call_flat"] and r["dedup_ratio_call"] > 1
         assert r["weight_version"] == 0  # no engine: nothing to push
+        # Main-thread fidelity of the trained rollouts (clawfast.threads), per step.
+        assert r["main_pairs"] > 0 and r["main_continuity"] == 1.0 and r["main_drift_tokens"] == 0
+        assert r["main_divergences"] == 0 and r["side_calls"] >= 0
     assert [r["data_position"] for r in records] == [2, 4, 6]
     assert [p.name for p in list_checkpoints(tmp_path / "run")] == ["step-000002", "step-000003"]
     after = load_file(str(list_checkpoints(tmp_path / "run")[-1] / "model" / "model.safetensors"))

@@ -34,6 +34,7 @@ from clawfast.synthetic import random_group, task_group
 from clawfast.train.algorithms import group_ids, grpo_rollout_advantages
 from clawfast.train.policy import Policy
 from clawfast.train.step import StepConfig, accumulate_gradients, prepare_step
+from clawfast.threads import reconstruct, with_kinds
 from clawfast.tree import build_tree
 from clawfast.tree_ref import kept_leaf_paths_ref, trainable_mask_ref
 
@@ -111,7 +112,7 @@ def path_forward(policy: Policy, ids: torch.Tensor):
 def flat_loss(policy: Policy, rollouts, config: StepConfig, *, ref_policy: Policy | None = None) -> torch.Tensor:
     """The step's loss from flat per-leaf copies (module docstring), differentiable."""
     keep = [r for r in rollouts if r.status in config.keep_statuses]
-    trees = [build_tree(r.calls, max_kept_leaves=config.max_kept_leaves) for r in keep]
+    trees = [build_tree(with_kinds(r.calls, reconstruct(r.calls)), max_kept_leaves=config.max_kept_leaves) for r in keep]
     rewards = [r.reward for r in keep]
     adv_of = grpo_rollout_advantages(rewards, group_ids(keep, config.group_by))
     copies, count = [], Counter()
@@ -227,7 +228,7 @@ def assert_same_step(policy: Policy, rollouts, config: StepConfig, ref_policy: P
 
 
 def longest_kept(rollouts) -> int:
-    return max(lf.depth for r in rollouts for lf in build_tree(r.calls).leaves if lf.status == "kept")
+    return max(lf.depth for r in rollouts for lf in build_tree(with_kinds(r.calls, reconstruct(r.calls))).leaves if lf.status == "kept")
 
 
 @pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])

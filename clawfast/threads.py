@@ -1,0 +1,421 @@
+"""A rollout's threads, rebuilt from the token structure of its calls.
+
+A harness sends every call as a whole conversation, so which call continues which is in the prompts
+themselves; no marker string is needed. `reconstruct(calls)` gives each call the call it `extends`,
+its `thread` (``"main"`` or ``"<kind>:<first call index>"``) and its `kind` (`KINDS`), and locates
+every place where the main thread does not continue exactly. The rules (docs/HARNESSES.md has them
+as a table, with the shapes seen on each harness and the failure modes) rest on two patterns: a call
+holds m's *turn* when it holds the end of m's prompt followed by the start of m's answer (the
+conversation goes on from m), and *quotes* m's answer when it holds the answer's text elsewhere (a
+tool result, a summary).
+
+1. **Probe**: at most one token sampled, stopped on length: ``quota``.
+2. **Links**, each call against the earlier ones: *extends* p (replays p's whole prompt, up to the
+   tokens all prompts end with, and p's turn); a *fork* (replays p's prompt but not its turn:
+   continues nothing, or, if nothing takes up p's answer, is a retry of p); a *retry* (p's very prompt: continues what p continues); *edited* (holds the
+   turn of a later call m past the prefix it shares, agreeing with m as far: the harness rewrote the
+   history and went on from m), unless m's history later goes on without it.
+3. **Compaction**: a call that continues no call whole quotes the answer of a call k that nothing
+   continued, and shares at least half of the first prompt of the thread k was given: k is a
+   ``compaction``; the call restarts that thread.
+4. **Subagent**: a chain whose last answer is quoted, past the shared prefix, by a later call of
+   another chain that continues it.
+5. **Main**: the longest other chain; in it, an edited one-off its chain went on without is a
+   ``summary``. A one-call side chain is a ``title`` (holds no earlier answer) or a ``summary``;
+   a longer one is ``other-side``.
+6. **Hints**: the proxy's tags decide only what the structure cannot (a hinted side chain is main
+   only if nothing else is; a hinted subagent; a compaction hint on the main chain's last call; a
+   one-off's hinted kind).
+
+Guaranteed: every call gets one `CallThread`; a call's `extends` is an earlier call. Continuity
+counts, for each main call that extends a main call, whether its prompt starts with all of that
+call's prompt + output; every main call that does not, and every restart after a compaction, is one
+`Divergence` with the token where it departs and its cause. Not guaranteed: the right answer where
+two rules see the same shape (docs/HARNESSES.md lists them); answers too short to quote (under
+`MIN_ANSWER` + 3 tokens) leave the links that rest on them to the hints.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from clawfast.records import TAGS, CallRecord
+
+KINDS = TAGS  # a call's kind is the tag training excludes it by (every kind but main)
+CAUSES = ("history edit", "compaction", "template re-render")
+MIN_ANSWER = 6  # tokens of an answer's middle to look for in later prompts; fewer would match by chance
+TURN_TOKENS = 6  # tokens on each side of where a replayed answer begins
+_HINTED_SIDE = {"subagent", "compaction", "title", "quota"}
+
+
+@dataclass(frozen=True)
+class CallThread:
+    call_index: int
+    thread: str  # "main", or "<kind>:<first call index>" of a side thread
+    kind: str  # one of KINDS
+    extends: int | None  # the call whose prompt + output this call's prompt continues; None: a root
+    reason: str  # which rule decided `kind`
+
+
+@dataclass(frozen=True)
+class Divergence:
+    call_index: int  # the main call whose prompt departs
+    against: int  # the main call it continues (for a compaction restart: the last one before it)
+    token_index: int  # first prompt position that differs from `against`'s prompt + output
+    cause: str  # one of CAUSES
+
+
+@dataclass
+class RolloutThreads:
+    calls: list[CallThread]  # in call-index order
+    divergences: list[Divergence]
+    main_pairs: int  # main calls that extend a main call
+    exact_pairs: int  # of those, the ones whose prompt starts with all of its prompt + output
+    drift: int  # tokens of the extended calls' prompt + output that those prompts did not reuse
+
+    @property
+    def continuity(self) -> float:
+        return self.exact_pairs / self.main_pairs if self.main_pairs else 1.0
+
+    def kind_of(self) -> dict[int, str]:
+        return {t.call_index: t.kind for t in self.calls}
+
+
+def _lcp(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    # In chunks: a thread's prompts share long prefixes and differ late, unrelated ones differ early.
+    for lo in range(0, n, 8192):
+        hi = min(lo + 8192, n)
+        diff = np.flatnonzero(a[lo:hi] != b[lo:hi])
+        if diff.size:
+            return lo + int(diff[0])
+    return n
+
+
+def _lcp_path(prompt: np.ndarray, p_prompt: np.ndarray, p_output: np.ndarray) -> int:
+    """Tokens `prompt` shares with `p_prompt + p_output`, without building that concatenation."""
+    s = _lcp(prompt, p_prompt)
+    if s < len(p_prompt):
+        return s
+    return s + _lcp(prompt[s:], p_output)
+
+
+def _common_suffix(prompts: list[np.ndarray]) -> int:
+    shortest = min(len(p) for p in prompts)
+    n = 0
+    while n < shortest - 1 and all(p[-1 - n] == prompts[0][-1 - n] for p in prompts):
+        n += 1
+    return n
+
+
+def _position(haystack: bytes, needle: bytes, start_token: int = 0) -> int:
+    """The first token position of `needle` in `haystack` at or after `start_token`, or -1."""
+    at = haystack.find(needle, 4 * start_token)
+    while at != -1 and at % 4:  # only matches aligned on a token boundary count
+        at = haystack.find(needle, at + 1)
+    return at // 4 if at != -1 else -1
+
+
+def _find(haystack: bytes, needle: bytes, start_token: int = 0) -> bool:
+    return _position(haystack, needle, start_token) != -1
+
+
+class _Rollout:
+    """The link pass: each call against the earlier ones, in call order."""
+
+    def __init__(self, calls: list[CallRecord]) -> None:
+        self.calls = calls
+        n = len(calls)
+        self.prompts = [np.ascontiguousarray(c.prompt_ids, np.int32) for c in calls]
+        self.outputs = [np.ascontiguousarray(c.output_ids, np.int32) for c in calls]
+        self.bytes = [p.tobytes() for p in self.prompts]
+        self.slack = _common_suffix(self.prompts) if n > 1 else 0
+        self.quota = [len(o) <= 1 and c.finish_reason == "length" for c, o in zip(calls, self.outputs)]
+        self.turns = [self._turn(i) for i in range(n)]
+        self.answers = [self._answer(i) for i in range(n)]
+        self.parent: list[int | None] = [None] * n
+        self.link = [""] * n  # "extends" | "edited" | "retry" | "" (continues nothing)
+        self.shared = [0] * n  # tokens shared with the parent's prompt + output
+        self.retry_of: list[int | None] = [None] * n  # the earlier call asked with the same prompt
+        self.replayed: list[tuple[int | None, int]] = [(None, 0)] * n  # the extends link before an edit
+        self.forked_from: list[int | None] = [None] * n
+        by_prompt: dict[bytes, int] = {}
+        by_length: list[tuple[int, int]] = []  # (-path length, -index) of earlier linkable calls
+        for i in range(n):
+            if self.quota[i]:
+                continue
+            earlier = by_prompt.get(self.bytes[i])
+            if earlier is not None:
+                self.parent[i], self.link[i], self.shared[i] = self.parent[earlier], "retry", self.shared[earlier]
+                self.retry_of[i] = earlier
+            else:
+                self._link(i, by_length)
+                by_prompt[self.bytes[i]] = i
+            bisect.insort(by_length, (-(len(self.prompts[i]) + len(self.outputs[i])), -i))
+        # An edited link to a call whose history later goes on without it is a side call that re-read
+        # the history (a summary request, a subagent handed the last turns): it keeps only what it replays.
+        last_extension: dict[int, int] = {}
+        for j in range(n):
+            if self.link[j] == "extends":
+                last_extension[self.parent[j]] = j
+        # A fork of a call whose answer nothing took up replaces it (the harness dropped the answer
+        # and asked again, e.g. after a length cut): a retry. A fork of a call the history goes on
+        # from asked something else of that history (a title, a compaction request): it continues nothing.
+        # Of several such forks, the ones something continues, else the last, are the harness's.
+        taken_up = {self.parent[j] for j in range(n) if self.link[j] in ("extends", "edited")}
+        forks: dict[int, list[int]] = {}
+        for i in range(n):
+            if self.forked_from[i] is not None and self.forked_from[i] not in taken_up and self.link[i] == "":
+                forks.setdefault(self.forked_from[i], []).append(i)
+        for p, group in forks.items():
+            for i in [i for i in group if i in taken_up] or group[-1:]:
+                self.link[i], self.retry_of[i] = "retry", p
+        for i in range(n):
+            if self.retry_of[i] is not None:
+                e = self.retry_of[i]
+                self.parent[i], self.shared[i] = self.parent[e], self.shared[e]
+            elif self.link[i] == "edited" and last_extension.get(self.parent[i], -1) > i:
+                self.parent[i], self.shared[i] = self.replayed[i]
+                self.link[i] = "" if self.parent[i] is None else "extends"
+
+    def _turn(self, m: int) -> bytes | None:
+        """How m's answer reads when a later prompt replays it as a turn: the end of m's prompt (the
+        generation prompt the proxy splices back) and the first sampled tokens."""
+        prompt, out = self.prompts[m], self.outputs[m]
+        head = out[: min(TURN_TOKENS, len(out) - 1)]
+        if self.quota[m] or len(head) == 0:
+            return None
+        return np.concatenate([prompt[-TURN_TOKENS:], head]).tobytes()
+
+    def _answer(self, m: int) -> bytes | None:
+        """What identifies m's answer when it is quoted inside another message: its middle, which
+        survives rewrapping (the first and last tokens re-tokenise with new neighbours), or if the
+        middle repeats text m was shown, the whole answer less one token at the front and two at
+        the end; None if neither is new text of at least `MIN_ANSWER` tokens."""
+        out = self.outputs[m]
+        for lo, hi in ((len(out) // 4, len(out) - max(2, len(out) // 4)), (1, len(out) - 2)):
+            needle = out[lo:hi].tobytes()
+            if hi - lo >= MIN_ANSWER and not _find(self.bytes[m], needle):
+                return needle
+        return None
+
+    def _link(self, i: int, by_length: list[tuple[int, int]]) -> None:
+        prompt = self.prompts[i]
+        best, best_s = None, -1
+        for neg_len, neg_p in by_length:  # longest paths first: the first exact match is the best
+            if -neg_len <= best_s:
+                break
+            p = -neg_p
+            need = max(len(self.prompts[p]) - self.slack, 1)
+            if len(prompt) < need or prompt[need - 1] != self.prompts[p][need - 1]:
+                continue
+            s = _lcp_path(prompt, self.prompts[p], self.outputs[p])
+            if s >= need and (s > best_s or (s == best_s and p > best)):
+                best, best_s = p, s
+        if best is not None and best_s < len(self.prompts[best]) and not self.holds_turn(i, best):
+            self.forked_from[i] = best  # p's history, and then another message instead of p's answer
+            best, best_s = None, -1
+        if best is not None:
+            self.parent[i], self.link[i], self.shared[i] = best, "extends", best_s
+            self.replayed[i] = (best, best_s)
+        # A later call's turn past the shared prefix, in a call that agrees with it as far: an edit.
+        start = best_s if best is not None else 0
+        for m in range(i - 1, -1 if best is None else best, -1):
+            if not self.holds_turn(i, m, max(start - TURN_TOKENS, 0)):
+                continue
+            if best is None or _lcp(prompt, self.prompts[m]) >= best_s:
+                self.parent[i], self.link[i], self.shared[i] = m, "edited", _lcp_path(prompt, self.prompts[m], self.outputs[m])
+                return
+
+    def how(self, i: int) -> str:
+        """How call i is linked to its parent; a retry, as the call it repeats."""
+        while self.retry_of[i] is not None:
+            i = self.retry_of[i]
+        return self.link[i]
+
+    def holds_turn(self, i: int, m: int, start: int = 0) -> bool:
+        return self.turns[m] is not None and _find(self.bytes[i], self.turns[m], start)
+
+    def quotes(self, i: int, m: int, start: int = 0) -> bool:
+        """Whether call i holds m's answer other than as m's turn (inside another message)."""
+        return self.answers[m] is not None and _find(self.bytes[i], self.answers[m], start) and not self.holds_turn(i, m)
+
+
+def reconstruct(calls: Sequence[CallRecord]) -> RolloutThreads:
+    """The threads of one rollout's calls (any order); see the module docstring for the rules."""
+    calls = sorted(calls, key=lambda c: int(c.call_index))
+    if not calls:
+        return RolloutThreads([], [], 0, 0, 0)
+    if len({c.rollout_id for c in calls}) > 1:
+        raise ValueError(f"calls from several rollouts: {sorted({str(c.rollout_id) for c in calls})}")
+    if len({int(c.call_index) for c in calls}) < len(calls):
+        raise ValueError(f"rollout {calls[0].rollout_id!r}: duplicate call indices")
+    r = _Rollout(calls)
+    n = len(calls)
+    hint = [next((t for t in c.tags if t in _HINTED_SIDE), None) for c in calls]
+    kind: list[str | None] = ["quota" if q else None for q in r.quota]
+    reason = ["sampled at most one token, stopped on length (a probe)" if q else "" for q in r.quota]
+    extends = list(r.parent)
+    continued = {r.parent[j] for j in range(n)} | {r.retry_of[j] for j in range(n)}
+
+    # Compactions: a call that replays no prompt whole quotes the answer of a call nobody
+    # continued, and shares at least half of the first prompt of the thread that call compacted.
+    restart_of: dict[int, int] = {}  # restarted call -> the call its thread continues
+    thread_root: list[int] = list(range(n))  # the first call of each call's thread so far
+    for c in range(n):
+        if r.retry_of[c] is not None and r.retry_of[c] in restart_of:  # a restart asked again
+            restart_of[c], extends[c] = restart_of[r.retry_of[c]], None
+            thread_root[c] = thread_root[r.retry_of[c]]
+            continue
+        if extends[c] is not None and r.how(c) != "edited":
+            thread_root[c] = thread_root[extends[c]]
+            continue
+        # Of several quoted answers (a summary, then a subagent's result after it), the first.
+        edited = extends[c] if extends[c] is not None else -1
+        quoted = [(_position(r.bytes[c], r.answers[k]), k) for k in range(edited + 1, c)
+                  if kind[k] is None and k not in continued and r.quotes(c, k)]
+        k = min(quoted)[1] if quoted else None
+        if k is not None:
+            # The thread compacted: the one c continues, which must be the one whose history k was
+            # given; else k's; else the one c shares most with.
+            q = r.parent[k]
+            if extends[c] is not None:  # an edited c restarts only the thread k was given
+                q = extends[c] if q is not None and thread_root[q] == thread_root[extends[c]] else None
+            elif q is None:
+                others = [q for q in range(c) if q != k and kind[q] is None]
+                q = max(others, key=lambda q: (_lcp_path(r.prompts[c], r.prompts[q], r.outputs[q]), q), default=None)
+            head = None if q is None else thread_root[q]
+            if q is not None and 2 * _lcp(r.prompts[c], r.prompts[head]) >= len(r.prompts[head]):
+                kind[k], reason[k] = "compaction", f"its answer restarts the thread in call {calls[c].call_index}"
+                restart_of[c], extends[c] = q, None
+                thread_root[c] = head
+                continue
+        if extends[c] is not None:
+            thread_root[c] = thread_root[extends[c]]
+
+    # Chains: union of the links (compactions and probes stand alone).
+    chain = list(range(n))
+
+    def root(i: int) -> int:
+        while chain[i] != i:
+            chain[i] = chain[chain[i]]
+            i = chain[i]
+        return i
+
+    for c in range(n):
+        if kind[c] is not None:
+            continue
+        for joined in (restart_of.get(c, extends[c]), r.retry_of[c]):
+            if joined is not None and kind[joined] is None:
+                chain[root(c)] = root(joined)
+    members: dict[int, list[int]] = {}
+    for c in range(n):
+        if kind[c] is None:
+            members.setdefault(root(c), []).append(c)
+    subagent_of: dict[int, int] = {}
+    for head, group in members.items():
+        last = group[-1]
+        for c in range(last + 1, n):
+            p = extends[c]
+            if kind[c] != "quota" and (p is not None or c in restart_of) and root(c) != head and r.quotes(c, last, max(r.shared[c] - 1, 0)):
+                subagent_of[head] = c
+                break
+    for head, group in members.items():
+        if any(hint[i] == "subagent" for i in group):
+            subagent_of.setdefault(head, -1)
+
+    # Main: the longest chain that is not a subagent (hinted side chains only if nothing else).
+    def rank(head: int) -> tuple:
+        group = members[head]
+        hinted = sum(hint[i] is not None for i in group) * 2 > len(group)
+        return (head not in subagent_of, not hinted, len(group), group[-1])
+
+    main_head = max(members, key=rank) if members else None
+    thread = [""] * n
+    for head, group in members.items():
+        if head == main_head:
+            for i in group:
+                thread[i], kind[i], reason[i] = "main", "main", "the main chain"
+            continued |= set(restart_of.values())
+            for i in group:
+                if r.link[i] == "edited" and i != group[-1] and i not in continued:
+                    kind[i], reason[i] = "summary", "an edited one-off that its chain went on without"
+                    thread[i] = f"summary:{calls[i].call_index}"
+            last = group[-1]
+            if hint[last] == "compaction" and kind[last] == "main":
+                kind[last], reason[last] = "compaction", "the main chain's last call, hinted compaction"
+                thread[last] = f"compaction:{calls[last].call_index}"
+            continue
+        if head in subagent_of:
+            consumer = subagent_of[head]
+            why = (f"its last answer returns in call {calls[consumer].call_index}" if consumer >= 0
+                   else "hinted subagent (harness header or marker)")
+            k, label = "subagent", why
+        elif len(group) == 1:
+            i = group[0]
+            holds = r.parent[i] is not None or any(r.quotes(i, m) or r.holds_turn(i, m) for m in range(i))
+            k, label = (("summary", "a one-off that re-reads earlier answers") if holds
+                        else ("title", "a one-off asked from the task alone"))
+            if hint[i] in ("title", "compaction", "quota") and hint[i] != k:
+                k, label = hint[i], f"a one-off, hinted {hint[i]}"
+        else:
+            k, label = "other-side", "a side chain that no other call takes up"
+        for i in group:
+            thread[i], kind[i], reason[i] = f"{k}:{calls[head].call_index}", k, label
+    for i in range(n):
+        if not thread[i]:
+            thread[i] = f"{kind[i]}:{calls[i].call_index}"
+
+    # Main-thread continuity and divergences.
+    divergences: list[Divergence] = []
+    pairs = exact = drift = 0
+    for i in range(n):
+        if kind[i] != "main":
+            continue
+        if i in restart_of:
+            m = restart_of[i]
+            s = _lcp_path(r.prompts[i], r.prompts[m], r.outputs[m])
+            divergences.append(Divergence(calls[i].call_index, calls[m].call_index, s, "compaction"))
+            continue
+        p = extends[i]
+        if p is None or kind[p] != "main":
+            continue
+        pairs += 1
+        path_len = len(r.prompts[p]) + len(r.outputs[p])
+        s = r.shared[i]
+        drift += path_len - s
+        if s == path_len:
+            exact += 1
+            continue
+        cause = "history edit" if r.how(i) == "edited" else "template re-render"
+        divergences.append(Divergence(calls[i].call_index, calls[p].call_index, s, cause))
+
+    out = [
+        CallThread(int(c.call_index), thread[i], kind[i], None if extends[i] is None else int(calls[extends[i]].call_index), reason[i])
+        for i, c in enumerate(calls)
+    ]
+    return RolloutThreads(out, divergences, pairs, exact, drift)
+
+
+def with_kinds(calls: Sequence[CallRecord], threads: RolloutThreads) -> list[CallRecord]:
+    """The calls with their tags set to their reconstructed kind (what `build_tree` excludes by)."""
+    kinds = threads.kind_of()
+    return [c if c.tags == (kinds[c.call_index],) else dataclasses.replace(c, tags=(kinds[c.call_index],)) for c in calls]
+
+
+def fidelity_counts(threads: Sequence[RolloutThreads]) -> dict[str, float]:
+    """A batch's main-thread fidelity, for the trainer's metrics: continuity over all its main pairs
+    (1.0 with none), drift tokens, divergences, and the side calls kept out of the loss."""
+    pairs = sum(t.main_pairs for t in threads)
+    return {
+        "main_continuity": sum(t.exact_pairs for t in threads) / pairs if pairs else 1.0,
+        "main_pairs": pairs,
+        "main_drift_tokens": sum(t.drift for t in threads),
+        "main_divergences": sum(len(t.divergences) for t in threads),
+        "side_calls": sum(c.kind != "main" for t in threads for c in t.calls),
+    }

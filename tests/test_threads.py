@@ -1,0 +1,323 @@
+"""`clawfast.threads.reconstruct` on rollouts built token by token in a chat-template shape, with no
+marker string and every call tagged ``main``: side calls shaped like other harnesses' (compaction
+with and without its own system prompt, title requests that carry the tools, summary labels, a
+subagent with a subset of the tools, probes), retries, history edits and re-rendered turns. The
+harness-traffic versions of these are in tests/harness/test_side_calls.py."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from clawfast.records import CallRecord
+from clawfast.threads import reconstruct, with_kinds
+from clawfast.tree import build_tree
+
+START, END, SYSTEM, USER, ASSISTANT, TOOL = 1, 2, 3, 4, 5, 6
+GEN = [START, ASSISTANT]  # the generation prompt every prompt ends with
+
+
+class Session:
+    """Calls of one rollout in a ChatML-like token shape: a message is START role content END and
+    an answer is sampled after the generation prompt, ending with END (the stop token)."""
+
+    def __init__(self, seed: int = 0, vocab: int = 5000) -> None:
+        self.rng = np.random.default_rng(seed)
+        self.vocab = vocab
+        self.calls: list[CallRecord] = []
+
+    def text(self, n: int) -> list[int]:
+        return self.rng.integers(10, self.vocab, n).tolist()
+
+    @staticmethod
+    def msg(role: int, content: list[int]) -> list[int]:
+        return [START, role, *content, END]
+
+    def ask(self, history: list[int], answer: list[int] | None = None, *, finish: str = "stop") -> list[int]:
+        """One call on `history` (messages); returns the answer turn as it is replayed later."""
+        answer = self.text(int(self.rng.integers(12, 40))) + [END] if answer is None else answer
+        self.calls.append(CallRecord("r", len(self.calls), "h", np.array(history + GEN), np.array(answer),
+                                     -np.ones(len(answer)), finish_reason=finish))
+        return GEN + answer
+
+
+def kinds(calls) -> list[str]:
+    return [t.kind for t in reconstruct(calls).calls]
+
+
+def main_session(s: Session, steps: int, system: list[int], task: list[int]) -> list[int]:
+    history = s.msg(SYSTEM, system) + s.msg(USER, task)
+    for _ in range(steps):
+        history = history + s.ask(history) + s.msg(TOOL, s.text(20))
+    return history
+
+
+def test_a_plain_chain_is_main_and_continues_exactly():
+    s = Session()
+    main_session(s, 6, s.text(300), s.text(30))
+    rt = reconstruct(s.calls)
+    assert kinds(s.calls) == ["main"] * 6
+    assert [t.extends for t in rt.calls] == [None, 0, 1, 2, 3, 4]
+    assert (rt.main_pairs, rt.exact_pairs, rt.continuity, rt.drift, rt.divergences) == (5, 5, 1.0, 0, [])
+
+
+def test_compaction_with_the_main_system_prompt_and_no_marker():
+    s = Session(1)
+    system, task = s.text(300), s.text(30)
+    history = main_session(s, 4, system, task)
+    summary = s.ask(history + s.msg(USER, s.text(25)))  # the history plus a request, the same header
+    restart = s.msg(SYSTEM, system) + s.msg(USER, task + summary[2:])
+    history = restart
+    for _ in range(3):
+        history = history + s.ask(history) + s.msg(TOOL, s.text(20))
+    rt = reconstruct(s.calls)
+    assert kinds(s.calls) == ["main"] * 4 + ["compaction"] + ["main"] * 3
+    assert rt.calls[5].thread == "main" and rt.calls[5].extends is None
+    [div] = rt.divergences
+    assert (div.call_index, div.against, div.cause) == (5, 3, "compaction")
+    assert rt.continuity == 1.0 and rt.main_pairs == 5
+
+
+def test_compaction_with_its_own_system_prompt_replaying_the_history():
+    s = Session(2)
+    system, task = s.text(300), s.text(30)
+    history = main_session(s, 4, system, task)
+    messages = history[len(s.msg(SYSTEM, system)):]
+    summary = s.ask(s.msg(SYSTEM, s.text(40)) + messages + s.msg(USER, s.text(10)))
+    history = s.msg(SYSTEM, system) + s.msg(USER, s.text(8) + summary[2:])
+    for _ in range(2):
+        history = history + s.ask(history) + s.msg(TOOL, s.text(20))
+    assert kinds(s.calls) == ["main"] * 4 + ["compaction"] + ["main"] * 2
+
+
+def test_title_request_that_carries_the_tools_forks_the_first_prompt():
+    s = Session(3)
+    system, task = s.text(300), s.text(30)
+    head = s.msg(SYSTEM, system) + s.msg(USER, task)
+    first = s.ask(head)
+    s.ask(head + s.msg(USER, s.text(12)), s.text(6) + [END])  # same system + tools, asks for a title
+    history = head + first + s.msg(TOOL, s.text(20))
+    for _ in range(3):
+        history = history + s.ask(history) + s.msg(TOOL, s.text(20))
+    rt = reconstruct(s.calls)
+    assert kinds(s.calls) == ["main", "title"] + ["main"] * 3
+    assert rt.calls[1].extends is None and rt.calls[1].thread != "main"
+    assert rt.calls[2].extends == 0
+
+
+def test_title_asked_before_the_main_thread_with_its_own_prompt():
+    s = Session(4)
+    task = s.text(30)
+    s.ask(s.msg(SYSTEM, s.text(20)) + s.msg(USER, task), s.text(7) + [END])
+    main_session(s, 3, s.text(300), task)
+    assert kinds(s.calls) == ["title", "main", "main", "main"]
+
+
+def test_summary_label_quoting_the_last_answer_while_the_agent_goes_on():
+    s = Session(5)
+    system, task = s.text(300), s.text(30)
+    history = s.msg(SYSTEM, system) + s.msg(USER, task)
+    history = history + s.ask(history) + s.msg(TOOL, s.text(20))
+    answer = s.ask(history)
+    s.ask(s.msg(SYSTEM, s.text(15)) + s.msg(USER, answer[2:-1]), s.text(5) + [END])  # "label this tool use"
+    history = history + answer + s.msg(TOOL, s.text(20))
+    history = history + s.ask(history) + s.msg(TOOL, s.text(20))
+    assert kinds(s.calls) == ["main", "main", "summary", "main"]
+
+
+def test_subagent_with_a_subset_of_the_tools_returns_in_a_tool_result():
+    s = Session(6)
+    system, task = s.text(300), s.text(30)
+    history = s.msg(SYSTEM, system) + s.msg(USER, task)
+    history = history + s.ask(history)  # delegates
+    sub = s.msg(SYSTEM, system[:100] + s.text(30)) + s.msg(USER, s.text(25))
+    for _ in range(3):
+        sub_answer = s.ask(sub)
+        sub = sub + sub_answer + s.msg(TOOL, s.text(15))
+    history = history + s.msg(TOOL, sub_answer[2:-1])
+    for _ in range(3):  # the main thread goes on longer than the subagent ran
+        history = history + s.ask(history) + s.msg(TOOL, s.text(20))
+    rt = reconstruct(s.calls)
+    assert kinds(s.calls) == ["main"] + ["subagent"] * 3 + ["main"] * 3
+    assert len({rt.calls[i].thread for i in (1, 2, 3)}) == 1 and rt.calls[1].thread != "main"
+    assert rt.calls[4].extends == 0 and rt.continuity == 1.0
+
+
+def test_a_subagent_longer_than_the_main_thread_is_still_a_subagent():
+    s = Session(7)
+    system = s.text(300)
+    history = s.msg(SYSTEM, system) + s.msg(USER, s.text(30))
+    history = history + s.ask(history)
+    sub = s.msg(SYSTEM, s.text(50)) + s.msg(USER, s.text(25))
+    for _ in range(6):
+        sub_answer = s.ask(sub)
+        sub = sub + sub_answer + s.msg(TOOL, s.text(15))
+    s.ask(history + s.msg(TOOL, sub_answer[2:-1]))
+    assert kinds(s.calls) == ["main"] + ["subagent"] * 6 + ["main"]
+
+
+def test_quota_probe_retry_and_dead_branch():
+    s = Session(8)
+    s.ask(s.msg(USER, [42]), [77], finish="length")  # asks for one token
+    head = s.msg(SYSTEM, s.text(300)) + s.msg(USER, s.text(30))
+    s.ask(head, s.text(20), finish="length")  # cut off, asked again
+    first = s.ask(head)
+    history = head + first + s.msg(TOOL, s.text(20))
+    s.ask(history + s.msg(TOOL, s.text(5)))  # a variant the harness dropped
+    history = history + s.ask(history) + s.msg(TOOL, s.text(20))
+    s.ask(history)
+    rt = reconstruct(s.calls)
+    assert kinds(s.calls) == ["quota", "main", "main", "main", "main", "main"]
+    assert rt.calls[2].extends is None and rt.calls[4].extends == 2
+    statuses = {lf.calls: lf.status for lf in build_tree(with_kinds(s.calls, rt)).leaves}
+    assert statuses[(0,)] == "excluded" and statuses[(1,)] == "dead" and statuses[(5,)] == "kept"
+
+
+def test_history_edit_and_re_rendered_turn_are_located_and_attributed():
+    s = Session(9)
+    head = s.msg(SYSTEM, s.text(300)) + s.msg(USER, s.text(30))
+    tools = [s.msg(TOOL, s.text(20)) for _ in range(3)]
+    a0 = s.ask(head)
+    a1 = s.ask(head + a0 + tools[0])
+    a2 = s.ask(head + a0 + tools[0] + a1 + tools[1])
+    edited = head + a0 + s.msg(TOOL, s.text(3)) + a1 + tools[1] + a2 + tools[2]  # an old result cleared
+    a3 = s.ask(edited)
+    rerendered = a3[:5] + [9] + a3[6:]  # the harness's replay of call 3's answer differs at one token
+    s.ask(edited + rerendered + s.msg(TOOL, s.text(20)))
+    rt = reconstruct(s.calls)
+    assert kinds(s.calls) == ["main"] * 5
+    assert [t.extends for t in rt.calls] == [None, 0, 1, 2, 3]
+    edit, render = rt.divergences
+    assert (edit.call_index, edit.against, edit.cause) == (3, 2, "history edit")
+    assert edit.token_index == len(head + a0) + 2
+    assert (render.call_index, render.against, render.cause) == (4, 3, "template re-render")
+    assert render.token_index == len(edited) + 5
+    assert (rt.main_pairs, rt.exact_pairs) == (4, 2)
+
+
+def test_an_answer_the_harness_dropped_is_a_dead_main_branch():
+    """mini-swe-agent after a length cut: the answer is not replayed, a user message says why."""
+    s = Session(12)
+    head = s.msg(SYSTEM, s.text(300)) + s.msg(USER, s.text(30))
+    s.ask(head, s.text(20), finish="length")
+    history = head + s.msg(USER, s.text(15))
+    history = history + s.ask(history) + s.msg(TOOL, s.text(20))
+    s.ask(history)
+    rt = reconstruct(s.calls)
+    assert kinds(s.calls) == ["main"] * 3
+    assert [t.extends for t in rt.calls] == [None, None, 1] and rt.continuity == 1.0
+
+
+def test_hints_decide_what_the_structure_cannot():
+    s = Session(10)
+    history = main_session(s, 3, s.text(300), s.text(30))
+    s.ask(history + s.msg(USER, s.text(10)))  # the last call: a final answer or a compaction request
+    assert kinds(s.calls)[-1] == "main"
+    hinted = s.calls[:-1] + [dataclasses.replace(s.calls[-1], tags=("compaction",))]
+    assert kinds(hinted)[-1] == "compaction"
+    # A subagent whose answer is too short to find in a later prompt: only its header says so.
+    t = Session(11)
+    history = t.msg(SYSTEM, t.text(300)) + t.msg(USER, t.text(30))
+    history = history + t.ask(history)
+    t.ask(t.msg(SYSTEM, t.text(40)) + t.msg(USER, t.text(20)), [11, 12, END])
+    t.ask(history + t.msg(TOOL, [11, 12]))
+    assert kinds(t.calls) == ["main", "title", "main"]
+    hinted = [dataclasses.replace(c, tags=("subagent",)) if c.call_index == 1 else c for c in t.calls]
+    assert kinds(hinted) == ["main", "subagent", "main"]
+
+
+def random_session(seed: int) -> tuple[list[CallRecord], list[str], set[int]]:
+    """A session of random shape, its true kinds and its restarts after a compaction: main steps with retries, subagents, compactions
+    in both forms (the main header, or one of its own replaying the history; the last turn kept or
+    not), a title (forked from the first prompt or asked on its own), summary labels, probes and a
+    history edit of an old tool result."""
+    s = Session(seed)
+    rng = s.rng
+    truth: list[str] = []
+    restarts: set[int] = set()
+    restarting = False  # a compaction happened and the main thread has not been asked since
+
+    def ask(kind: str, history, answer=None, **kw):
+        nonlocal restarting
+        if kind == "main" and restarting:
+            restarts.add(len(truth))
+            restarting = kw.get("finish") == "length"  # asked again on the same prompt
+        truth.append(kind)
+        return s.ask(history, answer, **kw)
+
+    system, task = s.text(int(rng.integers(50, 300))), s.text(30)
+    head = s.msg(SYSTEM, system) + s.msg(USER, task)
+    if rng.random() < 0.5:
+        ask("quota", s.msg(USER, [42]), [77], finish="length")
+    history, results, last = head, [], None  # results: offsets of the tool results in `history`
+    titled = False
+    for _ in range(int(rng.integers(4, 14))):
+        op = rng.choice(["step", "step", "step", "retry", "cut", "subagent", "compaction", "label", "edit", "title"])
+        if op == "cut":  # an answer cut by length that the harness drops, saying so in a new message
+            ask("main", history, s.text(15), finish="length")
+            history = history + s.msg(USER, s.text(10))
+        if op == "title" and not titled and last is not None:
+            titled = True
+            if rng.random() < 0.5:
+                ask("title", head + s.msg(USER, s.text(12)), s.text(6) + [END])  # the main header and tools
+            else:
+                ask("title", s.msg(SYSTEM, s.text(20)) + s.msg(USER, task), s.text(7) + [END])
+            continue
+        if op == "retry":
+            ask("main", history, s.text(15), finish="length")
+        if op == "subagent" and last is not None:
+            sub = s.msg(SYSTEM, system[: len(system) // 2] + s.text(20)) + s.msg(USER, s.text(25))
+            for _ in range(int(rng.integers(1, 5))):
+                answer = ask("subagent", sub)
+                sub = sub + answer + s.msg(TOOL, s.text(15))
+            results.append(len(history))
+            history = history + s.msg(TOOL, answer[2:-1])  # its report as the delegating call's result
+            continue
+        if op == "compaction" and last is not None:
+            messages = history[len(s.msg(SYSTEM, system)):]
+            own = rng.random() < 0.5
+            request = (s.msg(SYSTEM, s.text(40)) + messages if own else history) + s.msg(USER, s.text(20))
+            summary = ask("compaction", request)
+            history = head[: len(s.msg(SYSTEM, system))] + s.msg(USER, task + summary[2:])
+            if rng.random() < 0.5:  # the last turn kept after the summary
+                history = history + last + s.msg(TOOL, s.text(10))
+            results, last = [], None  # the harness asks the restarted thread before anything else
+            restarting = True
+            continue
+        if op == "label" and last is not None:
+            ask("summary", s.msg(SYSTEM, s.text(15)) + s.msg(USER, last[2:-1]), s.text(5) + [END])
+            continue
+        if op == "edit" and len(results) >= 3:  # an old tool result (the newest ones stay as they were)
+            at = results[0]
+            old = history[at: history.index(END, at) + 1]
+            history = history[:at] + s.msg(TOOL, s.text(3)) + history[at + len(old):]
+            shift = len(s.msg(TOOL, s.text(0))) + 3 - len(old)
+            results = [r + shift for r in results[1:]]
+        last = ask("main", history)
+        results.append(len(history) + len(last))
+        history = history + last + s.msg(TOOL, s.text(20))
+    ask("main", history)
+    return s.calls, truth, restarts
+
+
+@pytest.mark.parametrize("seed", range(100))
+def test_random_sessions_recover_their_kinds(seed):
+    calls, truth, restarts = random_session(seed)
+    rng = np.random.default_rng(seed)
+    rt = reconstruct([calls[i] for i in rng.permutation(len(calls))])  # any arrival order
+    assert [t.kind for t in rt.calls] == truth, [(t.call_index, t.kind, k, t.reason) for t, k in zip(rt.calls, truth) if t.kind != k]
+    assert all((t.thread == "main") == (t.kind == "main") for t in rt.calls)
+    assert rt.exact_pairs == rt.main_pairs - sum(d.cause == "history edit" for d in rt.divergences)
+    assert {d.call_index for d in rt.divergences if d.cause == "compaction"} == restarts
+
+
+def test_rejects_mixed_rollouts_and_duplicate_indices():
+    s = Session()
+    main_session(s, 2, s.text(10), s.text(5))
+    with pytest.raises(ValueError, match="several rollouts"):
+        reconstruct([s.calls[0], dataclasses.replace(s.calls[1], rollout_id="other")])
+    with pytest.raises(ValueError, match="duplicate"):
+        reconstruct([s.calls[0], dataclasses.replace(s.calls[1], call_index=0)])
+    assert reconstruct([]).calls == [] and reconstruct([]).continuity == 1.0

@@ -97,8 +97,8 @@ def _lcp(a: np.ndarray, b: np.ndarray) -> int:
     return n
 
 
-def _lcp_path(prompt: np.ndarray, p_prompt: np.ndarray, p_output: np.ndarray) -> int:
-    """Tokens `prompt` shares with `p_prompt + p_output`, without building that concatenation."""
+def shared_with_path(prompt: np.ndarray, p_prompt: np.ndarray, p_output: np.ndarray) -> int:
+    """Tokens `prompt` starts with of the path `p_prompt + p_output`, without building that path."""
     s = _lcp(prompt, p_prompt)
     if s < len(p_prompt):
         return s
@@ -113,8 +113,9 @@ def _common_suffix(prompts: list[np.ndarray]) -> int:
     return n
 
 
-def _position(haystack: bytes, needle: bytes, start_token: int = 0) -> int:
-    """The first token position of `needle` in `haystack` at or after `start_token`, or -1."""
+def token_position(haystack: bytes, needle: bytes, start_token: int = 0) -> int:
+    """The first token position of `needle` in `haystack` (int32 token ids as bytes) at or after
+    `start_token`, or -1."""
     at = haystack.find(needle, 4 * start_token)
     while at != -1 and at % 4:  # only matches aligned on a token boundary count
         at = haystack.find(needle, at + 1)
@@ -122,14 +123,13 @@ def _position(haystack: bytes, needle: bytes, start_token: int = 0) -> int:
 
 
 def _find(haystack: bytes, needle: bytes, start_token: int = 0) -> bool:
-    return _position(haystack, needle, start_token) != -1
+    return token_position(haystack, needle, start_token) != -1
 
 
 class _Rollout:
     """The link pass: each call against the earlier ones, in call order."""
 
     def __init__(self, calls: list[CallRecord]) -> None:
-        self.calls = calls
         n = len(calls)
         self.prompts = [np.ascontiguousarray(c.prompt_ids, np.int32) for c in calls]
         self.outputs = [np.ascontiguousarray(c.output_ids, np.int32) for c in calls]
@@ -157,12 +157,6 @@ class _Rollout:
                 self._link(i, by_length)
                 by_prompt[self.bytes[i]] = i
             bisect.insort(by_length, (-(len(self.prompts[i]) + len(self.outputs[i])), -i))
-        # An edited link to a call whose history later goes on without it is a side call that re-read
-        # the history (a summary request, a subagent handed the last turns): it keeps only what it replays.
-        last_extension: dict[int, int] = {}
-        for j in range(n):
-            if self.link[j] == "extends":
-                last_extension[self.parent[j]] = j
         # A fork of a call whose answer nothing took up replaces it (the harness dropped the answer
         # and asked again, e.g. after a length cut): a retry. A fork of a call the history goes on
         # from asked something else of that history (a title, a compaction request): it continues nothing.
@@ -175,6 +169,12 @@ class _Rollout:
         for p, group in forks.items():
             for i in [i for i in group if i in taken_up] or group[-1:]:
                 self.link[i], self.retry_of[i] = "retry", p
+        # An edited link to a call whose history later goes on without it is a side call that re-read
+        # the history (a summary request, a subagent handed the last turns): it keeps only what it replays.
+        last_extension: dict[int, int] = {}
+        for j in range(n):
+            if self.link[j] == "extends":
+                last_extension[self.parent[j]] = j
         for i in range(n):
             if self.retry_of[i] is not None:
                 e = self.retry_of[i]
@@ -214,7 +214,7 @@ class _Rollout:
             need = max(len(self.prompts[p]) - self.slack, 1)
             if len(prompt) < need or prompt[need - 1] != self.prompts[p][need - 1]:
                 continue
-            s = _lcp_path(prompt, self.prompts[p], self.outputs[p])
+            s = shared_with_path(prompt, self.prompts[p], self.outputs[p])
             if s >= need and (s > best_s or (s == best_s and p > best)):
                 best, best_s = p, s
         if best is not None and best_s < len(self.prompts[best]) and not self.holds_turn(i, best):
@@ -229,7 +229,7 @@ class _Rollout:
             if not self.holds_turn(i, m, max(start - TURN_TOKENS, 0)):
                 continue
             if best is None or _lcp(prompt, self.prompts[m]) >= best_s:
-                self.parent[i], self.link[i], self.shared[i] = m, "edited", _lcp_path(prompt, self.prompts[m], self.outputs[m])
+                self.parent[i], self.link[i], self.shared[i] = m, "edited", shared_with_path(prompt, self.prompts[m], self.outputs[m])
                 return
 
     def how(self, i: int) -> str:
@@ -277,7 +277,7 @@ def reconstruct(calls: Sequence[CallRecord]) -> RolloutThreads:
             continue
         # Of several quoted answers (a summary, then a subagent's result after it), the first.
         edited = extends[c] if extends[c] is not None else -1
-        quoted = [(_position(r.bytes[c], r.answers[k]), k) for k in range(edited + 1, c)
+        quoted = [(token_position(r.bytes[c], r.answers[k]), k) for k in range(edited + 1, c)
                   if kind[k] is None and k not in continued and r.quotes(c, k)]
         k = min(quoted)[1] if quoted else None
         if k is not None:
@@ -288,7 +288,7 @@ def reconstruct(calls: Sequence[CallRecord]) -> RolloutThreads:
                 q = extends[c] if q is not None and thread_root[q] == thread_root[extends[c]] else None
             elif q is None:
                 others = [q for q in range(c) if q != k and kind[q] is None]
-                q = max(others, key=lambda q: (_lcp_path(r.prompts[c], r.prompts[q], r.outputs[q]), q), default=None)
+                q = max(others, key=lambda q: (shared_with_path(r.prompts[c], r.prompts[q], r.outputs[q]), q), default=None)
             head = None if q is None else thread_root[q]
             if q is not None and 2 * _lcp(r.prompts[c], r.prompts[head]) >= len(r.prompts[head]):
                 kind[k], reason[k] = "compaction", f"its answer restarts the thread in call {calls[c].call_index}"
@@ -379,7 +379,7 @@ def reconstruct(calls: Sequence[CallRecord]) -> RolloutThreads:
             continue
         if i in restart_of:
             m = restart_of[i]
-            s = _lcp_path(r.prompts[i], r.prompts[m], r.outputs[m])
+            s = shared_with_path(r.prompts[i], r.prompts[m], r.outputs[m])
             divergences.append(Divergence(calls[i].call_index, calls[m].call_index, s, "compaction"))
             continue
         p = extends[i]

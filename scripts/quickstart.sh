@@ -18,7 +18,7 @@ START=$(date +%s)
 
 echo "== 1/4 install"
 # Only what the quickstart uses: no vLLM or peers venv, one harness.
-CLAWFAST_SKIP_VLLM=1 CLAWFAST_SKIP_PEERS=1 CLAWFAST_HARNESSES=mini-swe-agent scripts/setup.sh
+CLAWFAST_SKIP_VLLM=1 CLAWFAST_SKIP_PEERS=1 CLAWFAST_SKIP_DOCKER=1 CLAWFAST_HARNESSES=mini-swe-agent scripts/setup.sh
 
 echo "== 2/4 embedded model"
 python3 -c "from clawfast.embedded import ensure_embedded_model; print(ensure_embedded_model())"

@@ -5,10 +5,26 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 CACHE="${CLAWFAST_HOME:-$HOME/.cache/clawfast}"
 
-if ! command -v bwrap >/dev/null || ! command -v socat >/dev/null; then
+# System packages, in one apt-get update: the bwrap backend's, and the docker engine's and image
+# builder's (scripts/docker_engine.sh; it installs them itself when run alone).
+have() { command -v "$1" >/dev/null || [ -x "/usr/sbin/$1" ] || [ -x "/sbin/$1" ]; }
+PKGS=()
+have bwrap || PKGS+=(bubblewrap)
+have socat || PKGS+=(socat)
+if [ "${CLAWFAST_SKIP_DOCKER:-0}" != 1 ]; then
+  have dockerd || PKGS+=(docker.io)
+  have debootstrap || PKGS+=(debootstrap)
+fi
+if [ "${#PKGS[@]}" -gt 0 ]; then
   SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
   $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq bubblewrap socat >/dev/null
+  $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${PKGS[@]}" >/dev/null
+fi
+
+# A Docker engine (no bridge network) and the local image the docker backend's tests use; nothing
+# is pulled. CLAWFAST_SKIP_DOCKER=1 opts out (local development only; CI runs those tests).
+if [ "${CLAWFAST_SKIP_DOCKER:-0}" != 1 ]; then
+  bash scripts/docker_engine.sh
 fi
 
 # torch first and pinned: 2.13.0 is the CPU build; an unpinned resolve would pull a CUDA build.

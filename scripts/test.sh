@@ -5,6 +5,12 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 CACHE="${CLAWFAST_HOME:-$HOME/.cache/clawfast}"
 
+# The image scripts/docker_engine.sh builds. Once it is named, the docker backend's tests fail
+# rather than skip when the engine or the image is missing. Not with CLAWFAST_SKIP_DOCKER=1.
+if [ "${CLAWFAST_SKIP_DOCKER:-0}" != 1 ]; then
+  export CLAWFAST_TEST_DOCKER_IMAGE=clawfast-sandbox:bookworm
+fi
+
 # The vllm-marked tests run in the vLLM venv (scripts/setup.sh explains why); the rest run in the
 # main environment, last, so its summary closes the output.
 if [ -x "$CACHE/venv-vllm/bin/python" ]; then

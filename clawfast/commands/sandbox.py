@@ -35,6 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     run_p.add_argument("--env", metavar="KEY=VALUE", action="append", default=[], help="set a variable (repeatable)")
     run_p.add_argument("--memory-mb", type=int, default=None, help="memory limit in MiB (default 4096)")
+    run_p.add_argument("--disk-mb", type=int, default=None,
+                       help="size of the workspace+home, and of /tmp, in MiB (default 4096)")
+    run_p.add_argument("--cpus", type=float, default=None, help="CPU quota in cores (default: none)")
     run_p.add_argument("--image", default=None, help="docker backend: the image to run")
     run_p.add_argument("--keep", metavar="DIR", help="copy the final workspace to DIR (must not exist)")
     run_p.add_argument("--unsafe", action="store_true", help="required with --backend local (no isolation)")
@@ -62,7 +65,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"clawfast sandbox run: --keep {args.keep} already exists", file=sys.stderr)
         return 2
     try:
-        limits = Limits() if args.memory_mb is None else Limits(memory_bytes=args.memory_mb << 20)
+        given = {"memory_bytes": None if args.memory_mb is None else args.memory_mb << 20,
+                 "disk_bytes": None if args.disk_mb is None else args.disk_mb << 20, "cpus": args.cpus}
+        limits = Limits(**{k: v for k, v in given.items() if v is not None})
         spec = SandboxSpec(
             source_dir=args.workspace,
             allow_ports=tuple(args.allow_port),

@@ -17,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from clawfast.harness_install import COMPLETE_MARKER, cache_root, install_once
+from clawfast.harness_install import cache_root, install_once, is_installed
 
 # PEP 508 distribution names and exact versions only: the cache key must pin the install.
 _NAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?$")
@@ -40,7 +40,7 @@ def ensure_pip_harness(name: str, version: str, *, python: str | None = None, ti
     malformed name/version and RuntimeError (with pip's output tail) if the install fails.
     """
     prefix = pip_install_dir(name, version)
-    if (prefix / COMPLETE_MARKER).exists():
+    if is_installed(prefix):
         return prefix
     python = python or sys.executable
 

@@ -45,6 +45,7 @@ from urllib.parse import urlsplit
 
 from clawfast.engines.base import Sampling
 from clawfast.harness.base import Harness, RunLayout, copy_artifacts
+from clawfast.harness_install import host_runtime
 from clawfast.proxy.rollouts import OpenedRollout
 from clawfast.records import RolloutResult
 from clawfast.rollout.spec import RolloutSpec
@@ -299,7 +300,7 @@ class RolloutWorker:
             source_dir=str(task.workspace_dir) if task.workspace_dir is not None else None,
             allow_ports=(port,),
             # Same path inside and out: argv and the install's own absolute paths stay valid.
-            ro_binds={str(install.root): str(install.root)},
+            ro_binds={str(p): str(p) for p in (install.root, *host_runtime(install.root))},
             workdir=task.workdir,
             hide_paths=tuple(str(p) for p in task.private_dirs),
             limits=cfg.limits,

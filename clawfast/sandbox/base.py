@@ -47,6 +47,12 @@ TMPFS_DIRS = ("/tmp", "/run")
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
+# The host uid and gid every sandboxed process runs as when clawfast runs as root (the isolating
+# backends' `uid` option changes it). Not a login account: outside the ranges Debian gives to users
+# (1000-59999) and to system accounts, so no host file belongs to it unless a sandbox wrote it. Inside
+# it is called "agent" (see clawfast.sandbox.view).
+SANDBOX_UID = 61000
+
 MiB = 1 << 20
 GiB = 1 << 30
 
@@ -62,10 +68,13 @@ class Limits:
 
     memory_bytes: memory of all processes together (a cgroup memory limit; the OOM killer ends the
         largest process when it is exceeded).
-    max_processes: number of processes/threads alive at once (a pids cgroup, plus RLIMIT_NPROC, which
-        the kernel does not apply to uid 0).
+    max_processes: number of processes/threads alive at once (a pids cgroup).
     max_file_bytes: largest file any process may write (RLIMIT_FSIZE; captured stdout/stderr count too,
         a process that exceeds it gets SIGXFSZ).
+    disk_bytes: size of each filesystem the sandbox can write: the workspace and private home together
+        (one sized tmpfs on the host), and its /tmp and /dev/shm (each its own). A write past it fails
+        with ENOSPC. The pages are RAM, charged to the sandbox's memory limit when it writes them.
+    cpus: CPU time as a number of cores (a cgroup CPU quota: 0.5 is half of one core); None: no quota.
     address_space_bytes: RLIMIT_AS per process. Off by default because V8 (Node harnesses) reserves
         tens of GiB of virtual address space it never touches.
     max_output_bytes: how much of stdout and of stderr `RunResult` carries; the rest is dropped and
@@ -75,14 +84,19 @@ class Limits:
     memory_bytes: int | None = 4 * GiB
     max_processes: int | None = 1024
     max_file_bytes: int | None = 1 * GiB
+    disk_bytes: int | None = 4 * GiB
+    cpus: float | None = None
     address_space_bytes: int | None = None
     max_output_bytes: int = 8 * MiB
 
     def validate(self) -> None:
-        for name in ("memory_bytes", "max_processes", "max_file_bytes", "address_space_bytes"):
+        for name in ("memory_bytes", "max_processes", "max_file_bytes", "disk_bytes", "address_space_bytes"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value <= 0):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
                 raise ValueError(f"Limits.{name} must be a positive int or None, got {value!r}")
+        if self.cpus is not None and (isinstance(self.cpus, bool) or not isinstance(self.cpus, (int, float))
+                                      or not 0.01 <= self.cpus <= 4096):
+            raise ValueError(f"Limits.cpus must be a number of cores between 0.01 and 4096 or None, got {self.cpus!r}")
         if not isinstance(self.max_output_bytes, int) or self.max_output_bytes < 0:
             raise ValueError(f"Limits.max_output_bytes must be an int >= 0, got {self.max_output_bytes!r}")
 
@@ -114,10 +128,10 @@ class SandboxSpec:
         place a workspace at an absolute path); the others leave the rest of the sandbox's filesystem
         as it is without one (see each backend's docstring).
     hide_paths: host directories the sandbox must not see (a task suite's own folder, which holds
-        its verifiers' files), each covered by an empty tmpfs inside; absolute and normalised, not /.
-        A path that does not exist on the host has nothing to hide and is skipped. Only bwrap shows
-        the host's files at all: a docker container sees its image, and the local backend (no
-        isolation) sees everything.
+        its verifiers' files); absolute and normalised, not /. bwrap's minimal root shows no host
+        directory outside its system paths anyway (docs/SANDBOX.md); one inside them is covered by an
+        empty tmpfs. A path that does not exist on the host has nothing to hide and is skipped. A
+        docker container sees its image, and the local backend (no isolation) sees everything.
     """
 
     files: Mapping[str, bytes | str] = field(default_factory=dict)
@@ -388,7 +402,7 @@ class Sandbox(abc.ABC):
     home: HOME as commands see it.
     host_workdir: the same workspace on the host (read it only while no command runs).
     host_home: the private home on the host.
-    enforced: limit name -> how it is enforced here (e.g. {"memory": "cgroup v1", "wall": "kill"});
+    enforced: limit name -> how it is enforced here (e.g. {"memory": "cgroup v2 memory", "user": "uid 61000 via setpriv"});
         a limit absent from the dict is not enforced by this sandbox.
     """
 

@@ -6,16 +6,24 @@ image is the caller's: it must provide /bin/sh and `sleep`, and `socat` on PATH 
 (checked at start: a missing one is a SandboxError); harness installs come in through `ro_binds`.
 
 Each container runs `sleep infinity` under docker's init with: `network_mode="none"` (loopback only),
-a read-only root filesystem, tmpfs /tmp and /run, the workspace at /run/ws or `SandboxSpec.workdir`
-(the working directory of every command) and home at /run/home (read-write binds), the proxy sockets
-at /run/proxy and `ro_binds` read-only, all capabilities dropped, `no-new-privileges`. Commands are
-`docker exec`s of the same start script bwrap uses (rlimits, in-container socat forwarders, readiness
-marker).
+a read-only root filesystem (the image is the whole view: nothing of the host but what is bound), tmpfs
+/tmp and /run, the workspace at /run/ws or `SandboxSpec.workdir` (the working directory of every
+command) and home at /run/home (read-write binds), the proxy sockets at /run/proxy and `ro_binds`
+read-only, generated /etc/passwd and /etc/group (as bwrap's, `clawfast.sandbox.view`), all
+capabilities dropped, `no-new-privileges`, and an unprivileged user: `uid` (default `SANDBOX_UID`)
+when this process is root, else the calling user. Commands are `docker exec`s of the same start script
+bwrap uses (rlimits, in-container socat forwarders, readiness marker).
 
 Limits: memory = `mem_limit` and `memswap_limit` (cgroup, by the engine); processes = `pids_limit`;
-file size = RLIMIT_FSIZE (`ulimit -f` in the start script); address space = RLIMIT_AS if set; wall
-time = on timeout the container is killed (every process in it, the command's whole tree included)
-and started again, so the sandbox stays usable for the next command.
+CPU = `nano_cpus`; disk = the workspace and home on the host's sized tmpfs (as bwrap's, root only),
+/tmp a tmpfs and /dev/shm `shm_size` of `Limits.disk_bytes`; file size = RLIMIT_FSIZE (`ulimit -f` in
+the start script); address space = RLIMIT_AS if set; wall time = on timeout every process of the
+sandbox's user in the container is killed from the host (the container's init and keeper run as root
+without capabilities, out of that user's reach), or, when other commands run beside it, the
+container is killed and started again. What a command leaves running when it exits (a daemon) is
+killed the same way once no other command runs, so `run` returns with nothing of it left, as in bwrap.
+Containers, directories and quota mounts left by an owner killed before `close()` are removed by the
+next `DockerBackend` made on the host (container labels and directory names carry the owner's pid).
 Not guaranteed: anything about images (pulling is the caller's business: nothing is pulled here).
 """
 
@@ -23,6 +31,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import tempfile
 import threading
 import time
@@ -31,6 +40,7 @@ from collections.abc import Mapping
 from clawfast.sandbox.base import (
     HOMEDIR,
     PROXYDIR,
+    SANDBOX_UID,
     WORKDIR,
     RunResult,
     Sandbox,
@@ -45,10 +55,13 @@ from clawfast.sandbox.hostdir import (
     merge_env,
     split_ready,
     start_script,
+    sweep_stale_dirs,
 )
+from clawfast.sandbox.view import identity_files
 
 LABEL = "clawfast.sandbox.owner"
 IO_DIR = "/run/io"
+KILL_GRACE_S = 5.0
 
 
 def connect(timeout: float = 5.0):
@@ -67,16 +80,63 @@ def connect(timeout: float = 5.0):
 
 class DockerBackend(ForwardingBackend):
     """Options: image (must exist locally), base_dir (host dir for workspaces), probe (run `true`
-    in each new container so `create` fails rather than the first command)."""
+    in each new container so `create` fails rather than the first command), uid (the uid and gid
+    commands run as when this process is root)."""
 
     name = "docker"
 
-    def __init__(self, *, image: str = "debian:bookworm-slim", base_dir: str | None = None, probe: bool = True) -> None:
+    def __init__(
+        self, *, image: str = "debian:bookworm-slim", base_dir: str | None = None, probe: bool = True,
+        uid: int = SANDBOX_UID,
+    ) -> None:  # fmt: skip
+        if not isinstance(uid, int) or isinstance(uid, bool) or not 0 < uid < 2**32 - 1:
+            raise ValueError(f"uid must be a non-zero host uid, got {uid!r}")
         self.client = connect()
+        # What an owner killed before close() left: its containers (the label names its pid) first,
+        # then its directories and quota mounts.
+        _remove_stale_containers(self.client)
+        sweep_stale_dirs(base_dir, "clawfast-docker-")
         self.image = image
         self.probe = probe
+        as_root = os.geteuid() == 0
+        self.user = (uid, uid) if as_root else (os.getuid(), os.getgid())
+        self.user_spec = f"{self.user[0]}:{self.user[1]}"
+        # Who to hand the workspace to (nothing to hand over when commands run as this user).
+        self.owner = self.user if as_root else None
         self.base_dir = tempfile.mkdtemp(prefix=f"clawfast-docker-{os.getpid()}-", dir=base_dir)
+        view = os.path.join(self.base_dir, "view")
+        os.mkdir(view)
+        self.passwd, self.group = identity_files(view, *self.user)
+        self._closed_dirs: dict[tuple[str, ...], list[str]] = {}
         super().__init__()
+
+    def closed_dirs(self, targets: tuple[str, ...]) -> list[str]:
+        """The outermost directories of the image, among the ancestors of `targets` (the workspace's
+        and ro_binds' mount points), that the sandbox's user cannot enter (e.g. /root, mode 0700).
+        Each is covered by an empty directory it can enter, so that what is mounted below is reachable;
+        nothing the user could reach is lost. Asked of the image once per set of targets (a short
+        container)."""
+        from docker.errors import DockerException
+
+        if targets not in self._closed_dirs:
+            ancestors = sorted({a for t in targets for a in _ancestors(os.path.dirname(t))})
+            if not ancestors:
+                self._closed_dirs[targets] = []
+                return []
+            script = 'for p in "$@"; do [ ! -e "$p" ] || [ -x "$p" ] || echo "$p"; done'
+            try:
+                out = self.client.containers.run(
+                    self.image, ["/bin/sh", "-c", script, "sh", *ancestors], user=self.user_spec,
+                    network_mode="none", remove=True, cap_drop=["ALL"], security_opt=["no-new-privileges"],
+                )  # fmt: skip
+            except DockerException as exc:
+                raise SandboxError(f"cannot inspect {self.image!r} for the mount points {targets}: {exc}") from exc
+            closed: list[str] = []
+            for path in out.decode().split():
+                if not any(path.startswith(c + "/") for c in closed):
+                    closed.append(path)
+            self._closed_dirs[targets] = closed
+        return self._closed_dirs[targets]
 
     def create(self, spec: SandboxSpec) -> DockerSandbox:
         self._check_can_create(spec)
@@ -101,32 +161,51 @@ class DockerSandbox(Sandbox):
         self.hostdir: HostDir | None = None
         self.container = None
         self.enforced = {"wall": "container kill at the timeout", "processes": "docker pids_limit"}
+        self.enforced["user"] = f"uid {backend.user[0]} (docker user)"
         if spec.limits.memory_bytes is not None:
             self.enforced["memory"] = "docker mem_limit"
+        if spec.limits.cpus is not None:
+            self.enforced["cpu"] = "docker nano_cpus"
         self.enforced.update(rlimit_enforced(spec.limits))
         if spec.limits.max_processes is None:
             del self.enforced["processes"]
         self._closed = False
         self._lock = threading.Lock()
         self._counter = 0
+        self._active = 0  # commands running now
+        self._init_pid = 0  # the container's init, as the host sees it
 
     def start(self) -> None:
         from docker.errors import DockerException
         from docker.types import Mount
 
-        self.hostdir = HostDir(self.spec, self.backend.base_dir, self.backend.forwarder, io_dir=True)
+        backend = self.backend
+        self.hostdir = HostDir(self.spec, backend.base_dir, backend.forwarder, io_dir=True, owner=backend.owner)
         self.host_workdir = self.hostdir.workspace
         self.host_home = self.hostdir.home
+        if self.hostdir.quota is not None:
+            self.enforced["disk"] = f"tmpfs of {self.hostdir.quota} bytes (workspace and home; /tmp, /dev/shm each)"
         mounts = [
             Mount(self.workdir, self.hostdir.workspace, type="bind"),
             Mount(HOMEDIR, self.hostdir.home, type="bind"),
             Mount(IO_DIR, self.hostdir.io, type="bind", read_only=True),
+            Mount("/etc/passwd", backend.passwd, type="bind", read_only=True),
+            Mount("/etc/group", backend.group, type="bind", read_only=True),
         ]
         if self.spec.allow_ports:
             mounts.append(Mount(PROXYDIR, self.hostdir.proxy, type="bind", read_only=True))
         for host_path, target in self.spec.ro_binds.items():
             mounts.append(Mount(target, os.path.abspath(host_path), type="bind", read_only=True))
         limits = self.spec.limits
+        sized = "" if limits.disk_bytes is None else f",size={limits.disk_bytes}"
+        tmpfs = {"/tmp": f"mode=1777{sized}", "/run": ""}
+        # An empty root-owned 0755 host directory over each: a tmpfs would take the image
+        # directory's mode. Writable for the engine, which makes the mount points below in it.
+        for i, closed in enumerate(backend.closed_dirs((self.workdir, *self.spec.ro_binds.values()))):
+            cover = os.path.join(self.hostdir.dir, f"cover{i}")
+            os.mkdir(cover)
+            os.chmod(cover, 0o755)
+            mounts.append(Mount(closed, cover, type="bind"))
         try:
             self.container = self.backend.client.containers.create(
                 self.backend.image,
@@ -136,7 +215,11 @@ class DockerSandbox(Sandbox):
                 init=True,
                 network_mode="none",
                 read_only=True,
-                tmpfs={"/tmp": "", "/run": ""},
+                tmpfs=tmpfs,
+                shm_size=limits.disk_bytes,
+                # The keeper and init: root without capabilities, so that the user cannot end them.
+                user="0:0",
+                nano_cpus=None if limits.cpus is None else round(limits.cpus * 1e9),
                 mounts=mounts,
                 working_dir=self.workdir,
                 cap_drop=["ALL"],
@@ -147,12 +230,17 @@ class DockerSandbox(Sandbox):
                 hostname="sandbox",
             )
             self.container.start()
+            self._note_init()
         except DockerException as exc:
             raise SandboxError(f"cannot start a container from {self.backend.image!r}: {exc}") from exc
         if self.backend.probe:
             result = self.run(["true"], timeout=30)
             if result.exit_code != 0:
                 raise SandboxError(f"sandbox probe failed: {result}")
+
+    def _note_init(self) -> None:
+        self.container.reload()
+        self._init_pid = self.container.attrs["State"]["Pid"]
 
     @property
     def closed(self) -> bool:
@@ -169,6 +257,13 @@ class DockerSandbox(Sandbox):
                 raise SandboxError("sandbox is closed")
             self._counter += 1
             n = self._counter
+            self._active += 1
+        try:
+            self.hostdir.hand_over()
+        except OSError as exc:
+            with self._lock:
+                self._active -= 1
+            raise SandboxError(f"cannot hand the workspace to the sandbox user: {exc}") from exc
         script = start_script(self.spec, "socat")
         if stdin is not None:
             with open(os.path.join(self.hostdir.io, f"{n}.in"), "wb") as f:
@@ -183,8 +278,9 @@ class DockerSandbox(Sandbox):
         t0 = time.monotonic()
         try:
             exec_id = api.exec_create(
-                self.container.id, ["/bin/sh", "-c", script, "sh", *argv], environment=full_env, workdir=self.workdir
-            )["Id"]
+                self.container.id, ["/bin/sh", "-c", script, "sh", *argv], environment=full_env,
+                workdir=self.workdir, user=self.backend.user_spec,
+            )["Id"]  # fmt: skip
 
             def pump() -> None:
                 try:
@@ -199,20 +295,37 @@ class DockerSandbox(Sandbox):
 
             reader = threading.Thread(target=pump, daemon=True)
             reader.start()
-            reader.join(timeout)
-            timed_out = reader.is_alive()
-            if timed_out:
-                # Killing the container ends every process in it; start it again for later commands.
+            deadline = t0 + timeout
+            timed_out = False
+            # The stream ends when every holder of the command's stdout/stderr is gone: at once, or
+            # once the command exited and what it left running (a daemon keeping the output open) is
+            # killed.
+            while reader.is_alive():
+                reader.join(min(0.1, max(0.0, deadline - time.monotonic())))
+                if not reader.is_alive():
+                    break
+                if time.monotonic() >= deadline:
+                    timed_out = True
+                    break
+                if not api.exec_inspect(exec_id)["Running"] and self._kill_leftovers():
+                    reader.join(KILL_GRACE_S)
+            if timed_out and not self._kill_leftovers():
+                # Others run beside it: kill the container (them too) and start it again.
                 self.container.kill()
-                reader.join(30)
                 self.container.start()
+                self._note_init()
+            reader.join(KILL_GRACE_S)
             duration = time.monotonic() - t0
             exit_code = None if timed_out else api.exec_inspect(exec_id)["ExitCode"]
+            # What the command left running (a double-forked daemon) dies with it, as in bwrap.
+            self._kill_leftovers()
             self.container.reload()
             state = self.container.status
         except DockerException as exc:
             raise SandboxError(f"docker failed while running a command: {exc}") from exc
         finally:
+            with self._lock:
+                self._active -= 1
             try:
                 os.unlink(os.path.join(self.hostdir.io, f"{n}.in"))
             except FileNotFoundError:
@@ -227,6 +340,44 @@ class DockerSandbox(Sandbox):
         return capped_result(
             exit_code, bytes(chunks["out"]), stderr, cap, timed_out=timed_out, duration_s=duration
         )
+
+    def _kill_leftovers(self) -> bool:
+        """SIGKILL every process of the sandbox's user in the container, when no other command runs
+        (False otherwise: they are theirs too). Found from the host (the container's PID namespace,
+        the user's uid); the container's init and keeper run as root, so the container stays up."""
+        with self._lock:
+            if self._active > 1:
+                return False
+        deadline = time.monotonic() + KILL_GRACE_S
+        while (pids := self._user_pids()) and time.monotonic() < deadline:
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.002)
+        return True
+
+    def _user_pids(self) -> list[int]:
+        """Host pids of the live (not zombie) processes of the sandbox's user in the container."""
+        try:
+            namespace = os.readlink(f"/proc/{self._init_pid}/ns/pid")
+        except OSError:
+            return []
+        found = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                if os.readlink(f"/proc/{entry}/ns/pid") != namespace:
+                    continue
+                with open(f"/proc/{entry}/stat") as f:
+                    state = f.read().rsplit(")", 1)[1].split()[0]
+                if state != "Z" and os.stat(f"/proc/{entry}").st_uid == self.backend.user[0]:
+                    found.append(int(entry))
+            except (OSError, IndexError):
+                continue  # gone meanwhile
+        return found
 
     def close(self) -> None:
         with self._lock:
@@ -247,3 +398,22 @@ class DockerSandbox(Sandbox):
             if self.hostdir is not None:
                 self.hostdir.close()
             self.backend.forget(self)
+
+
+def _ancestors(path: str) -> list[str]:
+    """`path` and its ancestors below /, outside /tmp and /run (the container's own tmpfs)."""
+    parts = [p for p in path.split("/") if p]
+    out = ["/" + "/".join(parts[: i + 1]) for i in range(len(parts))]
+    return [p for p in out if p.split("/")[1] not in ("tmp", "run")]
+
+
+def _remove_stale_containers(client) -> None:
+    from docker.errors import DockerException
+
+    for container in client.containers.list(all=True, filters={"label": LABEL}):
+        owner = container.labels.get(LABEL, "")
+        if owner.isdigit() and not os.path.exists(f"/proc/{owner}"):
+            try:
+                container.remove(force=True)
+            except DockerException:
+                pass  # removed meanwhile by another backend's sweep

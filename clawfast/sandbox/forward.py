@@ -146,20 +146,21 @@ def inner_forwarders_script(socat: str, ports: tuple[int, ...], sock_dir: str) -
     with status 125 before the command starts; the caller sees no readiness marker: a sandbox error."""
     fail = "echo 'clawfast-sandbox: proxy forwarder did not start' >&2; exit 125"
     lines = [socat_check(socat)]
+    lines.append(
+        "_cf_listening() { while read -r _ _l _ _s _; do [ \"$_l\" = \"$1\" ] && [ \"$_s\" = 0A ] && return 0; "
+        "done < /proc/net/tcp; return 1; }"
+    )
     lines.append("_cf_pids=")
     for port in ports:
+        # Only where none listens yet: a docker container keeps the forwarders of its earlier commands.
+        # -t 600: after the client half-closes, wait for the reply (socat's default gives up after
+        # 0.5 s of silence, which lost a reply that took 1.5 s in tests/sandbox/test_bwrap.py).
         lines.append(
-            # -t 600: after the client half-closes, wait for the reply (socat's default gives up after
-            # 0.5 s of silence, which lost a reply that took 1.5 s in tests/sandbox/test_bwrap.py).
-            f"{socat} -t 600 TCP-LISTEN:{port},bind=127.0.0.1,fork,reuseaddr UNIX-CONNECT:{sock_dir}/{port}.sock &"
+            f"_cf_listening 0100007F:{port:04X} || {{ {socat} -t 600 TCP-LISTEN:{port},bind=127.0.0.1,fork,reuseaddr"
+            f" UNIX-CONNECT:{sock_dir}/{port}.sock & _cf_pids=\"$_cf_pids $!\"; }}"
         )
-        lines.append('_cf_pids="$_cf_pids $!"')
     want = " ".join(f"0100007F:{port:04X}" for port in ports)
-    lines.append(
-        "_cf_missing() { for _w in " + want + "; do _f=; "
-        "while read -r _ _l _ _s _; do [ \"$_l\" = \"$_w\" ] && [ \"$_s\" = 0A ] && _f=1 && break; done < /proc/net/tcp; "
-        "[ -z \"$_f\" ] && return 0; done; return 1; }"
-    )
+    lines.append("_cf_missing() { for _w in " + want + "; do _cf_listening $_w || return 0; done; return 1; }")
     # socat binds within a few ms: scan with builtins first (a scan is ~10 us), then yield the CPU
     # with short sleeps (a loaded machine may need them); fail at once if a socat died (port taken,
     # bad socket), and give up after about 10 s.

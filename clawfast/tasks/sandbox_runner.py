@@ -6,7 +6,8 @@ side by side, starts a new sandbox from that directory, runs ``bash -c command``
 sandbox. The staging costs one more copy of the workspace, but it works the same on every backend:
 the local backend ignores read-only binds, so binding the verifier files would not be portable.
 
-Isolation is the backend's (bwrap by default: no network, host root read-only, the sandbox's own
+Isolation is the backend's (bwrap by default: no network, a minimal read-only root, an unprivileged
+user, the sandbox's own
 PID namespace killed whole at the timeout); the verifier can change its copies freely. A sandbox that
 fails to start raises `SandboxError` (an infrastructure fault, not a score): callers mark the rollout
 ``sandbox_error``. Everything the command does is a `CommandResult`, which `run_verifier` turns into

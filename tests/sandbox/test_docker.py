@@ -1,6 +1,8 @@
 """The docker backend's contract. Runs wherever a Docker engine answers and the image named by
-CLAWFAST_TEST_DOCKER_IMAGE (default debian:bookworm-slim) is present; nothing is pulled. Elsewhere
-each test is skipped with the engine's connection error as the reason."""
+CLAWFAST_TEST_DOCKER_IMAGE (default debian:bookworm-slim) is present; nothing is pulled. The README's
+test command sets that variable after scripts/docker_engine.sh made the engine and image, and then a
+missing engine or image FAILS every test here. Without the variable (a machine set up by hand) each
+test is skipped with the engine's connection error as the reason."""
 
 from __future__ import annotations
 
@@ -12,24 +14,31 @@ from clawfast.sandbox import SandboxError, SandboxSpec
 
 pytestmark = pytest.mark.docker
 
-IMAGE = os.environ.get("CLAWFAST_TEST_DOCKER_IMAGE", "debian:bookworm-slim")
+REQUIRED = bool(os.environ.get("CLAWFAST_TEST_DOCKER_IMAGE"))
+IMAGE = os.environ.get("CLAWFAST_TEST_DOCKER_IMAGE") or "debian:bookworm-slim"
+
+
+def docker_backend():
+    """A DockerBackend on IMAGE; fails (CI: the variable is set) or skips (it is not) without one."""
+    from clawfast.sandbox.docker_backend import DockerBackend, connect
+
+    unavailable = pytest.fail if REQUIRED else pytest.skip
+    try:
+        client = connect()
+    except SandboxError as exc:
+        unavailable(f"docker backend not tested: {exc}")
+    try:
+        client.images.get(IMAGE)
+    except Exception as exc:
+        unavailable(f"docker backend not tested: image {IMAGE} is not present locally ({exc})")
+    finally:
+        client.close()
+    return DockerBackend(image=IMAGE)
 
 
 @pytest.fixture
 def backend():
-    from clawfast.sandbox.docker_backend import DockerBackend, connect
-
-    try:
-        client = connect()
-    except SandboxError as exc:
-        pytest.skip(f"docker backend not tested: {exc}")
-    try:
-        client.images.get(IMAGE)
-    except Exception as exc:
-        pytest.skip(f"docker backend not tested: image {IMAGE} is not present locally ({exc})")
-    finally:
-        client.close()
-    b = DockerBackend(image=IMAGE)
+    b = docker_backend()
     yield b
     b.close()
     assert not os.path.exists(b.base_dir)
@@ -60,7 +69,9 @@ def test_allowed_port_reaches_host_loopback(backend, echo_server):
     with backend.create(SandboxSpec()) as sb:
         check = sb.run(["sh", "-c", "command -v socat && command -v bash"])
         if check.exit_code != 0:
-            pytest.skip(f"image {IMAGE} lacks socat (needed for allow_ports) or bash (used by this test)")
+            (pytest.fail if REQUIRED else pytest.skip)(
+                f"image {IMAGE} lacks socat (needed for allow_ports) or bash (used by this test)"
+            )
     with backend.create(SandboxSpec(allow_ports=(echo_server.port,))) as sb:
         code = (
             "exec 3<>/dev/tcp/127.0.0.1/%d && printf ping >&3 && cat <&3" % echo_server.port
@@ -95,3 +106,21 @@ def test_a_reward_script_verifies_at_its_mount_dir(backend, tmp_path):
     (ws / "out.txt").write_text("ok")
     v = run_verifier(task, ws, SandboxRunner(backend))
     assert (v.status, v.score) == ("ok", 1.0), v
+
+
+def test_unprivileged_user_and_limits(backend):
+    from clawfast.sandbox import Limits
+    from clawfast.sandbox.base import SANDBOX_UID
+
+    limits = Limits(memory_bytes=128 << 20, cpus=0.5, disk_bytes=8 << 20)
+    with backend.create(SandboxSpec(limits=limits)) as sb:
+        assert {"memory", "cpu", "processes", "user"} <= set(sb.enforced)
+        r = sb.run(["sh", "-c", "id -u; id -un; grep CapEff /proc/self/status; cat /etc/shadow || echo no-shadow"])
+        expected_uid = SANDBOX_UID if os.geteuid() == 0 else os.getuid()
+        assert r.stdout.decode().splitlines() == [str(expected_uid), "agent", "CapEff:\t0000000000000000", "no-shadow"]
+        if os.geteuid() == 0:
+            assert "disk" in sb.enforced
+            for target in ("big", "/tmp/big"):
+                r = sb.run(["sh", "-c", f"dd if=/dev/zero of={target} bs=1M count=32 2>&1"])
+                assert r.exit_code != 0 and b"No space left on device" in r.stdout, r
+            assert sb.run(["echo", "ok"]).stdout == b"ok\n"

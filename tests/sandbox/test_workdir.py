@@ -1,6 +1,6 @@
 """`SandboxSpec.workdir`: the workspace mounted at an absolute path of the task's choosing, against the
 real kernel. bwrap must make the mount point without changing the host or the rest of the sandbox's
-view; the spec refuses paths that would cover what the sandbox mounts itself; the local backend,
+minimal view; the spec refuses paths that would cover what the sandbox mounts itself; the local backend,
 which cannot place a workspace at all, refuses it."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 from clawfast.sandbox import SandboxSpec, create_backend
 from clawfast.sandbox.bwrap import BwrapBackend
 
-PY = "/usr/bin/python3"  # the host's system Python, visible through the read-only root
+PY = "/usr/bin/python3"  # the host's system Python, visible in the minimal root (/usr)
 
 # The entries of a directory with what identifies them (mode, and a symlink's target): the same code
 # runs on the host and inside, so the two views can be compared.
@@ -48,8 +48,10 @@ def name() -> str:
 
 @pytest.fixture
 def var_tmp_dir():
-    """A fresh host directory outside /tmp (which every sandbox replaces with its own)."""
+    """A fresh host directory outside /tmp (which every sandbox replaces with its own), open to all
+    like a system directory (the sandbox's user could not enter mkdtemp's 0700)."""
     path = tempfile.mkdtemp(prefix="clawfast-test-", dir="/var/tmp")
+    os.chmod(path, 0o755)
     yield path
     shutil.rmtree(path, ignore_errors=True)
 
@@ -64,20 +66,19 @@ def workspace_source(tmp_path) -> str:
 # -- bwrap: where the mount point is made -------------------------------------------------------
 
 
-def test_workdir_under_a_missing_child_of_an_existing_directory(backend, name, tmp_path):
+def test_workdir_under_a_directory_the_sandbox_does_not_see(backend, name, tmp_path):
+    """/root is not part of the minimal root: the workspace's parents are made in the sandbox's own
+    read-only root, and nothing of the host's /root shows."""
     assert os.path.isdir("/root") and not os.path.lexists(f"/root/{name}")
     workdir = f"/root/{name}/workspace"
     spec = SandboxSpec(workdir=workdir, source_dir=workspace_source(tmp_path), files={"a.txt": "A"})
     with backend.create(spec) as sb:
-        host_view = host_listing("/root")
         assert sb.workdir == workdir
         r = sb.run(["sh", "-c", "pwd; cat a.txt sub/from_source.txt; echo; echo made > out.txt"])
         assert r.stdout == f"{workdir}\nAS\n".encode(), r
         assert sb.read_file("out.txt") == b"made\n"
-        # /root shows exactly the host's entries (same types, modes, link targets), plus the new one.
         inside = json.loads(sb.run([PY, "-c", LIST_CODE, "/root"]).stdout)
-        assert name in [e[0] for e in inside["entries"]]
-        assert without(inside, name) == host_view
+        assert [e[0] for e in inside["entries"]] == [name]
         # ... and stays read-only: only the workspace is writable.
         r = sb.run(["sh", "-c", f"echo x > /root/probe; echo x > /root/{name}/probe; mkdir /root/{name}/d"])
         assert r.exit_code != 0 and r.stderr.count(b"Read-only file system") == 3, r
@@ -87,20 +88,17 @@ def test_workdir_under_a_missing_child_of_an_existing_directory(backend, name, t
 def test_workdir_as_a_new_top_level_directory(backend, name):
     workdir = f"/{name}"
     with backend.create(SandboxSpec(workdir=workdir, files={"a.txt": "A"})) as sb:
-        host_view = host_listing("/")
         script = "pwd; cat a.txt; echo; python3 -c 'print(1)'; ls /usr/bin/env"
         r = sb.run(["sh", "-c", script + "; grep -q ^root: /etc/passwd && echo etc-ok"])
         assert r.stdout == f"{workdir}\nA\n1\n/usr/bin/env\netc-ok\n".encode(), r
         inside = json.loads(sb.run([PY, "-c", LIST_CODE, "/"]).stdout)
-        # The root is rebuilt entry by entry: same names and link targets (/bin -> usr/bin on merged-/usr
-        # hosts); /proc, /dev, /tmp and /run are the sandbox's own mounts, as without a workdir.
-        own = ("proc", "dev", "tmp", "run")
-
-        def strip(view: dict) -> list:
-            return [e for e in view["entries"] if e[0] not in own]
-
-        assert strip(without(inside, name)) == strip(host_view)
-        assert [e[0] for e in inside["entries"] if e[0] in own] == sorted(own)
+        # The view's system paths (links kept as links: /bin -> usr/bin on merged-/usr hosts), the
+        # sandbox's own mounts, the workspace; nothing else of the host's /.
+        system = [p[1:] for p in backend.view.system_paths]
+        assert sorted(e[0] for e in inside["entries"]) == sorted(system + ["proc", "dev", "tmp", "run", name])
+        for entry in inside["entries"]:
+            if entry[2] is not None:
+                assert os.readlink("/" + entry[0]) == entry[2]
         r = sb.run(["sh", "-c", "echo x > /probe; echo x > /tmp/p && echo tmp-ok; echo x > w && echo ws-ok"])
         assert r.stdout == b"tmp-ok\nws-ok\n" and b"Read-only file system" in r.stderr, r
         assert sb.read_files() == {"a.txt": b"A", "w": b"x\n"}
@@ -116,10 +114,21 @@ def test_workdir_under_tmp(backend, name):
     assert not os.path.lexists(f"/tmp/{name}")
 
 
-def test_workdir_on_an_existing_host_directory_covers_it(backend, var_tmp_dir):
+@pytest.fixture
+def view_backend(var_tmp_dir, leak_check):
+    """A bwrap backend whose read-only view also shows `var_tmp_dir`, as it shows /usr."""
+    from clawfast.sandbox.view import SYSTEM_PATHS
+
+    b = BwrapBackend(system_paths=SYSTEM_PATHS + (var_tmp_dir,))
+    yield b
+    b.close()
+    leak_check(base_dirs=[b.base_dir])
+
+
+def test_workdir_on_an_existing_host_directory_covers_it(view_backend, var_tmp_dir):
     with open(os.path.join(var_tmp_dir, "host_marker"), "w") as f:
         f.write("host")
-    with backend.create(SandboxSpec(workdir=var_tmp_dir, files={"a.txt": "A"})) as sb:
+    with view_backend.create(SandboxSpec(workdir=var_tmp_dir, files={"a.txt": "A"})) as sb:
         r = sb.run(["sh", "-c", "pwd; ls -A; echo new > b.txt"])
         assert r.stdout == f"{var_tmp_dir}\na.txt\n".encode(), r
         assert sb.read_files() == {"a.txt": b"A", "b.txt": b"new\n"}
@@ -127,23 +136,33 @@ def test_workdir_on_an_existing_host_directory_covers_it(backend, var_tmp_dir):
 
 
 @pytest.mark.parametrize("below", ["file", "file/ws", "link", "link/ws"])
-def test_workdir_that_is_not_a_directory_on_the_host_is_refused(backend, var_tmp_dir, host, below):
-    # A file, or a symlink to a directory (bwrap would follow it to wherever it points).
+def test_workdir_that_is_not_a_directory_on_the_host_is_refused(view_backend, var_tmp_dir, host, below):
+    # In a directory the view shows: a file, or a symlink to a directory (bwrap would follow it).
     with open(os.path.join(var_tmp_dir, "file"), "w"):
         pass
     os.mkdir(os.path.join(var_tmp_dir, "dir"))
     os.symlink("dir", os.path.join(var_tmp_dir, "link"))
     with pytest.raises(ValueError, match="exists on the host and is not a directory"):
-        backend.create(SandboxSpec(workdir=f"{var_tmp_dir}/{below}"))
-    assert os.listdir(backend.base_dir) == [] and host.own_cgroups() == []
+        view_backend.create(SandboxSpec(workdir=f"{var_tmp_dir}/{below}"))
+    assert os.listdir(view_backend.base_dir) == ["view"] and host.own_cgroups() == []
     assert sorted(os.listdir(var_tmp_dir)) == ["dir", "file", "link"]
     assert os.listdir(os.path.join(var_tmp_dir, "dir")) == []
 
 
+def test_workdir_below_a_linked_system_path_is_refused(backend):
+    links = [p for p in backend.view.system_paths if os.path.islink(p)]
+    if not links:
+        pytest.skip("this host has no merged /usr: no system path is a link")
+    with pytest.raises(ValueError, match="is a symbolic link in the sandbox"):
+        backend.create(SandboxSpec(workdir=f"{links[0]}/ws"))
+
+
 @pytest.mark.parametrize("top_level", [False, True])
 def test_hides_and_ro_binds_still_apply_in_a_rebuilt_directory(var_tmp_dir, name, tmp_path, leak_check, top_level):
-    """The pool directory and `hide_paths` inside the rebuilt directory stay hidden, and `ro_binds`
-    land, also on a mount point that the rebuilt directory makes possible."""
+    """In a directory the view shows, the pool directory and `hide_paths` stay hidden and `ro_binds`
+    land, also on a mount point that a rebuilt directory makes possible."""
+    from clawfast.sandbox.view import SYSTEM_PATHS
+
     hidden = os.path.join(var_tmp_dir, "hidden")
     os.mkdir(hidden)
     with open(os.path.join(hidden, "s.txt"), "w") as f:
@@ -151,13 +170,13 @@ def test_hides_and_ro_binds_still_apply_in_a_rebuilt_directory(var_tmp_dir, name
     harness = tmp_path / "harness"
     harness.mkdir()
     (harness / "bin.sh").write_text("echo from-harness")
-    # The rebuilt directory: / for a top-level workdir, else var_tmp_dir, which holds the pool directory
-    # and the hidden one. The ro_binds target is missing on the host, in the rebuilt directory.
+    # Rebuilt: var_tmp_dir, which holds the pool directory and the hidden one, and the ro_binds target
+    # missing on the host. Top level: both in the sandbox's own root, var_tmp_dir shown as it is.
     if top_level:
         workdir, ro_target = f"/{name}", f"/{name}-harness"
     else:
         workdir, ro_target = f"{var_tmp_dir}/{name}/ws", f"{var_tmp_dir}/harness"
-    with BwrapBackend(base_dir=var_tmp_dir, hide_paths=[hidden]) as b:
+    with BwrapBackend(base_dir=var_tmp_dir, hide_paths=[hidden], system_paths=SYSTEM_PATHS + (var_tmp_dir,)) as b:
         spec = SandboxSpec(workdir=workdir, ro_binds={str(harness): ro_target})
         with b.create(SandboxSpec(files={"secret.txt": "answer"})) as other, b.create(spec) as sb:
             script = f"pwd; ls -A {b.base_dir} {hidden}; cat {other.host_workdir}/secret.txt"
@@ -234,4 +253,4 @@ def test_local_backend_refuses_a_workdir(leak_check):
 def test_bwrap_refuses_a_bad_workdir_before_making_anything(backend, host):
     with pytest.raises(ValueError, match="whole filesystem"):
         backend.create(SandboxSpec(workdir="/"))
-    assert os.listdir(backend.base_dir) == [] and host.own_cgroups() == []
+    assert os.listdir(backend.base_dir) == ["view"] and host.own_cgroups() == []

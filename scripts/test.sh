@@ -5,8 +5,8 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 CACHE="${CLAWFAST_HOME:-$HOME/.cache/clawfast}"
 
-# The image scripts/docker_engine.sh builds. Once it is named, the docker backend's tests fail
-# rather than skip when the engine or the image is missing. Not with CLAWFAST_SKIP_DOCKER=1.
+# The image scripts/docker_engine.sh builds, for the docker backend's tests (which fail without an
+# engine or the image, unless CLAWFAST_SKIP_DOCKER=1 skips them).
 if [ "${CLAWFAST_SKIP_DOCKER:-0}" != 1 ]; then
   export CLAWFAST_TEST_DOCKER_IMAGE=clawfast-sandbox:bookworm
 fi

@@ -94,7 +94,7 @@ from clawfast.sandbox.hostdir import (
     start_script,
     sweep_stale_dirs,
 )
-from clawfast.sandbox.view import SYSTEM_PATHS, RootView
+from clawfast.sandbox.view import SYSTEM_PATHS, RootView, ancestors
 
 KILL_GRACE_S = 5.0
 # What setpriv needs to drop to the sandbox user and empty the bounding set; all of it is gone once the
@@ -436,9 +436,7 @@ def _parents_to_make(targets: Sequence[str], view: RootView) -> list[str]:
     tmpfs, in a private tmpfs (/tmp, /run) or in a rebuilt room, not those a view directory holds."""
     out: dict[str, None] = {}
     for target in targets:
-        parts = os.path.normpath(target).split("/")[1:-1]
-        for i in range(1, len(parts) + 1):
-            path = "/" + "/".join(parts[:i])
+        for path in ancestors(os.path.dirname(os.path.normpath(target))):
             if path in TMPFS_DIRS or path in view.system_paths or (view.shows(path) and os.path.isdir(path)):
                 continue  # mounted by the sandbox itself, or present in a view directory
             out[path] = None

@@ -57,7 +57,7 @@ from clawfast.sandbox.hostdir import (
     start_script,
     sweep_stale_dirs,
 )
-from clawfast.sandbox.view import identity_files
+from clawfast.sandbox.view import ancestors, identity_files
 
 LABEL = "clawfast.sandbox.owner"
 IO_DIR = "/run/io"
@@ -119,14 +119,15 @@ class DockerBackend(ForwardingBackend):
         from docker.errors import DockerException
 
         if targets not in self._closed_dirs:
-            ancestors = sorted({a for t in targets for a in _ancestors(os.path.dirname(t))})
-            if not ancestors:
+            # /tmp and /run are the container's own tmpfs, open to all.
+            parents = sorted({a for t in targets for a in ancestors(os.path.dirname(t)) if a.split("/")[1] not in ("tmp", "run")})
+            if not parents:
                 self._closed_dirs[targets] = []
                 return []
             script = 'for p in "$@"; do [ ! -e "$p" ] || [ -x "$p" ] || echo "$p"; done'
             try:
                 out = self.client.containers.run(
-                    self.image, ["/bin/sh", "-c", script, "sh", *ancestors], user=self.user_spec,
+                    self.image, ["/bin/sh", "-c", script, "sh", *parents], user=self.user_spec,
                     network_mode="none", remove=True, cap_drop=["ALL"], security_opt=["no-new-privileges"],
                 )  # fmt: skip
             except DockerException as exc:
@@ -398,13 +399,6 @@ class DockerSandbox(Sandbox):
             if self.hostdir is not None:
                 self.hostdir.close()
             self.backend.forget(self)
-
-
-def _ancestors(path: str) -> list[str]:
-    """`path` and its ancestors below /, outside /tmp and /run (the container's own tmpfs)."""
-    parts = [p for p in path.split("/") if p]
-    out = ["/" + "/".join(parts[: i + 1]) for i in range(len(parts))]
-    return [p for p in out if p.split("/")[1] not in ("tmp", "run")]
 
 
 def _remove_stale_containers(client) -> None:

@@ -89,7 +89,7 @@ class RootView:
         argv: list[str] = []
         # Parents of a nested system path, made readable (bwrap would make them root's 0700).
         parents = {os.path.dirname(p) for p in self.system_paths if os.path.dirname(p) != "/"}
-        for path in sorted({a for p in parents for a in _ancestors(p)}):
+        for path in sorted({a for p in parents for a in ancestors(p)}):
             argv += ["--perms", "0755", "--dir", path]
         for path in self.system_paths:
             if os.path.islink(path):
@@ -109,7 +109,7 @@ class RootView:
         return any(path == p or path.startswith(p + "/") for p in self.mounted)
 
 
-def _ancestors(path: str) -> list[str]:
-    """`path` and its ancestors below /: /a/b -> [/a, /a/b]."""
-    parts = path.split("/")[1:]
+def ancestors(path: str) -> list[str]:
+    """`path` and its ancestors below /: /a/b -> [/a, /a/b]; / -> []."""
+    parts = [p for p in path.split("/") if p]
     return ["/" + "/".join(parts[: i + 1]) for i in range(len(parts))]

@@ -32,9 +32,8 @@ def joined_sleeper(procs_file: str) -> subprocess.Popen:
 
 
 def test_v1_groups_carry_the_limits():
-    host = CgroupHost.detect()
-    if host.version != 1:
-        pytest.skip(f"this host's cgroups are v{host.version}; the v2 tests below cover it")
+    host = CgroupHost.legacy()
+    assert set(host.parents) == {"memory", "pids", "cpu"}, host.missing  # this machine's v1 hierarchies
     group = Cgroup.create(Limits(memory_bytes=64 << 20, max_processes=32, cpus=0.25), host)
     try:
         assert group.enforced == {"memory": "cgroup v1 memory", "processes": "cgroup v1 pids", "cpu": "cgroup v1 cpu"}

@@ -149,12 +149,16 @@ def test_workdir_that_is_not_a_directory_on_the_host_is_refused(view_backend, va
     assert os.listdir(os.path.join(var_tmp_dir, "dir")) == []
 
 
-def test_workdir_below_a_linked_system_path_is_refused(backend):
-    links = [p for p in backend.view.system_paths if os.path.islink(p)]
-    if not links:
-        pytest.skip("this host has no merged /usr: no system path is a link")
-    with pytest.raises(ValueError, match="is a symbolic link in the sandbox"):
-        backend.create(SandboxSpec(workdir=f"{links[0]}/ws"))
+def test_workdir_below_a_linked_system_path_is_refused(var_tmp_dir, leak_check):
+    """A system path that is a link (/bin -> usr/bin on merged-/usr hosts) is a link inside too."""
+    from clawfast.sandbox.view import SYSTEM_PATHS
+
+    link = os.path.join(var_tmp_dir, "bin")
+    os.symlink("/usr/bin", link)
+    with BwrapBackend(system_paths=SYSTEM_PATHS + (link,)) as b:
+        with pytest.raises(ValueError, match="is a symbolic link in the sandbox"):
+            b.create(SandboxSpec(workdir=f"{link}/ws"))
+    leak_check(base_dirs=[b.base_dir])
 
 
 @pytest.mark.parametrize("top_level", [False, True])

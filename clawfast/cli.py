@@ -17,9 +17,11 @@ COMMANDS = {
     "sandbox": ("clawfast.commands.sandbox", "run a command in a fresh sandbox"),
     "harness": ("clawfast.commands.harness", "install and check real agent harnesses"),
     "tasks": ("clawfast.commands.tasks", "list and check task suites"),
+    "model": ("clawfast.commands.model", "install and convert packaged pretrained models"),
     "train": ("clawfast.commands.train", "train a policy through real harnesses"),
     "eval": ("clawfast.commands.eval", "evaluate a checkpoint on the eval split"),
     "plot": ("clawfast.commands.plot", "plot a run's curves to PNG"),
+    "report": ("clawfast.commands.report", "a run's evals per difficulty and per task, side by side"),
 }
 
 

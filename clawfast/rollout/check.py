@@ -123,16 +123,19 @@ def check_harness(
     task: Task | None = None,
     timeout_s: float = 300.0,
     logs_dir: Path | None = None,
+    model_dir: Path | None = None,
 ) -> CheckReport:
     """Run `task` (default: clawbench-mini's `DEFAULT_TASK`) once through harness `name` with its
-    oracle scripted; see the module docstring. `backend`: ``bwrap`` (default) or ``local``."""
+    oracle scripted; see the module docstring. `backend`: ``bwrap`` (default) or ``local``.
+    `model_dir`: whose tokenizer and chat template the proxy renders with (default: the embedded model)."""
     from clawfast.embedded import ensure_embedded_model
 
+    model_dir = model_dir or ensure_embedded_model()
     task = task or check_task()
     options = {"timeout_s": timeout_s, "max_turns": 2 * len(task.oracle) + 4}
     turns = len(get_harness(name, **options).scripted_turns(list(task.oracle), FINAL_TEXT))
     with tempfile.TemporaryDirectory(prefix="clawfast-check-") as tmp:
-        with RolloutService(ORACLE, ensure_embedded_model(), records_dir=Path(tmp) / "records",
+        with RolloutService(ORACLE, model_dir, records_dir=Path(tmp) / "records",
                             harnesses={name: options}, sandbox=backend, timeout_s=timeout_s,
                             logs_dir=logs_dir or Path(tmp) / "logs", oracle_tasks=[task]) as service:
             [result] = service.run([RolloutSpec(task, name, 0)])

@@ -3,8 +3,9 @@ harness whose shell tool the prompt declares would call it. The cold start and `
 check` run harnesses on it (`RolloutService(engine="oracle", oracle_tasks=...)`).
 
 The engine picks each answer from the prompt alone: the task whose instruction it contains, and turn
-n once n tool results are in it (the embedded template wraps each in one ``<tool_response>``
-special token). So a side call the harness makes (a title, a quota probe) never shifts the script,
+n once n tool results are in it (the chat template, `clawfast.chat_template`, wraps each in
+``<tool_response>``: counted in the decoded text, so a tokenizer that has no special token for the
+marker counts the same). So a side call the harness makes (a title, a quota probe) never shifts the script,
 and concurrent rollouts of several tasks and harnesses can share one engine. What is fake is only
 the choice of the output text; tokenizer, template, protocol fronts, harness, sandbox and verifier
 are the real ones.
@@ -37,7 +38,6 @@ class OracleResponder:
         if not harnesses:
             raise ValueError("at least one harness is needed")
         self.renderer = renderer
-        self.tool_response = renderer.tokenizer.convert_tokens_to_ids("<tool_response>")
         # Each harness is told apart by its shell tool's name in the prompt's tool list (Bash,
         # exec, exec_command, bash: distinct as quoted JSON names).
         self.signatures = {h.name: f'"name": "{h.scripted_turns(["true"], "")[0].tool_calls[0].name}"' for h in harnesses}
@@ -57,5 +57,5 @@ class OracleResponder:
             # A prompt of no known task (a side call) or of no single known harness: a plain answer.
             return {"text": FINAL_TEXT}
         entries = self.entries[(names[0], instruction)]
-        done = int(np.count_nonzero(prompt_ids == self.tool_response))
+        done = text.count("<tool_response>")
         return entries[min(done, len(entries) - 1)]

@@ -19,11 +19,16 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def resolve_model_dir(config: RunConfig) -> Path:
-    """The Hugging Face directory the run starts from ("embedded": built on first use)."""
+    """The Hugging Face directory the run starts from ("embedded" or a packaged model's name: built
+    on first use)."""
+    from clawfast.pretrained import MODELS, prepare_model
+
     if config.model.path == "embedded":
         from clawfast.embedded import ensure_embedded_model
 
         return ensure_embedded_model()
+    if config.model.path in MODELS:
+        return prepare_model(config.model.path)
     path = Path(config.model.path)
     if not (path / "config.json").is_file():
         raise ValueError(f"model.path {path} is not a Hugging Face model directory (no config.json)")

@@ -52,6 +52,8 @@ def demonstration_tasks(config: RunConfig) -> list:
         for task in pool:
             if cs.difficulties and task.tags.get("difficulty") not in cs.difficulties:
                 continue
+            if cs.categories and task.tags.get("category") not in cs.categories:
+                continue
             if task.instruction in held_out or task.instruction in seen or not task.oracle:
                 continue
             seen.add(task.instruction)
@@ -60,21 +62,24 @@ def demonstration_tasks(config: RunConfig) -> list:
 
 
 def capture_demonstrations(config: RunConfig, model_dir: Path, tasks: list, records_dir: Path,
-                           harness_name: str) -> list[RolloutResult]:
-    """Run every task once through `harness_name` with its oracle scripted; returns every rollout."""
+                           harness_name: str, on_result=None) -> list[RolloutResult]:
+    """Run every task once through `harness_name` with its oracle scripted; returns every rollout
+    (`on_result` gets each as it ends)."""
     longest = max(len(t.oracle) for t in tasks)
     single = config.model_copy(update={"rollout": config.rollout.model_copy(update={"harnesses": (harness_name,)})})
     service = rollout_service(single, ORACLE, model_dir, records_dir, concurrency=config.coldstart.concurrency,
                               max_turns=max(config.rollout.harness_max_turns, longest + 2), oracle_tasks=tasks,
                               on_ray=False)
     with service:
-        return service.run([RolloutSpec(t, harness_name, 0) for t in tasks])
+        return service.run([RolloutSpec(t, harness_name, 0) for t in tasks], on_result=on_result)
 
 
 def sft_epoch(policy, optimizer: torch.optim.Optimizer, demos: list[RolloutResult], *, max_tokens: int,
               batch_rollouts: int, rng: np.random.Generator, max_grad_norm: float | None = 1.0,
-              scheduler: torch.optim.lr_scheduler.LRScheduler | None = None) -> dict[str, float]:
-    """One pass of masked NLL over the demonstrations' generated tokens; returns mean loss and counts.
+              scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+              on_update=None) -> dict[str, float]:
+    """One pass of masked NLL over the demonstrations' generated tokens; returns mean loss and counts
+    (`on_update(loss)` after each update).
 
     Each update: the trees of `batch_rollouts` demonstrations, packed into micro-batches of at most
     `max_tokens` rows; loss = sum over every trainable target of -log p / number of targets
@@ -109,6 +114,8 @@ def sft_epoch(policy, optimizer: torch.optim.Optimizer, demos: list[RolloutResul
         optimizer.zero_grad(set_to_none=True)
         losses.append(step_loss)
         targets += int(total)
+        if on_update is not None:
+            on_update(step_loss)
     return {"nll": float(np.mean(losses)) if losses else float("nan"), "targets": float(targets),
             "tokens_packed": float(tokens), "updates": float(len(losses))}
 
@@ -132,30 +139,50 @@ def run_coldstart(config: RunConfig, policy, model_dir: Path, run_dir: Path, *, 
     t0 = time.monotonic()
     demos: list[RolloutResult] = []
     captured = 0
+    if view is not None:
+        view.begin("cold start: demonstrations through the harness", len(tasks) * len(config.rollout.harnesses),
+                   "rollouts")
+    solved = [0]
+
+    def on_result(r: RolloutResult) -> None:
+        solved[0] += r.status == "ok" and r.reward >= 1.0
+        if view is not None:
+            view.advance(note=f"solved {solved[0]}")
+
     for name in config.rollout.harnesses:
-        results = capture_demonstrations(config, model_dir, tasks, Path(run_dir) / "coldstart-records", name)
+        results = capture_demonstrations(config, model_dir, tasks, Path(run_dir) / "coldstart-records", name,
+                                         on_result)
         captured += len(results)
         demos += [r for r in results if r.status == "ok" and r.reward >= 1.0 and r.calls]
     t_capture = time.monotonic() - t0
+    if view is not None:
+        view.end()
     if not demos:
         raise RuntimeError(f"coldstart: none of the {captured} demonstrations solved its task; "
                            f"run `clawfast harness check {config.rollout.harnesses[0]}` to see why")
     summary: dict[str, Any] = {"tasks": len(tasks), "captured": captured, "kept": len(demos),
                                "time_capture_s": t_capture}
-    if view is not None:
-        view.set_phase(f"cold start: {len(demos)}/{captured} demonstrations solved their task; SFT")
+    updates_per_epoch = -(-len(demos) // cs.batch_rollouts)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cs.lr, weight_decay=0.0)
-    scheduler = warmup_cosine(optimizer, cs.epochs * -(-len(demos) // cs.batch_rollouts))
+    scheduler = warmup_cosine(optimizer, cs.epochs * updates_per_epoch)
     rng = np.random.default_rng([config.seed, 17])
+    if view is not None:
+        view.begin(f"cold start: SFT on {len(demos)} demonstrations, {cs.epochs} epochs", cs.epochs * updates_per_epoch,
+                   "updates")
     t1 = time.monotonic()
     for epoch in range(cs.epochs):
+        def on_update(loss: float, epoch: int = epoch) -> None:
+            if view is not None:
+                view.advance(note=f"epoch {epoch + 1}: nll {loss:.3f}")
+
         m = sft_epoch(policy, optimizer, demos, max_tokens=cs.max_tokens, batch_rollouts=cs.batch_rollouts, rng=rng,
-                      scheduler=scheduler)
+                      scheduler=scheduler, on_update=on_update)
         m["time_s"] = time.monotonic() - t1
         if logger is not None:
             logger.log("coldstart", 0, {"epoch": epoch + 1, **m, **({"demos": float(len(demos))} if epoch == 0 else {})})
-        if view is not None:
-            view.set_phase(f"cold start: epoch {epoch + 1}/{cs.epochs} nll {m['nll']:.3f}")
         summary[f"nll_epoch_{epoch + 1}"] = m["nll"]
+    if view is not None:
+        nlls = [summary[f"nll_epoch_{e + 1}"] for e in range(cs.epochs)]
+        view.end(note="nll by epoch: " + ", ".join(f"{x:.3f}" for x in nlls))
     summary["time_sft_s"] = time.monotonic() - t1
     return summary

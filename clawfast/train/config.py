@@ -44,8 +44,9 @@ AttentionBackend = Literal["auto", "torch", "triton", "flex", "sdpa-dense"]
 
 
 class ModelConfig(_Section):
-    """path: a Hugging Face model directory (weights + tokenizer), or "embedded" for the tiny Qwen3
-    built locally by `clawfast.embedded.ensure_embedded_model`. dtype: training and serving dtype.
+    """path: a Hugging Face model directory (weights + tokenizer), "embedded" for the tiny Qwen3
+    built locally by `clawfast.embedded.ensure_embedded_model`, or the name of a packaged pretrained
+    model (`clawfast.pretrained.MODELS`: "smollm2-135m"), installed and converted on first use. dtype: training and serving dtype.
     attention: how packed tree batches are attended (`clawfast.train.attention`): "auto" (Triton
     on CUDA, the torch fast path on CPU, the model's own causal attention for a single chain),
     "torch", "triton", "flex" (FlexAttention; GPU for training) or "sdpa-dense" (the dense
@@ -298,12 +299,14 @@ class ColdStartConfig(_Section):
 
     suite_seeds: generator seeds of the built-in suite whose *training-split* oracles are replayed
     (the eval-split ids are never used, and a demonstration whose instruction equals an eval task's
-    instruction is dropped). epochs / lr / max_tokens: the SFT. difficulties: demonstrate only these
-    (empty: all)."""
+    instruction is dropped). epochs / lr / max_tokens: the SFT. difficulties / categories: demonstrate
+    only tasks of these difficulties / categories (a task's tags; empty: all), so that RL can be
+    shown on tasks no demonstration showed."""
 
     enabled: bool = False
     suite_seeds: tuple[int, ...] = (0,)
     difficulties: tuple[str, ...] = ()
+    categories: tuple[str, ...] = ()
     epochs: int = Field(3, ge=1)
     lr: float = Field(1e-3, gt=0)
     max_tokens: int = Field(8192, ge=16)
@@ -394,7 +397,8 @@ _PATH_FIELDS = (("model", "path"), ("tasks", "suite"), ("rollout", "recorded_dir
 
 def _resolve_paths(raw: dict[str, Any], base: Path) -> None:
     """Make relative paths in `raw` relative to `base` (the TOML file's directory), in place.
-    "embedded" (model) and built-in suite names are names, not paths."""
+    "embedded" and packaged model names (model) and built-in suite names are names, not paths."""
+    from clawfast.pretrained import MODELS
     from clawfast.tasks.suites import BUILTIN_SUITES, CLAWGYM
 
     for keys in _PATH_FIELDS:
@@ -404,7 +408,7 @@ def _resolve_paths(raw: dict[str, Any], base: Path) -> None:
         if not isinstance(node, dict) or not isinstance(node.get(keys[-1]), str):
             continue
         value = node[keys[-1]]
-        if keys == ("model", "path") and value == "embedded":
+        if keys == ("model", "path") and (value == "embedded" or value in MODELS):
             continue
         if keys == ("tasks", "suite") and value in BUILTIN_SUITES:
             continue

@@ -133,12 +133,11 @@ def run_loop(config: RunConfig, *, resume: bool, progress: bool, group=None,
         state = load_checkpoint(ckpt, policy, optimizer)
     # FSDP: shards the policy over the ranks; `policy` stays rank 0's plain copy of the weights.
     trainer = make_trainer(config, policy, optimizer, state, group)
-    view = ProgressView(config.steps) if progress else None
+    view = ProgressView(config.steps, live=progress)
     logger = MetricsLogger(run_dir, resume_step=state.step if ckpt is not None else None)
     summary: dict[str, object] = {"run_dir": str(run_dir), "resumed_from": str(ckpt) if ckpt else None}
     try:
-        if view:
-            view.start()
+        view.start()
         with contextlib.ExitStack() as stack:
             if make_source is not None:
                 engine = build_engine(config.engine, model_dir, dtype=config.model.dtype, seed=config.seed,
@@ -166,8 +165,6 @@ def run_loop(config: RunConfig, *, resume: bool, progress: bool, group=None,
                 summary["eval_before"] = _evaluate(source, config, eval_tasks, logger, view, 0, "before",
                                                    "eval before training")
             if not state.extra.get("coldstart_done") and config.coldstart.enabled:
-                if view:
-                    view.set_phase("cold start: capturing demonstrations through the harness")
                 summary["coldstart"] = run_coldstart(config, policy, model_dir, run_dir, logger=logger, view=view)
                 state.extra["coldstart_done"] = True
                 trainer.optimizer = build_optimizer(config, policy)  # fresh AdamW moments for RL
@@ -181,13 +178,13 @@ def run_loop(config: RunConfig, *, resume: bool, progress: bool, group=None,
             ref_policy = trainer.share_reference(_reference_policy(config, policy, run_dir, model_dir))
             feed = stack.enter_context(_make_feed(config, source, sampler, state, view))
             done_here = 0
+            if view and state.step < config.steps:
+                view.begin(f"{config.algorithm.name.upper()} steps", config.steps - state.step, "steps")
             while state.step < config.steps:
                 record = _one_step(config, trainer, feed, state, engine, ref_policy, view)
                 logger.log("train", state.step, record)
-                if view:
-                    view.add_step({"step": state.step, **record})
-                else:
-                    print(step_line(state.step, record), flush=True)
+                view.advance(note=f"step {state.step}: reward {record.get('reward/mean', float('nan')):.3f}")
+                view.add_step({"step": state.step, **record}, step_line(state.step, record))
                 done_here += 1
                 last = state.step == config.steps
                 if state.step % config.checkpoint.interval == 0 or last:
@@ -197,13 +194,14 @@ def run_loop(config: RunConfig, *, resume: bool, progress: bool, group=None,
                 if eval_tasks and not last and config.eval.interval and state.step % config.eval.interval == 0:
                     _evaluate(source, config, eval_tasks, logger, view, state.step, f"step {state.step}", None)
             feed.close()
+            if done_here:
+                view.end()
             # A resumed run that had already finished does not evaluate again.
             if state.step == config.steps and (done_here or fresh) and config.eval.after and eval_tasks:
                 summary["eval_after"] = _evaluate(source, config, eval_tasks, logger, view, state.step, "after",
                                                   "eval after training")
     finally:
-        if view:
-            view.stop()
+        view.stop()
         logger.close()
     summary["steps"] = state.step
     try:
@@ -224,11 +222,11 @@ def _warn_if_not_held_out(train_tasks: dict, eval_tasks: dict, suite: str) -> No
               file=sys.stderr, flush=True)
 
 
-def run_eval(source, config: RunConfig, eval_tasks: dict) -> dict[str, float]:
+def run_eval(source, config: RunConfig, eval_tasks: dict, on_result=None) -> dict[str, float]:
     """pass@1 and mean reward of `eval_tasks` at the eval's sampling: overall, per harness, and per
-    difficulty, category and task."""
+    difficulty, category and task. `on_result` gets each rollout as it ends."""
     batch = source.run(sorted(eval_tasks), config.rollout.harnesses, config.eval.samples_per_task,
-                       sampling=rollout_sampling(config, config.eval.temperature))
+                       sampling=rollout_sampling(config, config.eval.temperature), on_result=on_result)
     metrics = pass_at_1(batch.results)
     for tag in EVAL_TAGS:
         metrics.update(metrics_by_tag(batch.results, eval_tasks, tag))
@@ -240,9 +238,18 @@ def _evaluate(source, config: RunConfig, eval_tasks: dict, logger: MetricsLogger
               step: int, label: str, phase: str | None, *, shown: str | None = None) -> dict[str, float]:
     """Evaluate, log the record under `label` at `step`, show `phase` while it runs and the result line
     (named `shown`, default `label`) after; returns the metrics."""
-    if view and phase:
-        view.set_phase(phase)
-    m = run_eval(source, config, eval_tasks)
+    on_result = None
+    if view:
+        view.begin(phase or f"eval at {label}", len(eval_tasks) * len(config.rollout.harnesses)
+                   * config.eval.samples_per_task, "rollouts")
+        solved = [0]
+
+        def on_result(r: RolloutResult) -> None:
+            solved[0] += r.reward >= 1.0
+            view.advance(note=f"solved {solved[0]}")
+    m = run_eval(source, config, eval_tasks, on_result)
+    if view:
+        view.end()
     logger.log("eval", step, {**m, "label": label})
     _say(view, eval_line(shown or label, m))
     return m
@@ -398,13 +405,13 @@ def _one_step(config: RunConfig, trainer, feed, state: TrainState, engine, ref_p
         done[0] += 1
         done[1] += r.status != "ok"
         if view:
-            view.set_phase(f"step {state.step + 1}: rollouts {done[0]}/{total} (not ok {done[1]})")
+            view.advance(0, note=f"step {state.step + 1}: rollouts {done[0]}/{total} (not ok {done[1]})")
 
     if view:
-        view.set_phase(f"step {state.step + 1}: rollouts 0/{total}")
+        view.advance(0, note=f"step {state.step + 1}: rollouts 0/{total}")
     results, feed_metrics = feed.next(on_result)
     if view:
-        view.set_phase(f"step {state.step + 1}: training on {len(results)} rollouts")
+        view.advance(0, note=f"step {state.step + 1}: training on {len(results)} rollouts")
     t0 = time.monotonic()
     metrics = trainer.step(results, config, state, ref_policy)
     t_train = time.monotonic() - t0

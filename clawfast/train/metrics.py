@@ -190,21 +190,59 @@ _COLUMNS = (("step", "step", "{:d}"), ("reward/mean", "reward", "{:.3f}"), ("pas
             ("time/train_s", "train s", "{:.1f}"))
 
 
-class ProgressView:
-    """A live rich view of the run: a table of the recent steps and one status line (phase, rollouts
-    done / running / failed). On a non-terminal it prints one line per step instead."""
+def clock(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 60}:{seconds % 60:02d}"
 
-    def __init__(self, total_steps: int, *, rows: int = 12) -> None:
+
+class Phase:
+    """Progress of one phase of a run: `done` of `total` `unit`s since `started`, with an ETA from the
+    mean pace so far, and a short `note` (the latest loss, failures)."""
+
+    def __init__(self, name: str, total: int, unit: str) -> None:
+        self.name, self.total, self.unit = name, total, unit
+        self.done = 0
+        self.note = ""
+        self.started = time.monotonic()
+
+    @property
+    def elapsed_s(self) -> float:
+        return time.monotonic() - self.started
+
+    def eta_s(self) -> float | None:
+        if self.done == 0 or self.done >= self.total:
+            return None
+        return self.elapsed_s / self.done * (self.total - self.done)
+
+    def line(self, *, bar_width: int = 0) -> str:
+        bar = ""
+        if bar_width:
+            filled = round(bar_width * self.done / max(self.total, 1))
+            bar = " [" + "#" * filled + "." * (bar_width - filled) + "]"
+        eta = self.eta_s()
+        timing = f"{clock(self.elapsed_s)} elapsed" + (f", ETA {clock(eta)}" if eta is not None else "")
+        return f"{self.name}: {self.done}/{self.total} {self.unit}{bar}  {timing}" + (f"  {self.note}" if self.note else "")
+
+
+class ProgressView:
+    """A live rich view of the run: a table of the recent steps, the current phase's counter (done /
+    total, elapsed, ETA) and the latest results. Phases: `begin(name, total, unit)`, `advance`,
+    `end`. On a non-terminal (a CI log), or with ``live=False``, it prints one line per phase as the
+    phase ends and one per training step instead."""
+
+    def __init__(self, total_steps: int, *, rows: int = 12, live: bool = True) -> None:
         from rich.console import Console
 
-        self.console = Console(stderr=True)
+        # Live: drawn on stderr; otherwise plain lines on stdout, as print would put them.
+        self.console = Console(stderr=live, soft_wrap=True)
         self.total_steps = total_steps
         self.rows: list[dict[str, Any]] = []
         self.max_rows = rows
         self.phase = "starting"
+        self.counters: list[Phase] = []  # nested phases, outermost first (an eval within the RL steps)
         self.evals: list[str] = []
         self._live = None
-        if self.console.is_terminal:
+        if live and self.console.is_terminal:
             from rich.live import Live
 
             self._live = Live(self._render(), console=self.console, refresh_per_second=2)
@@ -219,8 +257,9 @@ class ProgressView:
             table.add_column(title, justify="right")
         for row in self.rows[-self.max_rows:]:
             table.add_row(*[_fmt(row.get(key), fmt) for key, _, fmt in _COLUMNS])
-        parts = [table, Text(self.phase, style="cyan")]
-        parts += [Text(e, style="green") for e in self.evals[-3:]]
+        status = [c.line(bar_width=24) for c in self.counters] or [self.phase]
+        parts = [table, *[Text(line, style="cyan") for line in status]]
+        parts += [Text(e, style="green") for e in self.evals[-4:]]
         return Group(*parts)
 
     def start(self) -> "ProgressView":
@@ -233,13 +272,40 @@ class ProgressView:
         if self._live is not None:
             self._live.update(self._render())
 
-    def add_step(self, record: dict[str, Any]) -> None:
+    def begin(self, name: str, total: int, unit: str) -> Phase:
+        """Start a phase (inside the current one, if any: `end` returns to it)."""
+        self.counters.append(Phase(name, total, unit))
+        self._refresh()
+        return self.counters[-1]
+
+    def advance(self, n: int = 1, note: str | None = None) -> None:
+        if not self.counters:
+            return
+        self.counters[-1].done += n
+        if note is not None:
+            self.counters[-1].note = note
+        self._refresh()
+
+    def end(self, note: str | None = None) -> None:
+        """Close the innermost phase: its final line stays in the view (a terminal) or is printed."""
+        if not self.counters:
+            return
+        counter = self.counters.pop()
+        if note is not None:
+            counter.note = note
+        self.add_eval(counter.line())
+
+    def _refresh(self) -> None:
+        if self._live is not None:
+            self._live.update(self._render())
+
+    def add_step(self, record: dict[str, Any], line: str) -> None:
+        """A finished step: a row of the table (a terminal), else `line` printed."""
         self.rows.append(record)
         if self._live is not None:
             self._live.update(self._render())
         else:
-            self.console.print("  ".join(f"{title} {_fmt(record.get(key), fmt)}" for key, title, fmt in _COLUMNS),
-                               highlight=False)
+            self.console.print(line, highlight=False)
 
     def add_eval(self, text: str) -> None:
         self.evals.append(text)

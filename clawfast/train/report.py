@@ -1,8 +1,11 @@
 """What a run reports in words: pass@1 of a set of rollouts, the one-line summaries of an eval and
-of a step (for logs, CI and ``--no-progress``), and their per-harness / per-difficulty breakdowns."""
+of a step (for logs, CI and ``--no-progress``), their per-harness / per-difficulty breakdowns, and a
+finished run's table of every eval per difficulty and per task (`run_table`, `clawfast report`)."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Sequence
 
 from clawfast.records import RolloutResult
@@ -37,3 +40,44 @@ def step_line(step: int, record: dict[str, float]) -> str:
             f"loss {record.get('loss', float('nan')):.4f} "
             f"over {int(record.get('rollouts', 0))} rollouts; rollout {record.get('time/rollout_s', 0.0):.1f} s, "
             f"train {record.get('time/train_s', 0.0):.1f} s")
+
+
+_PHASES = {"before": "before", "coldstart": "cold start"}
+
+
+def run_table(run_dir: str | Path) -> str:
+    """Every eval of the run in `run_dir` side by side (before, after the cold start, at each
+    evaluated step, after): pass@1 overall, per difficulty and per task, with the number of rollouts,
+    the seed and the harnesses; then the gains after - before and after - cold start (what RL
+    added over its own cold start)."""
+    from clawfast.train.metrics import read_metrics
+
+    run_dir = Path(run_dir)
+    evals = [r for r in read_metrics(run_dir) if r.get("kind") == "eval"]
+    if not evals:
+        raise ValueError(f"{run_dir}: the run has no eval records (metrics.jsonl)")
+    config = json.loads((run_dir / "config.json").read_text()) if (run_dir / "config.json").is_file() else {}
+    columns = [(_PHASES.get(r.get("label"), r.get("label") or f"step {r['step']}"), r) for r in evals]
+    rows: list[tuple[str, str | None]] = [("all eval tasks", "pass@1"), ("per difficulty", None)]
+    rows += [(f"  {k.split('/', 1)[1]}", k) for k in sorted({k for r in evals for k in r if k.startswith("pass@1_difficulty/")})]
+    rows += [("per task", None)]
+    rows += [(f"  {k.split('/', 1)[1]}", k) for k in sorted({k for r in evals for k in r if k.startswith("pass@1_task/")})]
+    width = max(len(name) for name, _ in rows) + 2
+    lines = [f"run {run_dir}  seed {config.get('seed', '?')}  harnesses "
+             f"{', '.join(config.get('rollout', {}).get('harnesses', [])) or '?'}  model {config.get('model', {}).get('path', '?')}",
+             f"{'pass@1':<{width}}" + "".join(f"{name:>12}" for name, _ in columns),
+             f"{'rollouts':<{width}}" + "".join(f"{int(r.get('rollouts', 0)):>12d}" for _, r in columns)]
+    for name, key in rows:
+        if key is None:
+            lines.append(name)
+            continue
+        lines.append(f"{name:<{width}}" + "".join(f"{r[key]:>12.3f}" if key in r else f"{'-':>12}" for _, r in columns))
+    by_label = {r.get("label"): r for r in evals}
+    for first, last, what in (("before", "after", "training"), ("coldstart", "after", "RL over its cold start")):
+        if first in by_label and last in by_label:
+            a, b = by_label[first], by_label[last]
+            levels = [k for k in sorted(b) if k.startswith("pass@1_difficulty/")]
+            lines.append(f"gain from {what}: {100 * (b['pass@1'] - a['pass@1']):+.1f} points"
+                         + (" (" + ", ".join(f"{k.split('/', 1)[1]} {100 * (b[k] - a.get(k, 0.0)):+.1f}" for k in levels) + ")"
+                            if levels else ""))
+    return "\n".join(lines)

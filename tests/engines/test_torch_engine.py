@@ -225,3 +225,33 @@ def test_a_call_in_flight_at_an_update_runs_on_one_version(embedded_dir, on_upda
 def test_on_update_is_validated(embedded_dir):
     with pytest.raises(ValueError, match="on_update must be one of"):
         TorchEngine(torch.nn.Linear(1, 1), on_update="later")
+
+
+def test_shared_and_cached_prefixes_sample_what_a_plain_forward_gives(embedded_dir):
+    """Rows sharing a system prompt run it once; a later call extending an earlier prompt runs only
+    its new tokens; the log-probs are still those of one plain forward, and the tokens those the
+    same seeds sample with the prefix cache off."""
+    rng = np.random.default_rng(2)
+    system = rng.integers(10, 3000, size=40)
+    prompts = [np.concatenate([system, rng.integers(10, 3000, size=n)]) for n in (3, 9, 6)]
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=5)
+
+    def run(engine, prompts):
+        async def go():
+            return await asyncio.gather(*[engine.generate(p, params) for p in prompts])
+        return asyncio.run(go())
+
+    cached = TorchEngine.from_pretrained(embedded_dir, seed=0, max_batch=4)
+    plain = TorchEngine.from_pretrained(embedded_dir, seed=0, max_batch=4, prefix_cache_tokens=0)
+    first = run(cached, prompts)
+    assert cached.prefill_tokens == 40 + 3 + 9 + 6  # the shared 40 tokens ran once
+    # The next turn of the second row: its prompt extends its first prompt and output.
+    follow = np.concatenate([prompts[1], first[1].output_ids, rng.integers(10, 3000, size=5)])
+    before = cached.prefill_tokens
+    [second] = run(cached, [follow])
+    assert cached.prefill_tokens - before == len(follow) - 40  # only what the cached system prompt lacks
+    for engine_out, prompt in zip(first + [second], prompts + [follow]):
+        np.testing.assert_allclose(engine_out.infer_logprobs,
+                                   reference_logprobs(cached.model, prompt, engine_out.output_ids, params), atol=1e-4)
+    for a, b in zip(first + [second], run(plain, prompts) + run(plain, [follow])):
+        np.testing.assert_array_equal(a.output_ids, b.output_ids)

@@ -25,9 +25,9 @@ needs_bwrap = pytest.mark.skipif(
 needs_npm = pytest.mark.skipif(shutil.which("npm") is None, reason="npm installs the harness (Debian: apt-get install npm)")
 
 
-def run_check(name: str, tmp_path, *, exact_prefix: bool = True):
+def run_check(name: str, tmp_path, *, exact_prefix: bool = True, model_dir=None):
     task = check_task()
-    report = check_harness(name, task=task, timeout_s=300, logs_dir=tmp_path / "logs")
+    report = check_harness(name, task=task, timeout_s=300, logs_dir=tmp_path / "logs", model_dir=model_dir)
     result = report.result
     assert (result.status, result.reward) == ("ok", 1.0), "\n".join(report.lines())
     # One main call per scripted turn: each oracle command, then the final answer; by structure, and
@@ -72,6 +72,22 @@ def test_mini_swe_agent_oracle_replay_scores_1(tmp_path):
 @needs_npm
 def test_claude_code_oracle_replay_scores_1(tmp_path):
     report = run_check("claude-code", tmp_path)
+    assert all(c.metadata.get("protocol") == "anthropic" for c in report.result.calls)
+
+
+@needs_bwrap
+def test_mini_swe_agent_continues_exactly_on_smollm2s_template(smollm2_dir, tmp_path):
+    """The quickstart's model: no special token for <tool_call> or <tool_response>, its own BPE; the
+    proxy's splicing and parsing must hold all the same."""
+    report = run_check("mini-swe-agent", tmp_path, model_dir=smollm2_dir)
+    assert all(c.metadata.get("protocol") == "chat" for c in report.result.calls)
+
+
+@pytest.mark.harness
+@needs_bwrap
+@needs_npm
+def test_claude_code_continues_exactly_on_smollm2s_template(smollm2_dir, tmp_path):
+    report = run_check("claude-code", tmp_path, model_dir=smollm2_dir)
     assert all(c.metadata.get("protocol") == "anthropic" for c in report.result.calls)
     assert any(a.endswith(".jsonl") for a in report.result.info["artifacts"])  # the session transcript
 

@@ -83,12 +83,14 @@ def _claude_env(home, base_url: str, key: str) -> dict[str, str]:
     return env
 
 
-def test_claude_code_writes_a_file_and_every_call_is_captured(claude_bin, renderer, tmp_path):
+@pytest.mark.parametrize("model", ["embedded", "smollm2-135m"])
+def test_claude_code_writes_a_file_and_every_call_is_captured(claude_bin, model, request, tmp_path):
     from clawfast.engines.scripted import ScriptedEngine
     from clawfast.proxy import ProxyApp, ProxyConfig, ProxyCore, ProxyServer, RolloutRegistry
     from clawfast.proxy.grpc_client import ControlClient
     from clawfast.proxy.grpc_service import GrpcControlServer
 
+    renderer = request.getfixturevalue("renderer" if model == "embedded" else "smollm2_renderer")
     workspace, home = tmp_path / "ws", tmp_path / "home"
     workspace.mkdir()
     home.mkdir()

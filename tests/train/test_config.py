@@ -129,3 +129,9 @@ def test_config_is_frozen():
 def test_a_renamed_key_says_its_new_name():
     with pytest.raises(ConfigError, match="harness_max_steps is now harness_max_turns"):
         config_from_dict({"rollout": {"harness_max_steps": 3}})
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).parents[2] / "examples").glob("*.toml")), ids=lambda p: p.name)
+def test_every_example_config_loads(path):
+    config = load_config(path)
+    assert config.steps >= 1

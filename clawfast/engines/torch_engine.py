@@ -292,12 +292,12 @@ class TorchEngine(Engine):
         and extended by the tokens it lacks; `prefix` is then cached itself. Called under the weights
         lock."""
         best, best_len = None, 0
-        for entry in self._prefixes:
+        for i, entry in enumerate(self._prefixes):
             n = common_prefix_len(entry[0], prefix)
             if n > best_len:
-                best, best_len = entry, n
+                best, best_len = i, n
         if best is not None and best_len >= MIN_PREFIX:
-            self._prefixes.remove(best)
+            best = self._prefixes.pop(best)  # by position: entries hold arrays, which == cannot compare
             self._prefixes.append(best)  # most recently used
             kv = copy.deepcopy(best[1])
             if best_len < len(best[0]):

@@ -133,11 +133,12 @@ def run_loop(config: RunConfig, *, resume: bool, progress: bool, group=None,
         state = load_checkpoint(ckpt, policy, optimizer)
     # FSDP: shards the policy over the ranks; `policy` stays rank 0's plain copy of the weights.
     trainer = make_trainer(config, policy, optimizer, state, group)
-    view = ProgressView(config.steps, live=progress)
+    view = ProgressView(config.steps) if progress else None
     logger = MetricsLogger(run_dir, resume_step=state.step if ckpt is not None else None)
     summary: dict[str, object] = {"run_dir": str(run_dir), "resumed_from": str(ckpt) if ckpt else None}
     try:
-        view.start()
+        if view:
+            view.start()
         with contextlib.ExitStack() as stack:
             if make_source is not None:
                 engine = build_engine(config.engine, model_dir, dtype=config.model.dtype, seed=config.seed,
@@ -183,8 +184,11 @@ def run_loop(config: RunConfig, *, resume: bool, progress: bool, group=None,
             while state.step < config.steps:
                 record = _one_step(config, trainer, feed, state, engine, ref_policy, view)
                 logger.log("train", state.step, record)
-                view.advance(note=f"step {state.step}: reward {record.get('reward/mean', float('nan')):.3f}")
-                view.add_step({"step": state.step, **record}, step_line(state.step, record))
+                if view:
+                    view.advance(note=f"step {state.step}: reward {record.get('reward/mean', float('nan')):.3f}")
+                    view.add_step({"step": state.step, **record}, step_line(state.step, record))
+                else:
+                    print(step_line(state.step, record), flush=True)
                 done_here += 1
                 last = state.step == config.steps
                 if state.step % config.checkpoint.interval == 0 or last:
@@ -194,14 +198,15 @@ def run_loop(config: RunConfig, *, resume: bool, progress: bool, group=None,
                 if eval_tasks and not last and config.eval.interval and state.step % config.eval.interval == 0:
                     _evaluate(source, config, eval_tasks, logger, view, state.step, f"step {state.step}", None)
             feed.close()
-            if done_here:
+            if view and done_here:
                 view.end()
             # A resumed run that had already finished does not evaluate again.
             if state.step == config.steps and (done_here or fresh) and config.eval.after and eval_tasks:
                 summary["eval_after"] = _evaluate(source, config, eval_tasks, logger, view, state.step, "after",
                                                   "eval after training")
     finally:
-        view.stop()
+        if view:
+            view.stop()
         logger.close()
     summary["steps"] = state.step
     try:

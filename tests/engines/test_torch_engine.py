@@ -255,3 +255,20 @@ def test_shared_and_cached_prefixes_sample_what_a_plain_forward_gives(embedded_d
                                    reference_logprobs(cached.model, prompt, engine_out.output_ids, params), atol=1e-4)
     for a, b in zip(first + [second], run(plain, prompts) + run(plain, [follow])):
         np.testing.assert_array_equal(a.output_ids, b.output_ids)
+
+
+def test_the_prefix_cache_serves_many_prompts_in_turn(embedded_dir):
+    """Several cached prefixes at once: each new call starts from the one it shares most with."""
+    rng = np.random.default_rng(3)
+    engine = TorchEngine.from_pretrained(embedded_dir, seed=0, max_batch=1)
+    systems = [rng.integers(10, 3000, size=30) for _ in range(3)]
+    params = SamplingParams(max_tokens=2, temperature=0.0, seed=1)
+
+    async def go(prompt):
+        return await engine.generate(prompt, params)
+
+    for turn in range(2):
+        for system in systems:
+            asyncio.run(go(np.concatenate([system, rng.integers(10, 3000, size=4)])))
+    assert len(engine._prefixes) >= 3
+    assert engine.prefill_tokens < engine.prompt_tokens  # the second round reused the systems' KV

@@ -22,7 +22,7 @@ if [ "${#PKGS[@]}" -gt 0 ]; then
 fi
 
 # A Docker engine (no bridge network) and the local image the docker backend's tests use; nothing
-# is pulled. CLAWFAST_SKIP_DOCKER=1 opts out (local development only; CI runs those tests).
+# is pulled. CLAWFAST_SKIP_DOCKER=1 opts out (the quickstart; the docker tests then fail, CI runs them).
 if [ "${CLAWFAST_SKIP_DOCKER:-0}" != 1 ]; then
   bash scripts/docker_engine.sh
 fi

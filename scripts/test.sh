@@ -6,7 +6,7 @@ bash scripts/setup.sh
 CACHE="${CLAWFAST_HOME:-$HOME/.cache/clawfast}"
 
 # The image scripts/docker_engine.sh builds, for the docker backend's tests (which fail without an
-# engine or the image, unless CLAWFAST_SKIP_DOCKER=1 skips them).
+# engine or the image: with CLAWFAST_SKIP_DOCKER=1 no engine is started, and those tests fail).
 if [ "${CLAWFAST_SKIP_DOCKER:-0}" != 1 ]; then
   export CLAWFAST_TEST_DOCKER_IMAGE=clawfast-sandbox:bookworm
 fi

@@ -10,8 +10,7 @@ where that is possible, so that what stops the attack is the sandbox's isolation
 
 The docker half runs on a local engine with the image CLAWFAST_TEST_DOCKER_IMAGE names (default
 `clawfast-sandbox:bookworm`, which scripts/docker_engine.sh builds: debootstrap minbase bookworm with
-socat, bash, python3). A missing engine or image FAILS it; only an explicit CLAWFAST_SKIP_DOCKER=1
-(local development) skips it, saying so. Cases that are moot for docker (the project checkout is not in the image) still
+socat, bash, python3). A missing engine or image FAILS it; nothing skips it. Cases that are moot for docker (the project checkout is not in the image) still
 run there: they must fail there too.
 """
 
@@ -62,18 +61,16 @@ GENERIC_DOTFILES = {".bashrc", ".profile", ".bash_logout"}
 
 def _docker_backend():
     image = os.environ.get(DOCKER_IMAGE_VAR) or "clawfast-sandbox:bookworm"
-    if os.environ.get("CLAWFAST_SKIP_DOCKER") == "1":
-        pytest.skip("CLAWFAST_SKIP_DOCKER=1: the docker half is not run")
     from clawfast.sandbox.docker_backend import DockerBackend, connect
 
     try:
         client = connect()
     except SandboxError as exc:
-        pytest.fail(f"the docker backend is required (CLAWFAST_SKIP_DOCKER=1 opts out) but no Docker engine answers: {exc}", pytrace=False)
+        pytest.fail(f"the docker backend is required but no Docker engine answers: {exc}", pytrace=False)
     try:
         client.images.get(image)
     except Exception as exc:
-        pytest.fail(f"the docker backend is required (CLAWFAST_SKIP_DOCKER=1 opts out) but the engine has no image {image}: {exc}", pytrace=False)
+        pytest.fail(f"the docker backend is required but the engine has no image {image}: {exc}", pytrace=False)
     finally:
         client.close()
     return DockerBackend(image=image)

@@ -218,7 +218,12 @@ class AlgorithmConfig(_Section):
     clip_low / clip_high / dual_clip: the clipping of pi / pi_prox, which acts only when a step makes
     several optimizer updates (`OptimConfig.ppo_epochs`, `OptimConfig.updates_per_step`).
     max_kept_leaves / drop_dead: the leaf filter of `build_tree`.
-    keep_statuses: rollout statuses that are trained. max_staleness: the loop's schedule. None: the
+    keep_statuses: rollout statuses that are trained. filter_groups (GRPO): train no rollout of a
+    group whose rewards are all equal (verl's and DAPO's filter_groups, without re-sampling): such a
+    group has advantage 0 everywhere, so it only dilutes a token-mean loss, and an update of such
+    groups alone would still move every weight by Adam's momentum; mini-batches are formed from the
+    remaining groups and a step with none makes no update (counted: ``dropped_uniform_group``; the
+    KL and entropy terms of the dropped rollouts go with them). max_staleness: the loop's schedule. None: the
     synchronous loop (a step's rollouts start after the previous step's weight push, and the step
     waits for all of them). k >= 0: the asynchronous loop (`clawfast.train.producer`): rollout
     groups run up to k steps ahead of the trainer, a step takes the first groups to finish, and a
@@ -248,6 +253,7 @@ class AlgorithmConfig(_Section):
     max_kept_leaves: int | None = Field(None, ge=1)
     drop_dead: bool = True
     keep_statuses: tuple[str, ...] = ("ok",)
+    filter_groups: bool = False
     max_staleness: int | None = Field(None, ge=0)
 
     @field_validator("keep_statuses")
@@ -262,6 +268,8 @@ class AlgorithmConfig(_Section):
     def _bounds(self) -> "AlgorithmConfig":
         if self.is_mode == "mask" and not self.is_lo < self.is_hi:
             raise ValueError(f"is_lo ({self.is_lo}) must be below is_hi ({self.is_hi})")
+        if self.filter_groups and self.name != "grpo":
+            raise ValueError("filter_groups applies to GRPO's groups: it needs name = 'grpo'")
         if self.is_level == "sequence" and self.is_mode == "off":
             raise ValueError('is_level="sequence" needs is_mode "truncate" or "mask" (is_mode="off" uses no IS weight)')
         return self

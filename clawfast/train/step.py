@@ -5,7 +5,8 @@
 1. **Filter** rollouts: status not in ``config.keep_statuses``, stale (oldest call more than
    ``max_staleness`` weight versions behind ``weight_version``), or without calls. After step 3,
    rollouts with more kept leaves than ``max_kept_leaves`` or a kept path longer than
-   ``max_tokens`` are not trained either (they still count in their GRPO group's baseline).
+   ``max_tokens`` are not trained either (they still count in their GRPO group's baseline), nor,
+   with ``filter_groups``, the rollouts of a GRPO group whose rewards are all equal.
 2. **Advantages** (GRPO): one per rollout, over its group (``groups`` or ``config.group_by``).
 3. **Tree + leaf filter** (`build_tree`: dead retries, excluded calls — every call whose kind from
    `clawfast.threads.reconstruct` is not main —, ``max_kept_leaves``), split
@@ -195,16 +196,22 @@ def prepare_step(rollouts: Sequence[RolloutResult], groups: Sequence[Hashable] |
     ids = group_ids(kept, config.group_by, None if groups is None else [groups[i] for i in keep])
     if config.name == "grpo":
         rollout_adv = grpo_rollout_advantages(rewards, ids, normalize_std=config.normalize_std)
+    # A group whose rewards are all equal has advantage 0 everywhere: it adds no policy gradient,
+    # only targets to the token-mean's denominator, and an update made of such groups alone would
+    # still move every weight by Adam's momentum.
+    uniform = uniform_groups(rewards, ids) if config.filter_groups else np.zeros(len(kept), dtype=bool)
     # Side calls are excluded by what the rollout's structure says they are, not by the proxy's hints.
     threads = [reconstruct(r.calls) for r in kept]
     trees = [build_tree(with_kinds(r.calls, t), max_kept_leaves=config.max_kept_leaves, drop_dead=config.drop_dead)
              for r, t in zip(kept, threads)]
     # A kept path longer than a micro-batch cannot be trained (pack would raise): drop its rollout
     # and count it, rather than lose the whole step to one overlong session.
-    too_long = [not t.dropped and max((lf.depth for lf in t.leaves if lf.status == "kept"), default=0)
-                > config.max_tokens for t in trees]
-    trees = [dataclasses.replace(t, dropped=True) if long else t for t, long in zip(trees, too_long)]
-    parts = split_groups(ids, config.updates_per_step)
+    branching = np.array([t.dropped for t in trees], dtype=bool)
+    too_long = np.array([not t.dropped and max((lf.depth for lf in t.leaves if lf.status == "kept"), default=0)
+                         > config.max_tokens for t in trees], dtype=bool)
+    uniform &= ~(branching | too_long)
+    trees = [dataclasses.replace(t, dropped=True) if drop else t for t, drop in zip(trees, too_long | uniform)]
+    parts = split_groups(ids, config.updates_per_step, np.flatnonzero(~uniform))
     batches: list[PackedBatch] = []
     minibatches = []
     for part in parts:
@@ -240,20 +247,35 @@ def prepare_step(rollouts: Sequence[RolloutResult], groups: Sequence[Hashable] |
         "dropped_status": int(bad_status.sum()),
         "dropped_stale": int(stale.sum()),
         "dropped_no_calls": int(empty.sum()),
-        "dropped_branching": int(sum(t.dropped for t in trees)) - int(sum(too_long)),
-        "dropped_too_long": int(sum(too_long)),
+        "dropped_branching": int(branching.sum()),
+        "dropped_too_long": int(too_long.sum()),
+        "dropped_uniform_group": int(uniform.sum()),
         **fidelity_counts(threads),
     }
     return StepData(kept, trees, rewards, batches, weights, denominator, advantages, forest, forest_rows, counts,
                     minibatches, denominators)
 
 
-def split_groups(ids: np.ndarray, n: int) -> list[np.ndarray]:
+def split_groups(ids: np.ndarray, n: int, members: np.ndarray | None = None) -> list[np.ndarray]:
     """The mini-batches of a step: indices of each of min(n, #groups) parts (at least one) of the
-    rollouts whose group ids (`group_ids`) are `ids`: group g (first-appearance index) goes to part
-    g mod parts, so a group never straddles two parts."""
-    num = max(1, min(n, int(ids.max()) + 1 if ids.size else 0))
-    return [np.flatnonzero(ids % num == k) for k in range(num)]
+    rollouts whose group ids (`group_ids`) are `ids`, counting only the rollouts in `members`
+    (indices; None: all): the k-th group among them (in first-appearance order) goes to part
+    k mod parts, so a group never straddles two parts."""
+    members = np.arange(len(ids)) if members is None else np.asarray(members, dtype=np.int64)
+    present = np.unique(ids[members])  # sorted: first-appearance order of the groups
+    num = max(1, min(n, len(present)))
+    part_of = {int(g): k % num for k, g in enumerate(present)}
+    which = np.array([part_of[int(g)] for g in ids[members]], dtype=np.int64)
+    return [members[which == k] for k in range(num)]
+
+
+def uniform_groups(rewards: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """bool[R]: the rollout's GRPO group has one reward value for all its rollouts."""
+    lo = np.full(int(ids.max()) + 1 if ids.size else 0, np.inf)
+    hi = np.full_like(lo, -np.inf)
+    np.minimum.at(lo, ids, rewards)
+    np.maximum.at(hi, ids, rewards)
+    return (lo == hi)[ids]
 
 
 def _world() -> tuple[int, int]:

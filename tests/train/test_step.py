@@ -208,3 +208,60 @@ def test_single_chain_takes_the_causal_path_with_the_same_result(policy):
     forest = policy.hidden_states(torch.cat([ids, ids[:1]]), pos, kv_end)
     torch.testing.assert_close(chain, forest[:37], atol=1e-5, rtol=0)
     torch.testing.assert_close(forest[37], chain[0], atol=1e-5, rtol=0)
+
+
+def _with_rewards(rollouts, rewards):
+    return [dataclasses.replace(r, reward=float(x)) for r, x in zip(rollouts, rewards)]
+
+
+def test_filter_groups_trains_only_groups_whose_rewards_differ(policy, rollouts):
+    # task0 (rollouts 0-2) all solved: no signal; task1 (3-5) mixed
+    rs = _with_rewards(rollouts, [1, 1, 1, 0, 1, 0])
+    plain = prepare_step(rs, None, StepConfig(max_tokens=4096))
+    data = prepare_step(rs, None, StepConfig(max_tokens=4096, filter_groups=True, updates_per_step=2))
+    assert data.counts["dropped_uniform_group"] == 3 and data.counts["rollouts_trained"] == 3
+    trained = {int(g) for b in data.batches for g in b.target_rollout}
+    assert trained == {3, 4, 5}
+    assert len(data.minibatches) == 1  # one group left: one update, not one per configured mini-batch
+    # the kept group's advantages are the unfiltered ones
+    want = {int(g): float(a) for b, adv in zip(plain.batches, plain.advantages) for g, a in zip(b.target_rollout, adv)}
+    for b, adv in zip(data.batches, data.advantages):
+        for g, a in zip(b.target_rollout, adv):
+            assert float(a) == want[int(g)] != 0.0
+    with pytest.raises(ValueError, match="filter_groups"):
+        StepConfig(name="ppo", filter_groups=True)
+
+
+def test_filter_groups_makes_no_update_without_signal_where_adam_would_drift(policy, rollouts):
+    signal = _with_rewards(rollouts, [1, 0, 1, 0, 1, 0])
+    flat = _with_rewards(rollouts, [1, 1, 1, 0, 0, 0])
+    moved = {}
+    for filtered in (False, True):
+        p = copy.deepcopy(policy)
+        opt = adamw(p)
+        config = StepConfig(max_tokens=4096, filter_groups=filtered)
+        train_step(p, opt, signal, None, config)
+        after_first = [a.detach().clone() for a in p.parameters()]
+        metrics = train_step(p, opt, flat, None, config)
+        moved[filtered] = max(float((a.detach() - b).abs().max()) for a, b in zip(p.parameters(), after_first))
+        assert metrics["stepped"] == float(not filtered)
+    assert moved[True] == 0.0 and moved[False] > 0.0  # zero advantages, yet Adam's momentum moves every weight
+
+
+@settings(max_examples=60, deadline=None)
+@given(ids=st.lists(st.integers(0, 6), min_size=1, max_size=40), n=st.integers(1, 5), seed=st.integers(0, 2**16))
+def test_split_groups_over_members_keeps_groups_whole(ids, n, seed):
+    from clawfast.train.step import split_groups
+
+    # first-appearance group indices, as group_ids makes them
+    index: dict[int, int] = {}
+    ids = np.array([index.setdefault(i, len(index)) for i in ids], dtype=np.int64)
+    members = np.flatnonzero(np.random.default_rng(seed).random(len(ids)) < 0.6)
+    parts = split_groups(ids, n, members)
+    flat = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+    assert sorted(flat.tolist()) == members.tolist()
+    assert len(parts) == max(1, min(n, len(set(ids[members].tolist()))))
+    owner = {}
+    for k, part in enumerate(parts):
+        for g in ids[part]:
+            assert owner.setdefault(int(g), k) == k

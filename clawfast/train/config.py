@@ -283,7 +283,11 @@ class OptimConfig(_Section):
     predates epochs). ppo_epochs: passes over those mini-batches per RL step, in a seeded order per
     epoch. An RL step thus makes ppo_epochs x updates_per_step optimizer updates on the same prepared
     data, advantages and proximal log-probs; with 1 x 1 the clipped ratio is 1 at the update (the
-    IS correction against the sampler still acts)."""
+    IS correction against the sampler still acts). warmup_updates: the learning rate ramps up
+    linearly over the first N optimizer updates of the run, counted from the optimizer's own step
+    count (so a resumed run continues the ramp): AdamW's first update moves every weight by about
+    ``lr`` in the sign of its gradient, however small that gradient, which a fresh optimizer after a
+    cold start would otherwise do at the full rate (0: no warm-up)."""
 
     lr: float = Field(1e-5, gt=0)
     weight_decay: float = Field(0.0, ge=0)
@@ -293,6 +297,7 @@ class OptimConfig(_Section):
     max_tokens: int = Field(4096, ge=16)
     updates_per_step: int = Field(1, ge=1)
     ppo_epochs: int = Field(1, ge=1)
+    warmup_updates: int = Field(0, ge=0)
 
     @field_validator("betas")
     @classmethod

@@ -104,9 +104,10 @@ class StepConfig(AlgorithmConfig):
     """Everything `train_step` needs besides the policy, optimizer and rollouts: the run's
     ``[algorithm]`` section (`clawfast.train.config.AlgorithmConfig`, where each field is described;
     `name` is "grpo" or "ppo", which needs a policy with a value head) with `group_by` resolved to
-    "task" or "task_harness", plus four fields of ``[optim]`` (`clawfast.train.config.OptimConfig`):
+    "task" or "task_harness", plus five fields of ``[optim]`` (`clawfast.train.config.OptimConfig`):
     max_tokens (rows per micro-batch), max_grad_norm (clip the global gradient norm; None: no
-    clipping, the norm is still reported), updates_per_step (mini-batches per epoch) and ppo_epochs.
+    clipping, the norm is still reported), updates_per_step (mini-batches per epoch), ppo_epochs
+    and warmup_updates (`warm_up`).
     Validated on construction like every config section (a `ValueError` naming the field)."""
 
     group_by: Literal["task", "task_harness"] = "task"
@@ -114,6 +115,7 @@ class StepConfig(AlgorithmConfig):
     max_grad_norm: float | None = Field(1.0, gt=0)
     updates_per_step: int = Field(1, ge=1)
     ppo_epochs: int = Field(1, ge=1)
+    warmup_updates: int = Field(0, ge=0)
 
     @model_validator(mode="after")
     def _is_config(self) -> "StepConfig":
@@ -137,7 +139,8 @@ def step_config(config: RunConfig) -> StepConfig:
     optim = config.optim
     return StepConfig(**{**config.algorithm.model_dump(), "group_by": config.group_by},
                       max_tokens=optim.max_tokens, max_grad_norm=optim.max_grad_norm,
-                      updates_per_step=optim.updates_per_step, ppo_epochs=optim.ppo_epochs)
+                      updates_per_step=optim.updates_per_step, ppo_epochs=optim.ppo_epochs,
+                      warmup_updates=optim.warmup_updates)
 
 
 @dataclass(eq=False)
@@ -655,11 +658,29 @@ def _update(policy, optimizer, data: StepData, config: StepConfig, fixed: FixedT
     stepped = data.denominators[minibatch] > 0
     metrics["grad_norm"] = grad_norm(policy, config.max_grad_norm) if stepped else 0.0
     if stepped:
+        metrics["lr"] = warm_up(optimizer, config.warmup_updates)
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     metrics["stepped"] = float(stepped)
     metrics["time_optimizer_s"] = time.perf_counter() - t1
     return metrics
+
+
+def updates_done(optimizer: torch.optim.Optimizer) -> int:
+    """Optimizer updates made so far, from the optimizer's own per-parameter step counts (saved
+    with its state, so a resumed run counts on)."""
+    steps = [int(s["step"]) for s in optimizer.state.values() if "step" in s]
+    return max(steps, default=0)
+
+
+def warm_up(optimizer: torch.optim.Optimizer, warmup_updates: int) -> float:
+    """Set each parameter group's lr for the next update: its base lr (kept under ``initial_lr``,
+    the key torch's schedulers use) times ``min(1, (updates done + 1) / warmup_updates)``; returns
+    the first group's."""
+    scale = min(1.0, (updates_done(optimizer) + 1) / warmup_updates) if warmup_updates > 0 else 1.0
+    for group in optimizer.param_groups:
+        group["lr"] = group.setdefault("initial_lr", group["lr"]) * scale
+    return float(optimizer.param_groups[0]["lr"])
 
 
 def _combine(updates: list[dict[str, float]]) -> dict[str, float]:

@@ -265,3 +265,23 @@ def test_split_groups_over_members_keeps_groups_whole(ids, n, seed):
     for k, part in enumerate(parts):
         for g in ids[part]:
             assert owner.setdefault(int(g), k) == k
+
+
+def test_warmup_ramps_the_learning_rate_from_the_optimizers_own_count(policy, rollouts):
+    from clawfast.train.step import updates_done
+
+    rs = _with_rewards(rollouts, [1, 0, 1, 0, 1, 0])
+    config = StepConfig(max_tokens=4096, warmup_updates=4, updates_per_step=2)
+    p = copy.deepcopy(policy)
+    opt = adamw(p)
+    lrs = []
+    for _ in range(3):
+        lrs.append(train_step(p, opt, rs, None, config)["lr"])  # two updates per step, lr averaged
+    assert lrs == pytest.approx([1e-3 * 1.5 / 4, 1e-3 * 3.5 / 4, 1e-3])
+    assert updates_done(opt) == 6
+    # a resumed run: a new optimizer loaded from the saved state continues the ramp, not restarts it
+    again = adamw(p)
+    again.load_state_dict(opt.state_dict())
+    assert updates_done(again) == 6 and train_step(p, again, rs, None, config)["lr"] == pytest.approx(1e-3)
+    fresh = copy.deepcopy(policy)
+    assert train_step(fresh, adamw(fresh), rs, None, StepConfig(max_tokens=4096))["lr"] == 1e-3

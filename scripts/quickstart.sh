@@ -10,8 +10,7 @@
 # 3. `clawfast train examples/quickstart.toml`: eval pass@1 on the held-out split before training,
 #    a cold start on oracle demonstrations of some easy tasks captured through mini-swe-agent, eval,
 #    GRPO through mini-swe-agent on the easy training tasks (templates the cold start never showed
-#    included), eval at step 2 and after; every rollout runs in a bwrap sandbox whose only peer is
-#    the proxy;
+#    included), eval after; every rollout runs in a bwrap sandbox whose only peer is the proxy;
 #    live progress with an ETA per phase in a terminal, one line per phase otherwise;
 # 4. prints every eval per difficulty and per task (`clawfast report`) and writes RUN_DIR/curves.png.
 #

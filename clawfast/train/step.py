@@ -267,8 +267,7 @@ def split_groups(ids: np.ndarray, n: int, members: np.ndarray | None = None) -> 
     members = np.arange(len(ids)) if members is None else np.asarray(members, dtype=np.int64)
     present = np.unique(ids[members])  # sorted: first-appearance order of the groups
     num = max(1, min(n, len(present)))
-    part_of = {int(g): k % num for k, g in enumerate(present)}
-    which = np.array([part_of[int(g)] for g in ids[members]], dtype=np.int64)
+    which = np.searchsorted(present, ids[members]) % num
     return [members[which == k] for k in range(num)]
 
 
@@ -674,12 +673,14 @@ def updates_done(optimizer: torch.optim.Optimizer) -> int:
 
 
 def warm_up(optimizer: torch.optim.Optimizer, warmup_updates: int) -> float:
-    """Set each parameter group's lr for the next update: its base lr (kept under ``initial_lr``,
-    the key torch's schedulers use) times ``min(1, (updates done + 1) / warmup_updates)``; returns
-    the first group's."""
-    scale = min(1.0, (updates_done(optimizer) + 1) / warmup_updates) if warmup_updates > 0 else 1.0
-    for group in optimizer.param_groups:
-        group["lr"] = group.setdefault("initial_lr", group["lr"]) * scale
+    """Within the ramp, set each parameter group's lr for the next update to its base lr (kept under
+    ``initial_lr``, the key torch's schedulers use) times ``min(1, (updates done + 1) /
+    warmup_updates)``; past it (or with no ramp) leave the lr alone, so that a scheduler the caller
+    drives keeps control. Returns the first group's lr."""
+    done = updates_done(optimizer) if warmup_updates > 0 else None
+    if done is not None and done <= warmup_updates:
+        for group in optimizer.param_groups:
+            group["lr"] = group.setdefault("initial_lr", group["lr"]) * min(1.0, (done + 1) / warmup_updates)
     return float(optimizer.param_groups[0]["lr"])
 
 

@@ -12,7 +12,7 @@
 3. **SFT.** The captured calls become prefix trees, are packed (`clawfast.pack`: shared prompts
    once) and the policy is trained on exactly those tokens: the mean negative log-likelihood of
    every trainable (model-generated) target of the packed trees, under the tree mask
-   (`Policy.run`), AdamW with a short warm-up and a cosine decay over all updates, one update per
+   (`Policy.run`), AdamW with a warm-up over the first tenth of the updates and a cosine decay over all of them, one update per
    ``batch_rollouts`` demonstrations, ``epochs`` passes.
 
 What is scripted is only the choice of each output (the oracle); tokenizer, chat template, protocol,
@@ -120,10 +120,13 @@ def sft_epoch(policy, optimizer: torch.optim.Optimizer, demos: list[RolloutResul
             "tokens_packed": float(tokens), "updates": float(len(losses))}
 
 
-def warmup_cosine(optimizer: torch.optim.Optimizer, total_updates: int, warmup: int = 10):
-    """`lr` ramps up linearly over `warmup` updates, then decays to 0 along a half cosine by the last
-    update, so that a small model trained for many epochs ends on small steps instead of a noisy
-    full-rate one."""
+def warmup_cosine(optimizer: torch.optim.Optimizer, total_updates: int, warmup_frac: float = 0.1):
+    """`lr` ramps up linearly over the first `warmup_frac` of the updates (at least one), then decays
+    to 0 along a half cosine by the last update, so that a small model trained for many epochs ends on
+    small steps instead of a noisy full-rate one. The ramp is a fraction, not a count: a fixed ramp
+    of 10 updates kept a 9-update cold start below its peak lr throughout."""
+    warmup = max(1, round(warmup_frac * total_updates))
+
     def factor(k: int) -> float:
         return min(1.0, (k + 1) / warmup) * 0.5 * (1.0 + math.cos(math.pi * min(k, total_updates) / max(total_updates, 1)))
 

@@ -129,13 +129,15 @@ class EngineConfig(_Section):
 class TasksConfig(_Section):
     """suite: "clawbench-mini", a task.toml directory, or a ClawGym-format folder
     ``clawgym:PATH[?eval=FRACTION]`` (`clawfast.tasks.clawgym`). split: the training split. suite_seed: the
-    generator seed of a built-in suite. difficulties: train only on tasks with these
-    ``difficulty`` tags (empty: all). The eval split is `EvalConfig.split`."""
+    generator seed of a built-in suite. difficulties / categories: train only on tasks with these
+    ``difficulty`` / ``category`` tags (empty: all), e.g. on the categories the cold start did not
+    demonstrate. The eval split is `EvalConfig.split`, whole."""
 
     suite: str = "clawbench-mini"
     split: Literal["train", "eval"] = "train"
     suite_seed: int = 0
     difficulties: tuple[str, ...] = ()
+    categories: tuple[str, ...] = ()
 
 
 class RolloutSection(_Section):

@@ -30,7 +30,7 @@ class TaskSampler:
 
     def __init__(self, task_ids: Sequence[str], seed: int) -> None:
         if not task_ids:
-            raise ValueError("no training tasks (check tasks.suite, tasks.split and tasks.difficulties)")
+            raise ValueError("no training tasks (check tasks.suite, tasks.split, tasks.difficulties and tasks.categories)")
         self.ids = sorted(task_ids)
         self.seed = int(seed)
 
@@ -47,13 +47,15 @@ class TaskSampler:
         return out
 
 
-def load_tasks(config: RunConfig, split: str, difficulties: Sequence[str] = ()) -> dict:
-    """Task id -> Task of the configured suite's `split` (filtered by difficulty tags)."""
+def load_tasks(config: RunConfig, split: str, difficulties: Sequence[str] = (), categories: Sequence[str] = ()) -> dict:
+    """Task id -> Task of the configured suite's `split` (filtered by difficulty and category tags)."""
     from clawfast.tasks import load_suite
 
     tasks = load_suite(config.tasks.suite, split, seed=config.tasks.suite_seed)
     if difficulties:
         tasks = [t for t in tasks if t.tags.get("difficulty") in difficulties]
+    if categories:
+        tasks = [t for t in tasks if t.tags.get("category") in categories]
     return {t.id: t for t in tasks}
 
 

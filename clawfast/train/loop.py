@@ -150,7 +150,7 @@ def run_loop(config: RunConfig, *, resume: bool, progress: bool, group=None,
                 source = RecordedRollouts(config.rollout.recorded_dir)
                 train_ids, eval_tasks, engine = source.task_ids, {}, None
             else:
-                train_tasks = load_tasks(config, config.tasks.split, config.tasks.difficulties)
+                train_tasks = load_tasks(config, config.tasks.split, config.tasks.difficulties, config.tasks.categories)
                 eval_tasks = load_tasks(config, config.eval.split)
                 train_ids = sorted(train_tasks)
                 _warn_if_not_held_out(train_tasks, eval_tasks, config.tasks.suite)

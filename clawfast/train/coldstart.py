@@ -12,8 +12,8 @@
 3. **SFT.** The captured calls become prefix trees, are packed (`clawfast.pack`: shared prompts
    once) and the policy is trained on exactly those tokens: the mean negative log-likelihood of
    every trainable (model-generated) target of the packed trees, under the tree mask
-   (`Policy.run`), AdamW with a warm-up over the first tenth of the updates and a cosine decay over all of them, one update per
-   ``batch_rollouts`` demonstrations, ``epochs`` passes.
+   (`Policy.run`), AdamW with a warm-up over the first tenth of the updates and a cosine decay over
+   all of them, one update per ``batch_rollouts`` demonstrations, ``epochs`` passes.
 
 What is scripted is only the choice of each output (the oracle); tokenizer, chat template, protocol,
 harness, sandbox and verifier are the real ones, so the tokens trained on are the tokens the policy

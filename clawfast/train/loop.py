@@ -81,7 +81,7 @@ from clawfast.train.data import HarnessRollouts, RecordedRollouts, TaskSampler, 
 from clawfast.train.distributed import make_trainer, train_sharded
 from clawfast.train.producer import RolloutProducer
 from clawfast.train.metrics import MetricsLogger, ProgressView, metrics_by_tag, plot_run, rollout_metrics
-from clawfast.train.report import eval_line, pass_at_1, step_line
+from clawfast.train.report import coldstart_line, eval_line, pass_at_1, step_line
 
 
 def seed_everything(seed: int) -> None:
@@ -167,6 +167,8 @@ def run_loop(config: RunConfig, *, resume: bool, progress: bool, group=None,
                                                    "eval before training")
             if not state.extra.get("coldstart_done") and config.coldstart.enabled:
                 summary["coldstart"] = run_coldstart(config, policy, model_dir, run_dir, logger=logger, view=view)
+                if view is None:  # the live view reports its phases itself
+                    print(coldstart_line(summary["coldstart"]), flush=True)
                 state.extra["coldstart_done"] = True
                 trainer.optimizer = build_optimizer(config, policy)  # fresh AdamW moments for RL
                 if engine is not None and config.engine.sync_weights:

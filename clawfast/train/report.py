@@ -1,6 +1,6 @@
-"""What a run reports in words: pass@1 of a set of rollouts, the one-line summaries of an eval and
-of a step (for logs, CI and ``--no-progress``), their per-harness / per-difficulty breakdowns, and a
-finished run's table of every eval per difficulty and per task (`run_table`, `clawfast report`)."""
+"""What a run reports in words: pass@1 of a set of rollouts, the one-line summaries of an eval, a
+cold start and a step (for logs, CI and ``--no-progress``), their per-harness / per-difficulty
+breakdowns, and a finished run's table of every eval per difficulty and per task (`run_table`, `clawfast report`)."""
 
 from __future__ import annotations
 
@@ -40,6 +40,16 @@ def step_line(step: int, record: dict[str, float]) -> str:
             f"loss {record.get('loss', float('nan')):.4f} "
             f"over {int(record.get('rollouts', 0))} rollouts; rollout {record.get('time/rollout_s', 0.0):.1f} s, "
             f"train {record.get('time/train_s', 0.0):.1f} s")
+
+
+def coldstart_line(summary: dict[str, float]) -> str:
+    """The one-line report of a cold start (``run_coldstart``'s summary): demonstrations kept of
+    those captured, the nll of each SFT epoch, and the time of both phases."""
+    epochs = sorted(int(k.rsplit("_", 1)[1]) for k in summary if k.startswith("nll_epoch_"))
+    nlls = ", ".join(f"{summary[f'nll_epoch_{e}']:.3f}" for e in epochs)
+    return (f"cold start: {int(summary['kept'])} of {int(summary['captured'])} demonstrations solved their task "
+            f"(captured in {summary['time_capture_s']:.1f} s); SFT {len(epochs)} epoch{'s' * (len(epochs) != 1)}, "
+            f"nll by epoch {nlls} ({summary['time_sft_s']:.1f} s)")
 
 
 _PHASES = {"before": "before", "coldstart": "cold start"}

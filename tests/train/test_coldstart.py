@@ -1,4 +1,5 @@
-"""Cold start SFT schedule: warm-up, cosine decay to zero, one scheduler step per update."""
+"""Cold start: the SFT schedule (warm-up, cosine decay to zero, one scheduler step per update) and
+its one-line report."""
 
 from __future__ import annotations
 
@@ -41,3 +42,14 @@ def test_sft_epoch_steps_the_schedule_once_per_update(tmp_path):
     m = sft_epoch(policy, opt, demos, max_tokens=64, batch_rollouts=2, rng=rng, scheduler=sched)
     assert m["updates"] == 3 and sched.last_epoch == 3
     assert opt.param_groups[0]["lr"] == 0.0
+
+
+def test_coldstart_line_reports_kept_demonstrations_each_epoch_and_both_times():
+    from clawfast.train.report import coldstart_line
+
+    summary = {"tasks": 71, "captured": 71, "kept": 65, "time_capture_s": 312.04, "nll_epoch_1": 0.5,
+               "nll_epoch_2": 0.0312, "time_sft_s": 191.96}
+    assert coldstart_line(summary) == ("cold start: 65 of 71 demonstrations solved their task (captured in 312.0 s); "
+                                       "SFT 2 epochs, nll by epoch 0.500, 0.031 (192.0 s)")
+    one = {k: v for k, v in summary.items() if k != "nll_epoch_2"}
+    assert "SFT 1 epoch, nll by epoch 0.500 (" in coldstart_line(one)

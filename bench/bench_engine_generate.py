@@ -9,6 +9,8 @@ every row decodes the same number of tokens on both sides).
 - ``engine``: `TorchEngine.generate` called concurrently: one batch, the shared system prompt run
   once (prefix cache), KV-cached decoding.
 - ``engine, no prefix cache``: the same with ``prefix_cache_tokens=0`` (each row runs its whole prompt).
+- ``engine, bfloat16``: the engine on a bfloat16 copy of the weights (``engine.dtype = "bfloat16"``;
+  its greedy tokens may differ from float32's, counted and printed).
 - ``HF generate`` (baseline): `model.generate` on the same prompts as one left-padded batch, greedy,
   with its own KV cache.
 - ``HF generate, one call at a time`` (baseline): what a server without batching does.
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import json
 import platform
 import statistics
@@ -72,6 +75,7 @@ def main() -> None:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, seed=0)
     cached = TorchEngine(lm, seed=0, max_batch=args.requests)
     plain = TorchEngine(lm, seed=0, max_batch=args.requests, prefix_cache_tokens=0)
+    half = TorchEngine(copy.deepcopy(lm).to(torch.bfloat16), seed=0, max_batch=args.requests)
 
     def engine_run(engine):
         async def go():
@@ -100,6 +104,7 @@ def main() -> None:
                             pad_token_id=pad)[0, len(p):].tolist() for p in prompts]
 
     cases = {"engine": lambda: engine_run(cached), "engine, no prefix cache": lambda: engine_run(plain),
+             "engine, bfloat16": lambda: engine_run(half),
              "HF generate": hf_batch, "HF generate, one call at a time": hf_one_at_a_time}
     times: dict[str, list[float]] = {name: [] for name in cases}
     outputs: dict[str, list] = {}
@@ -109,11 +114,11 @@ def main() -> None:
             outputs[name] = fn()
             times[name].append(time.perf_counter() - t0)
     reference = outputs["HF generate"]
-    for name in ("engine", "engine, no prefix cache"):
+    for name in ("engine", "engine, no prefix cache", "engine, bfloat16"):
         same = sum(a == b for a, b in zip(outputs[name], reference))
         if same != len(reference):
-            print(f"note: {name} differs from HF generate on {len(reference) - same} of {len(reference)} rows "
-                  "(greedy ties under float rounding)")
+            why = "bfloat16 weights" if "bfloat16" in name else "greedy ties under float rounding"
+            print(f"note: {name} differs from HF generate on {len(reference) - same} of {len(reference)} rows ({why})")
     tokens = args.requests * args.max_tokens
     base = statistics.median(times["HF generate"])
     rows = []

@@ -1,17 +1,29 @@
 """The in-process torch engine: a Hugging Face causal LM sampling token ids with exact log-probs.
 
-Concurrent `generate` calls are batched: a worker takes the oldest queued request and up to
-`max_batch - 1` more of similar prompt length (`_take_batch`), left-pads them, and decodes them
-together with a KV cache on a worker thread (the event loop stays free for keep-alives). Requests that
-arrive while a batch runs wait for the next batch (static batching, not continuous batching: simple,
-and enough for the embedded CPU setup).
+Concurrent `generate` calls are batched continuously: one worker thread decodes a running batch with
+a KV cache (the event loop stays free for keep-alives), and between two decode steps queued calls
+join it. A joining group is prefilled on its own (its shared prefix once, then each row's suffix),
+its KV cache left-padded to the running batch's length or the other way round, and the two stacked;
+a row that ends leaves at once, its result delivered while the others decode, and cache columns no
+remaining row attends are dropped. A harness's calls arrive seconds apart, so static batches
+fragmented: in a quickstart GRPO step a lone call ran as a batch of one for 5-28 s while the next
+fifteen waited behind it (bench/RESULTS.md, "Torch engine batching").
 
-Prompt prefixes are computed once (`_prefix_kv`): a batch's rows share the longest common prefix of
-their prompts (a harness's system prompt and tool schemas), so that prefix is run once at batch size
-one and its KV cache expanded to the batch; the engine also keeps the KV of recent prefixes
-(``prefix_cache_tokens`` tokens in all, least recently used dropped first), so the next batch with
-the same system prompt, or the next call of a rollout that extends its previous prompt, runs only
-its new tokens. A weight update empties it.
+Who joins: an empty batch takes the oldest queued call plus, in queue order, those that keep its
+padding within half its real tokens plus `PAD_SLACK` (two 12.2K-token Codex prompts batched with two
+374-token mini-swe-agent prompts took 78.9 s, the same four in two length groups 46.2 s); a running
+batch takes queued calls in queue order under the same rule and stops at the first that does not
+fit, so that call waits only until the batch drains and then goes first. ``continuous=False`` admits
+nothing into a running batch (static batching; the batching bench's baseline). A model whose cache
+has sliding-window layers is batched statically too: its layers keep a window, not every column,
+so they cannot be padded to a common length.
+
+Prompt prefixes are computed once (`_prefix_kv`): a joining group's rows share the longest common
+prefix of their prompts (a harness's system prompt and tool schemas), so that prefix is run once at
+batch size one and its KV cache expanded to the group; the engine also keeps the KV of recent
+prefixes (``prefix_cache_tokens`` tokens in all, least recently used dropped first), so the next
+group with the same system prompt, or the next call of a rollout that extends its previous prompt,
+runs only its new tokens. A weight update empties it.
 
 Sampling, per request with its own seeded `torch.Generator` (so a request samples the same tokens
 alone or in a batch, up to float rounding of padded batched matmuls):
@@ -21,15 +33,15 @@ alone or in a batch, up to float rounding of padded batched matmuls):
   returned — exactly the sampler's own probability, which is what truncated importance sampling needs.
 
 `update_weights(state_dict, version)` swaps weights in process (`load_state_dict`, a copy into the
-served tensors). No new batch starts while an update waits, and the running batch either finishes
-on the old weights (``on_update="finish"``) or stops at its next token, its calls re-queued to run
-again from their prompts on the new weights (``on_update="abort"``: counted in `aborted_calls`;
-each call's seed makes the retry the call the new weights would have sampled). Either way every
-`Generation` carries the one version that produced all of its tokens.
+served tensors, cast to the engine's dtype). While an update waits no call joins, and the running
+batch either finishes on the old weights (``on_update="finish"``) or stops at its next token, its
+calls re-queued to run again from their prompts on the new weights (``on_update="abort"``: counted
+in `aborted_calls`; each call's seed makes the retry the call the new weights would have sampled).
+Either way every `Generation` carries the one version that produced all of its tokens.
 
-A cancelled request (its rollout closed) leaves the queue unrun; inside a running batch it stops
-sampling at the next step, and a batch whose rows are all cancelled ends there, so neither the next
-batch nor a weight update waits for tokens nobody will read.
+A cancelled request (its rollout closed) leaves the queue unrun; inside the running batch it stops
+sampling at the next step and leaves, so neither the queue nor a weight update waits for tokens
+nobody will read.
 """
 
 from __future__ import annotations
@@ -40,12 +52,13 @@ import inspect
 import random
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from clawfast.engines.base import Engine, Generation, SamplingParams
 
@@ -70,7 +83,7 @@ def sampling_logprobs(logits: torch.Tensor, temperature: float, top_k: int, top_
     return torch.log_softmax(logits, dim=-1)
 
 
-# Padding tokens a batch may carry beyond half its real prompt tokens: short prompts batch freely.
+# Padding tokens a batch may carry beyond half its real tokens: short prompts batch freely.
 PAD_SLACK = 512
 # A shared prefix shorter than this is run with the rest of the prompt (not worth a separate forward).
 MIN_PREFIX = 16
@@ -82,6 +95,11 @@ def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
     return int(differ[0]) if differ.size else n
 
 
+def fits(width: int, rows: int, real: int, length: int) -> bool:
+    """Whether a call of `length` tokens may join `rows` rows padded to `width` holding `real` tokens."""
+    return max(width, length) * (rows + 1) <= 1.5 * (real + length) + PAD_SLACK
+
+
 @dataclass
 class _Pending:
     prompt: np.ndarray
@@ -90,22 +108,45 @@ class _Pending:
     loop: asyncio.AbstractEventLoop
 
 
+@dataclass
+class _Row:
+    """One call in the running batch."""
+
+    pending: _Pending
+    generator: torch.Generator
+    version: int
+    joined_at: float
+    batch_size: int = 0  # rows in the batch right after it joined
+    outputs: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish: str = "length"
+
+
+@dataclass
+class _Batch:
+    """The running batch: row i's KV cache, attention mask (0 on left padding), the position of its
+    next token and the logits its next token is sampled from."""
+
+    rows: list[_Row]
+    cache: Any
+    mask: torch.Tensor  # [B, T]
+    positions: torch.Tensor  # [B, 1]
+    last: torch.Tensor  # [B, V], float32 on the CPU
+
+
 ON_UPDATE = ("finish", "abort")
-
-
-class _Aborted(Exception):
-    """The running batch stopped for a weight update; its calls run again."""
 
 
 class TorchEngine(Engine):
     def __init__(self, model: torch.nn.Module, *, max_batch: int = 8, seed: int | None = None,
-                 on_update: str = "finish", prefix_cache_tokens: int = 16384) -> None:
+                 on_update: str = "finish", prefix_cache_tokens: int = 16384, continuous: bool = True) -> None:
         if on_update not in ON_UPDATE:
             raise ValueError(f"on_update must be one of {ON_UPDATE}, got {on_update!r}")
         self.model = model.eval()
         self.on_update = on_update
+        self.continuous = continuous
         self.aborted_calls = 0
-        # Set while no update waits: a batch starts only then, so a busy engine cannot starve an update.
+        # Set while no update waits: no call joins otherwise, so a busy engine cannot starve an update.
         self._no_update = threading.Event()
         self._no_update.set()
         self._abort = threading.Event()
@@ -119,14 +160,16 @@ class TorchEngine(Engine):
         self.weight_version = 0
         self._weights_lock = threading.Lock()
         self._queue: list[_Pending] = []
+        self._queue_lock = threading.Lock()
+        self._serving = False  # a worker thread is running `_serve` (under `_queue_lock`)
         self._worker: asyncio.Task | None = None
         self._seeds = random.Random(seed)
         self._closed = False
-        self.batches_run = 0
+        self.batches_run = 0  # groups prefilled: a new batch, or calls joining a running one
         self.max_batch_seen = 0
-        self.decode_steps = 0  # forward passes of every batch's decode loop
-        # Seconds with a batch on the worker thread, aborted ones and a waiting update's pause included
-        # (the rest of its life the engine waited for calls).
+        self.decode_steps = 0  # forward passes of the decode loop
+        # Seconds with calls on the worker thread, a waiting update's pause included (the rest of its
+        # life the engine waited for calls).
         self.busy_s = 0.0
 
     @classmethod
@@ -143,146 +186,184 @@ class TorchEngine(Engine):
             raise ValueError("prompt_ids must be a non-empty 1-D sequence")
         loop = asyncio.get_running_loop()
         pending = _Pending(prompt, params, loop.create_future(), loop)
-        self._queue.append(pending)
-        if self._worker is None or self._worker.done():
-            self._worker = loop.create_task(self._work())
+        with self._queue_lock:
+            self._queue.append(pending)
+            start, self._serving = not self._serving, True
+        if start:
+            self._worker = loop.create_task(asyncio.to_thread(self._serve))
         return await pending.future
 
-    def _take_batch(self) -> list[_Pending]:
-        """Remove and return the oldest request plus, in queue order, those that keep the batch's padding
-        within half its real tokens plus `PAD_SLACK`. Every row is padded to the longest prompt: two
-        12.2K-token Codex prompts batched with two 374-token mini-swe-agent prompts took 78.9 s, the
-        same four in two length groups 46.2 s (trainer issue notes)."""
-        batch, rest = [self._queue[0]], []
-        width = real = len(self._queue[0].prompt)
-        for p in self._queue[1:]:
-            n = len(p.prompt)
-            wider = max(width, n)
-            if len(batch) < self.max_batch and wider * (len(batch) + 1) <= 1.5 * (real + n) + PAD_SLACK:
-                batch.append(p)
-                width, real = wider, real + n
+    # The worker thread.
+
+    @torch.inference_mode()
+    def _serve(self) -> None:
+        """Decode until the queue is empty and no call runs."""
+        try:
+            while True:
+                self._no_update.wait()
+                with self._weights_lock:
+                    started = time.monotonic()
+                    batch = self._join(None)
+                    try:
+                        while batch is not None:
+                            batch = self._step(batch)
+                            if batch is not None and self._abort.is_set():
+                                self._requeue(batch)
+                                batch = None
+                            elif batch is not None and self.continuous and self._no_update.is_set():
+                                batch = self._join(batch)
+                    except Exception as exc:  # fail this batch's callers, keep serving others
+                        for row in batch.rows if batch is not None else []:
+                            _settle(row.pending, exc)
+                    finally:
+                        self.busy_s += time.monotonic() - started
+                with self._queue_lock:
+                    if not self._queue:
+                        self._serving = False
+                        return
+        except BaseException:
+            with self._queue_lock:
+                self._serving = False
+            raise
+
+    def _take(self, batch: _Batch | None) -> list[_Pending]:
+        """Remove and return the queued calls that join `batch` (None: a new batch). Called under the
+        weights lock."""
+        taken: list[_Pending] = []
+        rows = len(batch.rows) if batch is not None else 0
+        width = batch.mask.shape[1] if batch is not None else 0
+        real = int(batch.mask.sum()) if batch is not None else 0
+        with self._queue_lock:
+            rest = []
+            for i, p in enumerate(self._queue):
+                if p.future.cancelled():
+                    continue  # its caller is gone: never run
+                n = len(p.prompt)
+                if rows < self.max_batch and (rows == 0 or fits(width, rows, real, n)):
+                    taken.append(p)
+                    rows, width, real = rows + 1, max(width, n), real + n
+                elif batch is not None:
+                    rest += self._queue[i:]  # a running batch takes calls in order: this one goes first next
+                    break
+                else:
+                    rest.append(p)
+            self._queue = rest
+        return taken
+
+    def _join(self, batch: _Batch | None) -> _Batch | None:
+        """`batch` with the queued calls that fit added (a new batch when None); None if empty."""
+        if batch is not None and not _paddable(batch.cache):
+            return batch
+        taken = self._take(batch)
+        if not taken:
+            return batch
+        try:
+            group = self._prefill(taken)
+        except Exception as exc:  # these calls fail; the running batch goes on
+            for p in taken:
+                _settle(p, exc)
+            return batch
+        merged = group if batch is None else _stack(batch, group)
+        for row in group.rows:
+            row.batch_size = len(merged.rows)
+        self.max_batch_seen = max(self.max_batch_seen, len(merged.rows))
+        return merged
+
+    def _prefill(self, taken: list[_Pending]) -> _Batch:
+        """Run the prompts of `taken` (left-padded, their shared prefix once) up to each one's last
+        token; a call asking for no token is answered at once."""
+        self.batches_run += 1
+        now = time.monotonic()
+        rows = [_Row(p, torch.Generator().manual_seed(self._seed(p.params)), self.weight_version, now) for p in taken]
+        n = len(rows)
+        device = self.model.get_output_embeddings().weight.device
+        prompts = [p.prompt for p in taken]
+        # The longest prefix every row shares, leaving each row at least one token to run.
+        shared = min(len(p) for p in prompts) - 1
+        for p in prompts[1:]:
+            shared = min(shared, common_prefix_len(prompts[0], p))
+        cache = self._prefix_kv(prompts[0][:shared], device) if shared >= MIN_PREFIX else None
+        if cache is None:
+            shared = 0
+        elif n > 1:
+            cache.batch_repeat_interleave(n)
+        width = max(len(p) for p in prompts) - shared
+        input_ids = torch.zeros((n, width), dtype=torch.long)
+        suffix_mask = torch.zeros((n, width), dtype=torch.long)
+        for i, prompt in enumerate(prompts):  # left padding keeps every row's last token at -1
+            input_ids[i, width - len(prompt) + shared :] = torch.from_numpy(prompt[shared:])
+            suffix_mask[i, width - len(prompt) + shared :] = 1
+        self.prompt_tokens += sum(len(p) for p in prompts)
+        self.prefill_tokens += int(suffix_mask.sum())
+        mask = torch.cat([torch.ones((n, shared), dtype=torch.long), suffix_mask], dim=1).to(device)
+        positions = (shared + suffix_mask.cumsum(-1) - 1).clamp(min=0).to(device)
+        extra = {self._cache_arg: cache} if cache is not None else {}
+        out = self.model(input_ids=input_ids.to(device), attention_mask=mask, position_ids=positions, use_cache=True,
+                         logits_to_keep=1, **extra)
+        # Sampled in float32 on the CPU with each request's CPU generator: the same seed samples the
+        # same tokens wherever the model runs.
+        return _Batch(rows, self._cache_of(out), mask, positions[:, -1:] + 1, out.logits[:, -1, :].float().cpu())
+
+    def _step(self, batch: _Batch) -> _Batch | None:
+        """Sample one token per row; rows that end (or whose caller left) leave; the rest run one
+        decode step. None when no row is left."""
+        n = len(batch.rows)
+        tokens = torch.zeros((n, 1), dtype=torch.long)
+        keep = []
+        for i, row in enumerate(batch.rows):
+            params = row.pending.params
+            if row.pending.future.cancelled():
+                continue  # nobody reads this row
+            if params.max_tokens <= 0:
+                _settle(row.pending, self._result(row))
+                continue
+            logp = sampling_logprobs(batch.last[i], params.temperature, params.top_k, params.top_p)
+            if params.temperature <= 0:
+                token = int(torch.argmax(logp))
             else:
-                rest.append(p)
-        self._queue = rest
+                token = int(torch.multinomial(logp.exp(), 1, generator=row.generator))
+            row.outputs.append(token)
+            row.logprobs.append(float(logp[token]))
+            if token in params.stop_token_ids:
+                row.finish = "stop"
+            if row.finish == "stop" or len(row.outputs) >= params.max_tokens:
+                _settle(row.pending, self._result(row))
+                continue
+            tokens[i, 0] = token
+            keep.append(i)
+        if not keep:
+            return None
+        if len(keep) < n:
+            batch = _select(batch, keep)
+            tokens = tokens[keep]
+        device = batch.mask.device
+        batch.mask = torch.cat([batch.mask, torch.ones((len(keep), 1), dtype=torch.long, device=device)], dim=1)
+        out = self.model(input_ids=tokens.to(device), attention_mask=batch.mask, position_ids=batch.positions,
+                         use_cache=True, **{self._cache_arg: batch.cache})
+        batch.cache = self._cache_of(out)
+        batch.last = out.logits[:, -1, :].float().cpu()
+        batch.positions = batch.positions + 1
+        self.decode_steps += 1
         return batch
 
-    async def _work(self) -> None:
-        while self._queue:
-            live = [p for p in self._take_batch() if not p.future.cancelled()]
-            if not live:
-                continue
-            started = time.monotonic()
-            try:
-                results = await asyncio.to_thread(self._generate_batch, [(p.prompt, p.params) for p in live],
-                                                  [p.future.cancelled for p in live])
-            except _Aborted:
-                self.aborted_calls += len(live)
-                self._queue[:0] = live  # first in line, on the new weights
-                continue
-            except Exception as exc:  # fail this batch's callers, keep serving others
-                for p in live:
-                    if not p.future.done():
-                        p.future.set_exception(exc)
-                continue
-            finally:
-                self.busy_s += time.monotonic() - started
-            for p, result in zip(live, results):
-                if not p.future.done():
-                    p.future.set_result(result)
+    def _requeue(self, batch: _Batch) -> None:
+        """An update aborts the running batch: its live calls go first in the queue, to run again."""
+        live = [row.pending for row in batch.rows if not row.pending.future.cancelled()]
+        self.aborted_calls += len(live)
+        with self._queue_lock:
+            self._queue[:0] = live
+
+    def _result(self, row: _Row) -> Generation:
+        return Generation(
+            np.asarray(row.outputs, dtype=np.int32),
+            np.asarray(row.logprobs, dtype=np.float32),
+            row.finish,
+            row.version,
+            {"batch_seconds": time.monotonic() - row.joined_at, "batch_size": float(row.batch_size)},
+        )
 
     def _seed(self, params: SamplingParams) -> int:
         return params.seed if params.seed is not None else self._seeds.getrandbits(63)
-
-    @torch.inference_mode()
-    def _generate_batch(self, requests: list[tuple[np.ndarray, SamplingParams]],
-                        cancelled: list[Callable[[], bool]] | None = None) -> list[Generation]:
-        """`cancelled[i]()` says row i's caller is gone (read from this worker thread each step).
-        Raises `_Aborted` when an update asks the running batch to stop (``on_update="abort"``)."""
-        self._no_update.wait()
-        with self._weights_lock:
-            t0 = time.time()
-            version = self.weight_version
-            self.batches_run += 1
-            self.max_batch_seen = max(self.max_batch_seen, len(requests))
-            n = len(requests)
-            device = self.model.get_output_embeddings().weight.device
-            prompts = [p for p, _ in requests]
-            # The longest prefix every row shares, leaving each row at least one token to run.
-            shared = min(len(p) for p in prompts) - 1
-            for p in prompts[1:]:
-                shared = min(shared, common_prefix_len(prompts[0], p))
-            cache = self._prefix_kv(prompts[0][:shared], device) if shared >= MIN_PREFIX else None
-            if cache is None:
-                shared = 0
-            elif n > 1:
-                cache.batch_repeat_interleave(n)
-            width = max(len(p) for p in prompts) - shared
-            input_ids = torch.zeros((n, width), dtype=torch.long)
-            suffix_mask = torch.zeros((n, width), dtype=torch.long)
-            for i, prompt in enumerate(prompts):  # left padding keeps every row's last token at -1
-                input_ids[i, width - len(prompt) + shared :] = torch.from_numpy(prompt[shared:])
-                suffix_mask[i, width - len(prompt) + shared :] = 1
-            self.prompt_tokens += sum(len(p) for p in prompts)
-            self.prefill_tokens += int(suffix_mask.sum())
-            mask = torch.cat([torch.ones((n, shared), dtype=torch.long), suffix_mask], dim=1).to(device)
-            input_ids = input_ids.to(device)
-            positions = (shared + suffix_mask.cumsum(-1) - 1).clamp(min=0).to(device)
-            generators = [torch.Generator().manual_seed(self._seed(params)) for _, params in requests]
-            budgets = [max(0, params.max_tokens) for _, params in requests]
-            outputs: list[list[int]] = [[] for _ in requests]
-            logprobs: list[list[float]] = [[] for _ in requests]
-            finish = ["length"] * n
-            done = [b == 0 for b in budgets]
-            extra = {self._cache_arg: cache} if cache is not None else {}
-            out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                             logits_to_keep=1, **extra)
-            cache = self._cache_of(out)
-            next_positions = positions[:, -1:] + 1
-            while not all(done):
-                if self._abort.is_set():
-                    raise _Aborted
-                # Sampled in float32 on the CPU with each request's CPU generator: the same seed samples
-                # the same tokens wherever the model runs.
-                last = out.logits[:, -1, :].float().cpu()
-                step_tokens = torch.zeros((n, 1), dtype=torch.long)
-                for i, (_, params) in enumerate(requests):
-                    if not done[i] and cancelled is not None and cancelled[i]():
-                        done[i] = True  # nobody reads this row: its result is dropped by `_work`
-                    if done[i]:
-                        continue
-                    logp = sampling_logprobs(last[i], params.temperature, params.top_k, params.top_p)
-                    if params.temperature <= 0:
-                        token = int(torch.argmax(logp))
-                    else:
-                        token = int(torch.multinomial(logp.exp(), 1, generator=generators[i]))
-                    outputs[i].append(token)
-                    logprobs[i].append(float(logp[token]))
-                    step_tokens[i, 0] = token
-                    if token in params.stop_token_ids:
-                        done[i], finish[i] = True, "stop"
-                    elif len(outputs[i]) >= budgets[i]:
-                        done[i] = True
-                if all(done):
-                    break
-                mask = torch.cat([mask, torch.ones((n, 1), dtype=torch.long, device=device)], dim=1)
-                out = self.model(
-                    input_ids=step_tokens.to(device), attention_mask=mask, position_ids=next_positions, use_cache=True,
-                    **{self._cache_arg: cache},
-                )
-                cache = self._cache_of(out)
-                next_positions = next_positions + 1
-                self.decode_steps += 1
-            elapsed = time.time() - t0
-            return [
-                Generation(
-                    np.asarray(outputs[i], dtype=np.int32),
-                    np.asarray(logprobs[i], dtype=np.float32),
-                    finish[i],
-                    version,
-                    {"batch_seconds": elapsed, "batch_size": float(n)},
-                )
-                for i in range(n)
-            ]
 
     def _cache_of(self, out: Any) -> Any:
         return out["cache"] if "cache" in out else out["past_key_values"]
@@ -319,7 +400,7 @@ class TorchEngine(Engine):
 
     def update_weights(self, state_dict: Mapping[str, Any] | Iterable[tuple[str, Any]], version: int) -> None:
         """Load `state_dict` (strict: every parameter, matching shapes) and set the version, once the
-        running batch has finished (or stopped: ``on_update="abort"``); no batch starts meanwhile."""
+        running batch has finished (or stopped: ``on_update="abort"``); no call joins meanwhile."""
         state_dict = dict(state_dict)  # a stream (a sharded trainer's gathers) is read before generation pauses
         self._no_update.clear()
         if self.on_update == "abort":
@@ -337,3 +418,56 @@ class TorchEngine(Engine):
         self._closed = True
         if self._worker is not None:
             await asyncio.gather(self._worker, return_exceptions=True)
+
+
+def _settle(pending: _Pending, outcome: Generation | BaseException) -> None:
+    """Hand a result (or an error) to the caller's event loop; a caller that left gets nothing."""
+
+    def settle() -> None:
+        if pending.future.done():
+            return
+        if isinstance(outcome, BaseException):
+            pending.future.set_exception(outcome)
+        else:
+            pending.future.set_result(outcome)
+
+    try:
+        pending.loop.call_soon_threadsafe(settle)
+    except RuntimeError:  # the caller's loop has closed
+        pass
+
+
+def _paddable(cache: Any) -> bool:
+    """Whether every layer of `cache` holds all its columns (no sliding window), so it can be padded."""
+    return not any(getattr(layer, "is_sliding", False) for layer in getattr(cache, "layers", ()))
+
+
+def _left_pad(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
+    missing = width - t.shape[dim]
+    if missing == 0:
+        return t
+    pad = [0, 0] * (t.dim() - 1 - dim % t.dim()) + [missing, 0]
+    return F.pad(t, pad)
+
+
+def _stack(a: _Batch, b: _Batch) -> _Batch:
+    """One batch of `a`'s rows then `b`'s, the shorter KV caches and masks left-padded."""
+    width = max(a.mask.shape[1], b.mask.shape[1])
+    for la, lb in zip(a.cache.layers, b.cache.layers):
+        la.keys = torch.cat([_left_pad(la.keys, width, -2), _left_pad(lb.keys, width, -2)])
+        la.values = torch.cat([_left_pad(la.values, width, -2), _left_pad(lb.values, width, -2)])
+    mask = torch.cat([_left_pad(a.mask, width, 1), _left_pad(b.mask, width, 1)])
+    return _Batch(a.rows + b.rows, a.cache, mask, torch.cat([a.positions, b.positions]), torch.cat([a.last, b.last]))
+
+
+def _select(batch: _Batch, keep: list[int]) -> _Batch:
+    """The rows `keep` of `batch`, without the leading cache columns none of them attends."""
+    index = torch.tensor(keep, device=batch.mask.device)
+    batch.cache.batch_select_indices(index)
+    mask = batch.mask[index]
+    unused = int((mask.sum(0) == 0).long().cumprod(0).sum())  # leading columns that are padding in every row
+    if unused:
+        mask = mask[:, unused:]
+        for layer in batch.cache.layers:
+            layer.keys, layer.values = layer.keys[..., unused:, :], layer.values[..., unused:, :]
+    return _Batch([batch.rows[i] for i in keep], batch.cache, mask, batch.positions[index], batch.last[keep])

@@ -76,7 +76,8 @@ def build_engine(engine: EngineConfig, model_dir: Path, *, dtype: str = "float32
                  weight_version: int = 0, device: torch.device | None = None) -> Engine:
     """The engine `engine.kind` names, serving `lm`'s weights (a module, copied, on its device) at
     `weight_version`, or, with no `lm`, the weights in `model_dir` (a torch engine's on `device`,
-    default the CPU)."""
+    default the CPU), in ``engine.dtype`` (None: `dtype`, the training dtype)."""
+    dtype = engine.dtype or dtype
     if engine.kind == "torch":
         from clawfast.engines.torch_engine import TorchEngine
 
@@ -84,7 +85,8 @@ def build_engine(engine: EngineConfig, model_dir: Path, *, dtype: str = "float32
             from transformers import AutoModelForCausalLM
 
             lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).to(device or "cpu")
-        built = TorchEngine(copy.deepcopy(lm).eval(), max_batch=engine.max_batch, seed=seed,
+        # The copy's own dtype: pushes from a float32 trainer are cast by `load_state_dict`.
+        built = TorchEngine(copy.deepcopy(lm).to(DTYPES[dtype]).eval(), max_batch=engine.max_batch, seed=seed,
                             on_update=engine.on_update)
         built.weight_version = weight_version
         return built

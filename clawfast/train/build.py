@@ -84,10 +84,10 @@ def build_engine(engine: EngineConfig, model_dir: Path, *, dtype: str = "float32
         if lm is None:
             from transformers import AutoModelForCausalLM
 
-            lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).to(device or "cpu")
-        # The copy's own dtype: pushes from a float32 trainer are cast by `load_state_dict`.
-        built = TorchEngine(copy.deepcopy(lm).to(DTYPES[dtype]).eval(), max_batch=engine.max_batch, seed=seed,
-                            on_update=engine.on_update)
+            served = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).to(device or "cpu")
+        else:  # a copy in the engine's dtype: pushes from a float32 trainer are cast by `load_state_dict`
+            served = copy.deepcopy(lm).to(DTYPES[dtype])
+        built = TorchEngine(served.eval(), max_batch=engine.max_batch, seed=seed, on_update=engine.on_update)
         built.weight_version = weight_version
         return built
     if engine.kind == "vllm":

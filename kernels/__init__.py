@@ -14,42 +14,61 @@ plain reference ``*_ref`` of the same function in ``reference.py``:
 This package imports only torch and triton: it is usable without the rest of clawfast.
 """
 
-from .importance import ISConfig, ISResult, importance_weights
-from .policy_loss import grpo_advantages, policy_loss
-from .reference import (
-    grpo_advantages_ref,
-    importance_weights_ref,
-    linear_logprobs_ref,
-    policy_loss_ref,
-    tree_attention_ref,
-    tree_gae_ref,
-    tree_logprobs_ref,
-    tree_mask_ref,
-)
-from .tree_attention import TreeMask, tree_attention
-from .tree_gae import subtree_scan, tree_gae
-from .tree_logprobs import linear_logprobs, tree_logprobs
-from .tree_paths import TreePaths
+if __name__ == "kernels":
+    # Found by its directory name: Python runs from a checkout's root (`python -m ...`, `python -c`), whose
+    # kernels/ then shadows the top-level `kernels` of the hub-kernels distribution, which transformers
+    # imports when it is installed (and requires from 5.25 on). Hand the name to that distribution, or fail
+    # as the import would without this directory.
+    import importlib.machinery
+    import importlib.util
+    import os
+    import sys
 
-__all__ = [
-    "ISConfig",
-    "ISResult",
-    "TreeMask",
-    "TreePaths",
-    "grpo_advantages",
-    "grpo_advantages_ref",
-    "importance_weights",
-    "importance_weights_ref",
-    "linear_logprobs",
-    "linear_logprobs_ref",
-    "policy_loss",
-    "policy_loss_ref",
-    "subtree_scan",
-    "tree_attention",
-    "tree_attention_ref",
-    "tree_gae",
-    "tree_gae_ref",
-    "tree_logprobs",
-    "tree_logprobs_ref",
-    "tree_mask_ref",
-]
+    _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    _spec = importlib.machinery.PathFinder.find_spec(
+        __name__, [p for p in sys.path if os.path.abspath(p or os.curdir) != _root])
+    if _spec is None:
+        raise ModuleNotFoundError(f"No module named {__name__!r}", name=__name__)
+    _module = importlib.util.module_from_spec(_spec)
+    sys.modules[__name__] = _module  # what the import statement returns once this file has run
+    _spec.loader.exec_module(_module)
+else:
+    from .importance import ISConfig, ISResult, importance_weights
+    from .policy_loss import grpo_advantages, policy_loss
+    from .reference import (
+        grpo_advantages_ref,
+        importance_weights_ref,
+        linear_logprobs_ref,
+        policy_loss_ref,
+        tree_attention_ref,
+        tree_gae_ref,
+        tree_logprobs_ref,
+        tree_mask_ref,
+    )
+    from .tree_attention import TreeMask, tree_attention
+    from .tree_gae import subtree_scan, tree_gae
+    from .tree_logprobs import linear_logprobs, tree_logprobs
+    from .tree_paths import TreePaths
+
+    __all__ = [
+        "ISConfig",
+        "ISResult",
+        "TreeMask",
+        "TreePaths",
+        "grpo_advantages",
+        "grpo_advantages_ref",
+        "importance_weights",
+        "importance_weights_ref",
+        "linear_logprobs",
+        "linear_logprobs_ref",
+        "policy_loss",
+        "policy_loss_ref",
+        "subtree_scan",
+        "tree_attention",
+        "tree_attention_ref",
+        "tree_gae",
+        "tree_gae_ref",
+        "tree_logprobs",
+        "tree_logprobs_ref",
+        "tree_mask_ref",
+    ]

@@ -37,6 +37,30 @@ def test_cpu_bench_quick_mode(tmp_path):
     assert all(r["max_abs_diff"] < 1e-4 for r in data["logprobs"] + data["gae"])
 
 
+def test_checkout_root_does_not_shadow_the_kernels_distribution():
+    """Python run from the checkout's root finds kernels/ as the top-level `kernels` too, the name of the
+    hub-kernels distribution that transformers imports when it is installed: that import gets the
+    distribution (and transformers loads), and without the distribution it fails as a missing module."""
+    import importlib.metadata
+
+    try:
+        importlib.metadata.version("kernels")
+        expected = "distribution"
+    except importlib.metadata.PackageNotFoundError:
+        expected = "missing"
+    code = ("import os\n"
+            "try:\n"
+            "    import kernels\n"
+            "except ModuleNotFoundError:\n"
+            "    print('missing')\n"
+            "else:\n"
+            "    import transformers.modeling_utils\n"
+            "    print('checkout' if os.path.abspath(kernels.__file__).startswith(os.getcwd()) else 'distribution')\n")
+    proc = _run(["-c", code])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == expected
+
+
 def _docs_python_blocks() -> list[str]:
     text = (ROOT / "docs" / "KERNELS.md").read_text()
     return [part.split("```", 1)[0] for part in text.split("```python\n")[1:]]

@@ -264,11 +264,11 @@ class TorchEngine(Engine):
             return batch
         try:
             group = self._prefill(taken)
+            merged = group if batch is None else _stack(batch, group)
         except Exception as exc:  # these calls fail; the running batch goes on
             for p in taken:
                 _settle(p, exc)
             return batch
-        merged = group if batch is None else _stack(batch, group)
         for row in group.rows:
             row.batch_size = len(merged.rows)
         self.max_batch_seen = max(self.max_batch_seen, len(merged.rows))
@@ -460,11 +460,15 @@ def _left_pad(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
 def _stack(a: _Batch, b: _Batch) -> _Batch:
     """One batch of `a`'s rows then `b`'s, the shorter KV caches and masks left-padded."""
     width = max(a.mask.shape[1], b.mask.shape[1])
-    for la, lb in zip(a.cache.layers, b.cache.layers):
-        la.keys = torch.cat([_left_pad(la.keys, width, -2), _left_pad(lb.keys, width, -2)])
-        la.values = torch.cat([_left_pad(la.values, width, -2), _left_pad(lb.values, width, -2)])
+    # Every tensor is built before `a`'s cache is touched: if one cannot be (out of memory), `a` runs on.
+    stacked = [(torch.cat([_left_pad(la.keys, width, -2), _left_pad(lb.keys, width, -2)]),
+                torch.cat([_left_pad(la.values, width, -2), _left_pad(lb.values, width, -2)]))
+               for la, lb in zip(a.cache.layers, b.cache.layers)]
     mask = torch.cat([_left_pad(a.mask, width, 1), _left_pad(b.mask, width, 1)])
-    return _Batch(a.rows + b.rows, a.cache, mask, torch.cat([a.positions, b.positions]), torch.cat([a.last, b.last]))
+    positions, last = torch.cat([a.positions, b.positions]), torch.cat([a.last, b.last])
+    for layer, (keys, values) in zip(a.cache.layers, stacked):
+        layer.keys, layer.values = keys, values
+    return _Batch(a.rows + b.rows, a.cache, mask, positions, last)
 
 
 def _select(batch: _Batch, keep: list[int]) -> _Batch:

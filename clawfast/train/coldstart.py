@@ -35,6 +35,7 @@ from clawfast.records import RolloutResult
 from clawfast.rollout import ORACLE, RolloutSpec
 from clawfast.train.build import rollout_service
 from clawfast.train.config import RunConfig
+from clawfast.train.report import nll_by_epoch
 
 
 def demonstration_tasks(config: RunConfig) -> list:
@@ -185,7 +186,6 @@ def run_coldstart(config: RunConfig, policy, model_dir: Path, run_dir: Path, *, 
             logger.log("coldstart", 0, {"epoch": epoch + 1, **m, **({"demos": float(len(demos))} if epoch == 0 else {})})
         summary[f"nll_epoch_{epoch + 1}"] = m["nll"]
     if view is not None:
-        nlls = [summary[f"nll_epoch_{e + 1}"] for e in range(cs.epochs)]
-        view.end(note="nll by epoch: " + ", ".join(f"{x:.3f}" for x in nlls))
+        view.end(note="nll by epoch: " + nll_by_epoch(summary)[1])
     summary["time_sft_s"] = time.monotonic() - t1
     return summary

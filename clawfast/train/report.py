@@ -42,13 +42,18 @@ def step_line(step: int, record: dict[str, float]) -> str:
             f"train {record.get('time/train_s', 0.0):.1f} s")
 
 
+def nll_by_epoch(summary: dict[str, float]) -> tuple[int, str]:
+    """The number of SFT epochs of a cold-start summary and their nll in epoch order ("0.326, 0.032")."""
+    epochs = sorted(int(k.rsplit("_", 1)[1]) for k in summary if k.startswith("nll_epoch_"))
+    return len(epochs), ", ".join(f"{summary[f'nll_epoch_{e}']:.3f}" for e in epochs)
+
+
 def coldstart_line(summary: dict[str, float]) -> str:
     """The one-line report of a cold start (``run_coldstart``'s summary): demonstrations kept of
     those captured, the nll of each SFT epoch, and the time of both phases."""
-    epochs = sorted(int(k.rsplit("_", 1)[1]) for k in summary if k.startswith("nll_epoch_"))
-    nlls = ", ".join(f"{summary[f'nll_epoch_{e}']:.3f}" for e in epochs)
+    epochs, nlls = nll_by_epoch(summary)
     return (f"cold start: {int(summary['kept'])} of {int(summary['captured'])} demonstrations solved their task "
-            f"(captured in {summary['time_capture_s']:.1f} s); SFT {len(epochs)} epoch{'s' * (len(epochs) != 1)}, "
+            f"(captured in {summary['time_capture_s']:.1f} s); SFT {epochs} epoch{'s' * (epochs != 1)}, "
             f"nll by epoch {nlls} ({summary['time_sft_s']:.1f} s)")
 
 

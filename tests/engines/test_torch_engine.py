@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from clawfast.engines import torch_engine
 from clawfast.engines.base import SamplingParams
 from clawfast.engines.torch_engine import TorchEngine, sampling_logprobs
 
@@ -313,6 +314,41 @@ def test_calls_join_a_running_batch_and_leave_it_when_done(embedded_dir, continu
         assert len(o.output_ids) == q.max_tokens
         np.testing.assert_array_equal(o.output_ids, s.output_ids)
         np.testing.assert_allclose(o.infer_logprobs, reference_logprobs(engine.model, prompt, o.output_ids, q), atol=1e-4)
+
+
+def test_a_join_that_cannot_be_stacked_fails_alone(embedded_dir, monkeypatch):
+    """Calls whose caches cannot be stacked onto the running batch's (out of memory midway through the
+    layers) get the error; the running call goes on with its own cache untouched and samples what it
+    samples alone."""
+    engine = TorchEngine.from_pretrained(embedded_dir, seed=0, max_batch=4)
+    rng = np.random.default_rng(9)
+    first, late = rng.integers(10, 3000, size=20), rng.integers(10, 3000, size=30)
+    params = SamplingParams(max_tokens=30, temperature=1.0, seed=5)
+    pads = [0]
+    left_pad = torch_engine._left_pad
+
+    def out_of_memory_at_the_second_layer(*args):
+        pads[0] += 1
+        if pads[0] > 4:  # the first layer's keys and values are padded
+            raise MemoryError("out of memory")
+        return left_pad(*args)
+
+    monkeypatch.setattr(torch_engine, "_left_pad", out_of_memory_at_the_second_layer)
+
+    async def run():
+        running = asyncio.ensure_future(engine.generate(first, params))
+        start = engine.decode_steps
+        while engine.decode_steps < start + 3:
+            await asyncio.sleep(0.001)
+        joining = asyncio.ensure_future(engine.generate(late, params))
+        return await running, await asyncio.gather(joining, return_exceptions=True)
+
+    out, (error,) = asyncio.run(run())
+    assert isinstance(error, MemoryError) and pads[0] == 5
+    assert out.timings["batch_size"] == 1.0
+    solo = asyncio.run(engine.generate(first, params))
+    np.testing.assert_array_equal(out.output_ids, solo.output_ids)
+    np.testing.assert_allclose(out.infer_logprobs, solo.infer_logprobs, atol=1e-5)
 
 
 def test_a_call_that_does_not_fit_is_not_overtaken(engine):

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import copy
 import json
 import platform
 import statistics
@@ -36,6 +35,8 @@ import torch
 from clawfast.engines.base import SamplingParams
 from clawfast.engines.torch_engine import TorchEngine
 from clawfast.pretrained import prepare_model
+from clawfast.train.build import build_engine
+from clawfast.train.config import EngineConfig
 
 SYSTEM = "You are a helpful assistant that can interact with a computer."
 TOOLS = [{"type": "function", "function": {
@@ -75,7 +76,7 @@ def main() -> None:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, seed=0)
     cached = TorchEngine(lm, seed=0, max_batch=args.requests)
     plain = TorchEngine(lm, seed=0, max_batch=args.requests, prefix_cache_tokens=0)
-    half = TorchEngine(copy.deepcopy(lm).to(torch.bfloat16), seed=0, max_batch=args.requests)
+    half = build_engine(EngineConfig(dtype="bfloat16", max_batch=args.requests), model_dir, lm=lm)  # as `engine.dtype` builds it
 
     def engine_run(engine):
         async def go():

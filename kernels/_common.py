@@ -26,21 +26,41 @@ def triton_interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def pick_backend(backend: str, *tensors: torch.Tensor) -> str:
-    """Resolve ``backend``: "auto" means Triton for CUDA tensors, the torch fast path otherwise.
+# The dtypes the Triton matmul kernels (tree attention, log-probs) take: float64 has no tensor-core
+# tile that fits their registers; it is a reference precision, served by the torch path.
+TRITON_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
-    "triton" on CPU tensors is allowed only under TRITON_INTERPRET=1 (the tests use it).
+
+def refuses_dtype(dtype: torch.dtype) -> str | None:
+    """Why the Triton matmul kernels cannot take ``dtype`` (None: they can)."""
+    if dtype in TRITON_FLOATS:
+        return None
+    return f"the Triton path takes float16/bfloat16/float32, got {dtype}"
+
+
+def pick_backend(backend: str, *tensors: torch.Tensor, backends: tuple[str, ...] = BACKENDS,
+                 triton_refuses: str | None = None) -> str:
+    """Resolve ``backend`` (one of ``backends``): "auto" means Triton for CUDA tensors, the torch fast
+    path otherwise. "triton" on CPU tensors is allowed only under TRITON_INTERPRET=1 (the tests use it).
+    ``triton_refuses``: why the op's Triton kernels cannot take these inputs (None: they can); "auto"
+    then runs the torch path, and "triton" raises with that reason.
+
+    Which backend runs depends on the tensors' device; how a Triton kernel is launched (its tiles and
+    warps) depends only on whether Triton interprets (`triton_interpret`), never on the device, so
+    ``clawfast.kernels.aot`` can record a GPU's launches on a CPU.
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend not in backends:
+        raise ValueError(f"backend must be one of {backends}, got {backend!r}")
     on_cuda = any(t.is_cuda for t in tensors)
     if backend == "auto":
-        return "triton" if (on_cuda and HAS_TRITON) else "torch"
+        return "triton" if (on_cuda and HAS_TRITON and triton_refuses is None) else "torch"
     if backend == "triton":
         if not HAS_TRITON:
             raise RuntimeError("backend='triton' requested but triton is not installed")
         if not on_cuda and not triton_interpret():
             raise ValueError("backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 for CPU tensors")
+        if triton_refuses is not None:
+            raise ValueError(f"{triton_refuses}: use backend='torch'")
     return backend
 
 

@@ -34,14 +34,16 @@ from dataclasses import dataclass
 
 import torch
 
-from ._common import HAS_TRITON, acc_dtype, check_1d, check_float, pick_backend
+from ._common import HAS_TRITON, acc_dtype, check_1d, check_float, pick_backend, triton_interpret
 from .tree_paths import TreePaths
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    @triton.jit
+    # Sizes and offsets vary from launch to launch: specialising them (== 1, divisible by 16) would only
+    # compile more variants for nothing: they bound masks and loops, they are never strides.
+    @triton.jit(do_not_specialize=['n'])
     def _importance_stats_kernel(lr_ptr, a_ptr, w_ptr, stats_ptr, n, log_clamp, cap, lo, hi,
                                  thr_lo, thr_hi, MASK_MODE: tl.constexpr, BLOCK: tl.constexpr):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -143,7 +145,7 @@ def _stats_triton(lr, a, cfg: ISConfig):
     stats = torch.zeros(11, dtype=torch.float64, device=lr.device)
     stats[_S_MIN], stats[_S_MAX] = float("inf"), float("-inf")
     if n:
-        block = 1024 if lr.is_cuda else 64
+        block = 64 if triton_interpret() else 1024
         thr_lo, thr_hi = cfg.thresholds
         _importance_stats_kernel[(triton.cdiv(n, block),)](
             lr.contiguous(), a.contiguous(), w, stats, n, cfg.log_clamp, cfg.cap, cfg.lo, cfg.hi,

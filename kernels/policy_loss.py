@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import torch
 
-from ._common import HAS_TRITON, acc_dtype, check_1d, check_float, check_int, pick_backend
+from ._common import HAS_TRITON, acc_dtype, check_1d, check_float, check_int, pick_backend, triton_interpret
 from .importance import METRIC_NAMES as IS_METRIC_NAMES
 from .importance import ISConfig, importance_weights_device, metrics_to_host
 from .tree_paths import TreePaths
@@ -51,7 +51,9 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    @triton.jit
+    # Sizes and offsets vary from launch to launch: specialising them (== 1, divisible by 16) would only
+    # compile more variants for nothing: they bound masks and loops, they are never strides.
+    @triton.jit(do_not_specialize=['n'])
     def _policy_loss_fwd_kernel(lp_ptr, old_ptr, adv_ptr, isw_ptr, c_ptr, ref_ptr, pg_ptr, kl_ptr,
                                 gpg_ptr, gkl_ptr, flag_ptr, n, clip_lo, clip_hi, dual_clip,
                                 log_clamp, HAS_DUAL: tl.constexpr, HAS_REF: tl.constexpr,
@@ -108,7 +110,7 @@ class PolicyLossFunction(torch.autograd.Function):
             kl.zero_()
             gkl.zero_()
         if n:
-            block = 1024 if lp.is_cuda else 64
+            block = 64 if triton_interpret() else 1024
             _policy_loss_fwd_kernel[(triton.cdiv(n, block),)](
                 lp, old, adv, isw, coef, ref if ref is not None else lp, pg, kl, gpg, gkl, flags,
                 n, clip_low, clip_high, dual_clip or 0.0, _LOG_CLAMP,

@@ -30,7 +30,9 @@ Layers (one op, one name):
   saved log-sum-exp, as flash-attention does.
 - ``_tree_attn_fwd_kernel``, ``_tree_attn_dq_kernel``, ``_tree_attn_dkdv_kernel``: Triton, one
   program per (query block, head) walking its key-block list, resp. per (key block, kv head)
-  walking its pairs by key block (no atomics: dK/dV sum the group's query heads in one program).
+  walking its pairs by key block in query tiles of ``TritonTiles.dkdv_rows`` rows, computed
+  transposed (no atomics: dK/dV sum the group's query heads in one program). Launch tiles per
+  (dtype, head dim): ``_GPU_TILES``, checked by ``clawfast.kernels.aot``.
 - ``flex``: ``torch.nn.attention.flex_attention`` (compiled) with a ``mask_mod`` reading kv_end and
   the block mask above: the portable GPU path and the baseline of the Triton kernel. FlexAttention
   has no backward and no log-sum-exp on CPU (torch 2.13): there it runs without gradients or sinks,
@@ -50,7 +52,17 @@ from dataclasses import dataclass
 
 import torch
 
-from ._common import HAS_TRITON, acc_dtype, check_1d, check_int, dropout_keep, dropout_threshold, triton_interpret
+from ._common import (
+    HAS_TRITON,
+    acc_dtype,
+    check_1d,
+    check_int,
+    dropout_keep,
+    dropout_threshold,
+    pick_backend,
+    refuses_dtype,
+    triton_interpret,
+)
 
 if HAS_TRITON:
     import triton
@@ -68,10 +80,56 @@ _CPU_MIN_RUN = 4
 _FLEX_BLOCK = 128
 
 
-def _triton_block(head_dim: int) -> int:
+@dataclass(frozen=True)
+class TritonTiles:
+    """How the three Triton kernels are launched for one (dtype, head dim): the block size B of the
+    schedule (query and key blocks alike), the head-dim tile, (num_warps, num_stages) per kernel, the
+    keys the dQ kernel and the query rows the dK / dV kernel take at a time (divisors of B)."""
+
+    block: int
+    block_d: int
+    fwd: tuple[int, int]
+    dq: tuple[int, int]
+    dkdv: tuple[int, int]
+    dq_cols: int
+    dkdv_rows: int
+
+
+# GPU launches by (bytes per element, head-dim tile): the head dim rounded up to a power of two,
+# at least 64 (a smaller head pads its lanes). Chosen so that no variant spills registers or
+# exceeds sm_80's 163 KiB of shared memory per block, the smaller of the two targets, with the latest
+# Triton and with the GPU image's (3.6): `clawfast.kernels.aot` compiles every variant (its tables:
+# bench/results/kernel_compile*.md). Register allocation differs between Triton releases, so a
+# config at the edge in one spills in the other. dQ keeps q, dO and its accumulator live across its
+# walk and dK / dV two accumulators and k, v: both walk their partner blocks in half-block tiles.
+# float32 operands run as three TF32 products, which hold twice the operand registers: smaller
+# blocks, and at head dim 256 every tile spills (such inputs take the torch path, `_triton_refuses`).
+_GPU_TILES = {
+    (2, 64): TritonTiles(64, 64, (4, 3), (4, 3), (8, 3), 32, 32),
+    (2, 128): TritonTiles(64, 128, (8, 3), (8, 3), (8, 3), 32, 32),
+    (2, 256): TritonTiles(32, 256, (4, 3), (4, 4), (8, 2), 16, 16),
+    (4, 64): TritonTiles(32, 64, (8, 2), (8, 2), (8, 2), 16, 16),
+    (4, 128): TritonTiles(16, 128, (8, 2), (8, 1), (8, 2), 16, 16),
+}
+
+
+def _triton_tiles(dtype: torch.dtype, head_dim: int) -> TritonTiles:
     if triton_interpret():
-        return 16  # small tiles keep the interpreter's per-element cost low
-    return 64 if head_dim <= 128 else 32
+        # the interpreter runs every program in Python: small tiles keep its per-element cost low,
+        # and dQ / dK / dV walk each block in two halves, as on a GPU
+        return TritonTiles(16, max(16, triton.next_power_of_2(head_dim)), (1, 1), (1, 1), (1, 1), 8, 8)
+    return _GPU_TILES[(dtype.itemsize, max(64, triton.next_power_of_2(head_dim)))]
+
+
+def _triton_refuses(dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why the Triton kernels cannot take this dtype and head dim (None: they can)."""
+    if (reason := refuses_dtype(dtype)) is not None:
+        return reason
+    if (dtype.itemsize, max(64, 1 << (head_dim - 1).bit_length())) not in _GPU_TILES:
+        return (f"the Triton tree attention has no {str(dtype).removeprefix('torch.')} kernel for head dim "
+                f"{head_dim} (every tile spills registers)" if head_dim <= 256 else
+                f"the Triton tree attention takes head dims up to 256, got {head_dim}")
+    return None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -499,9 +557,12 @@ def _backward_torch(q, k, v, lse, delta, dout, mask: TreeMask, rule: Scores, blo
 if HAS_TRITON:
 
     @triton.jit
-    def _dot(a, b, IEEE: tl.constexpr):
-        if IEEE:  # float32 inputs: no TF32 rounding, so fp32 results match the reference
-            return tl.dot(a, b, input_precision="ieee")
+    def _dot(a, b, TF32X3: tl.constexpr):
+        if TF32X3:
+            # float32 operands: three TF32 products on tensor cores keep float32 accuracy (one TF32
+            # product would round the operands to 10 mantissa bits; "ieee" runs on the FMA units,
+            # spills registers at these tiles and compiles ~10x slower)
+            return tl.dot(a, b, input_precision="tf32x3")
         return tl.dot(a, b)
 
     @triton.jit
@@ -520,16 +581,22 @@ if HAS_TRITON:
                  mask=row_ok[:, None] & col_ok[None, :])
 
     @triton.jit
+    def _rows(b, N, BLOCK: tl.constexpr):
+        """Rows of block b, with their in-range mask."""
+        rows = b * BLOCK + tl.arange(0, BLOCK)
+        return rows, rows < N
+
+    @triton.jit
     def _block(b, N, D, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
         """Rows of block b and the head dimension's lanes, with their in-range masks."""
-        rows = b * BLOCK + tl.arange(0, BLOCK)
+        rows, row_ok = _rows(b, N, BLOCK)
         ds = tl.arange(0, BLOCK_D)
-        return rows, rows < N, ds, ds < D
+        return rows, row_ok, ds, ds < D
 
     @triton.jit
     def _key_block(k_ptr, v_ptr, kv_end_ptr, depth_ptr, kb, hk, ds, d_ok, N, skn, skh, svn, svh,
                    BLOCK: tl.constexpr, UPCAST: tl.constexpr, WINDOW: tl.constexpr):
-        """Key block kb of kv head hk: (cols, k, v, kv_end of the cols, depth of the cols)."""
+        """Key block kb (of BLOCK rows) of kv head hk: (cols, k, v, kv_end of the cols, depth of the cols)."""
         cols = kb * BLOCK + tl.arange(0, BLOCK)
         col_ok = cols < N
         k = _load_rows(k_ptr + hk * skh, cols, col_ok, ds, d_ok, skn, UPCAST)
@@ -545,16 +612,26 @@ if HAS_TRITON:
 
     @triton.jit
     def _visible(rows, cols, kve, drow, dcol, window, WINDOW: tl.constexpr):
+        """[rows, cols]: query row i sees key j."""
         visible = (cols[None, :] <= rows[:, None]) & (kve[None, :] >= rows[:, None])
         if WINDOW:
             visible = visible & (drow[:, None] - dcol[None, :] < window)
         return visible
 
     @triton.jit
-    def _logits(q, k, scale, cap, ACC: tl.constexpr, IEEE: tl.constexpr, SOFTCAP: tl.constexpr):
-        """(logits, tanh): q.k * scale, soft-capped to ``cap * tanh(x / cap)`` under SOFTCAP (the
-        tanh is kept for the backward; without SOFTCAP the second value is unused)."""
-        x = _dot(q, tl.trans(k), IEEE).to(ACC) * scale
+    def _visible_t(rows, cols, kve, drow, dcol, window, WINDOW: tl.constexpr):
+        """`_visible` as [cols, rows]."""
+        visible = (cols[:, None] <= rows[None, :]) & (kve[:, None] >= rows[None, :])
+        if WINDOW:
+            visible = visible & (drow[None, :] - dcol[:, None] < window)
+        return visible
+
+    @triton.jit
+    def _logits(a, b, scale, cap, TF32X3: tl.constexpr, SOFTCAP: tl.constexpr):
+        """(logits, tanh): a.b^T * scale (q.k^T, or k.q^T for the transposed tile), soft-capped to
+        ``cap * tanh(x / cap)`` under SOFTCAP (the tanh is kept for the backward; without SOFTCAP
+        the second value is unused)."""
+        x = _dot(a, tl.trans(b), TF32X3).to(tl.float32) * scale
         if SOFTCAP:
             # tanh from exp, which saturates to +-1 instead of overflowing
             t = 1.0 - 2.0 / (tl.exp(2.0 * x / cap) + 1.0)
@@ -563,64 +640,85 @@ if HAS_TRITON:
 
     @triton.jit
     def _mix32(x):
-        """`clawfast.kernels._common.mix32` (x int64 in [0, 2**32); % 2**32 masks to 32 bits)."""
-        x = ((x ^ (x >> 16)) * 0x45D9F3B) % 4294967296
-        x = ((x ^ (x >> 16)) * 0x45D9F3B) % 4294967296
+        """`clawfast.kernels._common.mix32` on uint32: products wrap modulo 2**32 and shifts are
+        logical, which is the reference's int64 arithmetic masked to 32 bits, in half the registers."""
+        x = (x ^ (x >> 16)) * 0x45D9F3B
+        x = (x ^ (x >> 16)) * 0x45D9F3B
         return x ^ (x >> 16)
 
     @triton.jit
-    def _tile_dropout_scale(seed, h, rows, cols, threshold, inv_keep):
-        """`_common.dropout_keep` of the tile as 1 / (1 - p) (kept) or 0 (dropped)."""
-        r = _mix32(_mix32((seed ^ h).to(tl.int64)) ^ rows.to(tl.int64))
-        x = _mix32(r[:, None] ^ cols.to(tl.int64)[None, :])
-        return tl.where((x >> 8) >= threshold, inv_keep, 0.0)
+    def _row_hash(seed, h, rows):
+        """The per-(head, query row) half of `_common.dropout_keep`'s hash."""
+        return _mix32(_mix32((seed ^ h).to(tl.uint32)) ^ rows.to(tl.uint32))
+
+    @triton.jit
+    def _keep_scale(x, threshold, inv_keep):
+        """1 / (1 - p) where the entry whose hash input is x survives dropout, else 0."""
+        return tl.where((_mix32(x) >> 8) >= threshold, inv_keep, 0.0)
 
     @triton.jit
     def _tile_grads(q, k, v, do, lse, delta, visible, scale, cap, seed, h, rows, cols, threshold, inv_keep,
-                    ACC: tl.constexpr, IEEE: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr):
-        """(P after dropout, dS w.r.t. the scaled, uncapped scores) of one (query block, key block)
-        tile, recomputed from the saved log-sum-exp. With dropout O = (P * Z) V, so dP = (dO V^T) * Z
-        and delta = rowsum(dO * O) stays the row term."""
-        s, t = _logits(q, k, scale, cap, ACC, IEEE, SOFTCAP)
+                    TF32X3: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr):
+        """dS w.r.t. the scaled, uncapped scores of one [query rows, key cols] tile, recomputed from
+        the saved log-sum-exp. With dropout O = (P * Z) V, so dP = (dO V^T) * Z and delta =
+        rowsum(dO * O) stays the row term."""
+        s, t = _logits(q, k, scale, cap, TF32X3, SOFTCAP)
         p = tl.where(visible, tl.exp(s - lse[:, None]), 0.0)
-        dp = _dot(do, tl.trans(v), IEEE).to(ACC)
+        dp = _dot(do, tl.trans(v), TF32X3).to(tl.float32)
+        if DROPOUT:
+            dp = dp * _keep_scale(_row_hash(seed, h, rows)[:, None] ^ cols.to(tl.uint32)[None, :], threshold,
+                                     inv_keep)
+        dsc = p * (dp - delta[:, None])
+        if SOFTCAP:
+            dsc = dsc * (1.0 - t * t)
+        return dsc
+
+    @triton.jit
+    def _tile_grads_t(q, k, v, do, lse, delta, visible_t, scale, cap, seed, h, rows, cols, threshold, inv_keep,
+                      TF32X3: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr):
+        """`_tile_grads` as [key cols, query rows], with P after dropout: (P^T Z, dS^T). dV += (P Z)^T dO
+        and dK += dS^T Q then multiply these tiles as they are, never a transposed register tile."""
+        s, t = _logits(k, q, scale, cap, TF32X3, SOFTCAP)
+        p = tl.where(visible_t, tl.exp(s - lse[None, :]), 0.0)
+        dp = _dot(v, tl.trans(do), TF32X3).to(tl.float32)
         pz = p
         if DROPOUT:
-            z = _tile_dropout_scale(seed, h, rows, cols, threshold, inv_keep)
+            z = _keep_scale(_row_hash(seed, h, rows)[None, :] ^ cols.to(tl.uint32)[:, None], threshold, inv_keep)
             dp = dp * z
             pz = p * z
-        dsc = p * (dp - delta[:, None])
+        dsc = p * (dp - delta[None, :])
         if SOFTCAP:
             dsc = dsc * (1.0 - t * t)
         return pz, dsc
 
     @triton.jit
-    def _query_block(params_ptr, depth_ptr, q_ptr, qb, h, N, D, sqn, sqh, BLOCK: tl.constexpr,
+    def _query_block(depth_ptr, q_ptr, qb, h, N, D, sqn, sqh, BLOCK: tl.constexpr,
                      BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, WINDOW: tl.constexpr):
-        """What a (query block, head) program starts from: the scalars [scale, softcap, 1 / (1 -
-        dropout)], the block's rows, lanes and depths, and its q tile."""
+        """What a (query block, head) program starts from: the block's rows, lanes and depths, and its
+        q tile."""
         rows, row_ok, ds, d_ok = _block(qb, N, D, BLOCK, BLOCK_D)
         q = _load_rows(q_ptr + h * sqh, rows, row_ok, ds, d_ok, sqn, UPCAST)
-        return (tl.load(params_ptr), tl.load(params_ptr + 1), tl.load(params_ptr + 2), rows, row_ok, ds, d_ok,
-                _depths(depth_ptr, rows, row_ok, WINDOW), q)
+        return rows, row_ok, ds, d_ok, _depths(depth_ptr, rows, row_ok, WINDOW), q
 
-    @triton.jit
+    # Sizes and offsets vary from launch to launch: specialising them (== 1, divisible by 16) would only
+    # compile more variants for nothing: they bound masks and loops, they are never strides.
+    @triton.jit(do_not_specialize=['N', 'G', 'window', 'seed', 'threshold'])
     def _tree_attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, kv_end_ptr, depth_ptr, sink_ptr, kv_ptr_ptr,
-                              kv_idx_ptr, N, D, G, window, seed, threshold, params_ptr, sqn, sqh, skn, skh, svn, svh,
-                              son, soh, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr,
-                              IEEE: tl.constexpr, UPCAST: tl.constexpr, WINDOW: tl.constexpr,
+                              kv_idx_ptr, N, D, G, window, seed, threshold, scale, cap, inv_keep, sqn, sqh, skn, skh, svn, svh,
+                              son, soh, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
+                              TF32X3: tl.constexpr, UPCAST: tl.constexpr, WINDOW: tl.constexpr,
                               SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, SINKS: tl.constexpr):
         qb = tl.program_id(0)
         h = tl.program_id(1)
-        scale, cap, inv_keep, rows, row_ok, ds, d_ok, drow, q = _query_block(
-            params_ptr, depth_ptr, q_ptr, qb, h, N, D, sqn, sqh, BLOCK, BLOCK_D, UPCAST, WINDOW)
-        m = tl.full([BLOCK], float("-inf"), dtype=ACC)
-        l = tl.zeros([BLOCK], dtype=ACC)
-        acc = tl.zeros([BLOCK, BLOCK_D], dtype=ACC)
+        rows, row_ok, ds, d_ok, drow, q = _query_block(depth_ptr, q_ptr, qb, h, N, D, sqn, sqh, BLOCK, BLOCK_D,
+                                                       UPCAST, WINDOW)
+        m = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
+        l = tl.zeros([BLOCK], dtype=tl.float32)
+        acc = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
         for t in range(tl.load(kv_ptr_ptr + qb), tl.load(kv_ptr_ptr + qb + 1)):
             cols, k, v, kve, dcol = _key_block(k_ptr, v_ptr, kv_end_ptr, depth_ptr, tl.load(kv_idx_ptr + t), h // G,
                                                ds, d_ok, N, skn, skh, svn, svh, BLOCK, UPCAST, WINDOW)
-            s, _ = _logits(q, k, scale, cap, ACC, IEEE, SOFTCAP)
+            s, _ = _logits(q, k, scale, cap, TF32X3, SOFTCAP)
             s = tl.where(_visible(rows, cols, kve, drow, dcol, window, WINDOW), s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
             # a block can hide every key from a row (another branch): keep -inf - -inf out
@@ -629,14 +727,15 @@ if HAS_TRITON:
             alpha = tl.exp(m - shift)
             l = l * alpha + tl.sum(p, 1)
             if DROPOUT:  # the normaliser counts every key; the weighted sum only the kept ones
-                p = p * _tile_dropout_scale(seed, h, rows, cols, threshold, inv_keep)
-            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE).to(ACC)
+                p = p * _keep_scale(_row_hash(seed, h, rows)[:, None] ^ cols.to(tl.uint32)[None, :], threshold,
+                                       inv_keep)
+            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, TF32X3).to(tl.float32)
             m = m_new
         l_safe = tl.where(l > 0, l, 1.0)  # padding rows only: every real row sees itself
         out = acc / l_safe[:, None]
         lse = m + tl.log(l_safe)
         if SINKS:  # the head's sink logit joins the denominator (see _with_sinks)
-            sink = tl.load(sink_ptr + h).to(ACC)
+            sink = tl.load(sink_ptr + h).to(tl.float32)
             top = tl.maximum(lse, sink)
             total = top + tl.log(tl.exp(lse - top) + tl.exp(sink - top))
             out = out * tl.exp(lse - total)[:, None]
@@ -644,78 +743,83 @@ if HAS_TRITON:
         _store_rows(o_ptr + h * soh, rows, row_ok, ds, d_ok, son, out)
         tl.store(lse_ptr + h * N + rows, lse, mask=row_ok)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=['N', 'G', 'window', 'seed', 'threshold'])
     def _tree_attn_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dq_ptr, lse_ptr, delta_ptr, kv_end_ptr, depth_ptr,
-                             kv_ptr_ptr, kv_idx_ptr, N, D, G, window, seed, threshold, params_ptr, sqn, sqh, skn, skh,
-                             svn, svh, sdon, sdoh, sdqn, sdqh, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
-                             ACC: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, WINDOW: tl.constexpr,
-                             SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr):
+                             kv_ptr_ptr, kv_idx_ptr, N, D, G, window, seed, threshold, scale, cap, inv_keep, sqn, sqh,
+                             skn, skh, svn, svh, sdon, sdoh, sdqn, sdqh, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr,
+                             BLOCK_D: tl.constexpr, TF32X3: tl.constexpr, UPCAST: tl.constexpr,
+                             WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr):
+        """One query block, one head: its listed key blocks walked BLOCK_K keys at a time (the q, dO
+        tiles and the dQ accumulator stay live across the walk; smaller key tiles keep the score-sized
+        tiles of each step in registers)."""
         qb = tl.program_id(0)
         h = tl.program_id(1)
-        scale, cap, inv_keep, rows, row_ok, ds, d_ok, drow, q = _query_block(
-            params_ptr, depth_ptr, q_ptr, qb, h, N, D, sqn, sqh, BLOCK, BLOCK_D, UPCAST, WINDOW)
+        rows, row_ok, ds, d_ok, drow, q = _query_block(depth_ptr, q_ptr, qb, h, N, D, sqn, sqh, BLOCK, BLOCK_D,
+                                                       UPCAST, WINDOW)
         do = _load_rows(do_ptr + h * sdoh, rows, row_ok, ds, d_ok, sdon, UPCAST)
         lse = tl.load(lse_ptr + h * N + rows, mask=row_ok, other=0.0)
         delta = tl.load(delta_ptr + h * N + rows, mask=row_ok, other=0.0)
-        dq = tl.zeros([BLOCK, BLOCK_D], dtype=ACC)
-        for t in range(tl.load(kv_ptr_ptr + qb), tl.load(kv_ptr_ptr + qb + 1)):
-            cols, k, v, kve, dcol = _key_block(k_ptr, v_ptr, kv_end_ptr, depth_ptr, tl.load(kv_idx_ptr + t), h // G,
-                                               ds, d_ok, N, skn, skh, svn, svh, BLOCK, UPCAST, WINDOW)
+        dq = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
+        SUBS: tl.constexpr = BLOCK // BLOCK_K
+        for u in range(tl.load(kv_ptr_ptr + qb) * SUBS, tl.load(kv_ptr_ptr + qb + 1) * SUBS):
+            cols, k, v, kve, dcol = _key_block(k_ptr, v_ptr, kv_end_ptr, depth_ptr,
+                                               tl.load(kv_idx_ptr + u // SUBS) * SUBS + u % SUBS, h // G, ds, d_ok, N,
+                                               skn, skh, svn, svh, BLOCK_K, UPCAST, WINDOW)
             visible = _visible(rows, cols, kve, drow, dcol, window, WINDOW)
-            _, dsc = _tile_grads(q, k, v, do, lse, delta, visible, scale, cap, seed, h, rows, cols, threshold, inv_keep,
-                                 ACC, IEEE, SOFTCAP, DROPOUT)
-            dq += _dot(dsc.to(k.dtype), k, IEEE).to(ACC)
+            dsc = _tile_grads(q, k, v, do, lse, delta, visible, scale, cap, seed, h, rows, cols, threshold, inv_keep,
+                              TF32X3, SOFTCAP, DROPOUT)
+            dq += _dot(dsc.to(k.dtype), k, TF32X3).to(tl.float32)
         _store_rows(dq_ptr + h * sdqh, rows, row_ok, ds, d_ok, sdqn, dq * scale)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=['N', 'G', 'window', 'seed', 'threshold'])
     def _tree_attn_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, lse_ptr, delta_ptr, kv_end_ptr,
-                               depth_ptr, q_ptr_ptr, q_idx_ptr, N, D, G, window, seed, threshold, params_ptr, sqn,
+                               depth_ptr, q_ptr_ptr, q_idx_ptr, N, D, G, window, seed, threshold, scale, cap, inv_keep, sqn,
                                sqh, skn, skh, svn, svh, sdon, sdoh, sdkn, sdkh, sdvn, sdvh, BLOCK: tl.constexpr,
-                               BLOCK_D: tl.constexpr, ACC: tl.constexpr, IEEE: tl.constexpr,
-                               UPCAST: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-                               DROPOUT: tl.constexpr):
+                               BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
+                               TF32X3: tl.constexpr, UPCAST: tl.constexpr, WINDOW: tl.constexpr,
+                               SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr):
+        """One key block, one kv head: its listed query blocks walked BLOCK_Q rows at a time (the dK / dV
+        accumulators and the k, v tiles stay live across the walk; smaller query tiles keep the rest
+        in registers), tiles computed transposed ([keys, queries])."""
         kb = tl.program_id(0)
         hk = tl.program_id(1)
-        scale, cap, inv_keep = tl.load(params_ptr), tl.load(params_ptr + 1), tl.load(params_ptr + 2)
         cols, col_ok, ds, d_ok = _block(kb, N, D, BLOCK, BLOCK_D)
         _, k, v, kve, dcol = _key_block(k_ptr, v_ptr, kv_end_ptr, depth_ptr, kb, hk, ds, d_ok, N, skn, skh, svn, svh,
                                         BLOCK, UPCAST, WINDOW)
-        dk = tl.zeros([BLOCK, BLOCK_D], dtype=ACC)
-        dv = tl.zeros([BLOCK, BLOCK_D], dtype=ACC)
+        dk = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
+        dv = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
+        SUBS: tl.constexpr = BLOCK // BLOCK_Q
         for gi in range(0, G):  # the group's query heads share this key head: sum them here
             h = hk * G + gi
-            for t in range(tl.load(q_ptr_ptr + kb), tl.load(q_ptr_ptr + kb + 1)):
-                rows, row_ok, _, _ = _block(tl.load(q_idx_ptr + t), N, D, BLOCK, BLOCK_D)
+            for u in range(tl.load(q_ptr_ptr + kb) * SUBS, tl.load(q_ptr_ptr + kb + 1) * SUBS):
+                # a name bound before the loop must keep its type in it (Triton's loop-carried values),
+                # so the loop rebinds none of them (`_` above included)
+                rows, row_ok = _rows(tl.load(q_idx_ptr + u // SUBS) * SUBS + u % SUBS, N, BLOCK_Q)
                 q = _load_rows(q_ptr + h * sqh, rows, row_ok, ds, d_ok, sqn, UPCAST)
                 do = _load_rows(do_ptr + h * sdoh, rows, row_ok, ds, d_ok, sdon, UPCAST)
                 lse = tl.load(lse_ptr + h * N + rows, mask=row_ok, other=0.0)
                 delta = tl.load(delta_ptr + h * N + rows, mask=row_ok, other=0.0)
-                visible = _visible(rows, cols, kve, _depths(depth_ptr, rows, row_ok, WINDOW), dcol, window, WINDOW)
-                p, dsc = _tile_grads(q, k, v, do, lse, delta, visible, scale, cap, seed, h, rows, cols, threshold,
-                                     inv_keep, ACC, IEEE, SOFTCAP, DROPOUT)
-                dv += _dot(tl.trans(p.to(do.dtype)), do, IEEE).to(ACC)
-                dk += _dot(tl.trans(dsc.to(q.dtype)), q, IEEE).to(ACC)
+                visible_t = _visible_t(rows, cols, kve, _depths(depth_ptr, rows, row_ok, WINDOW), dcol, window, WINDOW)
+                pz_t, dsc_t = _tile_grads_t(q, k, v, do, lse, delta, visible_t, scale, cap, seed, h, rows, cols,
+                                            threshold, inv_keep, TF32X3, SOFTCAP, DROPOUT)
+                dv += _dot(pz_t.to(do.dtype), do, TF32X3).to(tl.float32)
+                dk += _dot(dsc_t.to(q.dtype), q, TF32X3).to(tl.float32)
         _store_rows(dk_ptr + hk * sdkh, cols, col_ok, ds, d_ok, sdkn, dk * scale)
         _store_rows(dv_ptr + hk * sdvh, cols, col_ok, ds, d_ok, sdvn, dv)
 
 
-def _triton_flags(q: torch.Tensor, rule: Scores) -> dict:
+def _triton_flags(q: torch.Tensor, rule: Scores, tiles: TritonTiles) -> dict:
     upcast = triton_interpret() and q.dtype in (torch.float16, torch.bfloat16)
-    return dict(BLOCK_D=max(16, triton.next_power_of_2(q.shape[2])),
-                ACC=tl.float64 if q.dtype == torch.float64 else tl.float32,
-                IEEE=q.dtype == torch.float32 or upcast, UPCAST=upcast, WINDOW=rule.window is not None,
-                SOFTCAP=rule.softcap is not None, DROPOUT=rule.dropout_p > 0)
+    return dict(BLOCK=tiles.block, BLOCK_D=tiles.block_d, TF32X3=q.dtype == torch.float32, UPCAST=upcast,
+                WINDOW=rule.window is not None, SOFTCAP=rule.softcap is not None, DROPOUT=rule.dropout_p > 0)
 
 
-def _triton_scalars(mask: TreeMask, rule: Scores, lse: torch.Tensor):
-    """(depth, ints, params): the depths (kv_end stands in, unread, without a window); the window,
-    the dropout seed and threshold as ints; [scale, softcap, 1 / (1 - dropout)] as a tensor in the
-    accumulation dtype, not float arguments: Triton passes Python floats as float32, which would
-    round the float64 path's values."""
+def _triton_scalars(mask: TreeMask, rule: Scores):
+    """(depth, scalars): the depths (kv_end stands in, unread, without a window); the window, the
+    dropout seed and threshold, the scale, the softcap and 1 / (1 - dropout)."""
     depth = mask.kv_end if rule.window is None else mask.depth()
-    params = torch.tensor([rule.scale, rule.softcap or 1.0, 1.0 / (1.0 - rule.dropout_p)], dtype=lse.dtype,
-                          device=lse.device)
-    return depth, (rule.window or 0, rule.seed, dropout_threshold(rule.dropout_p)), params
+    return depth, (rule.window or 0, rule.seed, dropout_threshold(rule.dropout_p), rule.scale, rule.softcap or 1.0,
+                   1.0 / (1.0 - rule.dropout_p))
 
 
 def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
@@ -723,38 +827,41 @@ def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(2) == 1 else t.contiguous()
 
 
-def _forward_triton(q, k, v, sinks, mask: TreeMask, rule: Scores, block: int):
+def _forward_triton(q, k, v, sinks, mask: TreeMask, rule: Scores, tiles: TritonTiles):
     q, k, v = (_unit_last_stride(t) for t in (q, k, v))
     n, hq, d = q.shape
-    s = mask.schedule(block, rule.window)
+    s = mask.schedule(tiles.block, rule.window)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty(hq, n, dtype=acc_dtype(q.dtype), device=q.device)
-    depth, ints, params = _triton_scalars(mask, rule, lse)
+    depth, scalars = _triton_scalars(mask, rule)
     _tree_attn_fwd_kernel[(s.num_blocks, hq)](
-        q, k, v, out, lse, mask.kv_end, depth, sinks if sinks is not None else lse, s.kv_ptr, s.kv_idx, n, d,
-        hq // k.shape[1], *ints, params, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
-        v.stride(1), out.stride(0), out.stride(1), BLOCK=block, SINKS=sinks is not None, **_triton_flags(q, rule))
+        # the sinks in the accumulation dtype: one variant per kernel, whatever dtype the caller's are
+        q, k, v, out, lse, mask.kv_end, depth, sinks.to(lse.dtype) if sinks is not None else lse, s.kv_ptr,
+        s.kv_idx, n, d, hq // k.shape[1], *scalars, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        v.stride(0), v.stride(1), out.stride(0), out.stride(1), SINKS=sinks is not None, num_warps=tiles.fwd[0],
+        num_stages=tiles.fwd[1], **_triton_flags(q, rule, tiles))
     return out, lse
 
 
-def _backward_triton(q, k, v, lse, delta, dout, mask: TreeMask, rule: Scores, block: int):
+def _backward_triton(q, k, v, lse, delta, dout, mask: TreeMask, rule: Scores, tiles: TritonTiles):
     n, hq, d = q.shape
     hkv = k.shape[1]
-    s = mask.schedule(block, rule.window)
+    s = mask.schedule(tiles.block, rule.window)
     q, k, v, dout = (_unit_last_stride(t) for t in (q, k, v, dout))
     dq = torch.empty(n, hq, d, dtype=q.dtype, device=q.device)
     dk = torch.empty(n, hkv, d, dtype=k.dtype, device=q.device)
     dv = torch.empty(n, hkv, d, dtype=v.dtype, device=q.device)
-    flags = _triton_flags(q, rule)
-    depth, ints, params = _triton_scalars(mask, rule, lse)
-    common = (n, d, hq // hkv, *ints, params, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
+    flags = _triton_flags(q, rule, tiles)
+    depth, scalars = _triton_scalars(mask, rule)
+    common = (n, d, hq // hkv, *scalars, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
               v.stride(1), dout.stride(0), dout.stride(1))
     _tree_attn_dq_kernel[(s.num_blocks, hq)](
         q, k, v, dout, dq, lse, delta, mask.kv_end, depth, s.kv_ptr, s.kv_idx, *common, dq.stride(0), dq.stride(1),
-        BLOCK=block, **flags)
+        BLOCK_K=tiles.dq_cols, num_warps=tiles.dq[0], num_stages=tiles.dq[1], **flags)
     _tree_attn_dkdv_kernel[(s.num_blocks, hkv)](
         q, k, v, dout, dk, dv, lse, delta, mask.kv_end, depth, s.q_ptr, s.q_idx, *common, dk.stride(0),
-        dk.stride(1), dv.stride(0), dv.stride(1), BLOCK=block, **flags)
+        dk.stride(1), dv.stride(0), dv.stride(1), BLOCK_Q=tiles.dkdv_rows, num_warps=tiles.dkdv[0],
+        num_stages=tiles.dkdv[1], **flags)
     return dq, dk, dv
 
 
@@ -809,13 +916,13 @@ class TreeAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, mask: TreeMask, rule: Scores, backend: str):
         if backend == "triton":
-            block = _triton_block(q.shape[2])
-            out, lse = _forward_triton(q, k, v, sinks, mask, rule, block)
+            launch = _triton_tiles(q.dtype, q.shape[2])
+            out, lse = _forward_triton(q, k, v, sinks, mask, rule, launch)
         else:
-            block = _CPU_BLOCK
-            out, lse = _forward_torch(q, k, v, sinks, mask, rule, block)
+            launch = _CPU_BLOCK  # the torch path's query block
+            out, lse = _forward_torch(q, k, v, sinks, mask, rule, launch)
         ctx.save_for_backward(q, k, v, sinks, out, lse)
-        ctx.mask, ctx.rule, ctx.backend, ctx.block = mask, rule, backend, block
+        ctx.mask, ctx.rule, ctx.backend, ctx.launch = mask, rule, backend, launch
         return out
 
     @staticmethod
@@ -824,26 +931,13 @@ class TreeAttentionFunction(torch.autograd.Function):
         hq, n = q.shape[1], q.shape[0]
         delta = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1).t().contiguous()  # rowsum(dO * O), [Hq, N]
         run = _backward_triton if ctx.backend == "triton" else _backward_torch
-        dq, dk, dv = run(q, k, v, lse, delta, dout, ctx.mask, ctx.rule, ctx.block)
+        dq, dk, dv = run(q, k, v, lse, delta, dout, ctx.mask, ctx.rule, ctx.launch)
         dsinks = None
         if sinks is not None and ctx.needs_input_grad[3]:
             # the sink's probability exp(sink - lse) takes part in dS = P (dP - delta) with dP = 0
             p_sink = torch.exp(sinks.to(lse.dtype)[:, None] - lse.reshape(hq, n))
             dsinks = -(p_sink * delta).sum(1).to(sinks.dtype)
         return dq, dk, dv, dsinks, None, None, None
-
-
-def _pick(backend: str, q: torch.Tensor) -> str:
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        return "triton" if (q.is_cuda and HAS_TRITON) else "torch"
-    if backend == "triton":
-        if not HAS_TRITON:
-            raise RuntimeError("backend='triton' requested but triton is not installed")
-        if not q.is_cuda and not triton_interpret():
-            raise ValueError("backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 for CPU tensors")
-    return backend
 
 
 def _check(q, k, v, mask: TreeMask) -> None:
@@ -915,7 +1009,7 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_end: to
     mask = kv_end if isinstance(kv_end, TreeMask) else TreeMask(kv_end)
     _check(q, k, v, mask)
     _check_options(q, window, softcap, sinks, dropout_p, seed, backend)
-    backend = _pick(backend, q)
+    backend = pick_backend(backend, q, backends=BACKENDS, triton_refuses=_triton_refuses(q.dtype, q.shape[2]))
     if dropout_p and seed is None:
         seed = int(torch.randint(0, 2**31 - 1, (1,)))
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)

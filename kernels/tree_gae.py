@@ -39,13 +39,24 @@ from __future__ import annotations
 
 import torch
 
-from ._common import HAS_TRITON, acc_dtype, check_1d, check_finite, check_float, check_int, pick_backend
+from ._common import (
+    HAS_TRITON,
+    acc_dtype,
+    check_1d,
+    check_finite,
+    check_float,
+    check_int,
+    pick_backend,
+    triton_interpret,
+)
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    @triton.jit
+    # Sizes and offsets vary from launch to launch: specialising them (== 1, divisible by 16) would only
+    # compile more variants for nothing: they bound masks and loops, they are never strides.
+    @triton.jit(do_not_specialize=['N'])
     def _tree_gae_scan_kernel(x_ptr, x_out_ptr, anc_ptr, mu_ptr, anc_out_ptr, mu_out_ptr, N,
                               BLOCK: tl.constexpr):
         """One doubling step: x_out[anc[u]] += mu[u] x[u]; anc_out = anc[anc]; mu_out = mu mu[anc]."""
@@ -95,7 +106,7 @@ def _scan_torch(b: torch.Tensor, ladder: list[torch.Tensor], mu: torch.Tensor) -
 
 def _scan_triton(b: torch.Tensor, parent: torch.Tensor, mu: torch.Tensor) -> torch.Tensor:
     n = b.shape[0]
-    block = 1024 if b.is_cuda else 64
+    block = 64 if triton_interpret() else 1024
     grid = (triton.cdiv(n, block),)
     x, anc, coef = b.clone(), parent.clone(), mu.clone()
     x2, anc2, coef2 = torch.empty_like(x), torch.empty_like(anc), torch.empty_like(coef)
@@ -222,10 +233,12 @@ class _Scanner:
 
 def subtree_scan(b: torch.Tensor, parent_row: torch.Tensor, mu: torch.Tensor, *,
                  backend: str = "auto") -> torch.Tensor:
-    """Solve ``x_i = b_i + sum_{c child of i} mu_c x_c`` on a DFS-ordered forest (float tensors)."""
+    """Solve ``x_i = b_i + sum_{c child of i} mu_c x_c`` on a DFS-ordered forest (float tensors;
+    computed in float32, or float64 for float64 ``b``, and returned in ``b``'s dtype)."""
     if b.numel() == 0:
         return b.clone()
-    return _Scanner(parent_row.long(), pick_backend(backend, b))(b, mu)
+    dt = acc_dtype(b.dtype)
+    return _Scanner(parent_row.long(), pick_backend(backend, b))(b.to(dt), mu.to(dt)).to(b.dtype)
 
 
 def _check(rewards, values, parent_row, mask, gamma, lam, mode):

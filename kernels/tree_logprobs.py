@@ -41,6 +41,8 @@ from ._common import (
     check_int,
     check_range,
     pick_backend,
+    refuses_dtype,
+    triton_interpret,
 )
 
 if HAS_TRITON:
@@ -156,7 +158,7 @@ if HAS_TRITON:
     @triton.jit
     def _logits_tile(h_ptr, w_ptr, rows, cols, row_ok, col_ok, D, stride_h, stride_w,
                      BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
-                     IEEE: tl.constexpr, UPCAST: tl.constexpr):
+                     TF32X3: tl.constexpr, UPCAST: tl.constexpr):
         """hidden[rows] @ weight[cols].T as a float32 [BLOCK_N, BLOCK_V] tile."""
         acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
         h_base = h_ptr + rows.to(tl.int64)[:, None] * stride_h
@@ -169,16 +171,18 @@ if HAS_TRITON:
             if UPCAST:  # Triton 3.9's interpreter returns garbage for bf16 tl.dot; GPUs never take this
                 h = h.to(tl.float32)
                 w = w.to(tl.float32)
-            if IEEE:  # float32 inputs: no TF32 rounding, so fp32 results match the reference
-                acc = tl.dot(h, tl.trans(w), acc, input_precision="ieee")
+            if TF32X3:  # float32 operands: three TF32 products keep float32 accuracy on tensor cores
+                acc = tl.dot(h, tl.trans(w), acc, input_precision="tf32x3")
             else:
                 acc = tl.dot(h, tl.trans(w), acc)
         return acc
 
-    @triton.jit
+    # Sizes and offsets vary from launch to launch: specialising them (== 1, divisible by 16) would only
+    # compile more variants for nothing: they bound masks and loops, they are never strides.
+    @triton.jit(do_not_specialize=['N', 'V'])
     def _tree_logprobs_fwd_kernel(h_ptr, w_ptr, lse_ptr, ent_ptr, N, V, D, stride_h, stride_w,
                                   inv_temp, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
-                                  BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
+                                  BLOCK_D: tl.constexpr, TF32X3: tl.constexpr,
                                   UPCAST: tl.constexpr):
         pid = tl.program_id(0)
         rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -190,7 +194,7 @@ if HAS_TRITON:
             cols = v0 + tl.arange(0, BLOCK_V)
             col_ok = cols < V
             z = _logits_tile(h_ptr, w_ptr, rows, cols, row_ok, col_ok, D, stride_h, stride_w,
-                             BLOCK_N, BLOCK_V, BLOCK_D, IEEE, UPCAST) * inv_temp
+                             BLOCK_N, BLOCK_V, BLOCK_D, TF32X3, UPCAST) * inv_temp
             z = tl.where(col_ok[None, :], z, float("-inf"))
             m_new = tl.maximum(m, tl.max(z, 1))
             # rescale to the new max: sum e^{z-m}(z-m) -> e^{m-m_new} (a + s (m - m_new));
@@ -208,7 +212,7 @@ if HAS_TRITON:
         tl.store(lse_ptr + rows, m + log_s, mask=row_ok)
         tl.store(ent_ptr + rows, log_s - a / s, mask=row_ok)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=['M'])
     def _tree_logprobs_target_kernel(h_ptr, w_ptr, rows_ptr, ids_ptr, lse_ptr, out_ptr, M, D,
                                      stride_h, stride_w, inv_temp, BLOCK_M: tl.constexpr,
                                      BLOCK_D: tl.constexpr):
@@ -227,12 +231,12 @@ if HAS_TRITON:
         lse = tl.load(lse_ptr + r, mask=ok, other=0.0)
         tl.store(out_ptr + offs, acc * inv_temp - lse, mask=ok)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=['row0', 'n_rows', 'V', 'max_targets'])
     def _tree_logprobs_bwd_kernel(h_ptr, w_ptr, lse_ptr, ent_ptr, gsum_ptr, gent_ptr, ptr_ptr,
                                   tid_ptr, tg_ptr, gz_ptr, row0, n_rows, V, D, stride_h, stride_w,
                                   stride_gz, inv_temp, max_targets, HAS_GENT: tl.constexpr,
                                   BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
-                                  BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
+                                  BLOCK_D: tl.constexpr, TF32X3: tl.constexpr,
                                   UPCAST: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_v = tl.program_id(1)
@@ -242,7 +246,7 @@ if HAS_TRITON:
         cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
         col_ok = cols < V
         z = _logits_tile(h_ptr, w_ptr, rows, cols, row_ok, col_ok, D, stride_h, stride_w,
-                         BLOCK_N, BLOCK_V, BLOCK_D, IEEE, UPCAST) * inv_temp
+                         BLOCK_N, BLOCK_V, BLOCK_D, TF32X3, UPCAST) * inv_temp
         lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
         logp = z - lse[:, None]
         p = tl.exp(logp)
@@ -265,24 +269,34 @@ if HAS_TRITON:
         tl.store(out, g.to(gz_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-    # GPU tile shapes, chosen per (V, D, dtype) by Triton's autotuner at the first call (the
-    # benchmark's warm-up); every config computes the same values, only the speed differs.
-    _GPU_CONFIGS = [
-        triton.Config({"BLOCK_N": bn, "BLOCK_V": bv, "BLOCK_D": bd}, num_warps=w, num_stages=st)
-        for bn, bv, bd, w, st in ((64, 128, 64, 8, 3), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3),
-                                  (64, 256, 64, 8, 4), (128, 128, 32, 4, 4))
-    ]
-    _tree_logprobs_fwd_tuned = triton.autotune(_GPU_CONFIGS, key=["V", "D", "IEEE"])(
-        _tree_logprobs_fwd_kernel)
-    _tree_logprobs_bwd_tuned = triton.autotune(_GPU_CONFIGS, key=["V", "D", "IEEE", "HAS_GENT"])(
-        _tree_logprobs_bwd_kernel)
+    # GPU tile shapes (BLOCK_N, BLOCK_V, BLOCK_D, num_warps, num_stages), picked per (V, D) by Triton's
+    # autotuner at the first call (the benchmark's warm-up) from the list of the operands' precision;
+    # every config computes the same values, only the speed differs. Each list holds only configs
+    # that neither spill registers nor exceed sm_80's shared memory (`clawfast.kernels.aot` compiles
+    # them all for sm_80 and sm_90): float32 operands take three TF32 products, twice the bytes.
+    _GPU_CONFIGS = {
+        "half": ((64, 128, 64, 8, 3), (128, 128, 64, 8, 3), (64, 256, 64, 8, 4)),
+        "float32": ((64, 64, 32, 4, 3), (128, 64, 32, 8, 3), (64, 128, 16, 8, 3)),
+    }
+
+    def _tuned(kernel, key, precision):
+        configs = [triton.Config({"BLOCK_N": bn, "BLOCK_V": bv, "BLOCK_D": bd}, num_warps=w, num_stages=st)
+                   for bn, bv, bd, w, st in _GPU_CONFIGS[precision]]
+        return triton.autotune(configs, key=key)(kernel)
+
+    _FWD_TUNED = {p: _tuned(_tree_logprobs_fwd_kernel, ["V", "D"], p) for p in _GPU_CONFIGS}
+    _BWD_TUNED = {p: _tuned(_tree_logprobs_bwd_kernel, ["V", "D", "HAS_GENT"], p) for p in _GPU_CONFIGS}
 
 # the interpreter runs every program in Python: smallest tiles tl.dot accepts
 _INTERPRETER_TILES = dict(BLOCK_N=16, BLOCK_V=16, BLOCK_D=16, num_warps=1, num_stages=1)
 
 
+def _precision(hidden: torch.Tensor) -> str:
+    return "float32" if hidden.dtype == torch.float32 else "half"
+
+
 def _upcast(hidden: torch.Tensor) -> bool:
-    return hidden.dtype == torch.bfloat16 and not hidden.is_cuda
+    return hidden.dtype == torch.bfloat16 and triton_interpret()
 
 
 def _forward_triton(hidden, weight, rows, ids, inv_temp):
@@ -291,19 +305,18 @@ def _forward_triton(hidden, weight, rows, ids, inv_temp):
     hidden, weight = hidden.contiguous(), weight.contiguous()
     lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
     ent = torch.empty(n, dtype=torch.float32, device=hidden.device)
-    ieee = hidden.dtype == torch.float32
     if n:
-        kernel, tiles = ((_tree_logprobs_fwd_tuned, {}) if hidden.is_cuda
-                         else (_tree_logprobs_fwd_kernel, _INTERPRETER_TILES))
+        kernel, tiles = ((_tree_logprobs_fwd_kernel, _INTERPRETER_TILES) if triton_interpret()
+                         else (_FWD_TUNED[_precision(hidden)], {}))
         kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](
             hidden, weight, lse, ent, n, v, d, hidden.stride(0), weight.stride(0), inv_temp,
-            IEEE=ieee, UPCAST=_upcast(hidden), **tiles)
+            TF32X3=hidden.dtype == torch.float32, UPCAST=_upcast(hidden), **tiles)
     lp = torch.empty(m, dtype=torch.float32, device=hidden.device)
     if m:
-        bm, bd = (64, 64) if hidden.is_cuda else (16, 16)
+        bm, bd = (16, 16) if triton_interpret() else (64, 64)
         _tree_logprobs_target_kernel[(triton.cdiv(m, bm),)](
-            hidden, weight, rows.contiguous(), ids.contiguous(), lse, lp, m, d, hidden.stride(0),
-            weight.stride(0), inv_temp, BLOCK_M=bm, BLOCK_D=bd)
+            hidden, weight, rows.to(torch.int32).contiguous(), ids.to(torch.int32).contiguous(), lse, lp, m, d,
+            hidden.stride(0), weight.stride(0), inv_temp, BLOCK_M=bm, BLOCK_D=bd)
     return lp, ent, lse
 
 
@@ -311,12 +324,12 @@ def _grad_chunk_triton(hidden, weight, s, e, lse, ent, gsum, gent, row_ptr, s_id
                        max_targets, inv_temp):
     v, d = weight.shape
     gz = torch.empty(e - s, v, dtype=hidden.dtype, device=hidden.device)
-    kernel, tiles = ((_tree_logprobs_bwd_tuned, {}) if hidden.is_cuda
-                     else (_tree_logprobs_bwd_kernel, _INTERPRETER_TILES))
+    kernel, tiles = ((_tree_logprobs_bwd_kernel, _INTERPRETER_TILES) if triton_interpret()
+                     else (_BWD_TUNED[_precision(hidden)], {}))
     kernel[lambda meta: (triton.cdiv(e - s, meta["BLOCK_N"]), triton.cdiv(v, meta["BLOCK_V"]))](
         hidden, weight, lse, ent, gsum, gent if gent is not None else gsum, row_ptr, s_ids, s_glp,
         gz, s, e - s, v, d, hidden.stride(0), weight.stride(0), gz.stride(0), inv_temp,
-        max_targets, HAS_GENT=gent is not None, IEEE=hidden.dtype == torch.float32,
+        max_targets, HAS_GENT=gent is not None, TF32X3=hidden.dtype == torch.float32,
         UPCAST=_upcast(hidden), **tiles)
     return gz
 
@@ -445,9 +458,7 @@ def tree_logprobs(hidden: torch.Tensor, weight: torch.Tensor, target_rows: torch
     of rows per [rows, V] chunk (torch forward and both backward paths).
     """
     _check_inputs(hidden, weight, target_rows, target_ids, temperature)
-    backend = pick_backend(backend, hidden, weight)
-    if backend == "triton" and hidden.dtype == torch.float64:
-        raise ValueError("the Triton path takes float16/bfloat16/float32; use backend='torch' for float64")
+    backend = pick_backend(backend, hidden, weight, triton_refuses=refuses_dtype(hidden.dtype))
     return TreeLogprobsFunction.apply(hidden, weight, target_rows, target_ids, float(temperature),
                                       backend, chunk_rows)
 

@@ -15,7 +15,14 @@ huge negative for integers), so an output element a kernel forgot to write canno
 
 from __future__ import annotations
 
+import json
 import os
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 import torch
 
@@ -23,6 +30,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
+from kernel_testing import AOT_PYTHONS, AOT_TIMEOUT_S, aot_environment
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -58,3 +66,62 @@ def triton_device():
         pytest.fail("clawfast.kernels was imported before TRITON_INTERPRET=1 was set; "
                     "run the triton tests with TRITON_INTERPRET=1 in the environment")
     return DEVICE
+
+
+# ---------------------------------------------------------------------------------------------
+# The ahead-of-time compile of every kernel variant (test_aot.py): minutes of CPU, so it starts in
+# the background as soon as the suite is collected, at low priority (the other tests keep the CPU
+# when they want it), and its test runs last.
+
+_AOT_RUN = pytest.StashKey[dict]()
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "aot_background: reads the background ahead-of-time compiles of every kernel")
+
+
+@pytest.hookimpl(trylast=True)  # after -k / -m deselection: no compile for a test that will not run
+def pytest_collection_modifyitems(session, config, items):
+    waiting = [item for item in items if item.get_closest_marker("aot_background")]
+    if not waiting:
+        return
+    items[:] = [item for item in items if item not in waiting] + waiting
+    out = Path(tempfile.mkdtemp(prefix="clawfast-aot-"))
+    # one job, the Tritons in turn: each compiles with every CPU, at low priority
+    script = " ; ".join(
+        f"{shlex.quote(str(python))} -m clawfast.kernels.aot --quiet --json {out / (name + '.json')} "
+        f"--table {out / (name + '.md')} > {out / (name + '.log')} 2>&1; echo $? > {out / (name + '.rc')}"
+        for name, python in AOT_PYTHONS.items() if python.exists())
+    proc = subprocess.Popen(["bash", "-c", script or "true"], env=aot_environment(), preexec_fn=lambda: os.nice(10),
+                            start_new_session=True)
+    config.stash[_AOT_RUN] = {"proc": proc, "dir": out}
+
+
+def pytest_unconfigure(config):
+    run = config.stash.get(_AOT_RUN, None)
+    if run is not None and run["proc"].poll() is None:  # the suite stopped before the test waited
+        os.killpg(run["proc"].pid, signal.SIGKILL)
+        run["proc"].wait()
+
+
+@pytest.fixture(scope="session")
+def aot_reports(pytestconfig) -> dict:
+    """By Triton (AOT_PYTHONS): (exit status, JSON report, printed output) of the background compile,
+    waited for; None for an interpreter that does not exist."""
+    run = pytestconfig.stash[_AOT_RUN]
+    try:
+        run["proc"].wait(timeout=AOT_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(run["proc"].pid, signal.SIGKILL)
+        run["proc"].wait()
+        pytest.fail(f"the ahead-of-time compiles did not finish in {AOT_TIMEOUT_S} s; logs in {run['dir']}")
+    reports = {}
+    for name, python in AOT_PYTHONS.items():
+        if not python.exists():
+            reports[name] = None
+            continue
+        output = (run["dir"] / f"{name}.log").read_text()
+        report = run["dir"] / f"{name}.json"
+        assert report.is_file(), output[-6000:]
+        reports[name] = (int((run["dir"] / f"{name}.rc").read_text()), json.loads(report.read_text()), output)
+    return reports

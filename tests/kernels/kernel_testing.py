@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import sys
+from pathlib import Path
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -148,3 +152,18 @@ class LargestTensor(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and t.numel() > self.numel:
                 self.numel, self.op = t.numel(), str(func)
         return out
+
+
+# The background ahead-of-time compile of every kernel variant (conftest.py, test_aot.py): by the
+# main environment's Triton and by the GPU image's (the venv scripts/setup.sh builds), in turn.
+AOT_TIMEOUT_S = 3600
+_CACHE = Path(os.environ.get("CLAWFAST_HOME") or Path.home() / ".cache" / "clawfast")
+AOT_PYTHONS = {"latest": Path(sys.executable), "gpu-image": _CACHE / "venv-triton" / "bin" / "python"}
+
+
+def aot_environment() -> dict:
+    """The environment of a compiling process: Triton compiled, not interpreted."""
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, set to silence its warning
+    return env

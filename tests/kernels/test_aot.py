@@ -1,0 +1,181 @@
+"""Every Triton kernel compiled for real GPUs (sm_80, sm_90) on this CPU machine: `clawfast.kernels.aot`.
+
+The interpreter the other kernel tests run in never type-checks a kernel or allocates its registers
+and shared memory; these tests compile. The whole grid (hundreds of variants, minutes of CPU) runs
+in the background from the moment the suite is collected (``conftest.py`` here), at low priority,
+and its test runs last; the small tests below show that the check fails where it must.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from kernel_testing import AOT_PYTHONS, aot_environment
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _triton_jit_functions_in_source() -> set[str]:
+    """module.function of every function decorated with ``triton.jit`` in kernels/*.py, read from
+    the source text: an account of the kernels that does not go through the discovery under test."""
+    found = set()
+    for path in sorted((ROOT / "kernels").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef):
+                for dec in node.decorator_list:
+                    target = dec.func if isinstance(dec, ast.Call) else dec
+                    if ast.unparse(target) == "triton.jit":
+                        found.add(f"{path.stem}.{node.name}")
+    return found
+
+
+@pytest.mark.aot_background
+@pytest.mark.parametrize("triton_build", sorted(AOT_PYTHONS))
+def test_every_kernel_variant_compiles_for_sm80_and_sm90(aot_reports, triton_build):
+    """The grid's run (started at collection), by the latest Triton and by the GPU image's: every
+    @triton.jit function covered, every launched kernel compiled for both targets, and no variant
+    failing to compile, over shared memory or spilling registers."""
+    assert aot_reports[triton_build] is not None, (
+        f"{AOT_PYTHONS[triton_build]} is missing: scripts/setup.sh builds it")
+    returncode, report, output = aot_reports[triton_build]
+    tail = output[-6000:]
+    assert set(report["functions"]) == _triton_jit_functions_in_source(), tail
+    assert report["uncovered"] == [], tail
+    results = report["results"]
+    problems = [r for r in results if r["error"] or r["spill_bytes"]
+                or r["shared_bytes"] > {80: 166912, 90: 232448}[r["arch"]]]
+    assert problems == [], "\n".join(f"{r['kernel']} sm_{r['arch']} {r['variant']}: {r}" for r in problems[:20])
+    launched = {r["kernel"] for r in results}
+    for kernel in launched:
+        assert {r["arch"] for r in results if r["kernel"] == kernel} == {80, 90}, kernel
+    # every option of tree attention reaches the kernels, in every dtype
+    fwd = [r["variant"] for r in results if r["kernel"] == "tree_attention._tree_attn_fwd_kernel"]
+    for flag in ("WINDOW", "SOFTCAP", "DROPOUT", "SINKS"):
+        assert any(flag in v.split() for v in fwd), flag
+    for dtype in ("fp32", "bf16", "fp16", "fp64"):
+        assert any(v.startswith(dtype) for v in fwd), dtype
+    for block_d in (64, 128, 256):
+        assert any(f"BLOCK_D={block_d}" in v for v in fwd), block_d
+    assert returncode == 0, tail
+
+
+def _run_aot_snippet(tmp_path: Path, body: str) -> dict:
+    """Run ``body`` (defines kernels in a module of its own) and compile what it records, in a
+    fresh interpreter without TRITON_INTERPRET; returns its printed JSON."""
+    module = tmp_path / "aot_probe.py"
+    module.write_text(textwrap.dedent(body))
+    proc = subprocess.run([sys.executable, str(module)], cwd=tmp_path, env=aot_environment(),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+PROBE_HEADER = """
+    import json
+    import torch
+    import triton
+    import triton.language as tl
+    from clawfast.kernels import aot
+
+
+    def compile_launch(fn, args, kwargs, arch=80):
+        rec = aot.Recorder({"probe." + fn.fn.__name__: fn}, [arch])
+        rec.launch(fn, args, kwargs)
+        (variant,) = rec.variants.values()
+        aot._WORK = [(variant, fn)]
+        r = aot._compile(0)
+        return {"problems": r.problems, "registers": r.registers, "spills": r.spill_bytes,
+                "shared": r.shared_bytes}
+"""
+
+
+def test_a_loop_that_rebinds_a_name_to_another_type_is_a_compile_error(tmp_path):
+    """The bug the interpreter never saw (the dK/dV kernel's `_`): a name bound before a loop and
+    re-bound to another type inside it."""
+    out = _run_aot_snippet(tmp_path, PROBE_HEADER + """
+    @triton.jit
+    def rebinds(x_ptr, n, BLOCK: tl.constexpr):
+        _ = tl.arange(0, BLOCK)
+        for i in range(n):
+            _ = tl.arange(0, BLOCK) < n
+        tl.store(x_ptr + tl.arange(0, BLOCK), _.to(tl.float32))
+
+    print(json.dumps(compile_launch(rebinds, (torch.zeros(64), 3), {"BLOCK": 64})))
+    """)
+    assert len(out["problems"]) == 1 and out["problems"][0].startswith("does not compile"), out
+    assert "Loop-carried variable" in out["problems"][0], out
+
+
+def test_a_tile_too_big_for_the_target_is_reported(tmp_path):
+    """Shared memory over sm_80's 163 KiB and register spills are findings, with their sizes."""
+    out = _run_aot_snippet(tmp_path, PROBE_HEADER + """
+    @triton.jit
+    def big_dot(a_ptr, b_ptr, c_ptr, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        rm, rn, rk = tl.arange(0, BM), tl.arange(0, BN), tl.arange(0, BK)
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        for k in range(0, K, BK):
+            a = tl.load(a_ptr + rm[:, None] * K + (k + rk)[None, :])
+            b = tl.load(b_ptr + (k + rk)[:, None] * BN + rn[None, :])
+            acc += tl.dot(a, b)
+        tl.store(c_ptr + rm[:, None] * BN + rn[None, :], acc)
+
+    a = torch.zeros(256, 1024, dtype=torch.float16)
+    b = torch.zeros(1024, 256, dtype=torch.float16)
+    c = torch.zeros(256, 256)
+    print(json.dumps({
+        "smem": compile_launch(big_dot, (a, b, c, 1024), dict(BM=256, BN=256, BK=128, num_warps=8, num_stages=4)),
+        "spill": compile_launch(big_dot, (a, b, c, 1024), dict(BM=256, BN=256, BK=32, num_warps=1, num_stages=1)),
+        "fine": compile_launch(big_dot, (a, b, c, 1024), dict(BM=64, BN=64, BK=32, num_warps=4, num_stages=2)),
+    }))
+    """)
+    assert any("shared memory" in p for p in out["smem"]["problems"]), out["smem"]
+    assert out["spill"]["spills"] > 0 and any("spills" in p for p in out["spill"]["problems"]), out["spill"]
+    assert out["fine"]["problems"] == [] and out["fine"]["registers"] > 0, out["fine"]
+
+
+def test_a_kernel_no_grid_case_reaches_is_reported(tmp_path):
+    """Coverage: a @triton.jit function that is neither launched nor called from a launched kernel."""
+    out = _run_aot_snippet(tmp_path, PROBE_HEADER + """
+    @triton.jit
+    def helper(x):
+        return x + 1
+
+    @triton.jit
+    def launched(x_ptr):
+        tl.store(x_ptr, helper(tl.load(x_ptr)))
+
+    @triton.jit
+    def forgotten(x_ptr):
+        tl.store(x_ptr, 0.0)
+
+    kernels = {"p.helper": helper, "p.launched": launched, "p.forgotten": forgotten}
+    print(json.dumps(aot.coverage(kernels, {"p.launched"})))
+    """)
+    assert out == ["p.forgotten"]
+
+
+def test_the_recorder_sees_the_gpu_launch_not_the_interpreters(tmp_path):
+    """Without TRITON_INTERPRET the launchers pick GPU tiles (autotune configs, 64-row attention
+    blocks), which is what the grid must compile."""
+    out = _run_aot_snippet(tmp_path, """
+    import json
+    from clawfast.kernels import aot
+    _, variants, _ = aot.record([90], only="^(tree_attention bfloat16 d128 g2 plain|tree_logprobs bfloat16 V4096)$")
+    print(json.dumps(sorted({(v.kernel, v.describe(aot.discover()[v.kernel])) for v in variants})))
+    """)
+    kinds = {kernel for kernel, _ in out}
+    assert kinds == {"tree_attention._tree_attn_fwd_kernel", "tree_attention._tree_attn_dq_kernel",
+                     "tree_attention._tree_attn_dkdv_kernel", "tree_logprobs._tree_logprobs_fwd_kernel",
+                     "tree_logprobs._tree_logprobs_target_kernel", "tree_logprobs._tree_logprobs_bwd_kernel"}
+    attention = [v for k, v in out if k == "tree_attention._tree_attn_fwd_kernel"]
+    assert attention and all("BLOCK=64" in v and "UPCAST" not in v.split() for v in attention), attention
+    fwd_configs = [v for k, v in out if k == "tree_logprobs._tree_logprobs_fwd_kernel"]
+    assert len(fwd_configs) >= 2, fwd_configs  # every autotune config of the precision is compiled
+

@@ -15,23 +15,14 @@ This package imports only torch and triton: it is usable without the rest of cla
 """
 
 if __name__ == "kernels":
-    # Found by its directory name: Python runs from a checkout's root (`python -m ...`, `python -c`), whose
-    # kernels/ then shadows the top-level `kernels` of the hub-kernels distribution, which transformers
-    # imports when it is installed (and requires from 5.25 on). Hand the name to that distribution, or fail
-    # as the import would without this directory.
-    import importlib.machinery
-    import importlib.util
-    import os
-    import sys
+    # Found by its directory name, not as clawfast.kernels (Python started at a checkout's root): hand the
+    # name to the hub-kernels distribution (clawfast._toplevel). Where that is not installed, become an
+    # empty namespace package, what transformers reads as "not installed": a ModuleNotFoundError would be
+    # closer to absent, but transformers 5.x imports a `kernels` that find_spec finds and importlib.metadata
+    # does not know, uncaught, so it would fail `import transformers`.
+    from clawfast._toplevel import hand_off
 
-    _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    _spec = importlib.machinery.PathFinder.find_spec(
-        __name__, [p for p in sys.path if os.path.abspath(p or os.curdir) != _root])
-    if _spec is None:
-        raise ModuleNotFoundError(f"No module named {__name__!r}", name=__name__)
-    _module = importlib.util.module_from_spec(_spec)
-    sys.modules[__name__] = _module  # what the import statement returns once this file has run
-    _spec.loader.exec_module(_module)
+    hand_off(__name__, b'"""clawfast.kernels:', empty_when_missing=True)
 else:
     from .importance import ISConfig, ISResult, importance_weights
     from .policy_loss import grpo_advantages, policy_loss

@@ -16,18 +16,26 @@ Layers, each usable on its own:
 `clawfast.commands.proxy`, is one of its users).
 """
 
-from clawfast.proxy.core import ProxyConfig, ProxyCore
-from clawfast.proxy.render import ChatRenderer
-from clawfast.proxy.rollouts import OpenedRollout, Rollout, RolloutRegistry
-from clawfast.proxy.server import ProxyApp, ProxyServer
+if __name__ == "proxy":
+    # Found by its directory name, not as clawfast.proxy (Python started at a checkout's root): hand the
+    # name to any other top-level `proxy` (the proxy.py distribution's), or fail as a missing module
+    # (clawfast._toplevel).
+    from clawfast._toplevel import hand_off
 
-__all__ = [
-    "ChatRenderer",
-    "OpenedRollout",
-    "ProxyApp",
-    "ProxyConfig",
-    "ProxyCore",
-    "ProxyServer",
-    "Rollout",
-    "RolloutRegistry",
-]
+    hand_off(__name__, b'"""clawfast.proxy:', empty_when_missing=False)
+else:
+    from clawfast.proxy.core import ProxyConfig, ProxyCore
+    from clawfast.proxy.render import ChatRenderer
+    from clawfast.proxy.rollouts import OpenedRollout, Rollout, RolloutRegistry
+    from clawfast.proxy.server import ProxyApp, ProxyServer
+
+    __all__ = [
+        "ChatRenderer",
+        "OpenedRollout",
+        "ProxyApp",
+        "ProxyConfig",
+        "ProxyCore",
+        "ProxyServer",
+        "Rollout",
+        "RolloutRegistry",
+    ]

@@ -21,8 +21,8 @@ RUN_DIR="${1:-runs/quickstart-$(date +%Y%m%d-%H%M%S)}"
 START=$(date +%s)
 
 echo "== 1/4 install"
-# Only what the quickstart uses: no vLLM or peers venv, one harness.
-CLAWFAST_SKIP_VLLM=1 CLAWFAST_SKIP_PEERS=1 CLAWFAST_SKIP_DOCKER=1 CLAWFAST_HARNESSES=mini-swe-agent scripts/setup.sh
+# Only what the quickstart uses: no vLLM, peers, transformers-versions or Triton-image venv, one harness.
+CLAWFAST_SKIP_VLLM=1 CLAWFAST_SKIP_PEERS=1 CLAWFAST_SKIP_VERSIONS=1 CLAWFAST_SKIP_TRITON_IMAGE=1 CLAWFAST_SKIP_DOCKER=1 CLAWFAST_HARNESSES=mini-swe-agent scripts/setup.sh
 
 echo "== 2/4 model"
 clawfast model prepare smollm2-135m

@@ -48,6 +48,48 @@ if [ "${CLAWFAST_SKIP_VLLM:-0}" != 1 ] && [ ! -e "$CACHE/venv-vllm/.complete" ];
   touch "$CACHE/venv-vllm/.complete"
 fi
 
+# The transformers versions tests/test_versions.py runs the package at (the floor in pyproject.toml,
+# 5.17 as on the GPU image, the latest), each with its hub-kernels release and without one. A venv
+# that does not see the main environment (where hub kernels is installed) holds torch and the other
+# dependencies at the main environment's versions plus the build tools; every transformers and
+# hub-kernels release is a directory of its own that the test puts first on PYTHONPATH. Rebuilt
+# when these pins change. CLAWFAST_SKIP_VERSIONS=1 opts out (that test then fails; CI runs it).
+VERSIONS_SPEC="v2 transformers 4.57.1 5.17.0 5.25.0 kernels 0.9.0 0.16.2 0.19.1"
+VERSIONS="$CACHE/versions"
+if [ "${CLAWFAST_SKIP_VERSIONS:-0}" != 1 ] && [ "$(cat "$VERSIONS/.complete" 2>/dev/null)" != "$VERSIONS_SPEC" ]; then
+  rm -rf "$VERSIONS"
+  python3 -m venv "$VERSIONS/venv"
+  VPY="$VERSIONS/venv/bin/python"
+  python3 -m pip freeze --exclude-editable | grep -v ' @ ' \
+    | grep -viE '^(transformers|kernels|huggingface[-_.]hub|tokenizers)==' >"$VERSIONS/constraints.txt"
+  mapfile -t DEPS < <(python3 -c 'import tomllib; print("\n".join(d for d in tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"] if not d.startswith("transformers")))')
+  # the project's dependencies but transformers, transformers' but huggingface-hub and tokenizers
+  # (which differ by version: in the overlays), and what builds the package
+  "$VPY" -m pip install -q -c "$VERSIONS/constraints.txt" torch==2.13.0 "${DEPS[@]}" \
+    filelock packaging pyyaml regex requests tqdm typer \
+    scikit-build-core==1.1.2 pybind11==3.1.0 cmake==4.4.5 ninja==1.13.2
+  overlay() { local dir="$VERSIONS/$1"; shift; "$VPY" -m pip install -q -c "$VERSIONS/constraints.txt" --target "$dir" "$@"; }
+  overlay transformers-4.57.1 --no-deps transformers==4.57.1 huggingface-hub==0.36.2 tokenizers==0.22.2
+  overlay transformers-5.17.0 --no-deps transformers==5.17.0 huggingface-hub==1.33.0 tokenizers==0.23.3
+  overlay transformers-5.25.0 --no-deps transformers==5.25.0 huggingface-hub==2.4.0 tokenizers==0.23.3
+  overlay kernels-0.9.0 --no-deps kernels==0.9.0
+  overlay kernels-0.16.2 kernels==0.16.2 kernels-data==0.16.2 sigstore==4.5.1 tomlkit==0.15.3 huggingface-hub==1.33.0
+  overlay kernels-0.19.1 --no-deps kernels==0.19.1 tomlkit==0.15.3
+  echo "$VERSIONS_SPEC" >"$VERSIONS/.complete"
+fi
+
+# The GPU image's Triton (3.6, bench/RESULTS.md) beside the main environment's, for the ahead-of-time
+# compile test (tests/kernels/test_aot.py): a venv over the main environment with triton replaced, so
+# every kernel variant is compiled by the compiler a GPU run uses as well as by the latest.
+# CLAWFAST_SKIP_TRITON_IMAGE=1 opts out (that test then fails; CI runs it).
+TRITON_IMAGE=3.6.0
+if [ "${CLAWFAST_SKIP_TRITON_IMAGE:-0}" != 1 ] && [ "$(cat "$CACHE/venv-triton/.complete" 2>/dev/null)" != "$TRITON_IMAGE" ]; then
+  rm -rf "$CACHE/venv-triton"
+  python3 -m venv --system-site-packages "$CACHE/venv-triton"
+  "$CACHE/venv-triton/bin/python" -m pip install -q --no-deps "triton==$TRITON_IMAGE"
+  echo "$TRITON_IMAGE" >"$CACHE/venv-triton/.complete"
+fi
+
 # The peers' own code for bench/bench_peers.py (AReaL, verl, Cut Cross-Entropy, ...), pinned, in a
 # venv of its own: their dependency sets are whole training stacks the package must not pull in.
 if [ "${CLAWFAST_SKIP_PEERS:-0}" != 1 ]; then

@@ -37,28 +37,60 @@ def test_cpu_bench_quick_mode(tmp_path):
     assert all(r["max_abs_diff"] < 1e-4 for r in data["logprobs"] + data["gae"])
 
 
-def test_checkout_root_does_not_shadow_the_kernels_distribution():
-    """Python run from the checkout's root finds kernels/ as the top-level `kernels` too, the name of the
-    hub-kernels distribution that transformers imports when it is installed: that import gets the
-    distribution (and transformers loads), and without the distribution it fails as a missing module."""
+# Run from the checkout's root: what the top-level names `kernels` and `proxy` turn out to be.
+_DESCRIBE = """\
+import importlib, importlib.metadata, os
+for name in ("kernels", "proxy"):
+    try:
+        m = importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        print("missing" if e.name == name else e)
+        continue
+    f = getattr(m, "__file__", None)
+    if f is None and not list(m.__path__):
+        print("empty namespace")
+    elif os.path.basename(os.path.dirname(os.path.dirname(f))) in ("a", "b") or f.startswith(os.getcwd()):
+        print("checkout")
+    else:
+        print("distribution " + importlib.metadata.version(name))
+"""
+
+
+def _installed(name: str, absent: str) -> str:
     import importlib.metadata
 
     try:
-        importlib.metadata.version("kernels")
-        expected = "distribution"
+        return "distribution " + importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
-        expected = "missing"
-    code = ("import os\n"
-            "try:\n"
-            "    import kernels\n"
-            "except ModuleNotFoundError:\n"
-            "    print('missing')\n"
-            "else:\n"
-            "    import transformers.modeling_utils\n"
-            "    print('checkout' if os.path.abspath(kernels.__file__).startswith(os.getcwd()) else 'distribution')\n")
-    proc = _run(["-c", code])
+        return absent
+
+
+def test_checkout_root_does_not_shadow_the_kernels_distribution():
+    """Python run from the checkout's root finds kernels/ as the top-level `kernels` too, the name of the
+    hub-kernels distribution that transformers imports when it is installed: transformers loads, and the
+    import gets the distribution, or without it an empty namespace package (which transformers reads as
+    not installed; a ModuleNotFoundError would fail transformers 5.x's probe). `proxy` is missing.
+    tests/test_versions.py runs this at each supported transformers version, with and without hub kernels."""
+    proc = _run(["-c", "import transformers.modeling_utils\n" + _DESCRIBE])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip() == expected
+    assert proc.stdout.split("\n")[:2] == [_installed("kernels", "empty namespace"), _installed("proxy", "missing")]
+
+
+@pytest.mark.parametrize("site_packages", [True, False], ids=["site-packages", "no-site-packages"])
+def test_two_checkouts_on_sys_path_hand_the_names_on(tmp_path, site_packages):
+    """With two more checkouts' kernels/ and proxy/ on sys.path (and the root's), each shim skips every
+    checkout: no recursion from one to the other, the same answer as with one checkout; without
+    site-packages (-S) no hub kernels either."""
+    for checkout in ("a", "b"):
+        for name in ("kernels", "proxy"):
+            (tmp_path / checkout / name).mkdir(parents=True)
+            (tmp_path / checkout / name / "__init__.py").write_bytes((ROOT / name / "__init__.py").read_bytes())
+    proc = _run([*([] if site_packages else ["-S"]), "-c", _DESCRIBE],
+                {"PYTHONPATH": os.pathsep.join([str(tmp_path / "a"), str(tmp_path / "b")])})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    kernels = _installed("kernels", "empty namespace") if site_packages else "empty namespace"
+    proxy = _installed("proxy", "missing") if site_packages else "missing"
+    assert proc.stdout.split("\n")[:2] == [kernels, proxy]
 
 
 def _docs_python_blocks() -> list[str]:

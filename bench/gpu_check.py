@@ -1,31 +1,42 @@
-"""One GPU validation run: every GPU path of clawfast built, checked and timed in one short call.
+"""One GPU validation run: every GPU path of clawfast checked, then timed, in one short call.
 
-    bash scripts/gpu_check.sh            # installs what is missing, then runs this (about 8 minutes)
-    python bench/gpu_check.py --smoke    # the same code paths on the CPU, tiny sizes (the test suite)
+    bash scripts/gpu_check.sh            # installs what is missing, then runs this (8 minutes in all)
+    python bench/gpu_check.py --smoke    # the same plan on a CPU, tiny sizes (the test suite runs it)
 
-Sections, in this order, each in a child process of its own with its own time limit, within one
-budget for the whole run (7 minutes by default; a section that fails, hangs or runs out of GPU
-memory is reported, killed with everything it started, and the next one still runs):
+``PLAN`` is the run, in value order (what matters most runs first, so a run cut short has it):
 
-- ``kernel-tests``: the kernel test suite (``tests/kernels``) compiled on the GPU, not interpreted;
-  its tolerances are ``tests/kernels/kernel_testing.py``'s (forward 1e-5 for every dtype, gradients
-  1e-5 in float32 and 2e-2 in bf16/fp16, against float64 references).
-- ``kernels``: ``bench/gpu_kernels.py``: tree log-probs at Liger-Kernel's published shape vs naive
-  and vs Liger's fused linear cross-entropy, tree attention (Triton vs FlexAttention vs dense) at
-  16K and 64K rows, tree GAE on 64K rows vs the per-step loop, IS weights and the policy loss.
+- ``correctness``: ``bench/gpu_correctness.py``: every public kernel op compiled (``backend="triton"``)
+  against its float64 reference at GPU shapes, forward and gradients, fresh random inputs (the seed is
+  printed): the default training path first (bf16 tree attention, head dim 128, GQA; bf16 tree
+  log-probs), then every other dtype, head dim and softmax option, GAE, IS weights, the policy loss.
 - ``train``: a short end-to-end run of the RL loop on the GPU (``clawfast.train.loop.train``, the
   embedded model in bfloat16, the torch engine serving engine-sampled token tasks, GRPO with
   ``max_staleness = 1``) that must complete steps trained on rollouts one weight version old.
+- ``kernels``: ``bench/gpu_kernels.py``: timings of the Triton kernels against their baselines and
+  peers (Liger-Kernel, Cut Cross-Entropy, SDPA, FlexAttention).
+- ``step``: ``bench/gpu_step.py``: timings of a whole training step.
 - ``vllm``: vLLM on the GPU serving the embedded model behind the proxy: OpenAI chat calls through
-  HTTP, their recorded log-probs against the HF model's, a weight push (NCCL broadcast on a GPU)
-  and the next call on the new weights.
-- ``weight-sync``: ``bench/bench_weight_sync.py``: seconds per GB of every sync path.
+  HTTP, their recorded log-probs against the HF model's, a weight push and the next call on the new
+  weights. Skipped, with the reason, where ``--vllm-python`` cannot import vLLM.
+- ``weight-sync``: ``bench/bench_weight_sync.py``: seconds per GB of every sync path (skipped likewise).
 
-The vLLM sections run with ``--vllm-python`` (default: this interpreter); where vLLM is not
-importable they are reported as skipped, with the reason, never as passed. Prints one table; writes
-JSON to ``--out`` (default ``$OUT/gpu_check.json`` when ``$OUT`` is set, else
-``bench/results/gpu_check.json``; none in a smoke run without ``--out``) and every section's output
-to a log file beside it. Exit status 1 when a section failed or timed out.
+Every section is a child process (its own session: over its limit it is killed with everything it
+started, and the next section runs) given ``--rows PATH``: it appends each finished case as one JSON
+line (``bench/rows.py``). This process reads the file while the child runs, prints each row as one line
+the moment it appears, and rewrites the report (``--out``; atomically) after every row and every
+section status, so a run killed at any point leaves a report of everything that finished (sections not
+reached say ``pending``). Each section has a time limit (``Section.limit_s`` on an H200; ``smoke_s`` on
+two CPU cores under Triton's interpreter) within one budget for the run (``--budget``: 420 s, which
+leaves scripts/gpu_check.sh a minute of its 8 for the installs); a later section gets at most what is
+left, so ``correctness`` and ``train`` (240 s together) always run in full and the timings take what
+remains. A smoke run has the same plan: the same sections in the same order, the same cases printed
+the same way, the same JSON; only sizes and limits differ (``Section.smoke_args``,
+``gpu_correctness.Case.smoke``), which tests/test_gpu_check.py checks.
+
+Writes the JSON to ``--out`` (default ``$OUT/gpu_check.json`` when ``$OUT`` is set, else
+``bench/results/gpu_check.json``; none in a smoke run without ``--out``) and every child's output to a
+log file beside it. Exit status 1 when a section failed or ran out of time (a failed correctness case
+fails its section), 2 without a GPU (use ``--smoke``).
 """
 
 from __future__ import annotations
@@ -36,38 +47,81 @@ import importlib.metadata
 import json
 import os
 import platform
-import re
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: rows.py
+
+from rows import Rows, format_row  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
-SECTIONS = ("kernel-tests", "kernels", "train", "vllm", "weight-sync")
-# Seconds each section may take on an H200, and the whole run's budget (--budget: a later section
-# gets what is left, so the run ends in time whatever hangs); 7 minutes leave a 10-minute call room
-# for the installs. A smoke run on two CPU cores gets more for the interpreted kernels.
-LIMITS = {"kernel-tests": 120, "kernels": 150, "train": 60, "vllm": 60, "weight-sync": 120}
-SMOKE_LIMITS = {"kernel-tests": 300, "kernels": 300, "train": 300, "vllm": 300, "weight-sync": 300}
-BUDGET_S, SMOKE_BUDGET_S = 420, 1200
+
+
+@dataclass(frozen=True)
+class Section:
+    """One step of the plan: ``script`` runs it (``gpu_check.py`` itself: ``--section NAME``), with
+    ``full_args`` on a GPU or ``smoke_args`` in a smoke run (the only difference: sizes); ``limit_s``
+    seconds on an H200, ``smoke_s`` on a 2-core CPU; ``budget``: the script takes ``--budget SECONDS``
+    and ends its own cases in time (given the limit less 10 s), reporting what it skipped; ``vllm``: run
+    by ``--vllm-python``, skipped where that cannot import vLLM; ``out``: the script writes one JSON
+    report at its end (``--out``) instead of streaming rows."""
+
+    name: str
+    script: str
+    limit_s: float
+    smoke_s: float
+    full_args: tuple[str, ...] = ()
+    smoke_args: tuple[str, ...] = ("--smoke",)
+    budget: bool = False
+    vllm: bool = False
+    out: bool = False
+
+    def limit(self, smoke: bool) -> float:
+        return self.smoke_s if smoke else self.limit_s
+
+    def args(self, smoke: bool) -> tuple[str, ...]:
+        return self.smoke_args if smoke else self.full_args
+
+
+PLAN: tuple[Section, ...] = (
+    Section("correctness", "bench/gpu_correctness.py", 150, 240),
+    Section("train", "bench/gpu_check.py", 90, 300),
+    Section("kernels", "bench/gpu_kernels.py", 100, 240, budget=True),
+    Section("step", "bench/gpu_step.py", 120, 240, budget=True),
+    Section("vllm", "bench/gpu_check.py", 60, 300, vllm=True),
+    Section("weight-sync", "bench/bench_weight_sync.py", 60, 300, full_args=("--repeats", "1", "--no-remote"),
+            smoke_args=("--quick", "--no-remote"), vllm=True, out=True),
+)
+SECTIONS = tuple(s.name for s in PLAN)
+BUDGET_S, SMOKE_BUDGET_S = 420, 1500
 COLUMNS = ("section", "op", "case", "shape", "ms", "baseline", "baseline_ms", "ratio", "bar", "peak_mib",
-           "baseline_peak_mib", "mem_ratio", "err", "tol", "note")
+           "baseline_peak_mib", "mem_ratio", "err", "tol", "ok", "note")
+
+
+def section(name: str) -> Section:
+    return next(s for s in PLAN if s.name == name)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny sizes; on a CPU, Triton's interpreter")
-    ap.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS), help="in this order")
+    ap.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
+                    help="run these (always in the plan's order)")
     ap.add_argument("--vllm-python", default=sys.executable, help="the interpreter that has vLLM")
     ap.add_argument("--out", type=Path, default=None, help="the JSON report (a .log file goes beside it)")
     ap.add_argument("--budget", type=float, default=None,
                     help=f"seconds for all sections together (default {BUDGET_S}, smoke {SMOKE_BUDGET_S})")
     ap.add_argument("--section", choices=("vllm", "train"), help=argparse.SUPPRESS)  # a child's own work
     ap.add_argument("--rows", type=Path, help=argparse.SUPPRESS)  # where a child writes its rows
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    args.sections = [s for s in SECTIONS if s in args.sections]
+    return args
 
 
 # ----------------------------------------------------------------------------------------- parent
@@ -81,7 +135,7 @@ def environment(vllm_python: str) -> dict:
     if torch.cuda.is_available():
         env["device"] = torch.cuda.get_device_name()
         env["gpu_memory_gib"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
-    for package in ("triton", "transformers", "liger-kernel"):
+    for package in ("triton", "transformers", "liger-kernel", "cut-cross-entropy"):
         try:
             env[package] = importlib.metadata.version(package)
         except importlib.metadata.PackageNotFoundError:
@@ -105,94 +159,167 @@ def _vllm_version(python: str) -> str | None:
     return out or None
 
 
-def section_command(name: str, args: argparse.Namespace, rows_path: Path) -> list[str]:
-    smoke = ["--smoke"] if args.smoke else []
-    if name == "kernel-tests":
-        target = ["tests/kernels/test_tree_gae.py"] if args.smoke else ["tests/kernels"]
-        workers = [] if args.smoke or not _has("xdist") else ["-n", "8"]
-        return [sys.executable, "-m", "pytest", *target, "-q", "-p", "no:cacheprovider",
-                "--ignore", "tests/kernels/test_standalone.py", *workers]
-    if name == "kernels":
-        return [sys.executable, "bench/gpu_kernels.py", *smoke, "--out", str(rows_path)]
-    if name == "weight-sync":
-        return [args.vllm_python, "bench/bench_weight_sync.py", *(["--quick", "--no-remote"] if args.smoke else []),
-                "--out", str(rows_path)]
-    python = args.vllm_python if name == "vllm" else sys.executable
-    return [python, "bench/gpu_check.py", "--section", name, *smoke, "--rows", str(rows_path)]
+def section_command(sec: Section, args: argparse.Namespace, rows_path: Path, out_path: Path,
+                    limit_s: float) -> list[str]:
+    """The child's command line; smoke and full differ only in ``sec.args(smoke)``."""
+    python = args.vllm_python if sec.vllm else sys.executable
+    cmd = [python, sec.script]
+    if sec.script == "bench/gpu_check.py":
+        cmd += ["--section", sec.name]
+    cmd += ["--out", str(out_path)] if sec.out else ["--rows", str(rows_path)]
+    if sec.budget:
+        cmd += ["--budget", f"{max(limit_s - 10, 5):.0f}"]
+    return cmd + list(sec.args(args.smoke))
 
 
-def _has(module: str) -> bool:
-    import importlib.util
+class RowReader:
+    """The complete lines a child has appended to its rows file since the last call."""
 
-    return importlib.util.find_spec(module) is not None
+    def __init__(self, path: Path):
+        self.path, self.offset = path, 0
+
+    def new_rows(self) -> list[dict]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        end = data.rfind(b"\n") + 1  # a line still being written waits for the next call
+        self.offset += end
+        rows = []
+        for line in data[:end].decode(errors="replace").splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        return rows
 
 
-def run_section(name: str, args: argparse.Namespace, env: dict, log, left_s: float) -> dict:
-    if name in ("vllm", "weight-sync") and env["vllm"] is None:
-        return {"status": "skipped", "seconds": 0.0, "rows": [],
-                "note": f"vLLM is not importable by {args.vllm_python} (scripts/gpu_check.sh installs it where "
-                        "a package index or a wheel folder is reachable)"}
-    if left_s < 5:
-        return {"status": "timeout", "seconds": 0.0, "rows": [],
-                "note": f"not run: the run's {args.budget:.0f} s budget was spent"}
-    limit = min((SMOKE_LIMITS if args.smoke else LIMITS)[name], left_s)
+class Report:
+    """The JSON report, rewritten whole (to a temporary file, then renamed) after every change."""
+
+    def __init__(self, path: Path | None, data: dict):
+        self.path, self.data = path, data
+
+    def write(self) -> None:
+        if self.path is None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps(self.data, indent=2, default=str) + "\n")
+        os.replace(tmp, self.path)
+
+
+class Interrupted(Exception):
+    pass
+
+
+def _interrupt(signum, frame):
+    raise Interrupted(signal.Signals(signum).name)
+
+
+def run_section(sec: Section, args: argparse.Namespace, env: dict, log, left_s: float, report: Report) -> None:
+    entry = report.data["sections"][sec.name]
+    if sec.vllm and env["vllm"] is None:
+        entry.update(status="skipped", note=f"vLLM is not importable by {args.vllm_python} (scripts/gpu_check.sh "
+                                            "installs it from a wheel folder that has it, or with CLAWFAST_INSTALL_VLLM=1)")
+    elif not (ROOT / sec.script).is_file():
+        entry.update(status="failed", note=f"{sec.script} is missing")
+    elif left_s < 5:
+        entry.update(status="timeout", note=f"not run: the run's {args.budget:.0f} s budget was spent")
+    if entry["status"] != "pending":
+        print(f"  {sec.name}: {entry['status']} - {entry['note']}", flush=True)
+        report.write()
+        return
+    limit = min(sec.limit(args.smoke), left_s)
     with tempfile.TemporaryDirectory() as tmp:
-        rows_path = Path(tmp) / "rows.json"
-        cmd = section_command(name, args, rows_path)
+        rows_path, out_path = Path(tmp) / "rows.jsonl", Path(tmp) / "out.json"
+        cmd = section_command(sec, args, rows_path, out_path, limit)
         child_env = dict(os.environ, PYTHONUNBUFFERED="1")
         child_env.pop("TRITON_INTERPRET", None)  # a GPU run checks compiled kernels, whatever the shell set
         if args.smoke and not env["cuda_available"]:
             child_env["TRITON_INTERPRET"] = "1"
-        log.write(f"\n===== {name}: {' '.join(cmd)}\n")
+        log.write(f"\n===== {sec.name}: {' '.join(cmd)}\n")
         log.flush()
         start = time.monotonic()
-        # A session of its own: a section over its limit goes with everything it started (vLLM's
-        # engine and workers), so the next section gets the GPU back.
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        reader = RowReader(rows_path)
+
+        def collect() -> None:
+            for row in reader.new_rows():  # on disk before on the screen: what was printed is in the report
+                entry["rows"].append(row)
+                entry["seconds"] = round(time.monotonic() - start, 1)
+                report.write()
+                print(f"  [{sec.name}] {format_row(row)}", flush=True)
+
+        proc = None
         try:
-            code = proc.wait(timeout=limit)
-            status = "ok" if code == 0 else "failed"
-            note = "" if code == 0 else f"exit status {code} (see the log)"
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            status, note = "timeout", f"over its {limit:.0f} s limit (see the log)"
-        seconds = time.monotonic() - start
-        rows = _read_rows(name, rows_path, log)
-    print(f"  {name}: {status} in {seconds:.1f} s{' - ' + note if note else ''}", flush=True)
-    return {"status": status, "seconds": seconds, "note": note, "rows": rows}
+            # A session of its own: a section over its limit goes with everything it started (processes of
+            # its own, vLLM's engine and workers), so the next section gets the GPU back.
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+            entry.update(status="running", command=" ".join(cmd), pid=proc.pid, limit_s=round(limit, 1))
+            report.write()
+            while True:
+                code = proc.poll()
+                collect()
+                if code is not None:
+                    status = "ok" if code == 0 else "failed"
+                    note = "" if code == 0 else f"exit status {code} (see the log)"
+                    break
+                if time.monotonic() - start > limit:
+                    _kill(proc)
+                    status, note = "timeout", f"over its {limit:.0f} s limit (see the log)"
+                    break
+                time.sleep(0.2)
+        except (Interrupted, KeyboardInterrupt) as exc:
+            if proc is not None:
+                _kill(proc)
+            collect()
+            entry.update(status="interrupted", note=f"the check got {exc or type(exc).__name__}",
+                         seconds=round(time.monotonic() - start, 1))
+            report.write()
+            raise
+        collect()
+        if sec.out:
+            entry["rows"] += _out_rows(sec.name, out_path)
+        entry.update(status=status, note=note, seconds=round(time.monotonic() - start, 1))
+    failed = [r for r in entry["rows"] if r.get("ok") is False]
+    if failed and status == "ok":
+        entry.update(status="failed", note=f"{len(failed)} case(s) failed but the section exited 0")
+    print(f"  {sec.name}: {entry['status']} in {entry['seconds']:.1f} s"
+          f"{' - ' + entry['note'] if entry['note'] else ''}", flush=True)
+    report.write()
 
 
-def _read_rows(name: str, rows_path: Path, log) -> list[dict]:
-    if name == "kernel-tests":
-        return [{"op": "pytest tests/kernels", "case": _pytest_summary(log.name)}]
-    if not rows_path.is_file():
+def _kill(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def _out_rows(name: str, out_path: Path) -> list[dict]:
+    """A section's one report at its end (bench_weight_sync: one row per sync path)."""
+    if not out_path.is_file():
         return []
-    data = json.loads(rows_path.read_text())
-    if name == "weight-sync":  # bench_weight_sync's report: one row per sync path
-        return [{"op": "weight sync", "case": path, "shape": f"{row['gb']:.3f} GB", "ms": row["median_s"] * 1e3,
-                 "note": f"{row['s_per_gb']:.3f} s/GB, {row['speedup_vs_bytes']:.2f}x vs bytes"}
-                for path, row in data["rows"].items()]
-    return data["rows"]
-
-
-def _pytest_summary(log_path: str) -> str:
-    """The last ``N passed, M failed in S s`` line pytest wrote to the log."""
-    lines = [line.strip("= \n") for line in Path(log_path).read_text().splitlines()
-             if re.match(r"=*\s*\d+ (passed|failed|errors?|skipped)\b", line)]
-    return lines[-1] if lines else "no pytest summary (see the log)"
+    data = json.loads(out_path.read_text())
+    return [{"op": "weight sync", "case": path, "shape": f"{row['gb']:.3f} GB", "ms": row["median_s"] * 1e3,
+             "note": f"{row['s_per_gb']:.3f} s/GB, {row['speedup_vs_bytes']:.2f}x vs bytes"}
+            for path, row in data["rows"].items()]
 
 
 def print_table(report: dict) -> None:
-    print(f"GPU check: {report['env'].get('device', 'cpu')} | torch {report['env']['torch']} "
-          f"(CUDA {report['env']['torch_cuda']}) | triton {report['env']['triton']} | vllm {report['env']['vllm']} | "
-          f"liger {report['env']['liger-kernel']} | driver {report['env']['driver']} | smoke={report['smoke']}")
+    env = report["env"]
+    print(f"GPU check: {env.get('device', 'cpu')} | torch {env['torch']} (CUDA {env['torch_cuda']}) | triton "
+          f"{env['triton']} | vllm {env['vllm']} | liger {env['liger-kernel']} | driver {env['driver']} | "
+          f"smoke={report['smoke']}")
     print(" | ".join(COLUMNS))
-    for name, section in report["sections"].items():
-        print(" | ".join([name, "status", section["status"], "", f"{section['seconds'] * 1e3:.4g}"]
-                         + [""] * (len(COLUMNS) - 6) + [section["note"]]))
-        for row in section["rows"]:
+    for name, sec in report["sections"].items():
+        print(" | ".join([name, "status", sec["status"], "", f"{sec['seconds'] * 1e3:.4g}"]
+                         + [""] * (len(COLUMNS) - 6) + [sec["note"]]))
+        for row in sec["rows"]:
             cells = [name] + [row.get(c, "") for c in COLUMNS[1:]]
             print(" | ".join(f"{x:.4g}" if isinstance(x, float) else str(x) for x in cells))
 
@@ -205,6 +332,7 @@ def main(argv=None) -> int:
         return vllm_section(args.smoke, args.rows)
     if args.section == "train":
         return train_section(args.smoke, args.rows)
+    start = time.monotonic()
     out = args.out
     if out is None and not args.smoke:
         out = Path(os.environ["OUT"]) / "gpu_check.json" if os.environ.get("OUT") else RESULTS / "gpu_check.json"
@@ -214,23 +342,40 @@ def main(argv=None) -> int:
         return 2
     log_path = (out.with_suffix(".log") if out is not None else Path(tempfile.mkdtemp()) / "gpu_check.log")
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    report = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "smoke": args.smoke, "env": env, "sections": {}}
-    start = time.monotonic()
-    print(f"GPU check ({'smoke' if args.smoke else 'full'}): sections {', '.join(args.sections)}; log {log_path}",
-          flush=True)
-    with open(log_path, "w") as log:
-        for name in args.sections:
-            left = args.budget - (time.monotonic() - start)
-            report["sections"][name] = run_section(name, args, env, log, left)
-    report["seconds"] = time.monotonic() - start
-    print_table(report)
+    plan = [{"section": s.name, "script": s.script, "limit_s": s.limit(args.smoke)} for s in PLAN
+            if s.name in args.sections]
+    report = Report(out, {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "smoke": args.smoke, "env": env,
+                          "budget_s": args.budget, "plan": plan, "complete": False, "seconds": 0.0,
+                          "sections": {p["section"]: {"status": "pending", "seconds": 0.0, "note": "", "rows": []}
+                                       for p in plan}})
+    report.write()
+    print(f"GPU check ({'smoke' if args.smoke else 'full'}): "
+          + ", ".join(f"{p['section']} ({p['limit_s']:.0f} s)" for p in plan)
+          + f"; budget {args.budget:.0f} s; log {log_path}" + (f"; report {out}" if out else ""), flush=True)
+    handlers = {s: signal.signal(s, _interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        with open(log_path, "w") as log:
+            for name in args.sections:
+                run_section(section(name), args, env, log, args.budget - (time.monotonic() - start), report)
+                report.data["seconds"] = round(time.monotonic() - start, 1)
+                report.write()
+    except (Interrupted, KeyboardInterrupt) as exc:
+        report.data["seconds"] = round(time.monotonic() - start, 1)
+        report.write()
+        print(f"GPU check interrupted ({type(exc).__name__} {exc}); report so far: {out}", flush=True)
+        return 130
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    report.data["complete"] = True
+    report.write()
+    print_table(report.data)
     if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=2) + "\n")
         print(f"wrote {out} and {log_path}")
-    bad = [n for n, s in report["sections"].items() if s["status"] in ("failed", "timeout")]
-    skipped = [n for n, s in report["sections"].items() if s["status"] == "skipped"]
-    print(f"total {report['seconds']:.0f} s; " + (f"FAILED: {', '.join(bad)}" if bad else "no section failed")
+    sections = report.data["sections"]
+    bad = [n for n, s in sections.items() if s["status"] in ("failed", "timeout")]
+    skipped = [n for n, s in sections.items() if s["status"] == "skipped"]
+    print(f"total {report.data['seconds']:.0f} s; " + (f"FAILED: {', '.join(bad)}" if bad else "no section failed")
           + (f"; SKIPPED: {', '.join(skipped)}" if skipped else ""))
     return 1 if bad else 0
 
@@ -255,12 +400,12 @@ def vllm_section(smoke: bool, rows_path: Path) -> int:
     device = "cuda" if cuda else "cpu"
     model_dir = ensure_embedded_model()
     tol = 2e-3 if cuda else 5e-5  # GPU matmuls in vLLM and HF reduce in different orders
-    rows = []
+    rows = Rows(rows_path)
     t0 = time.perf_counter()
     # Started before anything else takes GPU memory; a small share of the GPU: the check's models are tiny.
     engine = VLLMEngine(str(model_dir), dtype="float32", max_model_len=2048, kv_cache_memory_bytes=256 << 20,
                         **({"gpu_memory_utilization": 0.2} if cuda else {}))
-    rows.append({"op": "vllm", "case": "engine start", "ms": (time.perf_counter() - t0) * 1e3})
+    rows.add(op="vllm", case="engine start", ms=(time.perf_counter() - t0) * 1e3)
     old = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
     torch.manual_seed(7)
     new = transformers.AutoModelForCausalLM.from_config(old.config).to(device).eval()
@@ -286,13 +431,12 @@ def vllm_section(smoke: bool, rows_path: Path) -> int:
                 answer.raise_for_status()
             before = registry.records(opened.rollout_id)
             tokens = sum(len(r.output_ids) for r in before[1:])
-            rows.append({"op": "vllm", "case": "4 concurrent chat calls via proxy", "ms": ms,
-                         "note": f"{tokens} output tokens, {tokens / ms * 1e3:.0f} tokens/s"})
+            rows.add(op="vllm", case="4 concurrent chat calls via proxy", ms=ms,
+                     note=f"{tokens} output tokens, {tokens / ms * 1e3:.0f} tokens/s")
             t0 = time.perf_counter()
             engine.update_weights({k: v.detach() for k, v in new.state_dict().items()}, version=1)
-            rows.append({"op": "vllm", "case": f"weight push ({engine.weight_sync_path})",
-                         "ms": (time.perf_counter() - t0) * 1e3,
-                         "shape": f"{sum(p.numel() for p in new.parameters()) / 1e6:.1f}M params fp32"})
+            rows.add(op="vllm", case=f"weight push ({engine.weight_sync_path})", ms=(time.perf_counter() - t0) * 1e3,
+                     shape=f"{sum(p.numel() for p in new.parameters()) / 1e6:.1f}M params fp32")
             asyncio.run(calls(1))[0].raise_for_status()
             records = registry.records(opened.rollout_id)
             registry.close(opened.rollout_id)
@@ -306,11 +450,9 @@ def vllm_section(smoke: bool, rows_path: Path) -> int:
                                             float(np.abs(record.infer_logprobs - ref).max()))
     versions = [r.weight_version for r in records]
     ok = versions == [0] * 5 + [1] and all(e <= tol for e in errors.values())
-    rows.append({"op": "vllm", "case": "recorded log-probs vs HF, old weights", "err": errors[0], "tol": tol})
-    rows.append({"op": "vllm", "case": "recorded log-probs vs HF, pushed weights", "err": errors[1], "tol": tol,
-                 "note": f"weight versions {versions}"})
-    rows_path.write_text(json.dumps({"rows": rows}))
-    print(json.dumps(rows, indent=1))
+    rows.add(op="vllm", case="recorded log-probs vs HF, old weights", err=errors[0], tol=tol, ok=errors[0] <= tol)
+    rows.add(op="vllm", case="recorded log-probs vs HF, pushed weights", err=errors[1], tol=tol,
+             ok=errors[1] <= tol and versions == [0] * 5 + [1], note=f"weight versions {versions}")
     return 0 if ok else 1
 
 
@@ -383,17 +525,18 @@ interval = 3
     total_ms = (time.perf_counter() - t0) * 1e3
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if r.get("kind") == "train"]
-    rows = [{"op": "train", "case": f"step {r['step']}", "ms": r["time/train_s"] * 1e3,
-             "note": f"train time; rollouts {r['time/rollout_s']:.2f} s, reward {r['reward/mean']:.3f}, "
-                     f"loss {r['loss']:.4g}, grad norm {r['grad_norm']:.3g}, staleness max {r['async/staleness_max']:g}, "
-                     f"{r['tokens_packed']:g} tokens packed"} for r in steps]
+    rows = Rows(rows_path)
+    for r in steps:
+        rows.add(op="train", case=f"step {r['step']}", ms=r["time/train_s"] * 1e3,
+                 note=f"train time; rollouts {r['time/rollout_s']:.2f} s, reward {r['reward/mean']:.3f}, "
+                      f"loss {r['loss']:.4g}, grad norm {r['grad_norm']:.3g}, staleness max "
+                      f"{r['async/staleness_max']:g}, {r['tokens_packed']:g} tokens packed")
     device = torch.cuda.get_device_name() if cuda else "cpu"
-    rows.append({"op": "train", "case": "3 async steps, embedded model", "ms": total_ms,
-                 "shape": f"{config.model.dtype} on {device}"})
     ok = (len(steps) == 3 and max(r["async/staleness_max"] for r in steps) == 1
           and all(np.isfinite(r["loss"]) and np.isfinite(r["grad_norm"]) for r in steps))
-    rows_path.write_text(json.dumps({"rows": rows}))
-    print(json.dumps(rows, indent=1))
+    rows.add(op="train", case="3 async steps, embedded model", ms=total_ms, shape=f"{config.model.dtype} on {device}",
+             ok=bool(ok), note=f"{len(steps)} steps, staleness max "
+                               f"{max((r['async/staleness_max'] for r in steps), default=0):g} (must be 3 and 1)")
     return 0 if ok else 1
 
 

@@ -1,12 +1,15 @@
-"""The GPU validation script's smoke mode (scripts/gpu_check.sh --smoke -> bench/gpu_check.py):
-every section's code path on the CPU, through the same install script a GPU machine runs (here
-every install step finds what it needs already there)."""
+"""The GPU check's smoke mode (scripts/gpu_check.sh --smoke -> bench/gpu_check.py): the plan's
+sections on the CPU, through the same install script a GPU machine runs (here every install step
+finds what it needs already there); the plan shared by smoke and full runs; a report that survives a
+kill; a failed correctness case failing the run."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -16,43 +19,150 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _check(tmp_path: Path, *args: str, env_extra: dict | None = None) -> tuple[subprocess.CompletedProcess, dict]:
-    out = tmp_path / "gpu_check.json"
-    env = dict(os.environ, PYTHON=sys.executable, **(env_extra or {}))
-    proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--smoke", *args, "--out", str(out)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
-    return proc, json.loads(out.read_text())
-
-
-def test_smoke_run_checks_kernels_and_trains_one_async_step(tmp_path):
-    proc, report = _check(tmp_path, "--sections", "kernel-tests", "kernels", "train")
-    sections = report["sections"]
-    assert {name: s["status"] for name, s in sections.items()} == {"kernel-tests": "ok", "kernels": "ok", "train": "ok"}
-    assert " passed" in sections["kernel-tests"]["rows"][0]["case"]
-    ops = {row["op"] for row in sections["kernels"]["rows"]}
-    assert {"tree_logprobs", "tree_attention", "tree_gae", "importance_weights", "policy_loss"} <= ops
-    assert any(row.get("baseline") == "per-step loop (host)" for row in sections["kernels"]["rows"])
-    steps = [row for row in sections["train"]["rows"] if row["case"].startswith("step ")]
-    assert len(steps) == 3 and "staleness max 1" in steps[-1]["note"]
-    assert (tmp_path / "gpu_check.log").is_file()
-    assert "no section failed" in proc.stdout and "tree_gae" in proc.stdout  # the one table
-
-
-def _module():
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "bench" / "gpu_check.py")
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
 
+def _module():
+    return _load("gpu_check")
+
+
+def test_smoke_run_checks_trains_and_times_in_the_plans_order(tmp_path):
+    """One run of the install script and the four sections that need no vLLM, as on a GPU machine."""
+    out = tmp_path / "gpu_check.json"
+    env = dict(os.environ, PYTHON=sys.executable)
+    proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--smoke", "--sections", "correctness", "train", "kernels",
+                           "step", "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    sections = report["sections"]
+    assert list(sections) == ["correctness", "train", "kernels", "step"] and report["complete"]
+    assert {name: s["status"] for name, s in sections.items()} == dict.fromkeys(sections, "ok")
+    assert "[gpu_check.sh " in proc.stdout and "+0s] start" in proc.stdout  # the install steps' time stamps
+
+    correctness = _load("gpu_correctness")
+    rows = sections["correctness"]["rows"]
+    assert sorted((r["op"], r["case"]) for r in rows) == sorted((c.op, c.name) for c in correctness.CASES)
+    assert all(r["ok"] and r["err"] <= r["tol"] for r in rows)
+    assert {r["op"] for r in rows} == {"tree_attention", "tree_logprobs", "linear_logprobs", "tree_gae",
+                                       "importance_weights", "policy_loss", "grpo_advantages"}
+    for row in rows:  # printed as one line each, as it finished
+        assert f"[correctness] {row['op']} | {row['case']} |" in proc.stdout
+
+    steps = [row for row in sections["train"]["rows"] if row["case"].startswith("step ")]
+    assert len(steps) == 3 and "staleness max 1" in steps[-1]["note"]
+    ops = {row["op"] for row in sections["kernels"]["rows"]}
+    assert {"tree_logprobs", "tree_attention", "tree_gae", "importance_weights", "policy_loss"} <= ops
+    assert sections["step"]["rows"] and all(row.get("ok") is not False for row in sections["step"]["rows"])
+    assert (tmp_path / "gpu_check.log").is_file()
+    assert "no section failed" in proc.stdout and "tree_gae" in proc.stdout  # the one table
+
+
+def test_smoke_and_full_runs_share_one_plan():
+    """Same sections in the same order, same commands but for the size arguments, same correctness cases
+    and tolerances; the limits keep the value order: correctness and train fit the budget whatever
+    follows."""
+    gpu_check = _module()
+    names = [s.name for s in gpu_check.PLAN]
+    assert names == ["correctness", "train", "kernels", "step", "vllm", "weight-sync"]
+    rows, out = Path("/r/rows.jsonl"), Path("/r/out.json")
+    for sec in gpu_check.PLAN:
+        full = gpu_check.section_command(sec, gpu_check.parse_args([]), rows, out, sec.limit(False))
+        smoke = gpu_check.section_command(sec, gpu_check.parse_args(["--smoke"]), rows, out, sec.limit(False))
+        assert full[: len(full) - len(sec.full_args)] == smoke[: len(smoke) - len(sec.smoke_args)], sec.name
+        assert ("--out" in full) == sec.out and ("--rows" in full) != sec.out
+        assert 0 < sec.limit_s <= sec.smoke_s
+    limits = {s.name: s.limit_s for s in gpu_check.PLAN}
+    assert limits["correctness"] + limits["train"] <= gpu_check.BUDGET_S - 60  # room for the parent's start
+    assert gpu_check.BUDGET_S <= 480 - 60  # scripts/gpu_check.sh's 8 minutes, installs included
+
+    correctness = _load("gpu_correctness")
+    full, smoke = correctness.plan(False), correctness.plan(True)
+    strip = [{k: v for k, v in c.items() if k != "sizes"} for c in full]
+    assert strip == [{k: v for k, v in c.items() if k != "sizes"} for c in smoke]
+    assert all(f["sizes"].keys() == s["sizes"].keys() for f, s in zip(full, smoke))
+    assert len({(c["op"], c["case"]) for c in full}) == len(full)  # a case is named once
+    first = [(c["op"], c["params"].get("dtype")) for c in full[:2]]
+    assert first == [("tree_attention", "bfloat16"), ("tree_logprobs", "bfloat16")]  # the default path first
+    assert full[0]["sizes"]["head_dim"] == 128 and full[0]["sizes"]["hq"] > full[0]["sizes"]["hkv"]
+
+
+def _run_killed(tmp_path: Path, sig: int) -> tuple[dict, list[str], int]:
+    """gpu_check.py --smoke on the correctness section, sent ``sig`` once three cases have printed."""
+    out = tmp_path / "r.json"
+    proc = subprocess.Popen([sys.executable, "bench/gpu_check.py", "--smoke", "--sections", "correctness", "train",
+                             "--out", str(out)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    printed = []
+    try:
+        for line in proc.stdout:
+            if line.startswith("  [correctness] "):
+                printed.append(line.strip())
+                if len(printed) == 3:
+                    break
+        proc.send_signal(sig)
+        code = proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    report = json.loads(out.read_text())
+    entry = report["sections"]["correctness"]
+    if entry.get("pid"):  # a SIGKILLed check cannot end its section: the test does
+        try:
+            os.killpg(entry["pid"], signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return report, printed, code
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_a_run_killed_mid_section_keeps_the_rows_that_finished(tmp_path, sig):
+    report, printed, code = _run_killed(tmp_path, sig)
+    entry = report["sections"]["correctness"]
+    cases = [f"[correctness] {r['op']} | {r['case']} |" for r in entry["rows"]]
+    assert len(entry["rows"]) >= 3 and all(any(line.startswith(c) for c in cases) for line in printed)
+    assert report["sections"]["train"]["status"] == "pending" and not report["complete"]
+    if sig == signal.SIGKILL:
+        assert code == -signal.SIGKILL and entry["status"] == "running"
+    else:  # the check ends its section's processes and says why
+        assert code == 130 and entry["status"] == "interrupted" and "SIGTERM" in entry["note"]
+
+
+def test_a_failed_correctness_case_fails_the_run(tmp_path, monkeypatch):
+    gpu_check = _module()
+    command = gpu_check.section_command
+
+    def strict(sec, *args):  # two cases, every tolerance 0: their float32 rounding errors fail them
+        return command(sec, *args) + (["--only", "tree_gae", "--tol-scale", "0"] if sec.name == "correctness" else [])
+
+    monkeypatch.setattr(gpu_check, "section_command", strict)
+    code = gpu_check.main(["--smoke", "--sections", "correctness", "--out", str(tmp_path / "r.json")])
+    entry = json.loads((tmp_path / "r.json").read_text())["sections"]["correctness"]
+    assert code == 1 and entry["status"] == "failed"
+    assert len(entry["rows"]) == 2 and all(r["op"] == "tree_gae" and r["ok"] is False for r in entry["rows"])
+
+
 def test_a_section_over_its_limit_is_reported_and_the_run_fails(tmp_path, monkeypatch):
     gpu_check = _module()
-    monkeypatch.setitem(gpu_check.SMOKE_LIMITS, "train", 1)
+    plan = tuple(dataclasses.replace(s, smoke_s=1) if s.name == "train" else s for s in gpu_check.PLAN)
+    monkeypatch.setattr(gpu_check, "PLAN", plan)
     code = gpu_check.main(["--smoke", "--sections", "train", "--out", str(tmp_path / "r.json")])
     report = json.loads((tmp_path / "r.json").read_text())
     assert code == 1 and report["sections"]["train"]["status"] == "timeout"
     assert "over its 1 s limit" in report["sections"]["train"]["note"]
+
+
+def test_rows_are_read_as_complete_lines(tmp_path):
+    reader = _module().RowReader(tmp_path / "rows.jsonl")
+    assert reader.new_rows() == []
+    with open(tmp_path / "rows.jsonl", "w") as f:
+        f.write('{"op": "a", "case": "1"}\n{"op": "b", "ca')
+    assert reader.new_rows() == [{"op": "a", "case": "1"}]
+    with open(tmp_path / "rows.jsonl", "a") as f:
+        f.write('se": "2"}\n')
+    assert reader.new_rows() == [{"op": "b", "case": "2"}] and reader.new_rows() == []
 
 
 def test_vllm_sections_are_skipped_with_the_reason_where_vllm_is_missing(tmp_path):
@@ -73,6 +183,13 @@ def test_a_full_run_needs_a_gpu(tmp_path, monkeypatch, capsys):
     assert code == 2 and "no CUDA device" in capsys.readouterr().out
 
 
+def test_the_scripts_parse():
+    for script in ("scripts/gpu_check.sh", "scripts/gpu_wheels.sh"):
+        subprocess.run(["bash", "-n", script], cwd=ROOT, check=True)
+    usage = subprocess.run(["bash", "scripts/gpu_wheels.sh"], cwd=ROOT, capture_output=True, text=True)
+    assert usage.returncode == 2 and "usage" in usage.stdout
+
+
 @pytest.mark.vllm
 def test_smoke_run_serves_through_vllm_and_times_every_sync_path(tmp_path):
     """Run by the vLLM venv's interpreter (scripts/test.sh): vLLM behind the proxy, a push, and
@@ -88,5 +205,6 @@ def test_smoke_run_serves_through_vllm_and_times_every_sync_path(tmp_path):
     assert sections["vllm"]["status"] == "ok" and sections["weight-sync"]["status"] == "ok"
     cases = {row["case"] for row in sections["vllm"]["rows"]}
     assert "recorded log-probs vs HF, pushed weights" in cases
+    assert "[vllm] vllm | engine start |" in proc.stdout  # streamed as it happened
     paths = {row["case"] for row in sections["weight-sync"]["rows"]}
     assert {"torch in-process", "vllm bytes (baseline)", "vllm broadcast (gloo)"} <= paths

@@ -163,9 +163,16 @@ class Recorder:
     """Intercepts Triton launches (JITFunction.run, Autotuner.run) and turns each into variants."""
 
     def __init__(self, kernels: dict[str, object], archs: list[int]):
+        import triton
         from triton.backends.compiler import GPUTarget
         from triton.compiler import make_backend
-        from triton.runtime.jit import create_function_from_signature
+        from triton.runtime import jit
+
+        # Triton's own launch-time binder (what JITFunction.run calls; checked with 3.6 and 3.9)
+        if not (hasattr(jit, "create_function_from_signature") and hasattr(jit.JITFunction, "_pack_args")):
+            raise RuntimeError(f"triton {triton.__version__} lacks the JIT binder this module specialises launches "
+                               "with (triton.runtime.jit.create_function_from_signature, JITFunction._pack_args)")
+        create_function_from_signature = jit.create_function_from_signature
 
         self.names = {fn: name for name, fn in kernels.items()}
         self.targets = {arch: GPUTarget("cuda", arch, 32) for arch in archs}

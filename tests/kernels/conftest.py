@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -87,21 +88,29 @@ def pytest_collection_modifyitems(session, config, items):
         return
     items[:] = [item for item in items if item not in waiting] + waiting
     out = Path(tempfile.mkdtemp(prefix="clawfast-aot-"))
-    # one job, the Tritons in turn: each compiles with every CPU, at low priority
-    script = " ; ".join(
+    # One job, the Tritons in turn (each compiles with every CPU), at low priority, in a session of
+    # its own and not a child of this process: tests that check for leftover children (the sandbox
+    # leak checks) must not see it. Its end is the file `done`.
+    script = "".join(
         f"{shlex.quote(str(python))} -m clawfast.kernels.aot --quiet --json {out / (name + '.json')} "
-        f"--table {out / (name + '.md')} > {out / (name + '.log')} 2>&1; echo $? > {out / (name + '.rc')}"
-        for name, python in AOT_PYTHONS.items() if python.exists())
-    proc = subprocess.Popen(["bash", "-c", script or "true"], env=aot_environment(), preexec_fn=lambda: os.nice(10),
-                            start_new_session=True)
-    config.stash[_AOT_RUN] = {"proc": proc, "dir": out}
+        f"--table {out / (name + '.md')} > {out / (name + '.log')} 2>&1; echo $? > {out / (name + '.rc')}; "
+        for name, python in AOT_PYTHONS.items() if python.exists()) + f"touch {out / 'done'}"
+    launcher = subprocess.run(["bash", "-c", f"nice -n 10 setsid bash -c {shlex.quote(script)} </dev/null >/dev/null 2>&1 & "
+                               "echo $!"], env=aot_environment(), capture_output=True, text=True, check=True)
+    config.stash[_AOT_RUN] = {"pid": int(launcher.stdout), "dir": out}
+
+
+def _kill(run: dict) -> None:
+    try:
+        os.killpg(run["pid"], signal.SIGKILL)  # setsid: the session's group is the job's pid
+    except ProcessLookupError:
+        pass
 
 
 def pytest_unconfigure(config):
     run = config.stash.get(_AOT_RUN, None)
-    if run is not None and run["proc"].poll() is None:  # the suite stopped before the test waited
-        os.killpg(run["proc"].pid, signal.SIGKILL)
-        run["proc"].wait()
+    if run is not None and not (run["dir"] / "done").exists():  # the suite stopped before the test waited
+        _kill(run)
 
 
 @pytest.fixture(scope="session")
@@ -109,12 +118,12 @@ def aot_reports(pytestconfig) -> dict:
     """By Triton (AOT_PYTHONS): (exit status, JSON report, printed output) of the background compile,
     waited for; None for an interpreter that does not exist."""
     run = pytestconfig.stash[_AOT_RUN]
-    try:
-        run["proc"].wait(timeout=AOT_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(run["proc"].pid, signal.SIGKILL)
-        run["proc"].wait()
-        pytest.fail(f"the ahead-of-time compiles did not finish in {AOT_TIMEOUT_S} s; logs in {run['dir']}")
+    deadline = time.monotonic() + AOT_TIMEOUT_S
+    while not (run["dir"] / "done").exists():
+        if time.monotonic() > deadline:
+            _kill(run)
+            pytest.fail(f"the ahead-of-time compiles did not finish in {AOT_TIMEOUT_S} s; logs in {run['dir']}")
+        time.sleep(2)
     reports = {}
     for name, python in AOT_PYTHONS.items():
         if not python.exists():

@@ -59,7 +59,7 @@ def test_every_kernel_variant_compiles_for_sm80_and_sm90(aot_reports, triton_bui
     fwd = [r["variant"] for r in results if r["kernel"] == "tree_attention._tree_attn_fwd_kernel"]
     for flag in ("WINDOW", "SOFTCAP", "DROPOUT", "SINKS"):
         assert any(flag in v.split() for v in fwd), flag
-    for dtype in ("fp32", "bf16", "fp16", "fp64"):
+    for dtype in ("fp32", "bf16", "fp16"):  # float64 is the torch path's
         assert any(v.startswith(dtype) for v in fwd), dtype
     for block_d in (64, 128, 256):
         assert any(f"BLOCK_D={block_d}" in v for v in fwd), block_d

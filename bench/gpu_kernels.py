@@ -258,26 +258,22 @@ def bench_logprobs(K, torch, bench, cases, rows, device, n, d, v, gen, backend):
         return f"summed NLL {a:.6g} vs {b:.6g} (rel diff {abs(a - b) / max(abs(b), 1e-30):.1e})"
 
     out = {}
-    row = dict(op=op, case="no-grad forward", shape=shape)
-    if cases.fits("logprobs", **row):
+    # (key, case, ours, its matmul baseline, how many matmuls, bar, what the first call compiles)
+    for key, case, fn, base_fn, mms, bar, first in (
+            ("nograd", "no-grad forward", ours_nograd, one_mm, 1, "<= 1.2", "Triton compile + autotune"),
+            ("fb", "fwd+bwd (log-likelihood)", ours_fwd_bwd(), three_mm, 3, "<= 1.5", "backward compile + autotune")):
+        row = dict(op=op, case=case, shape=shape)
+        if not cases.fits("logprobs", **row):
+            continue
         try:
-            mm = bench.measure(one_mm)
-            ours = bench.measure(ours_nograd)
-            out["nograd"] = ours
-            rows.add(**versus(ours, mm, **row, baseline="1 bf16 matmul (h @ W.T)", bar="<= 1.2", note=note(
-                f"first call {secs(ours.first_ms)} (Triton compile + autotune)",
-                f"matmul {mm_flops / mm.ms / 1e9:.0f} TFLOP/s" if bench.cuda else "")))
-        except Exception as exc:  # noqa: BLE001
-            cases.error(exc, ours=True, **row)
-    row = dict(op=op, case="fwd+bwd (log-likelihood)", shape=shape)
-    if cases.fits("logprobs", **row):
-        try:
-            mm3 = bench.measure(three_mm)
-            ours = bench.measure(ours_fwd_bwd())
-            out["fb"] = ours
-            rows.add(**versus(ours, mm3, **row, baseline="3 bf16 matmuls (logits, dh, dW)", bar="<= 1.5", note=note(
-                f"first call {secs(ours.first_ms)} (backward compile + autotune)",
-                f"3 matmuls {3 * mm_flops / mm3.ms / 1e9:.0f} TFLOP/s" if bench.cuda else "")))
+            base = bench.measure(base_fn)
+            ours = bench.measure(fn)
+            out[key] = ours
+            baseline = "1 bf16 matmul (h @ W.T)" if mms == 1 else "3 bf16 matmuls (logits, dh, dW)"
+            rows.add(**versus(ours, base, **row, baseline=baseline, bar=bar, note=note(
+                f"first call {secs(ours.first_ms)} ({first})",
+                f"{'matmul' if mms == 1 else f'{mms} matmuls'} {mms * mm_flops / base.ms / 1e9:.0f} TFLOP/s"
+                if bench.cuda else "")))
         except Exception as exc:  # noqa: BLE001
             cases.error(exc, ours=True, **row)
     fb, ng = out.get("fb"), out.get("nograd")

@@ -172,18 +172,16 @@ class Recorder:
         if not (hasattr(jit, "create_function_from_signature") and hasattr(jit.JITFunction, "_pack_args")):
             raise RuntimeError(f"triton {triton.__version__} lacks the JIT binder this module specialises launches "
                                "with (triton.runtime.jit.create_function_from_signature, JITFunction._pack_args)")
-        create_function_from_signature = jit.create_function_from_signature
 
         self.names = {fn: name for name, fn in kernels.items()}
-        self.targets = {arch: GPUTarget("cuda", arch, 32) for arch in archs}
-        self.backends = {arch: make_backend(t) for arch, t in self.targets.items()}
+        self.backends = {arch: make_backend(GPUTarget("cuda", arch, 32)) for arch in archs}
         self._binders = {}
-        self._bind = create_function_from_signature
+        self._bind = jit.create_function_from_signature
         self.variants: dict[str, Variant] = {}
         self.case = ""
 
     def launch(self, fn, args, kwargs) -> None:
-        kwargs = {k: v for k, v in kwargs.items() if k not in ("grid", "warmup")}
+        """Record the launch ``fn[grid](*args, **kwargs)`` (kwargs: constexprs and options)."""
         for arch, backend in self.backends.items():
             key = (fn, arch)
             if key not in self._binders:
@@ -198,8 +196,9 @@ class Recorder:
                 variant.calls.append(self.case)
 
     def autotuned(self, tuner, args, kwargs) -> None:
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("grid", "warmup")}  # Autotuner.run gets them too
         tuner.nargs = dict(zip(tuner.arg_names, args))
-        for config in tuner.prune_configs({k: v for k, v in kwargs.items() if k not in ("grid", "warmup")}):
+        for config in tuner.prune_configs(kwargs):
             self.launch(tuner.fn, args, {**kwargs, **config.all_kwargs()})
         tuner.nargs = None
 

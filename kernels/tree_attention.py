@@ -31,7 +31,8 @@ Layers (one op, one name):
 - ``_tree_attn_fwd_kernel``, ``_tree_attn_dq_kernel``, ``_tree_attn_dkdv_kernel``: Triton, one
   program per (query block, head) walking its key-block list, resp. per (key block, kv head)
   walking its pairs by key block in query tiles of ``TritonTiles.dkdv_rows`` rows, computed
-  transposed (no atomics: dK/dV sum the group's query heads in one program). Launch tiles per
+  transposed (no atomics: dK/dV sum the group's query heads in one program); dQ walks its key
+  blocks in tiles of ``TritonTiles.dq_cols`` keys. Launch tiles per
   (dtype, head dim): ``_GPU_TILES``, checked by ``clawfast.kernels.aot``.
 - ``flex``: ``torch.nn.attention.flex_attention`` (compiled) with a ``mask_mod`` reading kv_end and
   the block mask above: the portable GPU path and the baseline of the Triton kernel. FlexAttention
@@ -113,19 +114,24 @@ _GPU_TILES = {
 }
 
 
+def _gpu_tiles_key(dtype: torch.dtype, head_dim: int) -> tuple[int, int]:
+    """The `_GPU_TILES` key: bytes per element, and the head dim as a power of two of at least 64."""
+    return dtype.itemsize, max(64, 1 << (head_dim - 1).bit_length())
+
+
 def _triton_tiles(dtype: torch.dtype, head_dim: int) -> TritonTiles:
     if triton_interpret():
         # the interpreter runs every program in Python: small tiles keep its per-element cost low,
         # and dQ / dK / dV walk each block in two halves, as on a GPU
         return TritonTiles(16, max(16, triton.next_power_of_2(head_dim)), (1, 1), (1, 1), (1, 1), 8, 8)
-    return _GPU_TILES[(dtype.itemsize, max(64, triton.next_power_of_2(head_dim)))]
+    return _GPU_TILES[_gpu_tiles_key(dtype, head_dim)]
 
 
 def _triton_refuses(dtype: torch.dtype, head_dim: int) -> str | None:
     """Why the Triton kernels cannot take this dtype and head dim (None: they can)."""
     if (reason := refuses_dtype(dtype)) is not None:
         return reason
-    if (dtype.itemsize, max(64, 1 << (head_dim - 1).bit_length())) not in _GPU_TILES:
+    if _gpu_tiles_key(dtype, head_dim) not in _GPU_TILES:
         return (f"the Triton tree attention has no {str(dtype).removeprefix('torch.')} kernel for head dim "
                 f"{head_dim} (every tile spills registers)" if head_dim <= 256 else
                 f"the Triton tree attention takes head dims up to 256, got {head_dim}")

@@ -34,10 +34,10 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from clawfast.pretrained import home
 
 ROOT = Path(__file__).resolve().parents[1]
-CACHE = Path(os.environ.get("CLAWFAST_HOME") or Path.home() / ".cache" / "clawfast")
-VERSIONS = CACHE / "versions"
+VERSIONS = home() / "versions"
 VPY = VERSIONS / "venv" / "bin" / "python"
 # (transformers, the hub-kernels release in its range): the floor, the GPU image's, the latest
 MATRIX = [("4.57.1", "0.9.0"), ("5.17.0", "0.16.2"), ("5.25.0", "0.19.1")]

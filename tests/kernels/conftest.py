@@ -20,7 +20,6 @@ import os
 import shlex
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import torch
+from clawfast.pretrained import home
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
@@ -157,8 +158,7 @@ class LargestTensor(TorchDispatchMode):
 # The background ahead-of-time compile of every kernel variant (conftest.py, test_aot.py): by the
 # main environment's Triton and by the GPU image's (the venv scripts/setup.sh builds), in turn.
 AOT_TIMEOUT_S = 3600
-_CACHE = Path(os.environ.get("CLAWFAST_HOME") or Path.home() / ".cache" / "clawfast")
-AOT_PYTHONS = {"latest": Path(sys.executable), "gpu-image": _CACHE / "venv-triton" / "bin" / "python"}
+AOT_PYTHONS = {"latest": Path(sys.executable), "gpu-image": home() / "venv-triton" / "bin" / "python"}
 
 
 def aot_environment() -> dict:

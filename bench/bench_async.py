@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from clawfast.train.config import load_config
+from clawfast.train.config_file import load_config
 from clawfast.train.loop import train
 from clawfast.train.sampled import EngineRollouts, TokenTask
 
@@ -82,7 +82,7 @@ samples_per_task = 4
 {"" if staleness is None else f"max_staleness = {staleness}"}
 [optim]
 lr = 3e-3
-max_tokens = 1024
+micro_batch_tokens = 1024
 [eval]
 before = false
 after = false

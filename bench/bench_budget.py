@@ -1,4 +1,5 @@
-"""Training-step time against the micro-batch budget (``optim.max_tokens``), on a run's own data.
+"""Training-step time against the micro-batch budget (``optim.micro_batch_tokens``), on a run's own
+data.
 
 Takes a config and a directory of captured rollouts (e.g. ``RUN_DIR/records`` of a finished run),
 builds the config's policy (``model.path``, ``model.dtype``, ``model.attention``) and times one
@@ -27,9 +28,11 @@ from pathlib import Path
 import torch
 
 from clawfast.records import read_rollouts
-from clawfast.train.config import load_config
+from clawfast.train.config_file import load_config
 from clawfast.train.build import build_optimizer, build_policy, resolve_model_dir
-from clawfast.train.step import prepare_step, step_config, train_step
+from clawfast.train.prepare import prepare_step
+from clawfast.train.step import train_step
+from clawfast.train.step_config import step_config
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_budget.json"
 
@@ -59,22 +62,23 @@ def main(argv=None) -> None:
     rows = {b: {"times_s": []} for b in budgets}
     for b in budgets:  # warm-up, untimed: first-call allocations would otherwise land on the first budget
         warm = copy.deepcopy(base)
-        train_step(warm, build_optimizer(config, warm), rollouts, None, step.model_copy(update={"max_tokens": b}))
+        train_step(warm, build_optimizer(config, warm), rollouts, None,
+                   step.model_copy(update={"micro_batch_tokens": b}))
     for _ in range(args.repeats):
         for b in budgets:
             policy = copy.deepcopy(base)
             m = train_step(policy, build_optimizer(config, policy), rollouts, None,
-                           step.model_copy(update={"max_tokens": b}))
+                           step.model_copy(update={"micro_batch_tokens": b}))
             rows[b]["times_s"].append(m["time_total_s"])
     for b in budgets:
-        batches = prepare_step(rollouts, None, step.model_copy(update={"max_tokens": b})).batches
+        batches = prepare_step(rollouts, None, step.model_copy(update={"micro_batch_tokens": b})).batches
         rows[b].update(median_s=statistics.median(rows[b]["times_s"]), micro_batches=len(batches),
                        rows=sum(x.num_tokens for x in batches),
                        context_rows=int(sum(x.is_context.sum() for x in batches)))
     first = rows[budgets[0]]
     print(f"{len(rollouts)} rollouts from {args.rollouts}, model {config.model.path} ({config.model.dtype}, "
           f"attention {config.model.attention}), {args.threads} thread(s), median of {args.repeats}")
-    print(f"{'max_tokens':>10} {'batches':>8} {'rows':>8} {'context':>8} {'median s':>9} {'vs first':>9}")
+    print(f"{'budget':>10} {'batches':>8} {'rows':>8} {'context':>8} {'median s':>9} {'vs first':>9}")
     for b, r in rows.items():
         r["speedup_vs_first"] = first["median_s"] / r["median_s"]
         print(f"{b:>10} {r['micro_batches']:>8} {r['rows']:>8} {r['context_rows']:>8} {r['median_s']:>9.3f} "

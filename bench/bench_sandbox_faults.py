@@ -63,6 +63,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor, as_completed
 
 from clawfast.sandbox import Limits, SandboxPool, SandboxSpec
+from clawfast.sandbox.probes import pids_with
 
 MiB = 1 << 20
 LIMIT_FIELDS = {f.name for f in dataclasses.fields(Limits)}
@@ -108,20 +109,6 @@ def result_status(r) -> str:
 
 
 # -- host probes (as tests/sandbox/conftest.py, extended to the v1 cpu and v2 hierarchies) ------------
-
-
-def pids_with(text: str) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                if text.encode() in f.read():
-                    found.append(int(entry))
-        except OSError:
-            pass
-    return found
 
 
 def stat_of(pid: int) -> tuple[str, str, int] | None:

@@ -1,6 +1,6 @@
 """Benchmark: what `clawfast.threads.reconstruct` adds to a training step, against the stage beside it.
 
-The trainer rebuilds every rollout's threads before it builds its prefix tree (`train.step.prepare_step`),
+The trainer rebuilds every rollout's threads before it builds its prefix tree (`train.prepare.prepare_step`),
 so the named baseline is `clawfast.tree.build_tree` on the same calls: the ratio says how much the
 reconstruction adds to that per-rollout stage. Inputs are `clawfast.synthetic.harness_like_rollout`
 sessions (retries, subagent chains, a title call, a history edit, compactions when they overflow) at

@@ -5,8 +5,8 @@ a long shared harness system prompt, >= 20 calls each with retries, subagents, a
 history-edit branch), a tiny Qwen3 built from a config (fp32, random weights), AdamW.
 
 Layouts, each one full step (prepare, forward + backward over micro-batches of at most
-``--max-tokens`` rows, gradient clipping, AdamW step) through the SAME micro-batch code
-(`clawfast.train.step.accumulate_gradients`: tree-masked forward, fused log-probs, policy loss):
+``--micro-batch-tokens`` rows, gradient clipping, AdamW step) through the SAME micro-batch code
+(`clawfast.train.update.accumulate_gradients`: tree-masked forward, fused log-probs, policy loss):
 
 - ``tree``: `train_step` itself: prefix trees, leaf filter, deduplicating packer.
 - ``flat/call`` (baseline for the bar): one causal sample per captured call, which is what a
@@ -14,14 +14,14 @@ Layouts, each one full step (prepare, forward + backward over micro-batches of a
   masked; samples without a trainable token dropped). Its loss is NOT the tree's: shared tokens
   count once per call that contains them. Packed several samples per micro-batch (block-diagonal).
 - ``flat/call-1``: the same samples, one per micro-batch, on the model's plain causal attention
-  (an unpacked trainer: attention costs sum n_i^2 rather than max_tokens^2 per micro-batch).
+  (an unpacked trainer: attention costs sum n_i^2 rather than micro_batch_tokens^2 per micro-batch).
 - ``flat/leaf``: one causal sample per kept leaf, each trainable token weighted 1/(kept leaves
   containing it): the same loss as the tree (checked and printed).
 
-Flat samples (but flat/call-1's) are packed first-fit-decreasing into the same ``max_tokens``
-budget with a block-diagonal causal mask (a forest of chains), so those layouts have the same
-micro-batch size bound, hence the same peak activation memory; the difference is how many rows
-there are. Peak memory is therefore not tabulated. Timings on a shared CPU drift with its load:
+Flat samples (but flat/call-1's) are packed first-fit-decreasing into the same
+``micro_batch_tokens`` budget with a block-diagonal causal mask (a forest of chains), so those
+layouts have the same micro-batch size bound, hence the same peak activation memory; the difference
+is how many rows there are. Peak memory is therefore not tabulated. Timings on a shared CPU drift with its load:
 repetitions are interleaved across layouts and the median is reported.
 
 Also reported per layout: the attention pairs its micro-batches hold (`TreeMask.visible_pairs`: the
@@ -53,7 +53,10 @@ from clawfast.pack import PackedBatch
 from clawfast.synthetic import group_results, task_group
 from clawfast.train.algorithms import group_ids, grpo_rollout_advantages
 from clawfast.train.policy import Policy
-from clawfast.train.step import StepConfig, StepData, accumulate_gradients, grad_norm, prepare_step, train_step
+from clawfast.train.prepare import StepData, prepare_step
+from clawfast.train.step import train_step
+from clawfast.train.step_config import StepConfig
+from clawfast.train.update import accumulate_gradients, grad_norm
 from clawfast.tree import build_tree
 from clawfast.tree_ref import kept_leaf_paths_ref, trainable_mask_ref
 
@@ -81,7 +84,7 @@ def make_rollouts(args) -> list:
 # ------------------------------------------------------------------------------- flat layouts
 
 
-def _batch(samples: list[dict], max_tokens: int) -> PackedBatch:
+def _batch(samples: list[dict], micro_batch_tokens: int) -> PackedBatch:
     """Samples as one micro-batch of independent causal chains (row j sees rows of its own sample only)."""
     ids, pos, kv_end, parent, t_rows, t_ids, t_lp, t_roll, t_w = [], [], [], [], [], [], [], [], []
     off = 0
@@ -110,20 +113,20 @@ def _batch(samples: list[dict], max_tokens: int) -> PackedBatch:
         infer_logprobs=cat(t_lp, np.float32), target_rollout=cat(t_roll, np.int32), target_leaf=np.zeros(m, np.int32),
         target_call=np.zeros(m, np.int32), target_reward=np.zeros(m, np.float32), leaf_rows=np.zeros(0, np.int32),
         leaf_rollout=np.zeros(0, np.int32), leaf_index=np.zeros(0, np.int32), leaf_reward=np.zeros(0, np.float32),
-        num_tokens=off, max_tokens=max_tokens, fill=off / max_tokens)
+        num_tokens=off, micro_batch_tokens=micro_batch_tokens, fill=off / micro_batch_tokens)
 
 
-def _first_fit_decreasing(samples: list[dict], max_tokens: int) -> list[list[dict]]:
+def _first_fit_decreasing(samples: list[dict], micro_batch_tokens: int) -> list[list[dict]]:
     bins: list[list[dict]] = []
     room: list[int] = []
     for s in sorted(samples, key=lambda s: -len(s["ids"])):
         n = len(s["ids"])
-        if n > max_tokens:
-            raise ValueError(f"a {n}-token sample does not fit max_tokens={max_tokens}")
+        if n > micro_batch_tokens:
+            raise ValueError(f"a {n}-token sample does not fit micro_batch_tokens={micro_batch_tokens}")
         i = next((i for i, r in enumerate(room) if r >= n), None)
         if i is None:
             bins.append([])
-            room.append(max_tokens)
+            room.append(micro_batch_tokens)
             i = len(bins) - 1
         bins[i].append(s)
         room[i] -= n
@@ -163,8 +166,9 @@ def flat_step_data(rollouts, layout: str, config: StepConfig) -> StepData:
             samples.append({"ids": tree.tokens[path], "rollout": g, "pos": pos, "lp": tree.infer_logprobs[path[pos]],
                             "w": np.array([1.0 / count[(g, int(t))] for t in path[pos]])})
         denominator = float(len(count))
-    bins = [[s] for s in samples] if layout == "call-1" else _first_fit_decreasing(samples, config.max_tokens)
-    batches = [_batch(b, config.max_tokens) for b in bins]
+    budget = config.micro_batch_tokens
+    bins = [[s] for s in samples] if layout == "call-1" else _first_fit_decreasing(samples, budget)
+    batches = [_batch(b, budget) for b in bins]
     weights = [b.weight.astype(np.float64) for b in batches]
     return StepData(list(rollouts), [], rewards, batches, weights, denominator,
                     [adv[b.target_rollout] for b in batches], None, None, {})
@@ -194,7 +198,7 @@ def run(args) -> dict:
     torch.set_num_threads(args.threads)
     rollouts = make_rollouts(args)
     base = make_policy(args.vocab, args.hidden, args.layers)
-    config = StepConfig(max_tokens=args.max_tokens, entropy_coef=0.0)
+    config = StepConfig(micro_batch_tokens=args.micro_batch_tokens, entropy_coef=0.0)
     prep = prepare_step(rollouts, None, config)  # for the tree's own counts
     layouts = {"tree": None, "flat/leaf": "leaf", "flat/call": "call", "flat/call-1": "call-1"}
     # Warm-up (untimed): first-call allocations and lazy imports would otherwise land on the tree.
@@ -250,7 +254,8 @@ def run(args) -> dict:
 def print_table(out: dict) -> None:
     s = out["setup"]
     print(f"k={s['k']} rollouts x {s['calls']} calls, prompts up to {s['prompt']} tokens "
-          f"(shared system prompt ~{s['system_prompt_tokens']}), max_tokens={s['max_tokens']}, "
+          f"(shared system prompt ~{s['system_prompt_tokens']}), "
+          f"micro_batch_tokens={s['micro_batch_tokens']}, "
           f"Qwen3 d={s['hidden']} L={s['layers']} V={s['vocab']}, fp32 CPU, {s['threads']} thread(s)")
     head = f"{'layout':<11} {'tokens':>8} {'x tree':>7} {'pairs x':>7} {'batches':>7} {'median s':>9} " \
            f"{'tree faster':>11} {'tok/s':>8} {'fwd+bwd s':>9} {'prep s':>7} {'loss':>10}"
@@ -270,7 +275,7 @@ def main(argv=None) -> None:
     p.add_argument("--k", type=int, default=8, help="samples in the GRPO group")
     p.add_argument("--calls", type=int, default=20, help="calls per rollout")
     p.add_argument("--prompt", type=int, default=2048, help="main-thread prompt length reached by the last call")
-    p.add_argument("--max-tokens", type=int, default=4096)
+    p.add_argument("--micro-batch-tokens", type=int, default=4096, help="rows per packed micro-batch")
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)

@@ -47,7 +47,7 @@ from clawfast.tree_ref import build_tree_ref, kept_leaf_paths_ref
 SEED = 0
 MAX_PROMPT = 65536
 TOKENS_PER_CALL = 1000  # main-thread growth per step: 64 calls reach ~64K (as the default would)
-MAX_TOKENS = 65536  # micro-batch budget: one longest path fits
+MICRO_BATCH_TOKENS = 65536  # micro-batch budget: one longest path fits
 GROUP_BUDGETS = [65536, 98304, 131072, 262144, 524288]  # the group is also packed at these budgets
 PROMPT_HEAVY_BUDGETS = [32768, 65536, 131072]
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_tree.json"
@@ -111,7 +111,7 @@ def bench_sizes(scales: list[int], fast_reps: int) -> list[dict]:
         calls = make_rollout(scale)
         n_in = sum(len(c.prompt_ids) + len(c.output_ids) for c in calls)
         t_fast, tree = timed(lambda: build_tree(calls), fast_reps)
-        t_pack, batches = timed(lambda: pack([tree], MAX_TOKENS), fast_reps)
+        t_pack, batches = timed(lambda: pack([tree], MICRO_BATCH_TOKENS), fast_reps)
         row = {
             "scale": scale,
             "calls": len(calls),
@@ -130,7 +130,7 @@ def bench_sizes(scales: list[int], fast_reps: int) -> list[dict]:
         }
         # The reference is pure Python (~0.5 us per input token): fewer repetitions at large sizes.
         t_ref, ref_tree = timed(lambda: build_tree_ref(calls), 3 if scale == 1 else 1)
-        t_pack_ref, _ = timed(lambda: pack_ref([ref_tree], MAX_TOKENS), 1)
+        t_pack_ref, _ = timed(lambda: pack_ref([ref_tree], MICRO_BATCH_TOKENS), 1)
         row.update(build_ref_s=t_ref, pack_ref_s=t_pack_ref)
         rows.append(row)
         print(f"  scale {scale:>2}x: {n_in / 1e6:.1f}M input tokens, fast build {t_fast * 1e3:.1f} ms", file=sys.stderr)
@@ -146,19 +146,19 @@ def bench_group(k: int, n_calls: int, fast_reps: int) -> dict:
                        tokens_per_call=TOKENS_PER_CALL)
     n_in = sum(len(c.prompt_ids) + len(c.output_ids) for calls in group for c in calls)
     t_build, trees = timed(lambda: [build_tree(calls) for calls in group], fast_reps)
-    t_pack, batches = timed(lambda: pack(trees, MAX_TOKENS), fast_reps)
+    t_pack, batches = timed(lambda: pack(trees, MICRO_BATCH_TOKENS), fast_reps)
     stats = pack_stats(batches)
     whole = pack(trees, sum(t.num_unique_tokens for t in trees))  # no budget: the deduplicated forest
     per_call = sum(t.num_call_tokens for t in trees)
     per_leaf = sum(t.num_flat_tokens for t in trees)
     packed = stats["num_tokens"]
-    t_pack_ref, _ = timed(lambda: pack_ref(trees, MAX_TOKENS), 1)
+    t_pack_ref, _ = timed(lambda: pack_ref(trees, MICRO_BATCH_TOKENS), 1)
     budgets = []
     for budget in GROUP_BUDGETS:
         st = pack_stats(pack(trees, budget))
-        budgets.append({"max_tokens": budget, "micro_batches": st["num_batches"], "packed_tokens": st["num_tokens"],
-                        "context_rows": st["num_context_tokens"], "fill_mean": st["fill_mean"],
-                        "vs_per_kept_leaf": per_leaf / st["num_tokens"]})
+        budgets.append({"micro_batch_tokens": budget, "micro_batches": st["num_batches"],
+                        "packed_tokens": st["num_tokens"], "context_rows": st["num_context_tokens"],
+                        "fill_mean": st["fill_mean"], "vs_per_kept_leaf": per_leaf / st["num_tokens"]})
     return {
         "rollouts": k,
         "calls_per_rollout": n_calls,
@@ -197,8 +197,9 @@ def bench_prompt_heavy_group(k: int = 8) -> dict:
         batches = pack(trees, budget)
         st = pack_stats(batches)
         pairs = attention_pairs(batches)
-        budgets.append({"max_tokens": budget, "micro_batches": st["num_batches"], "packed_tokens": st["num_tokens"],
-                        "attention_pairs": pairs, "rows_vs_per_leaf": per_leaf["rows"] / st["num_tokens"],
+        budgets.append({"micro_batch_tokens": budget, "micro_batches": st["num_batches"],
+                        "packed_tokens": st["num_tokens"], "attention_pairs": pairs,
+                        "rows_vs_per_leaf": per_leaf["rows"] / st["num_tokens"],
                         "pairs_vs_per_leaf": per_leaf["pairs"] / pairs})
     return {"rollouts": k, "system_prompt_tokens": 22000, "per_leaf": per_leaf, "budgets": budgets}
 
@@ -222,7 +223,7 @@ def print_tables(rows: list[dict], group: dict, linearity: dict, heavy: dict) ->
           f"(bar: 16x tokens in <= 20x time)")
     g = group
     print(f"\nGroup of {g['rollouts']} rollouts of one task ({g['calls_per_rollout']} calls each, "
-          f"{g['input_tokens']:,} input tokens), packed at max_tokens={MAX_TOKENS}:")
+          f"{g['input_tokens']:,} input tokens), packed at micro_batch_tokens={MICRO_BATCH_TOKENS}:")
     print(f"{'layout':<34} {'tokens':>12} {'vs packed':>10}")
     for name, key in (("one sample per call (as captured)", "one_sample_per_call_tokens"),
                       ("one sample per kept leaf", "one_sample_per_kept_leaf_tokens"),
@@ -233,17 +234,19 @@ def print_tables(rows: list[dict], group: dict, linearity: dict, heavy: dict) ->
           f"context rows, {g['targets']:,} targets; build+pack {g['build_pack_tok_s'] / 1e6:.0f}M input tok/s; "
           f"pack {g['pack_s'] * 1e3:.1f} ms vs pack_ref {g['pack_ref_s']:.2f} s ({g['pack_ref_s'] / g['pack_s']:.0f}x)")
     print("\nThe same group at other micro-batch budgets (split subtrees re-include their ancestor path):")
-    print(f"{'max_tokens':>10} {'batches':>8} {'packed':>10} {'context':>9} {'fill':>6} {'per-leaf/packed':>16}")
+    print(f"{'micro_batch_tokens':>18} {'batches':>8} {'packed':>10} {'context':>9} {'fill':>6} "
+          f"{'per-leaf/packed':>16}")
     for b in g["budgets"]:
-        print(f"{b['max_tokens']:>10,} {b['micro_batches']:>8} {b['packed_tokens']:>10,} {b['context_rows']:>9,} "
-              f"{b['fill_mean']:>6.3f} {b['vs_per_kept_leaf']:>15.2f}x")
+        print(f"{b['micro_batch_tokens']:>18,} {b['micro_batches']:>8} {b['packed_tokens']:>10,} "
+              f"{b['context_rows']:>9,} {b['fill_mean']:>6.3f} {b['vs_per_kept_leaf']:>15.2f}x")
     h = heavy
     print(f"\nPrompt-heavy group ({h['rollouts']} samples sharing a {h['system_prompt_tokens']:,}-token prompt, paths "
           f"to 32K): one sample per kept leaf is {h['per_leaf']['rows']:,} rows, "
           f"{h['per_leaf']['pairs'] / 1e9:.2f}G attention pairs")
-    print(f"{'max_tokens':>10} {'batches':>8} {'packed':>10} {'pairs':>8} {'per-leaf/packed rows':>21} {'pairs':>7}")
+    print(f"{'micro_batch_tokens':>18} {'batches':>8} {'packed':>10} {'pairs':>8} {'per-leaf/packed rows':>21} "
+          f"{'pairs':>7}")
     for b in h["budgets"]:
-        print(f"{b['max_tokens']:>10,} {b['micro_batches']:>8} {b['packed_tokens']:>10,} "
+        print(f"{b['micro_batch_tokens']:>18,} {b['micro_batches']:>8} {b['packed_tokens']:>10,} "
               f"{b['attention_pairs'] / 1e9:>7.2f}G {b['rows_vs_per_leaf']:>20.2f}x {b['pairs_vs_per_leaf']:>6.2f}x")
 
 
@@ -278,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": {"platform": platform.platform(), "python": platform.python_version(),
                     "cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0]},
         "config": {"seed": SEED, "max_prompt_tokens": MAX_PROMPT, "tokens_per_call": TOKENS_PER_CALL,
-                   "max_tokens": MAX_TOKENS, "fast_reps": fast_reps, "scales": scales,
+                   "micro_batch_tokens": MICRO_BATCH_TOKENS, "fast_reps": fast_reps, "scales": scales,
                    "group_budgets": GROUP_BUDGETS},
         "sizes": rows,
         "linearity": linearity,

@@ -2,7 +2,7 @@
 
 Batches are harness-shaped: for a size N, a GRPO group of 8 rollouts of one task
 (`clawfast.synthetic.task_group`: 64 calls, main-thread prompts growing to N/2 tokens, retries,
-subagent chains, a title call) is packed at ``max_tokens = N`` and the fullest micro-batch is
+subagent chains, a title call) is packed at ``micro_batch_tokens = N`` and the fullest micro-batch is
 attended. Heads: 4 query heads, 2 key/value heads, head_dim 64, float32 (the CPU training dtype).
 
 Paths (same q, k, v, kv_end):

@@ -31,7 +31,7 @@ leaves scripts/gpu_check.sh a minute of its 8 for the installs); a later section
 left, so ``correctness`` and ``train`` (240 s together) always run in full and the timings take what
 remains. A smoke run has the same plan: the same sections in the same order, the same cases printed
 the same way, the same JSON; only sizes and limits differ (``Section.smoke_args``,
-``gpu_correctness.Case.smoke``), which tests/test_gpu_check.py checks.
+``gpu_correctness_plan.Case.smoke``), which tests/test_gpu_check.py checks.
 
 Writes the JSON to ``--out`` (default ``$OUT/gpu_check.json`` when ``$OUT`` is set, else
 ``bench/results/gpu_check.json``; none in a smoke run without ``--out``) and every child's output to a
@@ -476,7 +476,7 @@ def train_section(smoke: bool, rows_path: Path) -> int:
     import numpy as np
     import torch
 
-    from clawfast.train.config import load_config
+    from clawfast.train.config_file import load_config
     from clawfast.train.loop import train
     from clawfast.train.sampled import EngineRollouts, TokenTask
 
@@ -511,7 +511,7 @@ name = "grpo"
 max_staleness = 1
 [optim]
 lr = 1e-3
-max_tokens = 4096
+micro_batch_tokens = 4096
 [eval]
 before = false
 after = false

@@ -9,8 +9,8 @@ heads of 128, MLP 3,072, vocabulary 151,936, tied embeddings, RoPE theta 1e6) wi
 bfloat16 on CUDA; one GRPO group of 8 harness-shaped rollouts of one task
 (`bench_train_step.make_rollouts`: `clawfast.synthetic.task_group`, 20 calls each, prompts growing
 to 16,384 tokens, retries, a subagent chain, a title call, a history edit); AdamW; `StepConfig`'s
-defaults (GRPO, token-level truncated IS, one update) with ``max_tokens`` = 32,768 rows per
-micro-batch. One step = forward + backward over every micro-batch, gradient clipping, AdamW step
+defaults (GRPO, token-level truncated IS, one update) with ``micro_batch_tokens`` = 32,768 rows
+per micro-batch. One step = forward + backward over every micro-batch, gradient clipping, AdamW step
 (plus the step's data preparation on the host, reported apart). Three ways:
 
 - ``tree``: the project's own step, `clawfast.train.step.train_step` (threads, prefix trees, leaf
@@ -20,8 +20,8 @@ micro-batch. One step = forward + backward over every micro-batch, gradient clip
 - ``per-leaf``: one sample per kept leaf (`bench_train_step.flat_step_data(.., "leaf")`, each
   trainable token weighted 1 / (kept leaves holding it): the tree's loss), run by the same
   micro-batch code (`accumulate_gradients`) on the model's own attention: with flash-attention 2
-  importable, samples packed first-fit into ``max_tokens`` rows and attended varlen from their
-  position ids (`flash_attention_2`); otherwise one sample per forward on SDPA's causal kernel
+  importable, samples packed first-fit into ``micro_batch_tokens`` rows and attended varlen from
+  their position ids (`flash_attention_2`); otherwise one sample per forward on SDPA's causal kernel
   (torch's flash backend). SDPA on a packed row sequence would build a dense block-diagonal
   [N, N] mask and run the masked kernel over all N^2 pairs, and a padded batch computes the
   padding: one sample per forward is the fastest SDPA form of the same work.
@@ -81,7 +81,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--calls", type=int, default=None, help="calls per rollout (default 20; smoke 12)")
     ap.add_argument("--prompt", type=int, default=None, help="main-thread prompt length reached by the last call "
                     "(default 16384; smoke 512)")
-    ap.add_argument("--max-tokens", type=int, default=None, help="rows per micro-batch (default 32768; smoke 1024)")
+    ap.add_argument("--micro-batch-tokens", type=int, default=None,
+                    help="rows per packed micro-batch (default 32768; smoke 1024)")
     ap.add_argument("--repeats", type=int, default=None, help="timed steps per way (median; default 2, smoke 1)")
     ap.add_argument("--budget", type=float, default=None,
                     help="seconds for the whole script, from its start (default 112 on a GPU, none in smoke)")
@@ -93,7 +94,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     smoke = args.smoke
     args.calls = args.calls or (12 if smoke else 20)
     args.prompt = args.prompt or (512 if smoke else 16384)
-    args.max_tokens = args.max_tokens or (1024 if smoke else 32768)
+    args.micro_batch_tokens = args.micro_batch_tokens or (1024 if smoke else 32768)
     args.repeats = args.repeats or (1 if smoke else 2)
     if args.budget is None and not smoke:
         args.budget = 112.0
@@ -186,7 +187,7 @@ def one_sample_per_batch(bt):
     """`flat_step_data` with every sample in a micro-batch of its own (a single causal chain, which
     `Policy` runs on the model's own causal attention)."""
     saved = bt._first_fit_decreasing
-    bt._first_fit_decreasing = lambda samples, max_tokens: [[s] for s in samples]
+    bt._first_fit_decreasing = lambda samples, micro_batch_tokens: [[s] for s in samples]
     try:
         yield
     finally:
@@ -281,7 +282,7 @@ class Runner:
     def flat_step(self, data, prepare_s: float, scale: float = 1.0) -> dict:
         """bench_train_step.flat_step on prepared data: accumulate, clip, AdamW step. ``scale``
         multiplies the forward+backward time (a subset standing for the whole)."""
-        from clawfast.train.step import accumulate_gradients, grad_norm
+        from clawfast.train.update import accumulate_gradients, grad_norm
 
         self.sync()
         t0 = time.perf_counter()
@@ -334,7 +335,8 @@ def main(argv=None) -> int:
     import torch
 
     import bench_train_step as bt
-    from clawfast.train.step import StepConfig, prepare_step, token_counts
+    from clawfast.train.prepare import prepare_step, token_counts
+    from clawfast.train.step_config import StepConfig
     from rows import Rows
 
     rows = Rows(args.rows)
@@ -354,7 +356,7 @@ def main(argv=None) -> int:
     build_s = time.perf_counter() - t0
     rollouts = bt.make_rollouts(argparse.Namespace(seed=args.seed, k=args.k, calls=args.calls, prompt=args.prompt,
                                                    vocab=policy.lm.config.vocab_size))
-    config = StepConfig(max_tokens=args.max_tokens)
+    config = StepConfig(micro_batch_tokens=args.micro_batch_tokens)
     prep = prepare_step(rollouts, None, config)
     counts = token_counts(prep)
     unique = int(counts["tokens_packed"] - counts["tokens_context_rows"])
@@ -363,7 +365,7 @@ def main(argv=None) -> int:
         f" (L={cfg.num_hidden_layers} d={cfg.hidden_size} {cfg.num_attention_heads}q/{cfg.num_key_value_heads}kv" \
         f"x{cfg.head_dim} V={cfg.vocab_size} tied) {str(dtype)[6:]} random"
     shape = (f"{model}; GRPO group k={args.k} x {args.calls} calls, prompts <= {args.prompt}; "
-             f"max_tokens {args.max_tokens}")
+             f"micro_batch_tokens {args.micro_batch_tokens}")
     print(f"device: {where}; model built in {build_s:.1f} s; {clock.elapsed():.1f} s since start; "
           f"{unique} unique kept tokens, {counts['tokens_packed']:.0f} packed rows in "
           f"{counts['num_microbatches']:.0f} micro-batches", flush=True)
@@ -410,7 +412,7 @@ def main(argv=None) -> int:
                       f"~{need:.0f} s needed")
 
     flash, why = flash_available()
-    attn_desc = ("flash-attention 2 varlen over position-id-packed samples (first-fit into max_tokens rows)"
+    attn_desc = ("flash-attention 2 varlen over position-id-packed samples (first-fit into micro_batch_tokens rows)"
                  if flash else f"SDPA causal, one sample per forward ({why})")
 
     def flat_data(layout: str):

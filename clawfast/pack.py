@@ -1,10 +1,10 @@
 """Packer: the kept sets of several prefix trees as micro-batches of tree-masked rows (docs/TREE.md).
 
-`pack(trees, max_tokens)` merges the kept sets of all non-dropped trees into one forest trie by
-token content (the k samples of one task share their system prompt: it is packed once), lays the
-forest out in DFS order and cuts it into micro-batches of at most ``max_tokens`` rows. Each
-trainable token gets exactly one target per tree it is trainable in, predicted by its predecessor
-row, with that row's full ancestor context in the same batch.
+`pack(trees, micro_batch_tokens)` merges the kept sets of all non-dropped trees into one forest
+trie by token content (the k samples of one task share their system prompt: it is packed once),
+lays the forest out in DFS order and cuts it into micro-batches of at most ``micro_batch_tokens``
+rows. Each trainable token gets exactly one target per tree it is trainable in, predicted by its
+predecessor row, with that row's full ancestor context in the same batch.
 
 Guaranteed: every trainable token of every non-dropped tree appears as exactly one target over all
 batches; a batch's rows are closed under ancestors (``parent_row`` is always in the batch or -1);
@@ -21,19 +21,20 @@ Decisions where docs/TREE.md leaves room (the reference in pack_ref.py must matc
 - Kept leaves are reported (``leaf_rows``...) in the batch holding their last row as a non-context
   row, ordered by (leaf_rows, leaf_rollout, leaf_index).
 - Splitting: an item is a root subtree of the merged forest (rows in forest DFS order) when it has
-  at most ``max_tokens`` rows. A larger one is split by leaves: its childless rows in DFS order are
-  grouped greedily into pieces of consecutive leaves, a piece being the union of its leaves'
-  root-to-leaf paths (the next leaf joins while the union stays <= ``max_tokens``). A row is real in
-  the first piece holding it and a context row (``is_context``) in later ones; so a piece is a run
-  of DFS rows plus the ancestor path of its first row. The packed rows never exceed one sample per
-  kept leaf. Item cost = its rows. First-fit-decreasing by cost (ties: forest order) into batches in
-  creation order; within a batch, items in forest order, each adding the ancestors of its first
-  real row that the batch does not hold yet (two pieces of one subtree may share a batch and then
-  share those rows), so rows are in forest DFS order.
+  at most ``micro_batch_tokens`` rows. A larger one is split by leaves: its childless rows in DFS
+  order are grouped greedily into pieces of consecutive leaves, a piece being the union of its
+  leaves' root-to-leaf paths (the next leaf joins while the union stays <= ``micro_batch_tokens``).
+  A row is real in the first piece holding it and a context row (``is_context``) in later ones; so
+  a piece is a run of DFS rows plus the ancestor path of its first row. The packed rows never
+  exceed one sample per kept leaf. Item cost = its rows. First-fit-decreasing by cost (ties:
+  forest order) into batches in creation order; within a batch, items in forest order, each adding
+  the ancestors of its first real row that the batch does not hold yet (two pieces of one subtree
+  may share a batch and then share those rows), so rows are in forest DFS order.
 - Extra fields beyond TREE.md: ``is_context[N]`` (bool, re-included ancestor rows), and
   ``target_reward[M]`` / ``leaf_reward[L]`` (float32, ``rewards[rollout]``; NaN when ``rewards`` is
   None, so a forgotten reward cannot pass silently as 0).
-- A kept root-to-leaf path longer than ``max_tokens`` is a ValueError; so is ``max_tokens < 1``.
+- A kept root-to-leaf path longer than ``micro_batch_tokens`` is a ValueError; so is
+  ``micro_batch_tokens < 1``.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ class PackedBatch:
     leaf_index: np.ndarray      # [L] int32
     leaf_reward: np.ndarray     # [L] float32
     num_tokens: int
-    max_tokens: int
+    micro_batch_tokens: int
     fill: float
 
 
@@ -118,15 +119,16 @@ def _offsets(parts: list[dict[str, np.ndarray]], key: str) -> np.ndarray:
     return off
 
 
-def pack(trees: Sequence, max_tokens: int, *, rewards: Sequence[float] | None = None) -> list[PackedBatch]:
+def pack(trees: Sequence, micro_batch_tokens: int, *, rewards: Sequence[float] | None = None) -> list[PackedBatch]:
     """Pack the kept sets of ``trees`` (dropped trees are skipped) into micro-batches.
 
     ``target_rollout`` and ``leaf_rollout`` index ``trees`` as given. Raises ValueError for
-    ``max_tokens < 1``, a kept path longer than ``max_tokens``, rewards of the wrong length or
-    non-finite, or inconsistent tree arrays.
+    ``micro_batch_tokens < 1``, a kept path longer than ``micro_batch_tokens``, rewards of the wrong
+    length or non-finite, or inconsistent tree arrays.
     """
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)) or max_tokens < 1:
-        raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
+    if (isinstance(micro_batch_tokens, bool) or not isinstance(micro_batch_tokens, (int, np.integer))
+            or micro_batch_tokens < 1):
+        raise ValueError(f"micro_batch_tokens must be a positive int, got {micro_batch_tokens!r}")
     trees = list(trees)
     if rewards is not None:
         reward_arr = np.asarray(rewards, dtype=np.float32)
@@ -143,7 +145,7 @@ def pack(trees: Sequence, max_tokens: int, *, rewards: Sequence[float] | None = 
         _offsets(parts, "tokens"), _concat(parts, "tokens", np.int32), _concat(parts, "infer_logprobs", np.float32),
         _concat(parts, "token_call", np.int32),
         _offsets(parts, "leaf_node"), _concat(parts, "leaf_node", np.int32), _concat(parts, "leaf_kept", np.uint8),
-        int(max_tokens),
+        int(micro_batch_tokens),
     )
     batches = []
     row_off, tgt_off, leaf_off = out["row_off"], out["tgt_off"], out["leaf_off"]
@@ -173,14 +175,14 @@ def pack(trees: Sequence, max_tokens: int, *, rewards: Sequence[float] | None = 
             leaf_index=out["leaf_index"][lvs],
             leaf_reward=reward_arr[out["leaf_rollout"][lvs]],
             num_tokens=n_rows,
-            max_tokens=int(max_tokens),
-            fill=n_rows / int(max_tokens),
+            micro_batch_tokens=int(micro_batch_tokens),
+            fill=n_rows / int(micro_batch_tokens),
         ))
     return batches
 
 
 def pack_stats(batches: Sequence[PackedBatch]) -> dict[str, float | int]:
-    """Totals and fill of a list of micro-batches (fill = rows / max_tokens, context rows included)."""
+    """Totals and fill of a list of micro-batches (fill = rows / micro_batch_tokens, context rows included)."""
     if not batches:
         return {"num_batches": 0, "num_tokens": 0, "num_context_tokens": 0, "num_targets": 0,
                 "fill_mean": 0.0, "fill_min": 0.0, "fill_total": 0.0}
@@ -193,5 +195,5 @@ def pack_stats(batches: Sequence[PackedBatch]) -> dict[str, float | int]:
         "num_targets": int(sum(len(b.target_ids) for b in batches)),
         "fill_mean": float(np.mean(fills)),
         "fill_min": float(min(fills)),
-        "fill_total": tokens / sum(b.max_tokens for b in batches),
+        "fill_total": tokens / sum(b.micro_batch_tokens for b in batches),
     }

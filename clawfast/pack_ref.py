@@ -6,11 +6,11 @@ DFS lays the forest out, and micro-batches are filled first-fit-decreasing. Fiel
 match `clawfast.pack.PackedBatch` so tests can compare them field by field.
 
 Choices the contract leaves open, made here as the fast path makes them:
-- Items: each root subtree of the merged forest that fits `max_tokens` is one item; a larger one is
-  split greedily into pieces of consecutive forest leaves (childless rows) in DFS order, a piece
-  being the union of its leaves' root-to-leaf paths; the next leaf joins while the union stays
-  within `max_tokens`. A row is real in the first piece holding it and a context row in later
-  pieces. Items are placed first-fit-decreasing by cost (their rows), ties in forest order (of
+- Items: each root subtree of the merged forest that fits `micro_batch_tokens` is one item; a
+  larger one is split greedily into pieces of consecutive forest leaves (childless rows) in DFS
+  order, a piece being the union of its leaves' root-to-leaf paths; the next leaf joins while the
+  union stays within `micro_batch_tokens`. A row is real in the first piece holding it and a
+  context row in later pieces. Items are placed first-fit-decreasing by cost (their rows), ties in forest order (of
   their first real row). A batch holds the union of its items' rows, each once, in forest DFS
   order; a row is context unless it is real in one of the batch's items.
 - A target belongs to the batch where its *predicting* row is not a context row; context rows
@@ -54,7 +54,7 @@ class PackedBatchRef:
     leaf_index: np.ndarray  # int32[K]
     leaf_reward: np.ndarray  # float32[K]
     num_tokens: int
-    max_tokens: int
+    micro_batch_tokens: int
     fill: float
 
 
@@ -124,13 +124,15 @@ def _layout(root: _Row) -> list[_Row]:
     return order
 
 
-def pack_ref(trees: Sequence, max_tokens: int, *, rewards: Sequence[float] | None = None) -> list[PackedBatchRef]:
+def pack_ref(trees: Sequence, micro_batch_tokens: int, *,
+             rewards: Sequence[float] | None = None) -> list[PackedBatchRef]:
     """Pack the kept sets of `trees` (reference or fast-path trees) into micro-batches.
 
     `rewards` (one finite value per tree) is copied to each target and leaf of that tree.
     """
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)) or max_tokens < 1:
-        raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
+    if (isinstance(micro_batch_tokens, bool) or not isinstance(micro_batch_tokens, (int, np.integer))
+            or micro_batch_tokens < 1):
+        raise ValueError(f"micro_batch_tokens must be a positive int, got {micro_batch_tokens!r}")
     trees = list(trees)
     if rewards is None:
         reward = [float("nan")] * len(trees)
@@ -140,8 +142,9 @@ def pack_ref(trees: Sequence, max_tokens: int, *, rewards: Sequence[float] | Non
             raise ValueError(f"rewards must be {len(trees)} finite values, got {list(rewards)!r}")
     order = _layout(_merge(trees))
     longest = max((node.depth + 1 for node in order), default=0)
-    if longest > max_tokens:
-        raise ValueError(f"a kept root-to-leaf path has {longest} tokens, more than max_tokens={max_tokens}")
+    if longest > micro_batch_tokens:
+        raise ValueError(f"a kept root-to-leaf path has {longest} tokens, "
+                         f"more than micro_batch_tokens={micro_batch_tokens}")
 
     # Items: (global rows, the rows real in this item). A root subtree that fits is one item; a
     # larger one is split into pieces of consecutive forest leaves (childless rows, DFS order),
@@ -152,7 +155,7 @@ def pack_ref(trees: Sequence, max_tokens: int, *, rewards: Sequence[float] | Non
         if node.depth != 0:
             continue
         rows = list(range(node.g, node.end + 1))
-        if len(rows) <= max_tokens:
+        if len(rows) <= micro_batch_tokens:
             items.append((rows, set(rows)))
             continue
         pieces: list[set[int]] = []
@@ -165,7 +168,7 @@ def pack_ref(trees: Sequence, max_tokens: int, *, rewards: Sequence[float] | Non
             while walk is not None and walk.g >= 0:
                 path.add(walk.g)
                 walk = walk.parent
-            if current and len(current | path) > max_tokens:
+            if current and len(current | path) > micro_batch_tokens:
                 pieces.append(current)
                 current = set()
             current |= path
@@ -180,17 +183,17 @@ def pack_ref(trees: Sequence, max_tokens: int, *, rewards: Sequence[float] | Non
     bins: list[list[tuple[list[int], set[int]]]] = []
     used: list[int] = []
     for item in sorted(items, key=lambda it: -len(it[0])):
-        b = next((b for b in range(len(bins)) if used[b] + len(item[0]) <= max_tokens), None)
+        b = next((b for b in range(len(bins)) if used[b] + len(item[0]) <= micro_batch_tokens), None)
         if b is None:
             bins.append([])
             used.append(0)
             b = len(bins) - 1
         bins[b].append(item)
         used[b] += len(item[0])
-    return [_emit(order, items_of, int(max_tokens), reward) for items_of in bins]
+    return [_emit(order, items_of, int(micro_batch_tokens), reward) for items_of in bins]
 
 
-def _emit(order: list[_Row], items: list[tuple[list[int], set[int]]], max_tokens: int,
+def _emit(order: list[_Row], items: list[tuple[list[int], set[int]]], micro_batch_tokens: int,
           reward: list[float]) -> PackedBatchRef:
     # The batch holds the union of its items' rows once each (two pieces of one root subtree may
     # share a batch and their ancestors); a row is context unless it is real in one of the items.
@@ -237,6 +240,6 @@ def _emit(order: list[_Row], items: list[tuple[list[int], set[int]]], max_tokens
         leaf_index=np.array([x[2] for x in lf], dtype=np.int32),
         leaf_reward=np.array([reward[x[1]] for x in lf], dtype=np.float32),
         num_tokens=len(rows),
-        max_tokens=max_tokens,
-        fill=len(rows) / max_tokens,
+        micro_batch_tokens=micro_batch_tokens,
+        fill=len(rows) / micro_batch_tokens,
     )

@@ -114,13 +114,13 @@ py::dict build_tree(Arr<int32_t> ids, Arr<int64_t> path_off, Arr<int64_t> prompt
 py::dict pack_forest(Arr<int64_t> seg_off, Arr<int32_t> seg_parent, Arr<int32_t> seg_start, Arr<int32_t> seg_len,
                      Arr<uint8_t> seg_train, Arr<int64_t> tok_off, Arr<int32_t> tokens, Arr<float> infer_logprobs,
                      Arr<int32_t> token_call, Arr<int64_t> leaf_off, Arr<int32_t> leaf_node, Arr<uint8_t> leaf_kept,
-                     int64_t max_tokens) {
+                     int64_t micro_batch_tokens) {
     for (auto* a : {&seg_off, &tok_off, &leaf_off}) vec(*a, "offsets");
     for (auto* a : {&seg_parent, &seg_start, &seg_len, &tokens, &token_call, &leaf_node}) vec(*a, "int32 arrays");
     vec(seg_train, "seg_train");
     vec(leaf_kept, "leaf_kept");
     vec(infer_logprobs, "infer_logprobs");
-    REQUIRE(max_tokens >= 1, "max_tokens must be positive");
+    REQUIRE(micro_batch_tokens >= 1, "micro_batch_tokens must be positive");
     const int64_t R = seg_off.shape(0) - 1;
     REQUIRE(R >= 0 && tok_off.shape(0) == R + 1 && leaf_off.shape(0) == R + 1, "offsets need one entry per tree plus one");
     const int64_t S = seg_parent.shape(0), N = tokens.shape(0), L = leaf_node.shape(0);
@@ -163,7 +163,7 @@ py::dict pack_forest(Arr<int64_t> seg_off, Arr<int32_t> seg_parent, Arr<int32_t>
     in.leaf_off = lo;
     in.leaf_node = ln;
     in.leaf_kept = leaf_kept.data();
-    in.max_tokens = max_tokens;
+    in.micro_batch_tokens = micro_batch_tokens;
     clawfast::PackOutput out;
     {
         py::gil_scoped_release release;
@@ -200,5 +200,6 @@ PYBIND11_MODULE(_core, m) {
     m.def("pack_forest", &pack_forest, py::arg("seg_off"), py::arg("seg_parent"), py::arg("seg_start"),
           py::arg("seg_len"), py::arg("seg_train"), py::arg("tok_off"), py::arg("tokens"), py::arg("infer_logprobs"),
           py::arg("token_call"), py::arg("leaf_off"), py::arg("leaf_node"), py::arg("leaf_kept"),
-          py::arg("max_tokens"), "Merged, split and packed micro-batches, concatenated, as a dict of numpy arrays.");
+          py::arg("micro_batch_tokens"),
+          "Merged, split and packed micro-batches, concatenated, as a dict of numpy arrays.");
 }

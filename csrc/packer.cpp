@@ -5,6 +5,7 @@
 #include <string>
 
 #include "prefix_tree.hpp"  // common_prefix
+#include "radix.hpp"
 
 namespace clawfast {
 
@@ -17,15 +18,10 @@ struct Ann {
     int64_t off;
 };
 
-struct MNode {
-    const int32_t* src = nullptr;
-    int64_t len = 0;
-    int32_t parent = -1;
-    int32_t first = -1;
+struct MNode : RadixNode {
     int64_t row0 = 0;      // first global row (forest DFS order)
     int64_t depth = 0;
     int64_t sub_end = 0;   // one past the last global row of its subtree
-    std::vector<int32_t> children;
     std::vector<Ann> anns; // at most one per tree, in ascending tree order
 };
 
@@ -113,25 +109,12 @@ class Forest {
         mend_[s] = cur;
     }
 
-    // Head of x (first k tokens) becomes a new node; x keeps its tail, children and id.
+    // Splits x after its first k tokens (`split_node`); both parts hold tokens of the same segments.
+    // Row, depth and subtree fields are set later, by layout().
     int32_t split(int32_t x, int64_t k) {
-        MNode head;
-        head.src = nodes_[x].src;
-        head.len = k;
-        head.parent = nodes_[x].parent;
-        head.first = nodes_[x].first;
-        head.children.push_back(x);
-        head.anns = nodes_[x].anns;
-        nodes_.push_back(std::move(head));
-        const int32_t h = static_cast<int32_t>(nodes_.size() - 1);
-        for (int32_t& c : nodes_[nodes_[h].parent].children)
-            if (c == x) c = h;
-        MNode& tail = nodes_[x];
-        tail.src += k;
-        tail.len -= k;
-        tail.parent = h;
-        tail.first = tail.src[0];
-        for (Ann& a : tail.anns) a.off += k;
+        const int32_t h = split_node(nodes_, x, k);
+        nodes_[h].anns = nodes_[x].anns;
+        for (Ann& a : nodes_[x].anns) a.off += k;
         return h;
     }
 
@@ -177,9 +160,10 @@ class Forest {
             }
             max_depth = std::max(max_depth, node.depth + node.len);
         }
-        if (max_depth > in_.max_tokens)
+        if (max_depth > in_.micro_batch_tokens)
             throw std::invalid_argument("a kept root-to-leaf path has " + std::to_string(max_depth) +
-                                        " tokens, more than max_tokens=" + std::to_string(in_.max_tokens));
+                                        " tokens, more than micro_batch_tokens=" +
+                                        std::to_string(in_.micro_batch_tokens));
     }
 
     // Targets, bucketed by predicting row; within a row by target token (children are visited in
@@ -224,14 +208,14 @@ class Forest {
 
     // Items: each root subtree that fits whole. A larger one is split greedily into pieces of
     // consecutive forest leaves (childless rows) in DFS order, a piece being the union of its
-    // leaves' root-to-leaf paths: the next leaf joins while the union stays <= max_tokens. In
-    // pre-order the union of the paths of consecutive leaves l_a..l_b is the ancestor path of the
+    // leaves' root-to-leaf paths: the next leaf joins while the union stays <= micro_batch_tokens.
+    // In pre-order the union of the paths of consecutive leaves l_a..l_b is the ancestor path of the
     // row after l_{a-1} (context: real in an earlier piece) plus the run of rows up to l_b, so a
     // piece is an Item with cost depth(first) + count. A piece that starts at a leaf costs that
-    // leaf's path length, which layout() checked is <= max_tokens.
+    // leaf's path length, which layout() checked is <= micro_batch_tokens.
     // Then first-fit-decreasing by cost (context + rows), ties in forest order.
     void place() {
-        const int64_t T = in_.max_tokens;
+        const int64_t T = in_.micro_batch_tokens;
         for (int32_t top : nodes_[0].children) {
             const int64_t a = nodes_[top].row0, end = nodes_[top].sub_end;
             if (end - a <= T) {

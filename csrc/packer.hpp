@@ -1,8 +1,8 @@
 // Packer: merges the kept sets of several prefix trees into one forest by token content and lays it
-// out in micro-batches of at most max_tokens rows (the contract is docs/TREE.md).
+// out in micro-batches of at most micro_batch_tokens rows (the contract is docs/TREE.md).
 //
 // Pure C++17: spans in, vectors out, no Python headers. Inputs are trusted here (the binding layer
-// validates them). A root-to-leaf path longer than max_tokens throws std::invalid_argument.
+// validates them). A root-to-leaf path longer than micro_batch_tokens throws std::invalid_argument.
 #pragma once
 
 #include <cstdint>
@@ -27,7 +27,7 @@ struct PackInput {
     const int64_t* leaf_off = nullptr;
     const int32_t* leaf_node = nullptr;   // leaves in DFS order
     const uint8_t* leaf_kept = nullptr;
-    int64_t max_tokens = 0;
+    int64_t micro_batch_tokens = 0;
 };
 
 // All micro-batches concatenated; batch b owns rows [row_off[b], row_off[b+1]), targets

@@ -4,6 +4,8 @@
 #include <cstring>
 #include <limits>
 
+#include "radix.hpp"
+
 namespace clawfast {
 
 int64_t common_prefix(const int32_t* a, const int32_t* b, int64_t n) {
@@ -18,16 +20,11 @@ int64_t common_prefix(const int32_t* a, const int32_t* b, int64_t n) {
 
 namespace {
 
-// A trie node under construction: a run of tokens read from the input buffer at `src`.
-struct Node {
-    int64_t src = 0;    // offset of the first token in TreeInput::ids
-    int64_t len = 0;
+// A trie node under construction: a run of tokens read from TreeInput::ids at `src`.
+struct Node : RadixNode {
     int64_t depth = 0;  // tokens on the path before this node
-    int32_t parent = -1;
-    int32_t first = -1; // first token, cached for child lookup
     int32_t owner = -1; // position (in input order) of the lowest call generating this node
     int64_t lp_src = 0; // offset of the first token's logprob in TreeInput::infer_logprobs
-    std::vector<int32_t> children;
 };
 
 class Builder {
@@ -45,7 +42,7 @@ class Builder {
                 if (nodes_[c].first == tok) { ch = c; break; }
             if (ch < 0) {
                 Node fresh;
-                fresh.src = base + d;
+                fresh.src = ids + base + d;
                 fresh.len = end - d;
                 fresh.depth = d;
                 fresh.parent = cur;
@@ -56,7 +53,7 @@ class Builder {
                 return id;
             }
             const int64_t m = std::min(nodes_[ch].len, end - d);
-            const int64_t k = common_prefix(ids + nodes_[ch].src, ids + base + d, m);
+            const int64_t k = common_prefix(nodes_[ch].src, ids + base + d, m);
             if (k < nodes_[ch].len) ch = split(ch, k);
             cur = ch;
             d += k;
@@ -64,26 +61,12 @@ class Builder {
         return cur;
     }
 
-    // Splits node x after its first k tokens. The new node takes the head; x keeps the tail, its
-    // children and its id, so every recorded "node ending at depth e" stays valid.
+    // Splits node x after its first k tokens (`split_node`); owners are assigned after the trie is
+    // complete, so only the depths need carrying over.
     int32_t split(int32_t x, int64_t k) {
-        Node head;
-        head.src = nodes_[x].src;
-        head.len = k;
-        head.depth = nodes_[x].depth;
-        head.parent = nodes_[x].parent;
-        head.first = nodes_[x].first;
-        head.children.push_back(x);
-        nodes_.push_back(std::move(head));
-        const int32_t h = static_cast<int32_t>(nodes_.size() - 1);
-        for (int32_t& c : nodes_[nodes_[h].parent].children)
-            if (c == x) c = h;
-        Node& tail = nodes_[x];
-        tail.src += k;
-        tail.len -= k;
-        tail.depth += k;
-        tail.parent = h;
-        tail.first = in_.ids[tail.src];
+        const int32_t h = split_node(nodes_, x, k);
+        nodes_[h].depth = nodes_[x].depth;
+        nodes_[x].depth += k;
         return h;
     }
 
@@ -233,7 +216,7 @@ class Builder {
             out.seg_len[v] = static_cast<int32_t>(x.len);
             out.seg_depth[v] = static_cast<int32_t>(x.depth);
             out.seg_kind[v] = x.owner >= 0 ? 1 : 0;
-            std::memcpy(out.tokens.data() + pos, in_.ids + x.src, x.len * sizeof(int32_t));
+            std::memcpy(out.tokens.data() + pos, x.src, x.len * sizeof(int32_t));
             if (x.owner >= 0) {
                 std::memcpy(out.infer_logprobs.data() + pos, in_.infer_logprobs + x.lp_src, x.len * sizeof(float));
                 std::fill_n(out.token_call.data() + pos, x.len, static_cast<int32_t>(in_.call_index[x.owner]));

@@ -36,7 +36,8 @@ else:
         tree_logprobs_ref,
         tree_mask_ref,
     )
-    from .tree_attention import TreeMask, tree_attention
+    from .tree_attention import tree_attention
+    from .tree_attention_schedule import TreeMask
     from .tree_gae import subtree_scan, tree_gae
     from .tree_logprobs import linear_logprobs, tree_logprobs
     from .tree_paths import TreePaths

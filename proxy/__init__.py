@@ -24,18 +24,29 @@ if __name__ == "proxy":
 
     hand_off(__name__, b'"""clawfast.proxy:', empty_when_missing=False)
 else:
-    from clawfast.proxy.core import ProxyConfig, ProxyCore
-    from clawfast.proxy.render import ChatRenderer
-    from clawfast.proxy.rollouts import OpenedRollout, Rollout, RolloutRegistry
-    from clawfast.proxy.server import ProxyApp, ProxyServer
+    import importlib
 
-    __all__ = [
-        "ChatRenderer",
-        "OpenedRollout",
-        "ProxyApp",
-        "ProxyConfig",
-        "ProxyCore",
-        "ProxyServer",
-        "Rollout",
-        "RolloutRegistry",
-    ]
+    # Each public name -> the module that defines it, imported on first access (PEP 562), so that a
+    # submodule such as `grpc_client` (for processes outside the proxy) does not pull in the HTTP server,
+    # the template engine and pydantic that `server` and `core` need.
+    _WHERE = {
+        "ChatRenderer": "render",
+        "OpenedRollout": "rollouts",
+        "ProxyApp": "server",
+        "ProxyConfig": "core",
+        "ProxyCore": "core",
+        "ProxyServer": "server",
+        "Rollout": "rollouts",
+        "RolloutRegistry": "rollouts",
+    }
+    __all__ = sorted(_WHERE)
+
+    def __getattr__(name: str):
+        if name not in _WHERE:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+        globals()[name] = value  # later accesses skip __getattr__
+        return value
+
+    def __dir__() -> list[str]:
+        return sorted({*globals(), *__all__})

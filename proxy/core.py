@@ -34,6 +34,7 @@ from clawfast.proxy.render import ChatRenderer, RenderedPrompt, RolloutPrompts
 from clawfast.proxy.rollouts import Rollout
 from clawfast.proxy.tagging import Tagging, classify
 from clawfast.records import CallRecord
+from clawfast.serving import ProxyConfig  # defined below the proxy: the trainer writes one too
 
 log = logging.getLogger(__name__)
 
@@ -46,21 +47,6 @@ HEADERS_KEPT = (
     "x-codex-turn-metadata",  # names a compaction request ("request_kind")
     "x-codex-window-id",  # its suffix counts the context windows of a session
 )
-
-
-@dataclass
-class ProxyConfig:
-    """max_tokens_cap: upper bound on any call's output budget. default_max_tokens: budget when the
-    request names none. max_model_len: prompt + output limit (None: unchecked). keepalive_s: seconds
-    between keep-alive events while the engine works. parser: tool-call parser family (None: from the
-    tokenizer's special tokens). What a call samples with beyond these bounds (temperature, top_p,
-    its rollout's call budget) is its rollout's `Sampling`, set when the rollout is opened."""
-
-    max_tokens_cap: int = 4096
-    default_max_tokens: int = 1024
-    max_model_len: int | None = None
-    keepalive_s: float = 5.0
-    parser: str | None = None
 
 
 @dataclass
@@ -78,10 +64,6 @@ class PreparedCall:
     path: str = ""  # the HTTP path it came on (for refusals)
     committed: bool = False
     extra_metadata: dict[str, Any] = field(default_factory=dict)
-
-
-def _first(*values):
-    return next(v for v in values if v is not None)
 
 
 def _rollout_prompts(rollout: Rollout) -> RolloutPrompts:
@@ -123,8 +105,7 @@ class ProxyCore:
             prompt = _rollout_prompts(rollout).render(self.renderer, request.conversation, tagging.thread)
         except TemplateError as exc:  # the model's own template refused this conversation's shape
             raise ProtocolError(400, "invalid_request", f"the chat template rejected the conversation: {exc}") from None
-        cap = cfg.max_tokens_cap if asked.max_tokens is None else min(asked.max_tokens, cfg.max_tokens_cap)
-        max_tokens = min(request.max_tokens or cfg.default_max_tokens, cap)
+        cap = cfg.max_tokens_cap
         if cfg.max_model_len is not None:
             room = cfg.max_model_len - len(prompt.ids)
             if room < 1:
@@ -132,16 +113,11 @@ class ProxyCore:
                     400, "invalid_request",
                     f"prompt is too long: {len(prompt.ids)} tokens > {cfg.max_model_len - 1} maximum", "messages",
                 )
-            max_tokens = min(max_tokens, room)
-        # What the rollout's caller asked for wins over what the harness asks for.
-        temperature = _first(asked.temperature, request.temperature, 1.0)
-        params = SamplingParams(
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=_first(asked.top_p, request.top_p, 1.0),
-            top_k=request.top_k or 0,
-            stop_token_ids=self.renderer.stop_token_ids,
-        )
+            cap = min(cap, room)
+        # What the rollout's caller asked for wins over what the harness asks for (`Sampling.params`).
+        params = asked.params(cap=cap, default_max_tokens=cfg.default_max_tokens, max_tokens=request.max_tokens,
+                              temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
+                              stop_token_ids=self.renderer.stop_token_ids)
         answer = front.new_answer(request, len(prompt.ids))
         kept = {k: headers[k] for k in HEADERS_KEPT if k in headers}
         return PreparedCall(rollout, front, request, prompt, params, tagging, answer, kept, t0, time.time(), path)

@@ -17,6 +17,12 @@ R6 no import cycle among the module-level imports of clawfast modules (``if TYPE
 R7 no module under clawfast/, proxy/, kernels/ does ``from <another clawfast module> import _private``
    (a private submodule of the importer's own package, such as ``from clawfast import _core`` in
    clawfast.tree or ``from . import _common`` in a kernel, is that package's own business and allowed).
+R8 proxy client: ``import clawfast.proxy.grpc_client`` (the control-plane client, for processes outside the proxy)
+   pulls in no HTTP server (starlette, uvicorn, fastapi, h11, httptools), no template engine (jinja2) and no
+   pydantic: ``clawfast.proxy`` loads its public names on first access.
+R9 contracts: every implementation of a protocol of clawfast.train.protocols (``RolloutSource``, ``Trainer``) is
+   one (``issubclass`` of the runtime-checkable protocol) and has each of its methods with a compatible signature:
+   the protocol's parameters, in order, of the same kind and default, and any others optional.
 
 Import rules run in a fresh interpreter (``modules_after``), walking every module of a package with pkgutil;
 an import error fails the test. No module needs excluding: the optional dependencies (vllm, ray, docker,
@@ -129,6 +135,12 @@ def test_r5_train_reaches_rollouts_only_through_the_service():
     mods = modules_after(every_module_of("clawfast.train"))
     bad = [m for m in under(mods, TRAIN_FORBIDDEN) if m not in TRAIN_MAY_USE]
     assert bad == [], f"importing clawfast.train pulled in {bad}"
+
+
+def test_r8_proxy_client_is_light():
+    heavy = tops(under(modules_after("import clawfast.proxy.grpc_client"),
+                       ["starlette", "uvicorn", "fastapi", "h11", "httptools", "jinja2", "pydantic"]))
+    assert heavy == [], f"importing clawfast.proxy.grpc_client pulled in {heavy}"
 
 
 # --- static rules: the import statements of the source files -------------------------------------------------
@@ -244,3 +256,45 @@ def test_r7_no_private_name_imported_from_another_module():
             if private and base != m and not own_submodule:
                 bad.append(f"{path.relative_to(ROOT)}:{line} imports {name} from {base}")
     assert bad == [], "private names imported from another clawfast module:\n" + "\n".join(sorted(bad))
+
+
+# --- R9: the protocol types and their implementations ---------------------------------------------------------
+
+IMPLEMENTATIONS = {
+    "clawfast.train.protocols.RolloutSource": ["clawfast.train.data.RecordedRollouts",
+                                               "clawfast.train.data.HarnessRollouts",
+                                               "clawfast.train.sampled.EngineRollouts"],
+    "clawfast.train.protocols.Trainer": ["clawfast.train.distributed.LocalTrainer",
+                                         "clawfast.train.distributed.ShardedTrainer"],
+}
+
+# Run in the child (so CLAWFAST_DEPS_ROOT checks that checkout); PROTOCOL and IMPLEMENTATION are prepended.
+_CONFORMS = """
+import importlib, inspect
+def load(path):
+    module, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+proto, impl = load(PROTOCOL), load(IMPLEMENTATION)
+assert issubclass(impl, proto), f"{impl.__name__} lacks a method of {proto.__name__}"
+for name, method in vars(proto).items():
+    if name.startswith("_") or not inspect.isfunction(method):  # typing's own hooks
+        continue
+    want, have = inspect.signature(method).parameters, inspect.signature(getattr(impl, name)).parameters
+    where = (f"{impl.__name__}.{name}{inspect.signature(getattr(impl, name))}"
+             f" vs {proto.__name__}.{name}{inspect.signature(method)}")
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    order = [p.name for p in want.values() if p.kind in positional]
+    assert [p.name for p in have.values() if p.kind in positional][:len(order)] == order, f"positions: {where}"
+    for p in want.values():
+        q = have.get(p.name)
+        assert q is not None and (q.kind, q.default) == (p.kind, p.default), f"parameter {p.name!r}: {where}"
+    extra = [q.name for q in have.values() if q.name not in want and q.default is q.empty
+             and q.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)]
+    assert not extra, f"required parameters {extra} the protocol does not pass: {where}"
+"""
+
+
+@pytest.mark.parametrize(("protocol", "implementation"),
+                         [(p, i) for p, impls in IMPLEMENTATIONS.items() for i in impls])
+def test_r9_implementations_satisfy_the_protocols(protocol, implementation):
+    modules_after(f"PROTOCOL, IMPLEMENTATION = {protocol!r}, {implementation!r}\n" + _CONFORMS)

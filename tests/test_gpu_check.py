@@ -44,7 +44,7 @@ def test_smoke_run_checks_trains_and_times_in_the_plans_order(tmp_path):
     assert {name: s["status"] for name, s in sections.items()} == dict.fromkeys(sections, "ok")
     assert "[gpu_check.sh " in proc.stdout and "+0s] start" in proc.stdout  # the install steps' time stamps
 
-    correctness = _load("gpu_correctness")
+    correctness = _load("gpu_correctness_plan")
     rows = sections["correctness"]["rows"]
     assert sorted((r["op"], r["case"]) for r in rows) == sorted((c.op, c.name) for c in correctness.CASES)
     assert all(r["ok"] and r["err"] <= r["tol"] for r in rows)
@@ -80,7 +80,7 @@ def test_smoke_and_full_runs_share_one_plan():
     assert limits["correctness"] + limits["train"] <= gpu_check.BUDGET_S - 60  # room for the parent's start
     assert gpu_check.BUDGET_S <= 480 - 60  # scripts/gpu_check.sh's 8 minutes, installs included
 
-    correctness = _load("gpu_correctness")
+    correctness = _load("gpu_correctness_plan")
     full, smoke = correctness.plan(False), correctness.plan(True)
     strip = [{k: v for k, v in c.items() if k != "sizes"} for c in full]
     assert strip == [{k: v for k, v in c.items() if k != "sizes"} for c in smoke]

@@ -6,7 +6,7 @@ must equal the one obtained by running the target's root-to-leaf path on its own
 sequence. The mask is applied two ways: the model's own attention with the dense additive mask (the
 reference form), and `Policy` with every tree-attention backend (no [N, N] tensor). This is the property the trainer relies on: deduplicated, tree-masked
 training computes exactly the per-path log-probs. Micro-batches that split a tree (re-included
-context rows) are covered by small `max_tokens`.
+context rows) are covered by small `micro_batch_tokens`.
 
 Tolerance 1e-4: both sides are fp32 with identical weights and inputs; only the order of the
 softmax/matmul reductions differs (measured differences are ~1e-6).
@@ -151,8 +151,8 @@ def test_keystone_random_trees(model, seed, k, n_calls, vocab, slack, p_extend_e
     "packer, attn", [(pack, "eager"), (pack, "sdpa"), (pack_ref, "eager")], ids=["fast-eager", "fast-sdpa", "ref-eager"]
 )
 def test_keystone_split_tree(packer, attn):
-    # One group whose shared subtree exceeds max_tokens: split across micro-batches, with the
-    # ancestor path re-included as context rows in the later ones.
+    # One group whose shared subtree exceeds micro_batch_tokens: split across micro-batches, with
+    # the ancestor path re-included as context rows in the later ones.
     model = tiny_qwen3(attn)
     group = random_group(np.random.default_rng(5), 4, 8, vocab_size=3, max_len=24)
     trees = [build_tree(calls) for calls in group]

@@ -348,7 +348,8 @@ def row_paths(batch):
 def check_batch(batch):
     """Structural invariants of one micro-batch."""
     n = batch.num_tokens
-    assert len(batch.input_ids) == n <= batch.max_tokens and batch.fill == n / batch.max_tokens
+    assert len(batch.input_ids) == n <= batch.micro_batch_tokens
+    assert batch.fill == n / batch.micro_batch_tokens
     parent = batch.parent_row
     for i in range(n):
         assert parent[i] < i
@@ -570,8 +571,8 @@ def test_pack_split_random_trees():
                                   tags=("main",) if rng.random() < 0.8 else ("subagent",)))
             trees.append(build_tree(calls, drop_dead=bool(rng.random() < 0.5)))
         longest = max((leaf.depth for t in trees for leaf in t.leaves if leaf.status == "kept"), default=1)
-        for max_tokens in (longest, longest + 3, 64):
-            check_pack(trees, pack(trees, max_tokens))
+        for micro_batch_tokens in (longest, longest + 3, 64):
+            check_pack(trees, pack(trees, micro_batch_tokens))
 
 
 def test_pack_skips_dropped_trees_but_keeps_indices():
@@ -586,7 +587,7 @@ def test_pack_skips_dropped_trees_but_keeps_indices():
 
 def test_pack_rejects_bad_arguments():
     tree = build_tree([call(0, [1, 2, 3], [4, 5])])
-    with pytest.raises(ValueError, match="max_tokens"):
+    with pytest.raises(ValueError, match="micro_batch_tokens"):
         pack([tree], 4)  # the kept path has 5 tokens
     for bad in (0, -1, 2.5, True):
         with pytest.raises(ValueError):
@@ -604,7 +605,7 @@ def _pack_args(**override):
         seg_train=np.array([0, 1], np.uint8), tok_off=np.array([0, 3], np.int64),
         tokens=np.array([1, 2, 3], np.int32), infer_logprobs=np.array([np.nan, np.nan, -0.5], np.float32),
         token_call=np.array([-1, -1, 0], np.int32), leaf_off=np.array([0, 1], np.int64),
-        leaf_node=np.array([1], np.int32), leaf_kept=np.array([1], np.uint8), max_tokens=8,
+        leaf_node=np.array([1], np.int32), leaf_kept=np.array([1], np.uint8), micro_batch_tokens=8,
     )
     args.update(override)
     return args
@@ -622,8 +623,8 @@ def _pack_args(**override):
         {"tok_off": np.array([1, 3], np.int64)},
         {"token_call": np.array([-1, -1], np.int32)},
         {"leaf_kept": np.array([1, 1], np.uint8)},
-        {"max_tokens": 0},
-        {"max_tokens": 2},  # the path has 3 tokens
+        {"micro_batch_tokens": 0},
+        {"micro_batch_tokens": 2},  # the path has 3 tokens
     ],
 )
 def test_core_pack_rejects_inconsistent_buffers(override):

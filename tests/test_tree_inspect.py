@@ -37,7 +37,7 @@ def test_samples_are_small_and_deterministic(samples, tmp_path):
 
 
 def test_inspect_json_matches_build_tree(samples):
-    proc = inspect(samples, "--json", "--max-tokens", "2048")
+    proc = inspect(samples, "--json", "--micro-batch-tokens", "2048")
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     rollouts = load_rollouts(samples)
@@ -58,7 +58,7 @@ def test_inspect_json_matches_build_tree(samples):
     # Eight samples of one task share the system prompt and task text: the forest is smaller than
     # the rollouts' own unique tokens added up.
     assert group["forest_tokens"] < sum(d["tokens"]["unique"] for d in report["rollouts"])
-    assert group["micro_batches"]["num_batches"] >= 1 and group["micro_batches"]["max_tokens"] == 2048
+    assert group["micro_batches"]["num_batches"] >= 1 and group["micro_batches"]["micro_batch_tokens"] == 2048
 
 
 def test_inspect_text_single_file_and_options(samples):
@@ -79,5 +79,8 @@ def test_inspect_bad_input(tmp_path):
     (tmp_path / "bad.cfr").write_bytes(b"not a record")
     proc = inspect(tmp_path / "bad.cfr")
     assert proc.returncode == 1 and "bad magic" in proc.stderr
-    proc = inspect(tmp_path / "bad.cfr", "--max-tokens", "x")
+    proc = inspect(tmp_path / "bad.cfr", "--micro-batch-tokens", "x")
     assert proc.returncode == 2  # argparse rejects it
+    # The flag's old name is refused with a message naming the new one.
+    proc = inspect(tmp_path / "bad.cfr", "--max-tokens", "2048")
+    assert proc.returncode == 2 and "--max-tokens is now --micro-batch-tokens" in proc.stderr

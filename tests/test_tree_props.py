@@ -5,7 +5,7 @@ the plain-Python references (`clawfast.tree_ref`, `clawfast.pack_ref`) on fresh 
 and the packed batches are checked against the contract directly, from paths of token ids rather
 than from either implementation's internals:
 every trainable token is targeted exactly once across micro-batches, with the right owner, logprob,
-leaf and full ancestor context; each batch fits `max_tokens`; `kv_end` agrees with `parent_row`;
+leaf and full ancestor context; each batch fits `micro_batch_tokens`; `kv_end` agrees with `parent_row`;
 every kept root-to-leaf path can be read back from the rows; the rows never exceed one sample per
 kept leaf. Leaves follow the rule of docs/TREE.md (excluded calls below a main end node do not take
 its leaf), and the generator is checked to produce excluded calls that extend the main path.
@@ -36,7 +36,7 @@ BATCH_ARRAYS = (
     "input_ids position_ids kv_end parent_row is_context target_rows target_ids loss_mask weight "
     "infer_logprobs target_rollout target_leaf target_call target_reward leaf_rows leaf_rollout leaf_index leaf_reward"
 ).split()
-BATCH_SCALARS = ("num_tokens", "max_tokens", "fill")
+BATCH_SCALARS = ("num_tokens", "micro_batch_tokens", "fill")
 
 PROPS = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -108,15 +108,16 @@ def expected_contents(trees, calls_of):
     return targets, leaves, union
 
 
-def check_batches(trees, calls_of, batches, max_tokens, rewards=None) -> None:
+def check_batches(trees, calls_of, batches, micro_batch_tokens, rewards=None) -> None:
     targets, leaves, union = expected_contents(trees, calls_of)
     seen_targets: Counter = Counter()
     seen_leaves: Counter = Counter()
     seen_rows: Counter = Counter()
     for b, batch in enumerate(batches):
         n = batch.num_tokens
-        assert n == len(batch.input_ids) and 0 < n <= max_tokens, f"batch {b}: {n} rows, max {max_tokens}"
-        assert batch.fill == n / max_tokens
+        assert n == len(batch.input_ids) and 0 < n <= micro_batch_tokens, \
+            f"batch {b}: {n} rows, max {micro_batch_tokens}"
+        assert batch.fill == n / micro_batch_tokens
         parent, pos, kv_end = batch.parent_row, batch.position_ids, batch.kv_end
         paths: list[tuple[int, ...]] = []
         ancestors: list[set[int]] = []
@@ -298,11 +299,11 @@ def test_pack_matches_reference_and_contract(seed, k, n_calls, vocab, slack, wit
         k += 1
     trees = [build_tree(calls, max_kept_leaves=3 if i == 1 else None) for i, calls in enumerate(group)]
     longest = max([lf.depth for t in trees if not t.dropped for lf in t.leaves if lf.status == "kept"], default=1)
-    max_tokens = longest + int(slack * longest)  # small budgets force split subtrees
+    micro_batch_tokens = longest + int(slack * longest)  # small budgets force split subtrees
     rewards = rng.normal(size=k).tolist() if with_rewards else None
-    fast = pack(trees, max_tokens, rewards=rewards)
-    assert_same_batches(pack_ref(trees, max_tokens, rewards=rewards), fast)
-    check_batches(trees, group, fast, max_tokens, rewards)
+    fast = pack(trees, micro_batch_tokens, rewards=rewards)
+    assert_same_batches(pack_ref(trees, micro_batch_tokens, rewards=rewards), fast)
+    check_batches(trees, group, fast, micro_batch_tokens, rewards)
 
 
 def test_pack_splits_a_large_subtree():
@@ -353,10 +354,10 @@ def test_harness_shaped_group_matches_reference():
         assert_same_tree(build_tree_ref(calls), fast)
         assert {lf.status for lf in fast.leaves} == {"kept", "dead", "excluded"}
         trees.append(fast)
-    for max_tokens in (1600, 8192):  # split (context rows re-included) and whole
-        fast_batches = pack(trees, max_tokens, rewards=[1.0, 0.0, 0.5])
-        assert_same_batches(pack_ref(trees, max_tokens, rewards=[1.0, 0.0, 0.5]), fast_batches)
-        check_batches(trees, group, fast_batches, max_tokens, [1.0, 0.0, 0.5])
+    for micro_batch_tokens in (1600, 8192):  # split (context rows re-included) and whole
+        fast_batches = pack(trees, micro_batch_tokens, rewards=[1.0, 0.0, 0.5])
+        assert_same_batches(pack_ref(trees, micro_batch_tokens, rewards=[1.0, 0.0, 0.5]), fast_batches)
+        check_batches(trees, group, fast_batches, micro_batch_tokens, [1.0, 0.0, 0.5])
     # The k samples share system prompt and task: packed once, fewer rows than k flat copies.
     assert sum(b.num_tokens for b in fast_batches) < sum(t.num_flat_tokens for t in trees)
 
@@ -448,11 +449,11 @@ def test_malformed_calls_raise_value_error(build, case):
 
 
 @pytest.mark.parametrize("packer", [pack, pack_ref], ids=["fast", "ref"])
-def test_pack_rejects_paths_longer_than_max_tokens(packer):
+def test_pack_rejects_paths_longer_than_micro_batch_tokens(packer):
     tree = build_tree([call(0, [1, 2, 3], [4, 5])])
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="micro_batch_tokens"):
         packer([tree], 4)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="micro_batch_tokens"):
         packer([tree], 0)
     with pytest.raises(ValueError):
         packer([tree], 8, rewards=[1.0, 2.0])

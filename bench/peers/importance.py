@@ -10,7 +10,7 @@ sequence ids.
 
 - metrics: verl's ``compute_rollout_correction_and_rejection_mask`` (IS weights, rejection mask,
   off-policy metrics: what its trainer logs as ``rollout_corr/*``) against the trainer's
-  ``clawfast.train.step._mismatch`` (`importance_weights`, the log-perplexity metrics and
+  ``clawfast.train.mismatch.mismatch`` (`importance_weights`, the log-perplexity metrics and
   `verl_names`, which names them after verl's), for four configurations: truncated IS (TIS, cap 2)
   per token and per sequence; masked IS in [0.5, 2] (verl: IcePop ``"0.5_2.0"`` plus its rejection
   sampling with the same bounds, ``token_k1`` / ``seq_sum_k1``) per token and per sequence.
@@ -38,7 +38,7 @@ from memory import measure  # noqa: E402
 NAME = "importance"
 TOL = 1e-7  # relative: verl's masked means add 1e-8 to every denominator (ours do not)
 CAP, LO, HI = 2.0, 0.5, 2.0
-TRAINER = "clawfast.train.step._mismatch (importance_weights + log-ppl + verl_names)"
+TRAINER = "clawfast.train.mismatch.mismatch (importance_weights + log-ppl + verl_names)"
 # (case, our is_level, our is_mode, verl's keyword arguments). verl's k1 rejection bounds the ratio
 # rollout / train, so train / rollout in [LO, HI] is k1 in [1/HI, 1/LO].
 CASES = (
@@ -88,7 +88,8 @@ def run(quick: bool) -> list[dict]:
     )
 
     from clawfast.kernels import ISConfig, TreePaths, importance_weights
-    from clawfast.train.step import StepConfig, _mismatch
+    from clawfast.train.mismatch import mismatch
+    from clawfast.train.step_config import StepConfig
 
     b, t, repeats = (8, 256, 3) if quick else (64, 4096, 10)
     train, rollout, mask = _inputs(torch, b, t)
@@ -107,7 +108,7 @@ def run(quick: bool) -> list[dict]:
         config = StepConfig(is_level=level, is_mode=mode, is_cap=CAP, is_lo=LO, is_hi=HI)
 
         def ours(level=level, config=config):
-            return _mismatch(lp, infer, a, seq, config, paths(level))
+            return mismatch(lp, infer, a, seq, config, paths(level))
 
         def theirs(kw=kw):
             return compute_rollout_correction_and_rejection_mask(train, rollout, mask, **kw)

@@ -165,7 +165,7 @@ def timed(fn, repeats: int) -> tuple[float, float]:
 
 def shape(calls, budget: int) -> str:
     n_in = sum(len(c.prompt_ids) + len(c.output_ids) for c in calls)
-    return f"{len(calls)} calls, {n_in / 1e6:.2f}M input tokens, max_tokens {budget}"
+    return f"{len(calls)} calls, {n_in / 1e6:.2f}M input tokens, micro_batch_tokens {budget}"
 
 
 def row(case, calls, budget, peer, t_ours, t_peer, check, note) -> dict:

@@ -46,7 +46,7 @@ def model_dir_of(path: Path) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
-    from clawfast.train.config import ConfigError, load_config
+    from clawfast.train.config_file import ConfigError, load_config
     from clawfast.train.loop import evaluate
 
     overrides = list(args.overrides)

@@ -16,7 +16,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from clawfast.train.metrics import plot_run
+    from clawfast.train.plot import plot_run
 
     try:
         path = plot_run(args.run_dir, args.out)

@@ -76,15 +76,16 @@ def _positive_int(text: str) -> int:
 def run(args: argparse.Namespace) -> int:
     from clawfast.embedded import ensure_embedded_model
     from clawfast.proxy.server import tune_for_serving
-    from clawfast.rollout import RolloutService
+    from clawfast.rollout import EndpointConfig, ProxyConfig, RolloutService
 
     model_dir = Path(args.model) if args.model else ensure_embedded_model()
     engine = build_engine(args, model_dir)
     sampling = Sampling(temperature=args.temperature, max_calls=args.max_calls_per_rollout)
-    service = RolloutService(engine, model_dir, records_dir=args.records, max_tokens_cap=args.max_tokens_cap,
-                             parser=args.parser, keepalive_s=args.keepalive, default_sampling=sampling,
-                             host=args.host, port=args.port, grpc_port=args.grpc_port, grpc_token=args.grpc_token,
-                             model_name=args.model_name, access_log=args.access_log)
+    proxy = ProxyConfig(max_tokens_cap=args.max_tokens_cap, parser=args.parser, keepalive_s=args.keepalive)
+    endpoint = EndpointConfig(host=args.host, port=args.port, grpc_port=args.grpc_port, grpc_token=args.grpc_token,
+                              model_name=args.model_name, access_log=args.access_log)
+    service = RolloutService(engine, model_dir, records_dir=args.records, proxy=proxy, endpoint=endpoint,
+                             default_sampling=sampling)
     tune_for_serving()
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

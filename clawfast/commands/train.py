@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from clawfast.train.config import ConfigError, load_config
+    from clawfast.train.config_file import ConfigError, load_config
     from clawfast.train.distributed import LeaderFailed
     from clawfast.train.loop import train
     from clawfast.train.report import eval_line

@@ -23,6 +23,13 @@ from typing import Any
 from clawfast.records import RecordFormatError, load_rollouts
 
 
+class _Renamed(argparse.Action):
+    """The old name of --micro-batch-tokens, refused with a message naming the new one."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string} is now --micro-batch-tokens (rows per packed micro-batch)")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
     p = sub.add_parser("inspect", help="print the prefix tree of captured rollouts")
@@ -31,8 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--max-kept-leaves", type=int, default=None, metavar="N",
                    help="drop a rollout whose kept leaves exceed N (as the trainer would)")
     p.add_argument("--keep-dead", action="store_true", help="keep retried/regenerated leaves (no dead status)")
-    p.add_argument("--max-tokens", type=int, default=None, metavar="T",
-                   help="also pack all rollouts into micro-batches of T tokens and report the fill")
+    p.add_argument("--micro-batch-tokens", type=int, default=None, metavar="T",
+                   help="also pack all rollouts into micro-batches of at most T rows (tokens) and report the fill")
+    p.add_argument("--max-tokens", action=_Renamed, help=argparse.SUPPRESS)
     p.add_argument("--recover", action="store_true", help="read live or torn logs (keep complete calls)")
 
 
@@ -95,7 +103,7 @@ def describe_rollout(rollout, tree) -> dict[str, Any]:
     }
 
 
-def describe_group(trees, max_tokens: int | None) -> dict[str, Any]:
+def describe_group(trees, micro_batch_tokens: int | None) -> dict[str, Any]:
     """All non-dropped rollouts packed together: one forest, shared prefixes once."""
     from clawfast.pack import pack, pack_stats
 
@@ -113,9 +121,9 @@ def describe_group(trees, max_tokens: int | None) -> dict[str, Any]:
         "dedup_vs_per_call": _ratio(per_call, forest),
         "dedup_vs_per_kept_leaf": _ratio(per_leaf, forest),
     }
-    if max_tokens is not None:
-        out["micro_batches"] = pack_stats(pack(trees, max_tokens))
-        out["micro_batches"]["max_tokens"] = max_tokens
+    if micro_batch_tokens is not None:
+        out["micro_batches"] = pack_stats(pack(trees, micro_batch_tokens))
+        out["micro_batches"]["micro_batch_tokens"] = micro_batch_tokens
     return out
 
 
@@ -146,7 +154,7 @@ def _print_group(g: dict[str, Any], out) -> None:
     )
     if "micro_batches" in g:
         mb = g["micro_batches"]
-        out.write(f"  micro-batches of {mb['max_tokens']}: {mb['num_batches']} batches, {mb['num_tokens']} rows "
+        out.write(f"  micro-batches of {mb['micro_batch_tokens']}: {mb['num_batches']} batches, {mb['num_tokens']} rows "
                   f"({mb['num_context_tokens']} re-included context), {mb['num_targets']} targets, "
                   f"fill mean {mb['fill_mean']:.3f} min {mb['fill_min']:.3f}\n")
 
@@ -177,8 +185,8 @@ def run(args: argparse.Namespace) -> int:
         trees.append(tree)
         described.append(describe_rollout(dataclasses.replace(rollout, calls=calls), tree))
     try:
-        group = describe_group(trees, args.max_tokens) if trees else None
-    except ValueError as exc:  # e.g. a kept path longer than --max-tokens
+        group = describe_group(trees, args.micro_batch_tokens) if trees else None
+    except ValueError as exc:  # e.g. a kept path longer than --micro-batch-tokens
         print(f"clawfast tree inspect: {exc}", file=sys.stderr)
         return 1
     if args.json:
@@ -189,6 +197,6 @@ def run(args: argparse.Namespace) -> int:
             _print_rollout(d, sys.stdout)
         for s in skipped:
             print(f"rollout {s['rollout_id']}: skipped ({s['reason']})")
-        if group is not None and (len(trees) > 1 or args.max_tokens is not None):
+        if group is not None and (len(trees) > 1 or args.micro_batch_tokens is not None):
             _print_group(group, sys.stdout)
     return 1 if skipped and not described else 0

@@ -29,11 +29,12 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class Sampling:
-    """What the caller of a rollout asks of every model call in it, travelling with the rollout (the
-    proxy merges it into each call's `SamplingParams`). temperature / top_p: override what the
-    harness asks for (None: the request's, else 1.0). max_tokens: caps each call's output (None:
-    the proxy's cap alone). max_calls: the rollout's budget of model calls, side calls included;
-    calls beyond it are refused in the caller's protocol (None: unlimited)."""
+    """What the caller of a rollout asks of every model call in it, travelling with the rollout;
+    `params` merges it with what one call asks for into that call's `SamplingParams` (the proxy
+    does, per call; so does `clawfast.train.sampled`, which has no proxy). temperature / top_p:
+    override what the harness asks for (None: the request's, else 1.0). max_tokens: caps each
+    call's output (None: the server's cap alone). max_calls: the rollout's budget of model calls,
+    side calls included; calls beyond it are refused in the caller's protocol (None: unlimited)."""
 
     temperature: float | None = None
     top_p: float | None = None
@@ -49,6 +50,26 @@ class Sampling:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}")
+
+    def params(self, *, cap: int, default_max_tokens: int, max_tokens: int | None = None,
+               temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+               seed: int | None = None, stop_token_ids: tuple[int, ...] = ()) -> SamplingParams:
+        """The `SamplingParams` of one call that asks for `max_tokens`, `temperature`, `top_p` and
+        `top_k` (None: asks nothing), served under the output bound `cap` with `default_max_tokens`
+        for a call that names no budget. The output budget is the call's (else the default), capped by
+        `cap` and by this `max_tokens`; this temperature and top_p win over the call's (neither: 1.0);
+        top_k is the call's (none: 0). This is the one merge rule: the proxy passes its cap already
+        bounded by the room its context leaves."""
+        if self.max_tokens is not None:
+            cap = min(self.max_tokens, cap)
+        return SamplingParams(
+            max_tokens=min(max_tokens or default_max_tokens, cap),
+            temperature=next(v for v in (self.temperature, temperature, 1.0) if v is not None),
+            top_p=next(v for v in (self.top_p, top_p, 1.0) if v is not None),
+            top_k=top_k or 0,
+            seed=seed,
+            stop_token_ids=stop_token_ids,
+        )
 
 
 @dataclass

@@ -19,7 +19,7 @@ from pathlib import Path
 from clawfast.harness import get_harness
 from clawfast.records import CallRecord, RolloutResult
 from clawfast.rollout.oracle import FINAL_TEXT
-from clawfast.rollout.service import ORACLE, RolloutService
+from clawfast.rollout.service import ORACLE, HarnessConfig, RolloutService, SandboxConfig
 from clawfast.rollout.spec import RolloutSpec
 from clawfast.tasks.task import Task
 from clawfast.threads import reconstruct, shared_with_path, token_position, with_kinds
@@ -135,9 +135,9 @@ def check_harness(
     options = {"timeout_s": timeout_s, "max_turns": 2 * len(task.oracle) + 4}
     turns = len(get_harness(name, **options).scripted_turns(list(task.oracle), FINAL_TEXT))
     with tempfile.TemporaryDirectory(prefix="clawfast-check-") as tmp:
-        with RolloutService(ORACLE, model_dir, records_dir=Path(tmp) / "records",
-                            harnesses={name: options}, sandbox=backend, timeout_s=timeout_s,
-                            logs_dir=logs_dir or Path(tmp) / "logs", oracle_tasks=[task]) as service:
+        harnesses = HarnessConfig({name: options}, timeout_s=timeout_s, logs_dir=logs_dir or Path(tmp) / "logs")
+        with RolloutService(ORACLE, model_dir, records_dir=Path(tmp) / "records", harnesses=harnesses,
+                            sandbox=SandboxConfig(backend), oracle_tasks=[task]) as service:
             [result] = service.run([RolloutSpec(task, name, 0)])
     calls = with_kinds(result.calls, reconstruct(result.calls))  # main and side calls by structure
     tags = Counter(tag for c in calls for tag in c.tags)

@@ -1,19 +1,49 @@
-"""A live one-line display of a rollout run (rich): done / total, running, failed, rollouts per minute,
-and the count of each non-ok status. Drawn on stderr; on a non-terminal it prints only at the end."""
+"""A rollout run's progress: its counts (`RunStats`, made by each `run` of the scheduler or the Ray
+pool) and their one live line (`rollout_line`, on the program's live view `clawfast.live`): done /
+total, running, failed, rollouts per minute, and the count of each non-ok status. Drawn on stderr;
+on a non-terminal it prints only at the end."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import time
+from collections import Counter
+from dataclasses import dataclass, field
 
-from rich.console import Console
-from rich.live import Live
 from rich.text import Text
 
-if TYPE_CHECKING:
-    from clawfast.rollout.scheduler import RunStats
+from clawfast.live import LiveView
+from clawfast.records import RolloutResult
 
 
-def render_stats(stats: "RunStats") -> Text:
+@dataclass
+class RunStats:
+    """Counts of one `run`; `failed` counts every status other than ``ok``; `running`: rollouts
+    running now for any caller of the scheduler."""
+
+    total: int = 0
+    done: int = 0
+    running: int = 0
+    failed: int = 0
+    by_status: Counter = field(default_factory=Counter)
+    started: float = field(default_factory=time.monotonic)
+
+    def record(self, result: RolloutResult) -> None:
+        # The one place counters change.
+        self.done += 1
+        self.by_status[result.status] += 1
+        if result.status != "ok":
+            self.failed += 1
+
+    @property
+    def elapsed_s(self) -> float:
+        return time.monotonic() - self.started
+
+    @property
+    def per_minute(self) -> float:
+        return 60.0 * self.done / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+
+def render_stats(stats: RunStats) -> Text:
     text = Text()
     text.append(f"rollouts {stats.done}/{stats.total}", style="bold")
     text.append(f"  running {stats.running}", style="cyan")
@@ -25,18 +55,6 @@ def render_stats(stats: "RunStats") -> Text:
     return text
 
 
-class ProgressDisplay:
-    def __init__(self, stats: "RunStats", console: Console | None = None) -> None:
-        self.stats = stats
-        self.console = console or Console(stderr=True)
-        self._live = Live(render_stats(stats), console=self.console, refresh_per_second=2, transient=False)
-
-    def start(self) -> None:
-        self._live.start()
-
-    def update(self) -> None:
-        self._live.update(render_stats(self.stats))
-
-    def stop(self) -> None:
-        self._live.update(render_stats(self.stats))
-        self._live.stop()
+def rollout_line(stats: RunStats) -> LiveView:
+    """The live line of `stats` (`start`, `update` after each change, `stop`)."""
+    return LiveView(lambda: render_stats(stats), last=True)

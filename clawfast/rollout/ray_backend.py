@@ -38,8 +38,8 @@ from typing import Any, Callable, Sequence
 from clawfast.engines.base import Sampling
 from clawfast.proxy.rollouts import OpenedRollout
 from clawfast.records import RolloutResult
-from clawfast.rollout.progress import ProgressDisplay
-from clawfast.rollout.scheduler import RunStats
+from clawfast.rollout.progress import RunStats, rollout_line
+from clawfast.rollout.service import SandboxConfig
 from clawfast.rollout.spec import RolloutSpec
 from clawfast.rollout.worker import RolloutConfig, RolloutControl, RolloutWorker, close_rollout, unopened_result
 from clawfast.sandbox.forward import relay
@@ -49,18 +49,17 @@ from clawfast.sandbox.forward import relay
 class RaySetup:
     """What every actor needs, as plain data. suite: a built-in suite name or a task directory that
     exists on every node (suite_seed: the generator seed of ``clawbench-mini``). harnesses: adapter
-    name -> `get_harness` keyword arguments. backend: sandbox backend name. concurrency: rollouts in
-    flight per actor. logs_dir: where each node keeps harness logs (None: not kept). proxy_address:
+    name -> `get_harness` keyword arguments. sandbox: the backend each actor builds. rollout: its
+    worker's config (the service's own, so a rollout runs alike here and on an actor; its logs_dir is
+    where each node keeps harness logs). concurrency: rollouts in flight per actor. proxy_address:
     ``host:port`` of the HTTP proxy, relayed to each node's loopback (None: the proxy already listens
     on every node's loopback)."""
 
     suite: str
     harnesses: dict[str, dict[str, Any]]
-    backend: str = "bwrap"
-    model: str = "policy"
-    timeout_s: float | None = None
+    sandbox: SandboxConfig = SandboxConfig()
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
     concurrency: int = 4
-    logs_dir: str | None = None
     suite_seed: int = 0
     proxy_address: str | None = None
 
@@ -135,13 +134,13 @@ class RolloutActor:
         context = ray.get_runtime_context()
         self.where = {"ray_node_id": context.get_node_id(), "ray_actor_id": context.get_actor_id(),
                       "actor_pid": os.getpid()}
-        self.backend = create_backend(setup.backend, **({"allow_unsafe": True} if setup.backend == "local" else {}))
+        name = setup.sandbox.backend
+        self.backend = create_backend(name, **({"allow_unsafe": True} if name == "local" else {}))
         # The "local" backend scores in a plain subprocess, as in the service's own process.
-        verifier_runner = None if setup.backend == "local" else SandboxRunner(self.backend)
+        verifier_runner = None if name == "local" else SandboxRunner(self.backend)
         self.executor = ThreadPoolExecutor(2 * setup.concurrency + 2, thread_name_prefix="clawfast-actor")
-        config = RolloutConfig(model=setup.model, timeout_s=setup.timeout_s, logs_dir=setup.logs_dir)
         # The worker never opens or closes a rollout here: the pool does, in the proxy's process.
-        self.worker = RolloutWorker(None, self.backend, harnesses, config=config,
+        self.worker = RolloutWorker(None, self.backend, harnesses, config=setup.rollout,
                                     verifier_runner=verifier_runner, executor=self.executor)
 
     async def run(self, task_id: str, harness: str, sample_index: int, rollout_id: str, key: str,
@@ -229,7 +228,7 @@ class RayRolloutPool:
         if unknown:
             raise ValueError(f"specs use harness(es) {unknown} that the setup does not install")
         stats = RunStats(total=len(specs))
-        display = ProgressDisplay(stats) if progress else None
+        display = rollout_line(stats) if progress else None
         results: list[RolloutResult | None] = [None] * len(specs)
         inflight: dict[Any, _InFlight] = {}
         queue = deque(enumerate(specs))

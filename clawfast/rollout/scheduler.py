@@ -22,45 +22,14 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-import time
-from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from clawfast.engines.base import Sampling
 from clawfast.records import RolloutResult
-from clawfast.rollout.progress import ProgressDisplay
+from clawfast.rollout.progress import RunStats, rollout_line
 from clawfast.rollout.spec import RolloutSpec
 from clawfast.rollout.worker import RolloutWorker
-
-
-@dataclass
-class RunStats:
-    """Counts of one `run`; `failed` counts every status other than ``ok``; `running`: rollouts
-    running now for any caller of the scheduler."""
-
-    total: int = 0
-    done: int = 0
-    running: int = 0
-    failed: int = 0
-    by_status: Counter = field(default_factory=Counter)
-    started: float = field(default_factory=time.monotonic)
-
-    def record(self, result: RolloutResult) -> None:
-        # The one place counters change.
-        self.done += 1
-        self.by_status[result.status] += 1
-        if result.status != "ok":
-            self.failed += 1
-
-    @property
-    def elapsed_s(self) -> float:
-        return time.monotonic() - self.started
-
-    @property
-    def per_minute(self) -> float:
-        return 60.0 * self.done / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
 
 def gather(futures: Sequence[concurrent.futures.Future], *, on_result: Callable[[RolloutResult], None] | None,
@@ -71,7 +40,7 @@ def gather(futures: Sequence[concurrent.futures.Future], *, on_result: Callable[
     caller interrupted, a rollout's bug) `cancel(futures)` cancels the rollouts not done and returns
     once they are closed; then it propagates. `running()`: rollouts running now, for the display."""
     stats = RunStats(total=len(futures))
-    display = ProgressDisplay(stats) if progress else None
+    display = rollout_line(stats) if progress else None
     try:
         if display:
             display.start()

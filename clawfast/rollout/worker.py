@@ -49,8 +49,9 @@ from clawfast.harness_install import host_runtime
 from clawfast.proxy.rollouts import OpenedRollout
 from clawfast.records import RolloutResult
 from clawfast.rollout.spec import RolloutSpec
-from clawfast.sandbox.base import Limits, RunResult, Sandbox, SandboxBackend, SandboxError, SandboxSpec
-from clawfast.tasks.verify import CommandRunner, VerifierResult, run_verifier
+from clawfast.sandbox import Limits, RunResult, Sandbox, SandboxBackend, SandboxError, SandboxSpec
+from clawfast.tasks.task import VerifierResult
+from clawfast.tasks.verify import CommandRunner, run_verifier
 
 T = TypeVar("T")
 # The end of the harness's stdout a reward script may grade as the final answer.

@@ -2,23 +2,16 @@
 
 Backends: `bwrap` (the default; bubblewrap namespaces, see `clawfast.sandbox.bwrap`), `docker` (one
 container per sandbox, see `clawfast.sandbox.docker_backend`) and `local` (no isolation, debugging only,
-needs `allow_unsafe=True`). The contract is in `clawfast.sandbox.base`; the pool in
-`clawfast.sandbox.pool`.
+needs `allow_unsafe=True`). The contract is in `clawfast.sandbox.base`, what a sandbox starts from in
+`clawfast.sandbox.spec`; the pool in `clawfast.sandbox.pool`.
 """
 
 from __future__ import annotations
 
-from clawfast.sandbox.base import (
-    HOMEDIR,
-    WORKDIR,
-    Limits,
-    RunResult,
-    Sandbox,
-    SandboxBackend,
-    SandboxError,
-    SandboxSpec,
-)
+from clawfast.sandbox.base import Sandbox, SandboxBackend, SandboxError
 from clawfast.sandbox.pool import PoolStats, SandboxPool
+from clawfast.sandbox.result import RunResult
+from clawfast.sandbox.spec import HOMEDIR, WORKDIR, Limits, SandboxSpec
 
 BACKENDS = ("bwrap", "docker", "local")
 

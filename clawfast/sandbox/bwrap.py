@@ -57,49 +57,234 @@ the host (cgroup and directory names carry the owner's pid).
 from __future__ import annotations
 
 import itertools
-import json
 import os
-import select
 import shlex
 import shutil
-import signal
-import stat
 import subprocess
 import tempfile
-import threading
 import time
 from collections.abc import Mapping, Sequence
 
-from clawfast.sandbox.base import (
-    HOMEDIR,
-    PROXYDIR,
-    SANDBOX_UID,
-    TMPFS_DIRS,
-    WORKDIR,
-    RunResult,
-    Sandbox,
-    SandboxError,
-    SandboxSpec,
-    rlimit_enforced,
-    wait_exit,
-)
+from clawfast.sandbox.base import SANDBOX_UID, Sandbox, SandboxError
+from clawfast.sandbox.bwrap_argv import SWITCH_CAPS, copy_of, mode_of, parents_to_make, room_for
+from clawfast.sandbox.bwrap_supervise import KILL_GRACE_S, Capture, StatusPipe, kill_tree, wait_namespace_gone
 from clawfast.sandbox.cgroup import Cgroup, CgroupHost, sweep_stale
-from clawfast.sandbox.hostdir import (
-    READY,
-    ForwardingBackend,
-    HostDir,
-    log,
-    merge_env,
-    split_ready,
-    start_script,
-    sweep_stale_dirs,
-)
-from clawfast.sandbox.view import SYSTEM_PATHS, RootView, ancestors
+from clawfast.sandbox.hostdir import (ForwardingBackend, HostDir, log, merge_env, split_ready, start_script,
+                                      sweep_stale_dirs)
+from clawfast.sandbox.result import RunResult
+from clawfast.sandbox.spec import HOMEDIR, PROXYDIR, WORKDIR, SandboxSpec, rlimit_enforced
+from clawfast.sandbox.view import SYSTEM_PATHS, RootView
 
-KILL_GRACE_S = 5.0
-# What setpriv needs to drop to the sandbox user and empty the bounding set; all of it is gone once the
-# command runs (a change of every uid away from 0 clears the capabilities).
-_SWITCH_CAPS = ("CAP_SETUID", "CAP_SETGID", "CAP_SETPCAP")
+
+class BwrapSandbox(Sandbox):
+    def __init__(self, backend: BwrapBackend, spec: SandboxSpec) -> None:
+        super().__init__(backend, spec)
+        self.workdir = spec.workdir or WORKDIR
+        # The directory rebuilt to make room for the workdir, or None (`room_for`). Checked before
+        # anything exists on the host, so a refused workdir leaves nothing to clean up.
+        self.room = room_for(self.workdir, backend.view)
+        self.home = HOMEDIR
+        self.hostdir: HostDir | None = None
+        self.enforced: dict[str, str] = {"wall": "SIGKILL of the PID namespace at the timeout"}
+        if backend.as_root:
+            self.enforced["user"] = f"uid {backend.owner[0]} via setpriv"
+        else:
+            self.enforced["user"] = f"the calling user (uid {os.getuid()}) in a user namespace"
+        self.cgroup: Cgroup | None = None
+        self._argv: list[str] = []
+        self._counter = itertools.count()
+        self._running: dict[int, tuple[subprocess.Popen, StatusPipe]] = {}
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.hostdir = HostDir(self.spec, self.backend.base_dir, self.backend.forwarder, owner=self.backend.owner)
+        self.host_workdir = self.hostdir.workspace
+        self.host_home = self.hostdir.home
+        if self.hostdir.quota is not None:
+            self.enforced["disk"] = f"tmpfs of {self.hostdir.quota} bytes (workspace and home; /tmp, /dev/shm each)"
+        if self.backend.use_cgroup:
+            self.cgroup = Cgroup.create(self.spec.limits, self.backend.cgroups)
+            if self.cgroup is not None:
+                self.enforced.update(self.cgroup.enforced)
+        self.enforced.update(rlimit_enforced(self.spec.limits))
+        self._argv = self._launch_argv(forwarders=True)
+        if self.backend.probe:
+            # The probe checks that bwrap starts with these mounts and namespaces and that socat
+            # exists, without starting the forwarders (they start with every run anyway): with them,
+            # create+destroy with a port allowed cost 30-50 ms more in bench/bench_sandbox.py. Nor
+            # does it join the cgroup, whose limits are no part of that check: on an idle host a
+            # cgroup v1 attach waits for an RCU grace period, 10-20 ms here (bench/RESULTS.md).
+            result = self._run(self._launch_argv(forwarders=False, join_cgroup=False), ["true"], None, 30, None)
+            if result.exit_code != 0:
+                raise SandboxError(f"sandbox probe failed: {result}")
+
+    def _launch_argv(self, *, forwarders: bool, join_cgroup: bool = True) -> list[str]:
+        """The command line that starts one run of this sandbox (its command comes after it). `forwarders`:
+        start the proxy forwarders inside; `join_cgroup`: join the sandbox's cgroup first."""
+        spec, room, view, backend = self.spec, self.room, self.backend.view, self.backend
+        disk = spec.limits.disk_bytes
+        sized = ["--size", str(disk)] if disk is not None else []
+        argv = [backend.bwrap] + view.system_argv
+        argv += ["--dev", "/dev", "--proc", "/proc"]
+        argv += ["--perms", "1777", *sized, "--tmpfs", "/tmp", "--perms", "1777", *sized, "--tmpfs", "/dev/shm"]
+        argv += ["--tmpfs", "/run"]
+        if room is not None:
+            argv += ["--perms", mode_of(room), "--tmpfs", room] + copy_of(room)
+        # After the rebuilt room, so that what it re-exposes of these stays covered.
+        hidden = (backend.base_dir, *backend.hide_paths, *spec.hide_paths)
+        # bwrap cannot make a mount point in a read-only bind, and a missing path hides nothing.
+        argv += [arg for path in hidden if view.shows(path) and os.path.isdir(path) for arg in ("--tmpfs", path)]
+        argv += view.cover_argv
+        # bwrap would make the missing parents of a mount point mode 0700 (root's): the user could
+        # not reach what is mounted there.
+        for path in parents_to_make([self.workdir, *spec.ro_binds.values()], view):
+            argv += ["--perms", "0755", "--dir", path]
+        argv += ["--bind", self.hostdir.workspace, self.workdir, "--bind", self.hostdir.home, HOMEDIR]
+        if spec.allow_ports:
+            argv += ["--ro-bind", self.hostdir.proxy, PROXYDIR]
+        for host_path, target in spec.ro_binds.items():
+            argv += ["--ro-bind", os.path.abspath(host_path), target]
+        if room is not None:
+            # Read-only like the host directory it stands for; not recursive, so what is mounted in
+            # it stays as it is.
+            argv += ["--remount-ro", room]
+        argv += ["--remount-ro", "/"]
+        if backend.as_root:
+            # No user namespace: it would map the sandbox's uid to root's; setpriv switches instead.
+            argv += ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"]
+        else:
+            argv += ["--unshare-all"]
+        argv += ["--die-with-parent", "--new-session", "--cap-drop", "ALL"]
+        chdir = self.workdir if backend.as_root else None
+        inner = ["/bin/sh", "-c", start_script(spec, backend.socat or "socat", forwarders, chdir), "sh"]
+        if backend.as_root:
+            argv += [arg for cap in SWITCH_CAPS for arg in ("--cap-add", cap)]
+            uid, gid = backend.owner
+            inner = [
+                backend.setpriv, f"--reuid={uid}", f"--regid={gid}", "--clear-groups",
+                "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", "--",
+            ] + inner  # fmt: skip
+        argv += ["--hostname", "sandbox"] + ([] if backend.as_root else ["--chdir", self.workdir]) + ["--"] + inner
+        if self.cgroup is not None and join_cgroup:
+            # Join the cgroup before bwrap exists, so no sandbox process is ever outside it.
+            joins = " && ".join(f"echo $$ > {shlex.quote(p)}" for p in self.cgroup.procs_files)
+            argv = ["/bin/sh", "-c", joins + ' && exec "$@"', "sh"] + argv
+        return argv
+
+    def _in_flight(self) -> list[tuple[subprocess.Popen, StatusPipe]]:
+        return list(self._running.values())
+
+    def _stop(self, in_flight: list[tuple[subprocess.Popen, StatusPipe]]) -> None:
+        for proc, status in in_flight:
+            kill_tree(proc, status, self.cgroup)
+        if self.cgroup is not None:
+            self.cgroup.destroy()
+
+    def _remove(self) -> None:
+        if self.hostdir is not None:
+            self.hostdir.close()
+
+    # -- commands ------------------------------------------------------------------------------
+
+    def _run_command(
+        self, argv: list[str], env: Mapping[str, str] | None, timeout: float, stdin: bytes | None
+    ) -> RunResult:
+        return self._run(self._argv, argv, env, timeout, stdin)
+
+    def _run(
+        self, bwrap_argv: list[str], argv: list[str], env: Mapping[str, str] | None, timeout: float, stdin: bytes | None
+    ) -> RunResult:
+        full_env = merge_env(self.spec, env)
+        with self._lock:
+            if self._closed:
+                raise SandboxError("sandbox is closed")
+            n = next(self._counter)
+        try:
+            self.hostdir.hand_over()
+        except OSError as exc:
+            raise SandboxError(f"cannot hand the workspace to the sandbox user: {exc}") from exc
+        stdin_path = os.path.join(self.hostdir.dir, f"run{n}.in")
+        status_r, status_w = os.pipe()
+        argv_full = list(bwrap_argv)
+        # bwrap writes {"child-pid": N} (the namespace's init, as the host sees it) to this fd.
+        i = argv_full.index("--die-with-parent")
+        argv_full[i:i] = ["--json-status-fd", str(status_w)]
+        capture = Capture(self.spec.limits.max_output_bytes)
+        try:
+            stdin_f = None
+            if stdin is not None:
+                stdin_f = open(stdin_path, "wb+")
+                stdin_f.write(stdin)
+                stdin_f.seek(0)
+            t0 = time.monotonic()
+            # Started and registered under the lock that close() takes: a close() in between would
+            # find nothing to kill and the cgroup still empty, while the launcher joined it a moment
+            # later and outlived the sandbox.
+            with self._lock:
+                try:
+                    if self._closed:
+                        raise SandboxError("sandbox is closed")
+                    proc = subprocess.Popen(
+                        argv_full + argv,
+                        stdin=stdin_f if stdin_f is not None else subprocess.DEVNULL,
+                        stdout=capture.out_w,
+                        stderr=capture.err_w,
+                        env=full_env,
+                        pass_fds=(status_w,),
+                        start_new_session=True,
+                    )
+                except OSError as exc:
+                    raise SandboxError(f"cannot start bwrap: {exc}") from exc
+                finally:
+                    os.close(status_w)
+                    capture.close_write_ends()
+                    if stdin_f is not None:
+                        stdin_f.close()
+                status = StatusPipe(status_r)
+                self._running[n] = (proc, status)
+            try:
+                timed_out = not capture.pump_until_exit(proc, t0 + timeout)
+                with self._lock:
+                    # The cgroup holds every run of the sandbox: kill through it only when this run is
+                    # the only one, else the PID namespace's init (this run's alone) does it.
+                    alone = len(self._running) == 1
+                cgroup = self.cgroup if alone else None
+                if timed_out:
+                    kill_tree(proc, status, cgroup)
+                wait_namespace_gone(status, cgroup)
+                capture.drain(time.monotonic() + KILL_GRACE_S)
+            finally:
+                with self._lock:
+                    self._running.pop(n, None)
+            duration = time.monotonic() - t0
+            returncode = proc.returncode
+        finally:
+            os.close(status_r)
+            capture.close()
+            try:
+                os.unlink(stdin_path)
+            except FileNotFoundError:
+                pass
+        stdout, stdout_trunc = capture.result(capture.out_r)
+        ready, stderr = split_ready(bytes(capture.data[capture.err_r]))
+        cap = self.spec.limits.max_output_bytes
+        stderr, stderr_trunc = stderr[:cap], len(stderr) > cap or capture.dropped[capture.err_r] > 0
+        if self._closed:
+            raise SandboxError("sandbox was closed while the command ran")
+        if returncode is not None and returncode < 0 and not timed_out:
+            raise SandboxError(f"bwrap was killed by signal {-returncode}; stderr: {stderr[-2000:]!r}")
+        if not ready and not timed_out:
+            raise SandboxError(f"sandbox failed to start (exit {returncode}): {stderr[-2000:].decode(errors='replace')}")
+        return RunResult(
+            exit_code=None if timed_out else returncode,
+            stdout=stdout,
+            stderr=stderr,
+            timed_out=timed_out,
+            duration_s=duration,
+            stdout_truncated=stdout_trunc,
+            stderr_truncated=stderr_trunc,
+        )
 
 
 class BwrapBackend(ForwardingBackend):
@@ -116,6 +301,7 @@ class BwrapBackend(ForwardingBackend):
     """
 
     name = "bwrap"
+    sandbox_type = BwrapSandbox
 
     def __init__(
         self,
@@ -167,467 +353,6 @@ class BwrapBackend(ForwardingBackend):
             raise
         super().__init__()
 
-    def create(self, spec: SandboxSpec) -> BwrapSandbox:
-        self._check_can_create(spec)
+    def _check_spec(self, spec: SandboxSpec) -> None:
         if spec.allow_ports and self.socat is None:
             raise SandboxError("allow_ports needs socat inside the sandbox (Debian: apt-get install socat)")
-        sandbox = BwrapSandbox(self, spec)
-        self._start_tracked(sandbox, sandbox.start)
-        return sandbox
-
-    def close(self) -> None:
-        if not self._close_live():
-            return
-        self._close_forwarder()
-        shutil.rmtree(self.base_dir, ignore_errors=True)
-
-
-class BwrapSandbox(Sandbox):
-    def __init__(self, backend: BwrapBackend, spec: SandboxSpec) -> None:
-        self.backend = backend
-        self.spec = spec
-        self.workdir = spec.workdir or WORKDIR
-        # Checked before anything exists on the host, so a refused workdir leaves nothing to clean up.
-        self._room = _room_for(self.workdir, backend.view)
-        self.home = HOMEDIR
-        self.hostdir: HostDir | None = None
-        self.enforced: dict[str, str] = {"wall": "SIGKILL of the PID namespace at the timeout"}
-        if backend.as_root:
-            self.enforced["user"] = f"uid {backend.owner[0]} via setpriv"
-        else:
-            self.enforced["user"] = f"the calling user (uid {os.getuid()}) in a user namespace"
-        self.cgroup: Cgroup | None = None
-        self._argv: list[str] = []
-        self._counter = itertools.count()
-        self._closed = False
-        self._lock = threading.Lock()
-        self._running: dict[int, tuple[subprocess.Popen, _Status]] = {}
-
-    # -- lifecycle -----------------------------------------------------------------------------
-
-    def start(self) -> None:
-        self.hostdir = HostDir(self.spec, self.backend.base_dir, self.backend.forwarder, owner=self.backend.owner)
-        self.host_workdir = self.hostdir.workspace
-        self.host_home = self.hostdir.home
-        if self.hostdir.quota is not None:
-            self.enforced["disk"] = f"tmpfs of {self.hostdir.quota} bytes (workspace and home; /tmp, /dev/shm each)"
-        if self.backend.use_cgroup:
-            self.cgroup = Cgroup.create(self.spec.limits, self.backend.cgroups)
-            if self.cgroup is not None:
-                self.enforced.update(self.cgroup.enforced)
-        self.enforced.update(rlimit_enforced(self.spec.limits))
-        self._argv = self._bwrap_argv(forwarders=True)
-        if self.backend.probe:
-            # The probe checks that bwrap starts with these mounts and namespaces and that socat
-            # exists, without starting the forwarders (they start with every run anyway): with them,
-            # create+destroy with a port allowed cost 30-50 ms more in bench/bench_sandbox.py. Nor
-            # does it join the cgroup, whose limits are no part of that check: on an idle host a
-            # cgroup v1 attach waits for an RCU grace period, 10-20 ms here (bench/RESULTS.md).
-            result = self._run(self._bwrap_argv(forwarders=False, join_cgroup=False), ["true"], None, 30, None)
-            if result.exit_code != 0:
-                raise SandboxError(f"sandbox probe failed: {result}")
-
-    def _bwrap_argv(self, forwarders: bool, join_cgroup: bool = True) -> list[str]:
-        spec, room, view, backend = self.spec, self._room, self.backend.view, self.backend
-        disk = spec.limits.disk_bytes
-        sized = ["--size", str(disk)] if disk is not None else []
-        argv = [backend.bwrap] + view.system_argv
-        argv += ["--dev", "/dev", "--proc", "/proc"]
-        argv += ["--perms", "1777", *sized, "--tmpfs", "/tmp", "--perms", "1777", *sized, "--tmpfs", "/dev/shm"]
-        argv += ["--tmpfs", "/run"]
-        if room is not None:
-            argv += ["--perms", _mode_of(room), "--tmpfs", room] + _copy_of(room)
-        # After the rebuilt room, so that what it re-exposes of these stays covered.
-        hidden = (backend.base_dir, *backend.hide_paths, *spec.hide_paths)
-        # bwrap cannot make a mount point in a read-only bind, and a missing path hides nothing.
-        argv += [arg for path in hidden if view.shows(path) and os.path.isdir(path) for arg in ("--tmpfs", path)]
-        argv += view.cover_argv
-        # bwrap would make the missing parents of a mount point mode 0700 (root's): the user could
-        # not reach what is mounted there.
-        for path in _parents_to_make([self.workdir, *spec.ro_binds.values()], view):
-            argv += ["--perms", "0755", "--dir", path]
-        argv += ["--bind", self.hostdir.workspace, self.workdir, "--bind", self.hostdir.home, HOMEDIR]
-        if spec.allow_ports:
-            argv += ["--ro-bind", self.hostdir.proxy, PROXYDIR]
-        for host_path, target in spec.ro_binds.items():
-            argv += ["--ro-bind", os.path.abspath(host_path), target]
-        if room is not None:
-            # Read-only like the host directory it stands for; not recursive, so what is mounted in
-            # it stays as it is.
-            argv += ["--remount-ro", room]
-        argv += ["--remount-ro", "/"]
-        if backend.as_root:
-            # No user namespace: it would map the sandbox's uid to root's; setpriv switches instead.
-            argv += ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"]
-        else:
-            argv += ["--unshare-all"]
-        argv += ["--die-with-parent", "--new-session", "--cap-drop", "ALL"]
-        chdir = self.workdir if backend.as_root else None
-        inner = ["/bin/sh", "-c", start_script(spec, backend.socat or "socat", forwarders, chdir), "sh"]
-        if backend.as_root:
-            argv += [arg for cap in _SWITCH_CAPS for arg in ("--cap-add", cap)]
-            uid, gid = backend.owner
-            inner = [
-                backend.setpriv, f"--reuid={uid}", f"--regid={gid}", "--clear-groups",
-                "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", "--",
-            ] + inner  # fmt: skip
-        argv += ["--hostname", "sandbox"] + ([] if backend.as_root else ["--chdir", self.workdir]) + ["--"] + inner
-        if self.cgroup is not None and join_cgroup:
-            # Join the cgroup before bwrap exists, so no sandbox process is ever outside it.
-            joins = " && ".join(f"echo $$ > {shlex.quote(p)}" for p in self.cgroup.procs_files)
-            argv = ["/bin/sh", "-c", joins + ' && exec "$@"', "sh"] + argv
-        return argv
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            running = list(self._running.values())
-        try:
-            for proc, status in running:
-                _kill_tree(proc, status, self.cgroup)
-            if self.cgroup is not None:
-                self.cgroup.destroy()
-        finally:
-            if self.hostdir is not None:
-                self.hostdir.close()
-            self.backend.forget(self)
-
-    # -- commands ------------------------------------------------------------------------------
-
-    def _run_command(
-        self, argv: list[str], env: Mapping[str, str] | None, timeout: float, stdin: bytes | None
-    ) -> RunResult:
-        return self._run(self._argv, argv, env, timeout, stdin)
-
-    def _run(
-        self, bwrap_argv: list[str], argv: list[str], env: Mapping[str, str] | None, timeout: float, stdin: bytes | None
-    ) -> RunResult:
-        full_env = merge_env(self.spec, env)
-        with self._lock:
-            if self._closed:
-                raise SandboxError("sandbox is closed")
-            n = next(self._counter)
-        try:
-            self.hostdir.hand_over()
-        except OSError as exc:
-            raise SandboxError(f"cannot hand the workspace to the sandbox user: {exc}") from exc
-        stdin_path = os.path.join(self.hostdir.dir, f"run{n}.in")
-        status_r, status_w = os.pipe()
-        argv_full = list(bwrap_argv)
-        # bwrap writes {"child-pid": N} (the namespace's init, as the host sees it) to this fd.
-        i = argv_full.index("--die-with-parent")
-        argv_full[i:i] = ["--json-status-fd", str(status_w)]
-        capture = _Capture(self.spec.limits.max_output_bytes)
-        try:
-            stdin_f = None
-            if stdin is not None:
-                stdin_f = open(stdin_path, "wb+")
-                stdin_f.write(stdin)
-                stdin_f.seek(0)
-            t0 = time.monotonic()
-            # Started and registered under the lock that close() takes: a close() in between would
-            # find nothing to kill and the cgroup still empty, while the launcher joined it a moment
-            # later and outlived the sandbox.
-            with self._lock:
-                try:
-                    if self._closed:
-                        raise SandboxError("sandbox is closed")
-                    proc = subprocess.Popen(
-                        argv_full + argv,
-                        stdin=stdin_f if stdin_f is not None else subprocess.DEVNULL,
-                        stdout=capture.out_w,
-                        stderr=capture.err_w,
-                        env=full_env,
-                        pass_fds=(status_w,),
-                        start_new_session=True,
-                    )
-                except OSError as exc:
-                    raise SandboxError(f"cannot start bwrap: {exc}") from exc
-                finally:
-                    os.close(status_w)
-                    capture.close_write_ends()
-                    if stdin_f is not None:
-                        stdin_f.close()
-                status = _Status(status_r)
-                self._running[n] = (proc, status)
-            try:
-                timed_out = not capture.pump_until_exit(proc, t0 + timeout)
-                with self._lock:
-                    # The cgroup holds every run of the sandbox: kill through it only when this run is
-                    # the only one, else the PID namespace's init (this run's alone) does it.
-                    alone = len(self._running) == 1
-                cgroup = self.cgroup if alone else None
-                if timed_out:
-                    _kill_tree(proc, status, cgroup)
-                _wait_namespace_gone(status, cgroup)
-                capture.drain(time.monotonic() + KILL_GRACE_S)
-            finally:
-                with self._lock:
-                    self._running.pop(n, None)
-            duration = time.monotonic() - t0
-            returncode = proc.returncode
-        finally:
-            os.close(status_r)
-            capture.close()
-            try:
-                os.unlink(stdin_path)
-            except FileNotFoundError:
-                pass
-        stdout, stdout_trunc = capture.result(capture.out_r)
-        ready, stderr = split_ready(bytes(capture.data[capture.err_r]))
-        cap = self.spec.limits.max_output_bytes
-        stderr, stderr_trunc = stderr[:cap], len(stderr) > cap or capture.dropped[capture.err_r] > 0
-        if self._closed:
-            raise SandboxError("sandbox was closed while the command ran")
-        if returncode is not None and returncode < 0 and not timed_out:
-            raise SandboxError(f"bwrap was killed by signal {-returncode}; stderr: {stderr[-2000:]!r}")
-        if not ready and not timed_out:
-            raise SandboxError(f"sandbox failed to start (exit {returncode}): {stderr[-2000:].decode(errors='replace')}")
-        return RunResult(
-            exit_code=None if timed_out else returncode,
-            stdout=stdout,
-            stderr=stderr,
-            timed_out=timed_out,
-            duration_s=duration,
-            stdout_truncated=stdout_trunc,
-            stderr_truncated=stderr_trunc,
-        )
-
-
-def _room_for(workdir: str, view: RootView) -> str | None:
-    """The directory to rebuild so that bwrap can make the mount point `workdir` (see the module
-    docstring): its deepest ancestor that exists on the host, when that lies in a directory the view
-    binds read-only; None when none is needed. ValueError when `workdir` or one of its ancestors there
-    exists on the host as something other than a directory."""
-    if any(workdir.startswith(d + "/") for d in TMPFS_DIRS):
-        return None
-    for link in view.system_paths:
-        if workdir.startswith(link + "/") and link not in view.mounted:
-            raise ValueError(f"SandboxSpec.workdir {workdir!r}: {link!r} is a symbolic link in the sandbox")
-    top = next((p for p in view.mounted if workdir.startswith(p + "/")), None)
-    if top is None:
-        return None  # bwrap makes it in its own root tmpfs
-    existing = top
-    for part in workdir[len(top) + 1:].split("/"):
-        path = os.path.join(existing, part)
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            return existing
-        except OSError as exc:
-            raise SandboxError(f"cannot inspect {path!r} for the workdir {workdir!r}: {exc}") from exc
-        if not stat.S_ISDIR(st.st_mode):
-            raise ValueError(
-                f"SandboxSpec.workdir {workdir!r}: {path!r} exists on the host and is not a directory"
-                " (a symlink is refused too), so the workspace cannot be mounted there"
-            )
-        existing = path
-    return None
-
-
-def _parents_to_make(targets: Sequence[str], view: RootView) -> list[str]:
-    """The ancestors of `targets` that bwrap would make, outermost first, each once: those in its root
-    tmpfs, in a private tmpfs (/tmp, /run) or in a rebuilt room, not those a view directory holds."""
-    out: dict[str, None] = {}
-    for target in targets:
-        for path in ancestors(os.path.dirname(os.path.normpath(target))):
-            if path in TMPFS_DIRS or path in view.system_paths or (view.shows(path) and os.path.isdir(path)):
-                continue  # mounted by the sandbox itself, or present in a view directory
-            out[path] = None
-    return list(out)
-
-
-def _copy_of(directory: str) -> list[str]:
-    """bwrap arguments that show each entry of the host's `directory` at the same path, read-only:
-    directories and files bound (`-try`: an entry removed after this listing is left out rather than
-    failing every run), symlinks recreated, never followed."""
-    argv = []
-    try:
-        for name in sorted(os.listdir(directory)):
-            path = os.path.join(directory, name)
-            if os.path.islink(path):
-                argv += ["--symlink", os.readlink(path), path]
-            else:
-                argv += ["--ro-bind-try", path, path]
-    except OSError as exc:
-        raise SandboxError(f"cannot list {directory!r} to make room for the workdir: {exc}") from exc
-    return argv
-
-
-def _mode_of(directory: str) -> str:
-    try:
-        return f"{stat.S_IMODE(os.stat(directory).st_mode):04o}"
-    except OSError as exc:
-        raise SandboxError(f"cannot stat {directory!r} to make room for the workdir: {exc}") from exc
-
-
-class _Capture:
-    """A run's stdout and stderr through pipes: the first `cap` bytes of each are kept (stderr's after
-    the readiness marker), the rest read and dropped, so that a command printing without end costs
-    the host neither disk nor memory."""
-
-    def __init__(self, cap: int) -> None:
-        self.out_r, self.out_w = os.pipe()
-        self.err_r, self.err_w = os.pipe()
-        self.keep = {self.out_r: cap + 1, self.err_r: cap + 1 + len(READY)}
-        self.data = {self.out_r: bytearray(), self.err_r: bytearray()}
-        self.dropped = {self.out_r: 0, self.err_r: 0}
-        self.cap = cap
-        self._open = {self.out_r, self.err_r}
-        self._writers_closed = False
-
-    def close_write_ends(self) -> None:
-        if not self._writers_closed:
-            os.close(self.out_w)
-            os.close(self.err_w)
-            self._writers_closed = True
-
-    def pump_until_exit(self, proc: subprocess.Popen, deadline: float) -> bool:
-        """Read output until `proc` exits (True; it is reaped) or `deadline` passes (False)."""
-        try:
-            pidfd = os.pidfd_open(proc.pid)
-        except (AttributeError, OSError):  # no pidfd: look at the process every 50 ms
-            pidfd = None
-        try:
-            while True:
-                if self._pump(deadline, pidfd, 50 if pidfd is None else None) or proc.poll() is not None:
-                    proc.wait()
-                    return True
-                if time.monotonic() >= deadline:
-                    return False
-        finally:
-            if pidfd is not None:
-                os.close(pidfd)
-
-    def drain(self, deadline: float) -> None:
-        """Read what is left until every writer is gone (end of file on both pipes) or `deadline`."""
-        while self._open and time.monotonic() < deadline:
-            self._pump(deadline, None, None)
-
-    def _pump(self, deadline: float, pidfd: int | None, tick_ms: int | None) -> bool:
-        """One wait and read; True when `pidfd` turned readable (the process exited)."""
-        poller = select.poll()
-        for fd in self._open:
-            poller.register(fd, select.POLLIN)
-        if pidfd is not None:
-            poller.register(pidfd, select.POLLIN)
-        wait_ms = max(0.0, deadline - time.monotonic()) * 1000
-        exited = False
-        for fd, _ in poller.poll(wait_ms if tick_ms is None else min(wait_ms, tick_ms)):
-            if fd == pidfd:
-                exited = True
-                continue
-            chunk = os.read(fd, 1 << 16)
-            if not chunk:
-                self._open.discard(fd)
-                continue
-            room = self.keep[fd] - len(self.data[fd])
-            self.data[fd] += chunk[:max(room, 0)]
-            self.dropped[fd] += max(len(chunk) - max(room, 0), 0)
-        return exited
-
-    def result(self, fd: int) -> tuple[bytes, bool]:
-        data = bytes(self.data[fd])
-        return data[: self.cap], len(data) > self.cap or self.dropped[fd] > 0
-
-    def close(self) -> None:
-        self.close_write_ends()
-        for fd in (self.out_r, self.err_r):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-
-
-class _Status:
-    """bwrap's --json-status-fd pipe: `{"child-pid": N}` (the PID namespace's init, as the host sees
-    it) arrives right after bwrap forks it."""
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-        self._pid: int | None = None
-        self._buf = b""
-        os.set_blocking(fd, False)
-
-    def child_pid(self) -> int | None:
-        if self._pid is None:
-            try:
-                while chunk := os.read(self.fd, 65536):
-                    self._buf += chunk
-            except (BlockingIOError, OSError):
-                pass
-            for line in self._buf.decode(errors="replace").splitlines():
-                try:
-                    obj = json.loads(line)
-                except ValueError:
-                    continue
-                if isinstance(obj, dict) and isinstance(obj.get("child-pid"), int):
-                    self._pid = obj["child-pid"]
-        return self._pid
-
-
-def _kill_tree(proc: subprocess.Popen, status: _Status, cgroup: Cgroup | None) -> None:
-    """Kill everything a run started and reap bwrap: SIGKILL to the namespace's init makes the kernel
-    kill every other process of the namespace."""
-    pid = status.child_pid()
-    if pid is not None:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    if cgroup is not None:
-        cgroup.kill_all()
-    if not wait_exit(proc, KILL_GRACE_S if pid is not None else 0.05):
-        # No init pid known (killed before bwrap reported it): kill bwrap, --die-with-parent does the rest.
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
-
-
-def _wait_namespace_gone(status: _Status, cgroup: Cgroup | None) -> None:
-    """Return once no process of the run's namespace is left.
-
-    bwrap exits as soon as the command does; only then does its init get SIGKILL (--die-with-parent)
-    and the kernel kill the rest of the namespace, a moment later (seen: background processes still
-    alive right after bwrap was reaped). The init becomes a zombie only after every other process of
-    its namespace is gone, so waiting for the init to exit (a pidfd turns readable) is exactly enough."""
-    if cgroup is not None:
-        cgroup.kill_all(KILL_GRACE_S)
-    pid = status.child_pid()
-    if pid is None:
-        return
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return  # already exited and reaped
-    except (AttributeError, OSError):
-        _poll_gone(pid)
-        return
-    try:
-        poller = select.poll()
-        poller.register(fd, select.POLLIN)
-        if not poller.poll(KILL_GRACE_S * 1000):
-            os.kill(pid, signal.SIGKILL)  # PDEATHSIG did not do it: do it here
-            poller.poll(KILL_GRACE_S * 1000)
-    finally:
-        os.close(fd)
-
-
-def _poll_gone(pid: int) -> None:
-    deadline = time.monotonic() + KILL_GRACE_S
-    while time.monotonic() < deadline:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
-                    return
-        except (FileNotFoundError, ProcessLookupError):
-            return
-        time.sleep(0.001)

@@ -34,7 +34,8 @@ import signal
 import time
 from dataclasses import dataclass, field
 
-from clawfast.sandbox.base import Limits, SandboxError
+from clawfast.sandbox.base import SandboxError
+from clawfast.sandbox.spec import Limits
 
 CGROUP_ROOT = "/sys/fs/cgroup"
 # Limit name (as in Sandbox.enforced) -> controller.

@@ -30,25 +30,13 @@ Not guaranteed: anything about images (pulling is the caller's business: nothing
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import tempfile
 import threading
 import time
 from collections.abc import Mapping
 
-from clawfast.sandbox.base import (
-    HOMEDIR,
-    PROXYDIR,
-    SANDBOX_UID,
-    WORKDIR,
-    RunResult,
-    Sandbox,
-    SandboxError,
-    SandboxSpec,
-    capped_result,
-    rlimit_enforced,
-)
+from clawfast.sandbox.base import SANDBOX_UID, Sandbox, SandboxError
 from clawfast.sandbox.hostdir import (
     ForwardingBackend,
     HostDir,
@@ -57,6 +45,8 @@ from clawfast.sandbox.hostdir import (
     start_script,
     sweep_stale_dirs,
 )
+from clawfast.sandbox.result import RunResult, capped_result
+from clawfast.sandbox.spec import HOMEDIR, PROXYDIR, WORKDIR, SandboxSpec, rlimit_enforced
 from clawfast.sandbox.view import ancestors, identity_files
 
 LABEL = "clawfast.sandbox.owner"
@@ -78,85 +68,9 @@ def connect(timeout: float = 5.0):
     return client
 
 
-class DockerBackend(ForwardingBackend):
-    """Options: image (must exist locally), base_dir (host dir for workspaces), probe (run `true`
-    in each new container so `create` fails rather than the first command), uid (the uid and gid
-    commands run as when this process is root)."""
-
-    name = "docker"
-
-    def __init__(
-        self, *, image: str = "debian:bookworm-slim", base_dir: str | None = None, probe: bool = True,
-        uid: int = SANDBOX_UID,
-    ) -> None:  # fmt: skip
-        if not isinstance(uid, int) or isinstance(uid, bool) or not 0 < uid < 2**32 - 1:
-            raise ValueError(f"uid must be a non-zero host uid, got {uid!r}")
-        self.client = connect()
-        # What an owner killed before close() left: its containers (the label names its pid) first,
-        # then its directories and quota mounts.
-        _remove_stale_containers(self.client)
-        sweep_stale_dirs(base_dir, "clawfast-docker-")
-        self.image = image
-        self.probe = probe
-        as_root = os.geteuid() == 0
-        self.user = (uid, uid) if as_root else (os.getuid(), os.getgid())
-        self.user_spec = f"{self.user[0]}:{self.user[1]}"
-        # Who to hand the workspace to (nothing to hand over when commands run as this user).
-        self.owner = self.user if as_root else None
-        self.base_dir = tempfile.mkdtemp(prefix=f"clawfast-docker-{os.getpid()}-", dir=base_dir)
-        view = os.path.join(self.base_dir, "view")
-        os.mkdir(view)
-        self.passwd, self.group = identity_files(view, *self.user)
-        self._closed_dirs: dict[tuple[str, ...], list[str]] = {}
-        super().__init__()
-
-    def closed_dirs(self, targets: tuple[str, ...]) -> list[str]:
-        """The outermost directories of the image, among the ancestors of `targets` (the workspace's
-        and ro_binds' mount points), that the sandbox's user cannot enter (e.g. /root, mode 0700).
-        Each is covered by an empty directory it can enter, so that what is mounted below is reachable;
-        nothing the user could reach is lost. Asked of the image once per set of targets (a short
-        container)."""
-        from docker.errors import DockerException
-
-        if targets not in self._closed_dirs:
-            # /tmp and /run are the container's own tmpfs, open to all.
-            parents = sorted({a for t in targets for a in ancestors(os.path.dirname(t)) if a.split("/")[1] not in ("tmp", "run")})
-            if not parents:
-                self._closed_dirs[targets] = []
-                return []
-            script = 'for p in "$@"; do [ ! -e "$p" ] || [ -x "$p" ] || echo "$p"; done'
-            try:
-                out = self.client.containers.run(
-                    self.image, ["/bin/sh", "-c", script, "sh", *parents], user=self.user_spec,
-                    network_mode="none", remove=True, cap_drop=["ALL"], security_opt=["no-new-privileges"],
-                )  # fmt: skip
-            except DockerException as exc:
-                raise SandboxError(f"cannot inspect {self.image!r} for the mount points {targets}: {exc}") from exc
-            closed: list[str] = []
-            for path in out.decode().split():
-                if not any(path.startswith(c + "/") for c in closed):
-                    closed.append(path)
-            self._closed_dirs[targets] = closed
-        return self._closed_dirs[targets]
-
-    def create(self, spec: SandboxSpec) -> DockerSandbox:
-        self._check_can_create(spec)
-        sandbox = DockerSandbox(self, spec)
-        self._start_tracked(sandbox, sandbox.start)
-        return sandbox
-
-    def close(self) -> None:
-        if not self._close_live():
-            return
-        self._close_forwarder()
-        shutil.rmtree(self.base_dir, ignore_errors=True)
-        self.client.close()
-
-
 class DockerSandbox(Sandbox):
     def __init__(self, backend: DockerBackend, spec: SandboxSpec) -> None:
-        self.backend = backend
-        self.spec = spec
+        super().__init__(backend, spec)
         self.workdir = spec.workdir or WORKDIR
         self.home = HOMEDIR
         self.hostdir: HostDir | None = None
@@ -170,8 +84,6 @@ class DockerSandbox(Sandbox):
         self.enforced.update(rlimit_enforced(spec.limits))
         if spec.limits.max_processes is None:
             del self.enforced["processes"]
-        self._closed = False
-        self._lock = threading.Lock()
         self._counter = 0
         self._active = 0  # commands running now
         self._init_pid = 0  # the container's init, as the host sees it
@@ -242,10 +154,6 @@ class DockerSandbox(Sandbox):
     def _note_init(self) -> None:
         self.container.reload()
         self._init_pid = self.container.attrs["State"]["Pid"]
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
 
     def _run_command(
         self, argv: list[str], env: Mapping[str, str] | None, timeout: float, stdin: bytes | None
@@ -380,25 +288,88 @@ class DockerSandbox(Sandbox):
                 continue  # gone meanwhile
         return found
 
-    def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        try:
-            if self.container is not None:
-                from docker.errors import DockerException, NotFound
+    def _stop(self, in_flight: list) -> None:
+        # Removing the container ends every command in it: `in_flight` is nothing here.
+        if self.container is not None:
+            from docker.errors import DockerException, NotFound
 
-                try:
-                    self.container.remove(force=True)
-                except NotFound:
-                    pass
-                except DockerException as exc:
-                    raise OSError(f"cannot remove container {self.container.name}: {exc}") from exc
-        finally:
-            if self.hostdir is not None:
-                self.hostdir.close()
-            self.backend.forget(self)
+            try:
+                self.container.remove(force=True)
+            except NotFound:
+                pass
+            except DockerException as exc:
+                raise OSError(f"cannot remove container {self.container.name}: {exc}") from exc
+
+    def _remove(self) -> None:
+        if self.hostdir is not None:
+            self.hostdir.close()
+
+
+class DockerBackend(ForwardingBackend):
+    """Options: image (must exist locally), base_dir (host dir for workspaces), probe (run `true`
+    in each new container so `create` fails rather than the first command), uid (the uid and gid
+    commands run as when this process is root)."""
+
+    name = "docker"
+    sandbox_type = DockerSandbox
+
+    def __init__(
+        self, *, image: str = "debian:bookworm-slim", base_dir: str | None = None, probe: bool = True,
+        uid: int = SANDBOX_UID,
+    ) -> None:  # fmt: skip
+        if not isinstance(uid, int) or isinstance(uid, bool) or not 0 < uid < 2**32 - 1:
+            raise ValueError(f"uid must be a non-zero host uid, got {uid!r}")
+        self.client = connect()
+        # What an owner killed before close() left: its containers (the label names its pid) first,
+        # then its directories and quota mounts.
+        _remove_stale_containers(self.client)
+        sweep_stale_dirs(base_dir, "clawfast-docker-")
+        self.image = image
+        self.probe = probe
+        as_root = os.geteuid() == 0
+        self.user = (uid, uid) if as_root else (os.getuid(), os.getgid())
+        self.user_spec = f"{self.user[0]}:{self.user[1]}"
+        # Who to hand the workspace to (nothing to hand over when commands run as this user).
+        self.owner = self.user if as_root else None
+        self.base_dir = tempfile.mkdtemp(prefix=f"clawfast-docker-{os.getpid()}-", dir=base_dir)
+        view = os.path.join(self.base_dir, "view")
+        os.mkdir(view)
+        self.passwd, self.group = identity_files(view, *self.user)
+        self._closed_dirs: dict[tuple[str, ...], list[str]] = {}
+        super().__init__()
+
+    def closed_dirs(self, targets: tuple[str, ...]) -> list[str]:
+        """The outermost directories of the image, among the ancestors of `targets` (the workspace's
+        and ro_binds' mount points), that the sandbox's user cannot enter (e.g. /root, mode 0700).
+        Each is covered by an empty directory it can enter, so that what is mounted below is reachable;
+        nothing the user could reach is lost. Asked of the image once per set of targets (a short
+        container)."""
+        from docker.errors import DockerException
+
+        if targets not in self._closed_dirs:
+            # /tmp and /run are the container's own tmpfs, open to all.
+            parents = sorted({a for t in targets for a in ancestors(os.path.dirname(t)) if a.split("/")[1] not in ("tmp", "run")})
+            if not parents:
+                self._closed_dirs[targets] = []
+                return []
+            script = 'for p in "$@"; do [ ! -e "$p" ] || [ -x "$p" ] || echo "$p"; done'
+            try:
+                out = self.client.containers.run(
+                    self.image, ["/bin/sh", "-c", script, "sh", *parents], user=self.user_spec,
+                    network_mode="none", remove=True, cap_drop=["ALL"], security_opt=["no-new-privileges"],
+                )  # fmt: skip
+            except DockerException as exc:
+                raise SandboxError(f"cannot inspect {self.image!r} for the mount points {targets}: {exc}") from exc
+            closed: list[str] = []
+            for path in out.decode().split():
+                if not any(path.startswith(c + "/") for c in closed):
+                    closed.append(path)
+            self._closed_dirs[targets] = closed
+        return self._closed_dirs[targets]
+
+    def _release(self) -> None:
+        super()._release()
+        self.client.close()
 
 
 def _remove_stale_containers(client) -> None:

@@ -36,17 +36,10 @@ import stat
 import tempfile
 from collections.abc import Callable, Mapping
 
-from clawfast.sandbox.base import (
-    DEFAULT_PATH,
-    HOMEDIR,
-    PROXYDIR,
-    SandboxBackend,
-    SandboxError,
-    SandboxSpec,
-    check_env_entry,
-    populate,
-)
+from clawfast.sandbox.base import SandboxBackend, SandboxError
 from clawfast.sandbox.forward import HostForwarder, inner_forwarders_script, socat_check
+from clawfast.sandbox.spec import DEFAULT_PATH, HOMEDIR, PROXYDIR, SandboxSpec, check_env_entry
+from clawfast.sandbox.workspace import populate
 
 READY = b"clawfast-sandbox-ready\n"
 log = logging.getLogger("clawfast.sandbox")
@@ -198,7 +191,10 @@ def merge_env(spec: SandboxSpec, env: Mapping[str, str] | None, *, home: str = H
 
 class ForwardingBackend(SandboxBackend):
     """A backend whose sandboxes reach allowed host ports through one shared HostForwarder, started
-    the first time a sandbox needs it and stopped by `_close_forwarder` (bwrap and docker)."""
+    the first time a sandbox needs it (bwrap and docker). `_release` stops it, then removes
+    `base_dir`, the directory the subclass made its sandboxes' directories in."""
+
+    base_dir: str
 
     def __init__(self) -> None:
         super().__init__()
@@ -210,9 +206,10 @@ class ForwardingBackend(SandboxBackend):
                 self._forwarder = HostForwarder()
             return self._forwarder
 
-    def _close_forwarder(self) -> None:
+    def _release(self) -> None:
         if self._forwarder is not None:
             self._forwarder.close()
+        shutil.rmtree(self.base_dir, ignore_errors=True)
 
 
 def start_script(spec: SandboxSpec, socat: str, forwarders: bool = True, chdir: str | None = None) -> str:

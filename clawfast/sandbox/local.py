@@ -14,76 +14,32 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import tempfile
-import threading
 import time
 from collections.abc import Mapping
 
-from clawfast.sandbox.base import (
-    DEFAULT_PATH,
-    RunResult,
-    Sandbox,
-    SandboxBackend,
-    SandboxError,
-    SandboxSpec,
-    capped_result,
-    check_env_entry,
-    populate,
-    rlimit_enforced,
-    wait_exit,
-)
-
-
-class LocalBackend(SandboxBackend):
-    name = "local"
-
-    def __init__(self, *, allow_unsafe: bool = False, base_dir: str | None = None) -> None:
-        if not allow_unsafe:
-            raise ValueError("the local backend does not isolate anything; pass allow_unsafe=True to use it")
-        self.base_dir = tempfile.mkdtemp(prefix=f"clawfast-local-{os.getpid()}-", dir=base_dir)
-        super().__init__()
-
-    def create(self, spec: SandboxSpec) -> LocalSandbox:
-        self._check_can_create(spec)
-        if spec.workdir is not None:
-            # Refused rather than ignored: the task's files and verifier name that absolute path.
-            raise ValueError(
-                f"the local backend cannot put the workspace at workdir {spec.workdir!r} (it has no mount"
-                " namespace); use the bwrap or docker backend"
-            )
-        sandbox = LocalSandbox(self, spec)
-        self._start_tracked(sandbox, sandbox.fill_from_spec)
-        return sandbox
-
-    def close(self) -> None:
-        if not self._close_live():
-            return
-        shutil.rmtree(self.base_dir, ignore_errors=True)
+from clawfast.sandbox.base import Sandbox, SandboxBackend, SandboxError
+from clawfast.sandbox.process import kill_group, wait_exit
+from clawfast.sandbox.result import RunResult, capped_result
+from clawfast.sandbox.spec import DEFAULT_PATH, SandboxSpec, check_env_entry, rlimit_enforced
+from clawfast.sandbox.workspace import populate
 
 
 class LocalSandbox(Sandbox):
     def __init__(self, backend: LocalBackend, spec: SandboxSpec) -> None:
-        self.backend = backend
-        self.spec = spec
+        super().__init__(backend, spec)
         self.dir = tempfile.mkdtemp(prefix=spec.name + "-", dir=backend.base_dir)
         self.host_workdir = self.workdir = os.path.join(self.dir, "ws")
         self.home = self.host_home = os.path.join(self.dir, "home")
         self.enforced = {"wall": "SIGKILL of the process group at the timeout"}
         self.enforced.update(rlimit_enforced(spec.limits))
-        self._closed = False
-        self._lock = threading.Lock()
         self._running: set[subprocess.Popen] = set()
 
-    def fill_from_spec(self) -> None:
-        """Fill the new workspace and home from the spec (`LocalBackend.create` calls it once)."""
+    def start(self) -> None:
+        """Fill the new workspace and home from the spec."""
         populate(self.host_workdir, self.spec.source_dir, self.spec.files)
         populate(self.home, None, self.spec.home_files)
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
 
     def _run_command(
         self, argv: list[str], env: Mapping[str, str] | None, timeout: float, stdin: bytes | None
@@ -120,7 +76,7 @@ class LocalSandbox(Sandbox):
                 timed_out = not wait_exit(proc, timeout)
             finally:
                 # Also after a normal exit: background processes left in the group die with the run.
-                _kill_group(proc)
+                kill_group(proc)
                 with self._lock:
                     self._running.discard(proc)
             duration = time.monotonic() - t0
@@ -135,31 +91,34 @@ class LocalSandbox(Sandbox):
         exit_code = None if timed_out else (128 - code if code < 0 else code)
         return capped_result(exit_code, stdout, stderr, cap, timed_out=timed_out, duration_s=duration)
 
-    def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            running = list(self._running)
-        try:
-            for proc in running:
-                _kill_group(proc)
-        finally:
-            shutil.rmtree(self.dir, ignore_errors=True)
-            self.backend.forget(self)
+    def _in_flight(self) -> list[subprocess.Popen]:
+        return list(self._running)
+
+    def _stop(self, in_flight: list[subprocess.Popen]) -> None:
+        for proc in in_flight:
+            kill_group(proc)
+
+    def _remove(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def _kill_group(proc: subprocess.Popen, timeout: float = 2.0) -> None:
-    """SIGKILL the command's process group and wait (bounded) until no member is left."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(proc.pid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.002)
+class LocalBackend(SandboxBackend):
+    name = "local"
+    sandbox_type = LocalSandbox
+
+    def __init__(self, *, allow_unsafe: bool = False, base_dir: str | None = None) -> None:
+        if not allow_unsafe:
+            raise ValueError("the local backend does not isolate anything; pass allow_unsafe=True to use it")
+        self.base_dir = tempfile.mkdtemp(prefix=f"clawfast-local-{os.getpid()}-", dir=base_dir)
+        super().__init__()
+
+    def _check_spec(self, spec: SandboxSpec) -> None:
+        if spec.workdir is not None:
+            # Refused rather than ignored: the task's files and verifier name that absolute path.
+            raise ValueError(
+                f"the local backend cannot put the workspace at workdir {spec.workdir!r} (it has no mount"
+                " namespace); use the bwrap or docker backend"
+            )
+
+    def _release(self) -> None:
+        shutil.rmtree(self.base_dir, ignore_errors=True)

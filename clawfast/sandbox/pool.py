@@ -35,13 +35,8 @@ from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from clawfast.sandbox.base import (
-    Sandbox,
-    SandboxBackend,
-    SandboxError,
-    SandboxSpec,
-    warm_key,
-)
+from clawfast.sandbox.base import Sandbox, SandboxBackend, SandboxError
+from clawfast.sandbox.spec import SandboxSpec, warm_key
 
 
 @dataclass

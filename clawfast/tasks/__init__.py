@@ -57,7 +57,14 @@ do-nothing solution and scores both.
 from clawfast.tasks.clawgym import load_clawgym
 from clawfast.tasks.mini import clawbench_mini
 from clawfast.tasks.suites import BUILTIN_SUITES, load_suite
-from clawfast.tasks.task import CallableVerifier, CommandVerifier, RewardScriptVerifier, Task, TaskFormatError
+from clawfast.tasks.task import (
+    CallableVerifier,
+    CommandVerifier,
+    RewardScriptVerifier,
+    Task,
+    TaskFormatError,
+    VerifierResult,
+)
 from clawfast.tasks.taskdir import load_task, load_task_dir
 from clawfast.tasks.verify import (
     CommandResult,
@@ -65,7 +72,6 @@ from clawfast.tasks.verify import (
     OracleRun,
     SubprocessRunner,
     TaskCheck,
-    VerifierResult,
     check_task,
     parse_score_line,
     run_commands,

@@ -1,4 +1,6 @@
-"""The `Task` record and its verifier specifications (see the package docstring for the format).
+"""The `Task` record, its verifier specifications (see the package docstring for the format) and
+what a verifier returns (`VerifierResult`: `clawfast.tasks.verify` makes one per run, an in-process
+verifier may return one itself).
 
 Construction validates every field and raises `TaskFormatError` (a `ValueError`) naming the task and
 the bad field, so a malformed task fails when it is loaded, never halfway through a training batch.
@@ -11,10 +13,7 @@ import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import TYPE_CHECKING, Callable, Mapping
-
-if TYPE_CHECKING:
-    from clawfast.tasks.verify import VerifierResult
+from typing import Any, Callable, Mapping
 
 SPLITS = ("train", "eval")
 ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -107,13 +106,36 @@ class CommandVerifier:
         _materialize(self.files, self.directory, dest)
 
 
+@dataclass
+class VerifierResult:
+    """score: in [0, 1] (0.0 whenever status is ``verifier_error``).
+    status: ``ok`` or ``verifier_error``.
+    details: the verifier's own ``details`` object (empty on error).
+    error: why the status is ``verifier_error`` (None when ok).
+    stderr: the tail of the verifier's stderr (at most 8 KiB; empty for in-process verifiers).
+    stdout: on ``verifier_error``, the tail of its stdout (at most 4,096 characters; empty when ok).
+    duration_s: wall time of the verifier run."""
+
+    score: float
+    status: str = "ok"
+    details: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+    stderr: str = ""
+    duration_s: float = 0.0
+    stdout: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"score": self.score, "status": self.status, "details": self.details, "error": self.error,
+                "stderr": self.stderr, "stdout": self.stdout, "duration_s": self.duration_s}
+
+
 @dataclass(frozen=True)
 class CallableVerifier:
     """The in-process form: ``fn(workspace: Path) -> VerifierResult`` (or a bare float score).
     It runs in the caller's process on a copy of the final workspace: no sandbox and no timeout, so
     use it only for trusted checks that read files, never for running the agent's code."""
 
-    fn: Callable[[Path], "VerifierResult | float"]
+    fn: Callable[[Path], VerifierResult | float]
 
     def validate(self, where: str) -> CallableVerifier:
         if not callable(self.fn):
@@ -156,7 +178,7 @@ Verifier = CommandVerifier | CallableVerifier | RewardScriptVerifier
 
 def check_workdir_field(where: str, field_name: str, workdir: str | None) -> str | None:
     """A normalised absolute path other than /. Where a sandbox may mount a workspace is the
-    sandbox's to say (`clawfast.sandbox.base.check_workdir`, when the rollout's sandbox is made)."""
+    sandbox's to say (`clawfast.sandbox.spec.check_workdir`, when the rollout's sandbox is made)."""
     if workdir is not None and (not isinstance(workdir, str) or not workdir.startswith("/") or workdir == "/"
                                 or workdir.startswith("//") or os.path.normpath(workdir) != workdir):
         raise _fail(where, field_name, f"must be a normalised absolute path other than /, got {workdir!r}")

@@ -30,11 +30,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Protocol, Sequence
 
-from clawfast.tasks.task import CallableVerifier, CommandVerifier, RewardScriptVerifier, Task
+from clawfast.tasks.task import CallableVerifier, CommandVerifier, RewardScriptVerifier, Task, VerifierResult
 
 VERIFIER_STATUSES = ("ok", "verifier_error")
 # Enough of a verifier's stderr to see a traceback; bounded so a chatty verifier cannot bloat records.
@@ -44,29 +44,6 @@ STDOUT_TAIL_BYTES = 65536
 KEPT_STDOUT_CHARS = 4096
 # ClawGym's reward payload file, written into the verifier's copy of the workspace.
 PAYLOAD_FILE = ".openclaw_reward_payload.json"
-
-
-@dataclass
-class VerifierResult:
-    """score: in [0, 1] (0.0 whenever status is ``verifier_error``).
-    status: ``ok`` or ``verifier_error``.
-    details: the verifier's own ``details`` object (empty on error).
-    error: why the status is ``verifier_error`` (None when ok).
-    stderr: the tail of the verifier's stderr (at most 8 KiB; empty for in-process verifiers).
-    stdout: on ``verifier_error``, the tail of its stdout (at most 4,096 characters; empty when ok).
-    duration_s: wall time of the verifier run."""
-
-    score: float
-    status: str = "ok"
-    details: dict[str, Any] = field(default_factory=dict)
-    error: str | None = None
-    stderr: str = ""
-    duration_s: float = 0.0
-    stdout: str = ""
-
-    def to_json(self) -> dict[str, Any]:
-        return {"score": self.score, "status": self.status, "details": self.details, "error": self.error,
-                "stderr": self.stderr, "stdout": self.stdout, "duration_s": self.duration_s}
 
 
 @dataclass

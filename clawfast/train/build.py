@@ -12,7 +12,7 @@ from typing import Sequence
 import torch
 
 from clawfast.engines.base import Engine, Sampling
-from clawfast.rollout import OnRay, RolloutService
+from clawfast.rollout import HarnessConfig, OnRay, ProxyConfig, RolloutService, SandboxConfig, SchedulingConfig
 from clawfast.train.config import EngineConfig, RunConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -131,16 +131,21 @@ def rollout_sampling(config: RunConfig, temperature: float) -> Sampling:
 def rollout_service(config: RunConfig, engine: Engine | str, model_dir: Path, records_dir: Path, *,
                     logs_dir: Path | None = None, concurrency: int | None = None, max_turns: int | None = None,
                     oracle_tasks: Sequence = (), on_ray: bool | None = None) -> RolloutService:
-    """The run's `RolloutService` over `engine` (``"oracle"``: the cold start's scripted oracle).
-    concurrency / max_turns: instead of ``rollout.concurrency`` / ``rollout.harness_max_turns``.
-    on_ray: run on the cluster of ``distributed`` (default: when ``distributed.rollouts = "ray"``)."""
+    """The run's `RolloutService` over `engine` (``"oracle"``: the cold start's scripted oracle): the
+    one place a run's config becomes the service's settings. concurrency / max_turns: instead of
+    ``rollout.concurrency`` / ``rollout.harness_max_turns``. on_ray: run on the cluster of
+    ``distributed`` (default: when ``distributed.rollouts = "ray"``)."""
     rc, e = config.rollout, config.engine
     if on_ray is None:
         on_ray = config.distributed.rollouts == "ray"
     ray = OnRay(config.distributed.ray_address, config.tasks.suite, config.tasks.suite_seed) if on_ray else None
+    # ``engine.max_tokens`` is both the cap and the budget of a call that names none: a harness may
+    # ask for less, never for more.
+    proxy = ProxyConfig(max_tokens_cap=e.max_tokens, default_max_tokens=e.max_tokens, max_model_len=e.max_model_len)
     return RolloutService(
-        engine, model_dir, records_dir=records_dir, harnesses=harness_options(config, max_turns=max_turns),
-        sandbox=rc.sandbox, concurrency=concurrency or rc.concurrency, timeout_s=rc.timeout_s, logs_dir=logs_dir,
-        max_tokens_cap=e.max_tokens, default_max_tokens=e.max_tokens, max_model_len=e.max_model_len, ray=ray,
+        engine, model_dir, records_dir=records_dir, proxy=proxy,
+        harnesses=HarnessConfig(harness_options(config, max_turns=max_turns), timeout_s=rc.timeout_s,
+                                logs_dir=logs_dir),
+        sandbox=SandboxConfig(rc.sandbox), scheduling=SchedulingConfig(concurrency or rc.concurrency, ray=ray),
         oracle_tasks=oracle_tasks,
     )  # fmt: skip

@@ -75,15 +75,15 @@ def capture_demonstrations(config: RunConfig, model_dir: Path, tasks: list, reco
         return service.run([RolloutSpec(t, harness_name, 0) for t in tasks], on_result=on_result)
 
 
-def sft_epoch(policy, optimizer: torch.optim.Optimizer, demos: list[RolloutResult], *, max_tokens: int,
-              batch_rollouts: int, rng: np.random.Generator, max_grad_norm: float | None = 1.0,
-              scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+def sft_epoch(policy, optimizer: torch.optim.Optimizer, demos: list[RolloutResult], *,
+              micro_batch_tokens: int, batch_rollouts: int, rng: np.random.Generator,
+              max_grad_norm: float | None = 1.0, scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
               on_update=None) -> dict[str, float]:
     """One pass of masked NLL over the demonstrations' generated tokens; returns mean loss and counts
     (`on_update(loss)` after each update).
 
     Each update: the trees of `batch_rollouts` demonstrations, packed into micro-batches of at most
-    `max_tokens` rows; loss = sum over every trainable target of -log p / number of targets
+    `micro_batch_tokens` rows; loss = sum over every trainable target of -log p / number of targets
     (gradients accumulate over the micro-batches, one optimizer step per update)."""
     from clawfast.pack import pack
     from clawfast.tree import build_tree
@@ -94,7 +94,7 @@ def sft_epoch(policy, optimizer: torch.optim.Optimizer, demos: list[RolloutResul
     for start in range(0, len(order), batch_rollouts):
         chunk = [demos[i] for i in order[start:start + batch_rollouts]]
         trees = [build_tree(r.calls) for r in chunk]
-        batches = pack(trees, max_tokens)
+        batches = pack(trees, micro_batch_tokens)
         total = float(sum(b.loss_mask.sum() for b in batches))
         if total == 0:
             continue
@@ -179,8 +179,8 @@ def run_coldstart(config: RunConfig, policy, model_dir: Path, run_dir: Path, *, 
             if view is not None:
                 view.advance(note=f"epoch {epoch + 1}: nll {loss:.3f}")
 
-        m = sft_epoch(policy, optimizer, demos, max_tokens=cs.max_tokens, batch_rollouts=cs.batch_rollouts, rng=rng,
-                      scheduler=scheduler, on_update=on_update)
+        m = sft_epoch(policy, optimizer, demos, micro_batch_tokens=cs.micro_batch_tokens,
+                      batch_rollouts=cs.batch_rollouts, rng=rng, scheduler=scheduler, on_update=on_update)
         m["time_s"] = time.monotonic() - t1
         if logger is not None:
             logger.log("coldstart", 0, {"epoch": epoch + 1, **m, **({"demos": float(len(demos))} if epoch == 0 else {})})

@@ -1,38 +1,25 @@
-"""The training run's configuration: typed sections loaded from TOML and validated on load.
+"""The training run's configuration: `RunConfig` and its typed sections, one pydantic model each.
 
-    config = load_config("examples/quickstart.toml")        # -> RunConfig
-    config = load_config(path, overrides=["steps=3", "rollout.concurrency=2"])
+Every section has ``extra="forbid"``: a misspelt key is an error, never a silent default; a renamed
+key is refused with its new name. Sections are frozen and validated on construction (a `ValueError`
+naming the field). A file becomes a `RunConfig` through `clawfast.train.config_file.load_config`.
 
-Every section is a pydantic model with ``extra="forbid"``: a misspelt key is an error, never a silent
-default. Any problem raises `ConfigError` (a `ValueError`) naming the file and the field, e.g.
-``quickstart.toml: field 'optim.lr': Input should be greater than 0``.
-
-Relative input paths in the file (``model.path``, ``tasks.suite`` when it is a directory or a
-``clawgym:PATH``, ``rollout.recorded_dir``) are resolved against the directory of the TOML file, so a config reads the
-same inputs from any working directory; ``run_dir`` (an output) is relative to the working directory.
-
-Guaranteed: a `RunConfig` that loaded is internally consistent (the cross-field checks at the end of
-`RunConfig`), and `clawfast.train.step.step_config` builds the trainer's `StepConfig` without error. Not
-guaranteed: that the model, harnesses or sandbox backend exist on this machine (checked when the run
-starts, where the error can say how to install them).
+Guaranteed: a `RunConfig` that validated is internally consistent (the cross-field checks at the end of
+`RunConfig`), and `clawfast.train.step_config.step_config` builds the trainer's `StepConfig` without
+error. Not guaranteed: that the model, harnesses or sandbox backend exist on this machine (checked
+when the run starts, where the error can say how to install them).
 """
 
 from __future__ import annotations
 
 import re
-import tomllib
-from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from clawfast.records import STATUSES
 
 HARNESS_NAMES = ("claude-code", "openclaw", "codex", "mini-swe-agent")
-
-
-class ConfigError(ValueError):
-    """A configuration file is malformed; the message names the file and the field."""
 
 
 class _Section(BaseModel):
@@ -53,7 +40,7 @@ class ModelConfig(_Section):
     "torch", "triton", "flex" (FlexAttention; GPU for training) or "sdpa-dense" (the dense
     [N, N] mask: the reference, O(N^2) memory). gradient_checkpointing: recompute each decoder
     layer in the backward pass, so a micro-batch keeps only the layers' inputs instead of all their
-    activations (what long ``optim.max_tokens`` budgets need on a GPU; same gradients).
+    activations (what long ``optim.micro_batch_tokens`` budgets need on a GPU; same gradients).
     device: where a one-process run keeps the policy and the torch engine: "auto" (the first GPU
     when torch sees one, else the CPU), "cpu", "cuda" or "cuda:N"; a GPU named where torch sees none
     stops the run with an error. An FSDP run places each rank on ``cuda:LOCAL_RANK`` itself, so it
@@ -209,7 +196,7 @@ class RolloutSection(_Section):
 
 
 class AlgorithmConfig(_Section):
-    """The algorithm (`clawfast.train.step.StepConfig` extends it with what else a step needs).
+    """The algorithm (`clawfast.train.step_config.StepConfig` extends it with what else a step needs).
 
     name: "grpo" or "ppo". group_by: GRPO groups, "task", "task_harness" or "auto" (by task, or by
     task x harness when several harnesses run). normalize_std: divide GRPO advantages by the
@@ -285,10 +272,19 @@ class AlgorithmConfig(_Section):
         return self
 
 
+def _refuse_renamed_row_budget(raw: Any) -> Any:
+    """The row budget of a packed micro-batch was once ``max_tokens``, the name of ``engine.max_tokens``
+    (one call's output cap): an old config is refused with the new name, never read as the other."""
+    if isinstance(raw, dict) and "max_tokens" in raw:
+        raise ValueError("max_tokens is now micro_batch_tokens (rows per packed micro-batch; "
+                         "engine.max_tokens is one call's output cap)")
+    return raw
+
+
 class OptimConfig(_Section):
-    """AdamW. max_tokens: rows per packed micro-batch; an update accumulates gradients over every
-    micro-batch of its mini-batch and normalises once (exact, whatever the micro-batching), so this
-    is the gradient-accumulation knob. updates_per_step: mini-batches per PPO epoch (the step's
+    """AdamW. micro_batch_tokens: rows per packed micro-batch; an update accumulates gradients over
+    every micro-batch of its mini-batch and normalises once (exact, whatever the micro-batching), so
+    this is the gradient-accumulation knob. updates_per_step: mini-batches per PPO epoch (the step's
     rollouts split into this many parts of whole GRPO groups, one optimizer update each; the name
     predates epochs). ppo_epochs: passes over those mini-batches per RL step, in a seeded order per
     epoch. An RL step thus makes ppo_epochs x updates_per_step optimizer updates on the same prepared
@@ -304,10 +300,15 @@ class OptimConfig(_Section):
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = Field(1e-8, gt=0)
     max_grad_norm: float | None = Field(1.0, gt=0)
-    max_tokens: int = Field(4096, ge=16)
+    micro_batch_tokens: int = Field(4096, ge=16)
     updates_per_step: int = Field(1, ge=1)
     ppo_epochs: int = Field(1, ge=1)
     warmup_updates: int = Field(0, ge=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, raw: Any) -> Any:
+        return _refuse_renamed_row_budget(raw)
 
     @field_validator("betas")
     @classmethod
@@ -322,9 +323,9 @@ class ColdStartConfig(_Section):
 
     suite_seeds: generator seeds of the built-in suite whose *training-split* oracles are replayed
     (the eval-split ids are never used, and a demonstration whose instruction equals an eval task's
-    instruction is dropped). epochs / lr / max_tokens: the SFT. difficulties / categories: demonstrate
-    only tasks of these difficulties / categories (a task's tags; empty: all), so that RL can be
-    shown on tasks no demonstration showed."""
+    instruction is dropped). epochs / lr / micro_batch_tokens (rows per packed micro-batch): the SFT.
+    difficulties / categories: demonstrate only tasks of these difficulties / categories (a task's
+    tags; empty: all), so that RL can be shown on tasks no demonstration showed."""
 
     enabled: bool = False
     suite_seeds: tuple[int, ...] = (0,)
@@ -332,9 +333,14 @@ class ColdStartConfig(_Section):
     categories: tuple[str, ...] = ()
     epochs: int = Field(3, ge=1)
     lr: float = Field(1e-3, gt=0)
-    max_tokens: int = Field(8192, ge=16)
+    micro_batch_tokens: int = Field(8192, ge=16)
     batch_rollouts: int = Field(16, ge=1)
     concurrency: int = Field(4, ge=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, raw: Any) -> Any:
+        return _refuse_renamed_row_budget(raw)
 
 
 class EvalConfig(_Section):
@@ -409,104 +415,3 @@ class RunConfig(_Section):
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
-
-
-# ----------------------------------------------------------------------------------------------
-# Loading
-
-# Inputs resolve against the config file's directory; `run_dir` (an output) against the working directory.
-_PATH_FIELDS = (("model", "path"), ("tasks", "suite"), ("rollout", "recorded_dir"))
-
-
-def _resolve_paths(raw: dict[str, Any], base: Path) -> None:
-    """Make relative paths in `raw` relative to `base` (the TOML file's directory), in place.
-    "embedded" and packaged model names (model) and built-in suite names are names, not paths."""
-    from clawfast.pretrained import MODELS
-    from clawfast.tasks.suites import BUILTIN_SUITES, CLAWGYM
-
-    for keys in _PATH_FIELDS:
-        node = raw
-        for key in keys[:-1]:
-            node = node.get(key) if isinstance(node, dict) else None
-        if not isinstance(node, dict) or not isinstance(node.get(keys[-1]), str):
-            continue
-        value = node[keys[-1]]
-        if keys == ("model", "path") and (value == "embedded" or value in MODELS):
-            continue
-        if keys == ("tasks", "suite") and value in BUILTIN_SUITES:
-            continue
-        if keys == ("tasks", "suite") and value.startswith(CLAWGYM):
-            path, sep, options = value[len(CLAWGYM):].partition("?")
-            if not Path(path).expanduser().is_absolute():
-                node[keys[-1]] = CLAWGYM + str((base / Path(path).expanduser()).resolve()) + sep + options
-            continue
-        if not Path(value).expanduser().is_absolute():
-            node[keys[-1]] = str((base / Path(value).expanduser()).resolve())
-
-
-def _parse_override(item: str) -> tuple[list[str], Any]:
-    """``a.b=value``: the value is parsed as a TOML value, falling back to a bare string."""
-    if "=" not in item:
-        raise ConfigError(f"override {item!r}: expected KEY=VALUE")
-    key, text = item.split("=", 1)
-    keys = key.strip().split(".")
-    if not all(keys):
-        raise ConfigError(f"override {item!r}: empty key")
-    try:
-        value = tomllib.loads(f"v = {text.strip()}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = text.strip()
-    return keys, value
-
-
-def _apply(raw: dict[str, Any], keys: list[str], value: Any) -> None:
-    node = raw
-    for key in keys[:-1]:
-        node = node.setdefault(key, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"override {'.'.join(keys)}: {key!r} is not a section")
-    node[keys[-1]] = value
-
-
-def _describe(exc: ValidationError, source: str) -> ConfigError:
-    lines = []
-    for err in exc.errors():
-        field = ".".join(str(p) for p in err["loc"]) or "<root>"
-        message = err["msg"]
-        if err["type"] == "extra_forbidden":
-            message = "unknown key"
-        lines.append(f"{source}: field {field!r}: {message}")
-    return ConfigError("\n".join(lines))
-
-
-def config_from_dict(raw: dict[str, Any], *, source: str = "<config>", base_dir: str | Path | None = None) -> RunConfig:
-    """Validate a parsed config (paths relative to `base_dir`, default: the working directory)."""
-    raw = _deep_copy(raw)
-    _resolve_paths(raw, Path(base_dir) if base_dir is not None else Path.cwd())
-    try:
-        return RunConfig.model_validate(raw)
-    except ValidationError as exc:
-        raise _describe(exc, source) from None
-
-
-def load_config(path: str | Path, *, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    """Load, override (``section.key=value``, values in TOML syntax) and validate a TOML config."""
-    path = Path(path)
-    try:
-        raw = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such config file") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
-    for item in overrides:
-        keys, value = _parse_override(item)
-        _apply(raw, keys, value)
-    return config_from_dict(raw, source=path.name, base_dir=path.parent)
-
-
-def _deep_copy(raw: Any) -> Any:
-    if isinstance(raw, dict):
-        return {k: _deep_copy(v) for k, v in raw.items()}
-    if isinstance(raw, list):
-        return [_deep_copy(v) for v in raw]
-    return raw

@@ -1,10 +1,8 @@
 """Where a step's rollouts come from: the data order over tasks, the tasks of a split, and the
 rollout sources the loop reads (`HarnessRollouts` through the rollout service, `RecordedRollouts`
 from .cfr files; `clawfast.train.sampled.EngineRollouts` straight from an engine). Every source
-answers ``run(task_ids, harnesses, k, *, sampling, on_result, positions)`` with one result per
-task x harness x sample, task-major, and the seconds it took; `positions` are the data positions of
-the task ids (a source that seeds by position uses them). Any thread may call `run`, and
-several at once (the asynchronous loop runs one group per thread).
+is a `clawfast.train.protocols.RolloutSource`: ``run(task_ids, harnesses, k, *, sampling,
+on_result, positions)`` returns a `Batch`, one result per task x harness x sample, task-major.
 """
 
 from __future__ import annotations
@@ -12,7 +10,6 @@ from __future__ import annotations
 import copy
 import time
 from collections import defaultdict
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -22,6 +19,7 @@ from clawfast.engines.base import Sampling
 from clawfast.records import RolloutResult, read_rollouts
 from clawfast.rollout import RolloutService, make_specs
 from clawfast.train.config import RunConfig
+from clawfast.train.protocols import Batch
 
 
 class TaskSampler:
@@ -57,14 +55,6 @@ def load_tasks(config: RunConfig, split: str, difficulties: Sequence[str] = (), 
     if categories:
         tasks = [t for t in tasks if t.tags.get("category") in categories]
     return {t.id: t for t in tasks}
-
-
-@dataclass(frozen=True)
-class Batch:
-    """What a source returns for one step: the results, in spec order, and the seconds it took."""
-
-    results: list[RolloutResult]
-    seconds: float
 
 
 class RecordedRollouts:

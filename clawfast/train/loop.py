@@ -19,7 +19,7 @@ Per step:
    or by task x harness in a mixed-harness run.
 4. **Sync.** The weight version is bumped and the policy's weights pushed to the engine
    (`Engine.update_weights`); every CallRecord carries the version that sampled it.
-5. **Log** (`clawfast.train.metrics`), **checkpoint** every ``checkpoint.interval`` steps and at the
+5. **Log** (`clawfast.train.metrics_log`), **checkpoint** every ``checkpoint.interval`` steps and at the
    end (`clawfast.train.checkpoint`), **evaluate** on the eval split when configured.
 
 **Asynchronous** (``algorithm.max_staleness = k``; unset: the synchronous schedule above): a
@@ -80,7 +80,11 @@ from clawfast.train.config import RunConfig
 from clawfast.train.data import HarnessRollouts, RecordedRollouts, TaskSampler, load_tasks
 from clawfast.train.distributed import make_trainer, train_sharded
 from clawfast.train.producer import RolloutProducer
-from clawfast.train.metrics import MetricsLogger, ProgressView, metrics_by_tag, plot_run, rollout_metrics
+from clawfast.train.metrics import metrics_by_tag, rollout_metrics
+from clawfast.train.metrics_log import MetricsLogger
+from clawfast.train.plot import plot_run
+from clawfast.train.progress import ProgressView
+from clawfast.train.protocols import RolloutSource, Trainer
 from clawfast.train.report import coldstart_line, eval_line, pass_at_1, step_line
 
 
@@ -229,7 +233,7 @@ def _warn_if_not_held_out(train_tasks: dict, eval_tasks: dict, suite: str) -> No
               file=sys.stderr, flush=True)
 
 
-def run_eval(source, config: RunConfig, eval_tasks: dict, on_result=None) -> dict[str, float]:
+def run_eval(source: RolloutSource, config: RunConfig, eval_tasks: dict, on_result=None) -> dict[str, float]:
     """pass@1 and mean reward of `eval_tasks` at the eval's sampling: overall, per harness, and per
     difficulty, category and task. `on_result` gets each rollout as it ends."""
     batch = source.run(sorted(eval_tasks), config.rollout.harnesses, config.eval.samples_per_task,
@@ -241,8 +245,9 @@ def run_eval(source, config: RunConfig, eval_tasks: dict, on_result=None) -> dic
     return metrics
 
 
-def _evaluate(source, config: RunConfig, eval_tasks: dict, logger: MetricsLogger, view: ProgressView | None,
-              step: int, label: str, phase: str | None, *, shown: str | None = None) -> dict[str, float]:
+def _evaluate(source: RolloutSource, config: RunConfig, eval_tasks: dict, logger: MetricsLogger,
+              view: ProgressView | None, step: int, label: str, phase: str | None, *,
+              shown: str | None = None) -> dict[str, float]:
     """Evaluate, log the record under `label` at `step`, show `phase` while it runs and the result line
     (named `shown`, default `label`) after; returns the metrics."""
     on_result = None
@@ -310,7 +315,7 @@ class _SyncFeed(_Feed):
     """The synchronous schedule: a step's groups start once the previous step's weights are pushed,
     all at once, and the step waits for all of them (``algorithm.max_staleness`` unset)."""
 
-    def __init__(self, config: RunConfig, source, sampler: TaskSampler, state: TrainState) -> None:
+    def __init__(self, config: RunConfig, source: RolloutSource, sampler: TaskSampler, state: TrainState) -> None:
         self.config, self.source, self.sampler, self.state = config, source, sampler, state
         # Positions an asynchronous run had in flight at its checkpoint: run first.
         self.requeued = list(state.extra.pop(IN_FLIGHT, []))
@@ -338,7 +343,7 @@ class _AsyncFeed(_Feed):
     running ahead of the trainer, at most k + 1 steps' worth, and a step takes the first to finish
     within the bound."""
 
-    def __init__(self, config: RunConfig, source, sampler: TaskSampler, state: TrainState) -> None:
+    def __init__(self, config: RunConfig, source: RolloutSource, sampler: TaskSampler, state: TrainState) -> None:
         rc = config.rollout
         requeued = list(state.extra.pop(IN_FLIGHT, []))
         self.state = state
@@ -392,7 +397,8 @@ class _AsyncFeed(_Feed):
 IN_FLIGHT = "in_flight_positions"
 
 
-def _make_feed(config: RunConfig, source, sampler: TaskSampler, state: TrainState, view: ProgressView | None):
+def _make_feed(config: RunConfig, source: RolloutSource, sampler: TaskSampler, state: TrainState,
+               view: ProgressView | None):
     requeued = state.extra.get(IN_FLIGHT) or []
     if requeued:
         _say(view, f"resuming at step {state.step}: {len(requeued)} task group(s) were in flight at the "
@@ -402,7 +408,7 @@ def _make_feed(config: RunConfig, source, sampler: TaskSampler, state: TrainStat
     return _AsyncFeed(config, source, sampler, state)
 
 
-def _one_step(config: RunConfig, trainer, feed, state: TrainState, engine, ref_policy,
+def _one_step(config: RunConfig, trainer: Trainer, feed, state: TrainState, engine, ref_policy,
               view: ProgressView | None) -> dict[str, float]:
     rc = config.rollout
     total = rc.tasks_per_step * len(rc.harnesses) * rc.samples_per_task

@@ -38,6 +38,7 @@ from typing import Sequence
 from clawfast.engines.base import Sampling
 from clawfast.records import RolloutResult
 from clawfast.train.algorithms import stale_rollouts
+from clawfast.train.protocols import RolloutSource
 
 
 @dataclass(frozen=True)
@@ -52,14 +53,14 @@ class Group:
 
 
 class RolloutProducer:
-    """source: anything with the rollout sources' ``run(task_ids, harnesses, k, *, sampling,
-    positions)`` (`clawfast.train.data`); sampler: the run's `TaskSampler`. groups_needed: how
-    many groups the trainer will take in all (no group starts beyond that, plus replacements of
-    dropped ones). next_position / requeued: where new groups start, and positions to run first."""
+    """source: a `RolloutSource` (`clawfast.train.protocols`); sampler: the run's `TaskSampler`.
+    groups_needed: how many groups the trainer will take in all (no group starts beyond that, plus
+    replacements of dropped ones). next_position / requeued: where new groups start, and positions
+    to run first."""
 
-    def __init__(self, source, sampler, *, harnesses: Sequence[str], samples_per_task: int, tasks_per_step: int,
-                 max_staleness: int, groups_needed: int, sampling: Sampling | None = None, next_position: int = 0,
-                 requeued: Sequence[int] = ()) -> None:
+    def __init__(self, source: RolloutSource, sampler, *, harnesses: Sequence[str], samples_per_task: int,
+                 tasks_per_step: int, max_staleness: int, groups_needed: int, sampling: Sampling | None = None,
+                 next_position: int = 0, requeued: Sequence[int] = ()) -> None:
         if max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
         self.source = source

@@ -65,7 +65,7 @@ def run_table(run_dir: str | Path) -> str:
     evaluated step, after): pass@1 overall, per difficulty and per task, with the number of rollouts,
     the seed and the harnesses; then the gains after - before and after - cold start (what RL
     added over its own cold start)."""
-    from clawfast.train.metrics import read_metrics
+    from clawfast.train.metrics_log import read_metrics
 
     run_dir = Path(run_dir)
     evals = [r for r in read_metrics(run_dir) if r.get("kind") == "eval"]

@@ -29,9 +29,9 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from clawfast.engines.base import Engine, Sampling, SamplingParams
+from clawfast.engines.base import Engine, Sampling
 from clawfast.records import CallRecord, RolloutResult
-from clawfast.train.data import Batch
+from clawfast.train.protocols import Batch
 
 
 @dataclass(frozen=True)
@@ -122,12 +122,10 @@ class EngineRollouts:
         for i in range(task.turns):
             if i:
                 await asyncio.sleep(task.delay_s)
-            params = SamplingParams(
-                max_tokens=min(self.max_tokens, sampling.max_tokens or self.max_tokens),
-                temperature=1.0 if sampling.temperature is None else sampling.temperature,
-                top_p=1.0 if sampling.top_p is None else sampling.top_p,
-                seed=call_seed(self.seed, position, task_id, sample, i), stop_token_ids=self.stop_token_ids,
-            )  # fmt: skip
+            # A call here asks for nothing of its own: its budget is this source's, under the rollout's cap.
+            params = sampling.params(cap=self.max_tokens, default_max_tokens=self.max_tokens,
+                                     seed=call_seed(self.seed, position, task_id, sample, i),
+                                     stop_token_ids=self.stop_token_ids)
             gen = await self.engine.generate(prompt, params)
             calls.append(CallRecord(rollout_id, i, harness, prompt, gen.output_ids, gen.infer_logprobs,
                                     weight_version=gen.weight_version, finish_reason=gen.finish_reason))

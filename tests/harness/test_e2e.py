@@ -123,13 +123,13 @@ def test_call_budget_ends_harnesses_without_a_turn_limit(name, tmp_path):
     import dataclasses
 
     from clawfast.embedded import ensure_embedded_model
-    from clawfast.rollout import ORACLE, RolloutService, RolloutSpec, Sampling
+    from clawfast.rollout import ORACLE, HarnessConfig, RolloutService, RolloutSpec, Sampling
 
     task = check_task()
     task = dataclasses.replace(task, oracle=("true",) * 8 + tuple(task.oracle))
     with RolloutService(ORACLE, ensure_embedded_model(), records_dir=tmp_path / "records",
-                        harnesses={name: {"timeout_s": 120, "max_turns": 30}}, timeout_s=120,
-                        logs_dir=tmp_path / "logs", oracle_tasks=[task]) as service:
+                        harnesses=HarnessConfig({name: {"timeout_s": 120, "max_turns": 30}}, timeout_s=120,
+                                                logs_dir=tmp_path / "logs"), oracle_tasks=[task]) as service:
         [result] = service.run([RolloutSpec(task, name, 0)], Sampling(max_calls=3))
     assert len(result.calls) == 3
     assert result.status == "harness_error" and result.reward == 0.0  # refused before the real commands ran

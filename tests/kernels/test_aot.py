@@ -56,7 +56,7 @@ def test_every_kernel_variant_compiles_for_sm80_and_sm90(aot_reports, triton_bui
     for kernel in launched:
         assert {r["arch"] for r in results if r["kernel"] == kernel} == {80, 90}, kernel
     # every option of tree attention reaches the kernels, in every dtype
-    fwd = [r["variant"] for r in results if r["kernel"] == "tree_attention._tree_attn_fwd_kernel"]
+    fwd = [r["variant"] for r in results if r["kernel"] == "tree_attention_triton._tree_attn_fwd_kernel"]
     for flag in ("WINDOW", "SOFTCAP", "DROPOUT", "SINKS"):
         assert any(flag in v.split() for v in fwd), flag
     for dtype in ("fp32", "bf16", "fp16"):  # float64 is the torch path's
@@ -171,10 +171,10 @@ def test_the_recorder_sees_the_gpu_launch_not_the_interpreters(tmp_path):
     print(json.dumps(sorted({(v.kernel, v.describe(aot.discover()[v.kernel])) for v in variants})))
     """)
     kinds = {kernel for kernel, _ in out}
-    assert kinds == {"tree_attention._tree_attn_fwd_kernel", "tree_attention._tree_attn_dq_kernel",
-                     "tree_attention._tree_attn_dkdv_kernel", "tree_logprobs._tree_logprobs_fwd_kernel",
+    assert kinds == {"tree_attention_triton._tree_attn_fwd_kernel", "tree_attention_triton._tree_attn_dq_kernel",
+                     "tree_attention_triton._tree_attn_dkdv_kernel", "tree_logprobs._tree_logprobs_fwd_kernel",
                      "tree_logprobs._tree_logprobs_target_kernel", "tree_logprobs._tree_logprobs_bwd_kernel"}
-    attention = [v for k, v in out if k == "tree_attention._tree_attn_fwd_kernel"]
+    attention = [v for k, v in out if k == "tree_attention_triton._tree_attn_fwd_kernel"]
     assert attention and all("BLOCK=64" in v and "UPCAST" not in v.split() for v in attention), attention
     fwd_configs = [v for k, v in out if k == "tree_logprobs._tree_logprobs_fwd_kernel"]
     assert len(fwd_configs) >= 2, fwd_configs  # every autotune config of the precision is compiled

@@ -10,13 +10,14 @@ from unittest import mock
 import pytest
 import torch
 from clawfast.kernels import TreeMask, tree_attention, tree_attention_ref, tree_mask_ref
-from clawfast.kernels import _common
+from clawfast.kernels import _common, tree_attention_torch
 from clawfast.kernels._common import dropout_keep, dropout_threshold
+from clawfast.kernels.tree_attention_triton import triton_refuses
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kernel_testing import LargestTensor, chains, random_forest, segment_forest
 
-TA = importlib.import_module("clawfast.kernels.tree_attention")
+TA = importlib.import_module("clawfast.kernels.tree_attention")  # the package's attribute is the function
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 
 
@@ -76,7 +77,8 @@ OPTIONS = st.fixed_dictionaries({"window": st.sampled_from([None, 1, 3, 17]),
 def small_blocks(block: int, chunk_elems: int):
     """The CPU path with tiny blocks and score chunks, so small inputs cross many blocks and chunks
     (contiguous and gathered ones)."""
-    with mock.patch.object(TA, "_CPU_BLOCK", block), mock.patch.object(TA, "_CPU_CHUNK_ELEMS", chunk_elems):
+    with (mock.patch.object(TA, "CPU_BLOCK", block),
+          mock.patch.object(tree_attention_torch, "_CPU_CHUNK_ELEMS", chunk_elems)):
         yield
 
 
@@ -188,13 +190,13 @@ def test_triton_refuses_what_it_has_no_kernel_for_and_auto_gives_it_to_the_torch
     q, k, v = qkv(20, 2, 1, 8, torch.float64, gen, device=triton_device)
     with pytest.raises(ValueError, match="Triton path takes float16/bfloat16/float32, got torch.float64"):
         tree_attention(q, k, v, kv_end, backend="triton")
-    assert TA._triton_refuses(torch.float64, 8) is not None and TA._triton_refuses(torch.float32, 8) is None
+    assert triton_refuses(torch.float64, 8) is not None and triton_refuses(torch.float32, 8) is None
     assert _common.pick_backend("auto", q, triton_refuses="no") == "torch"
     # float32 at head dim 256 has no tile that keeps its registers (bench/results/kernel_compile.md)
     q256, k256, v256 = qkv(20, 2, 1, 256, torch.float32, gen, device=triton_device)
     with pytest.raises(ValueError, match="no float32 kernel for head dim 256"):
         tree_attention(q256, k256, v256, kv_end, backend="triton")
-    assert TA._triton_refuses(torch.bfloat16, 256) is None and TA._triton_refuses(torch.bfloat16, 512) is not None
+    assert triton_refuses(torch.bfloat16, 256) is None and triton_refuses(torch.bfloat16, 512) is not None
 
 
 @pytest.mark.triton
@@ -377,5 +379,5 @@ def test_no_quadratic_tensor_in_forward_and_backward():
     with LargestTensor() as seen:
         tree_attention(q, k, v, kv_end, backend="torch").sum().backward()
     # O(N) tensors plus one bounded scores chunk; a [N, N] mask or scores matrix would be 67M
-    assert seen.numel <= max(TA._CPU_CHUNK_ELEMS, 64 * n), (seen.numel, seen.op)
+    assert seen.numel <= max(tree_attention_torch._CPU_CHUNK_ELEMS, 64 * n), (seen.numel, seen.op)
     assert q.grad is not None and k.grad is not None

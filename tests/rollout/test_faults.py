@@ -25,6 +25,7 @@ from clawfast.rollout.scheduler import RolloutScheduler
 from clawfast.rollout.spec import RolloutSpec
 from clawfast.rollout.worker import RolloutConfig, RolloutWorker
 from clawfast.sandbox.base import SandboxError
+from clawfast.sandbox.probes import pids_with
 from clawfast.tasks.task import CommandVerifier, Task
 
 from .script_harness import ScriptHarness
@@ -86,25 +87,11 @@ class FaultyControl:
         return self.registry.close(rollout_id, reward=reward, status=status, info=info)
 
 
-def _procs_with(token: str) -> list[int]:
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                if token.encode() in f.read():
-                    pids.append(int(entry))
-        except OSError:
-            pass
-    return pids
-
-
 async def _kill_sandboxes(token: str, stop: asyncio.Event, killed: set[int]) -> None:
     """Kill (SIGKILL) every bwrap launched by this process for a `sandboxkill` task, from outside."""
     me = os.getpid()
     while not stop.is_set():
-        for pid in _procs_with(f"sandboxkill-{token}"):
+        for pid in pids_with(f"sandboxkill-{token}"):
             try:
                 with open(f"/proc/{pid}/stat") as f:
                     fields = f.read().rsplit(")", 1)[1].split()
@@ -215,7 +202,7 @@ def test_200_rollouts_with_faults_end_truthfully_and_leave_nothing(tmp_path, pri
             assert log.read_text().startswith("cf-")
 
     # Nothing left: processes, proxy rollouts, cgroups, mounts, temporary files.
-    assert _procs_with(token) == []
+    assert pids_with(token) == []
     assert _children_of(os.getpid()) == []
     assert registry.open_ids() == []
     on_disk = read_rollouts(tmp_path / "records")  # raises if any log lacks its result frame

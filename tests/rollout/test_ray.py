@@ -14,7 +14,7 @@ import ray
 
 from clawfast.embedded import ensure_embedded_model
 from clawfast.records import read_rollouts
-from clawfast.rollout import ORACLE, OnRay, RolloutService, Sampling, make_specs
+from clawfast.rollout import ORACLE, HarnessConfig, OnRay, RolloutService, Sampling, SchedulingConfig, make_specs
 from clawfast.rollout.check import check_task
 
 pytestmark = pytest.mark.skipif(
@@ -30,8 +30,8 @@ def test_two_actor_local_cluster_runs_rollouts_with_truthful_results(tmp_path):
     try:
         on_ray = OnRay("local", "clawbench-mini", num_actors=2, actor_options={"num_cpus": 1})
         with RolloutService(ORACLE, ensure_embedded_model(), records_dir=tmp_path / "records",
-                            harnesses={"mini-swe-agent": {}}, concurrency=2, timeout_s=240,
-                            logs_dir=tmp_path / "logs", ray=on_ray, oracle_tasks=tasks) as service:
+                            harnesses=HarnessConfig({"mini-swe-agent": {}}, timeout_s=240, logs_dir=tmp_path / "logs"),
+                            scheduling=SchedulingConfig(concurrency=2, ray=on_ray), oracle_tasks=tasks) as service:
             results = service.run(specs, Sampling(max_calls=20))
             # Two callers at once (the asynchronous loop's groups) share the actors' slots.
             with ThreadPoolExecutor(2) as callers:

@@ -15,11 +15,12 @@ import pytest
 
 from clawfast.proxy.rollouts import RolloutRegistry
 from clawfast.records import read_rollouts
+from clawfast.rollout.progress import render_stats
 from clawfast.rollout.scheduler import RolloutScheduler
 from clawfast.rollout.spec import RolloutSpec, make_specs
 from clawfast.rollout.worker import RolloutConfig, RolloutWorker
-from clawfast.rollout.progress import render_stats
 from clawfast.rollout.worker import proxy_port
+from clawfast.sandbox.probes import pids_with
 from clawfast.tasks.task import CommandVerifier, Task
 
 from .script_harness import ScriptHarness
@@ -73,7 +74,7 @@ def test_proxy_port_accepts_only_loopback_http():
 
 
 def test_progress_line_counts():
-    from clawfast.rollout.scheduler import RunStats
+    from clawfast.rollout.progress import RunStats
     from clawfast.records import RolloutResult
 
     stats = RunStats(total=3)
@@ -147,9 +148,7 @@ def test_cancel_closes_every_rollout_and_kills_every_sandbox(env):
     closed = read_rollouts(tmp / "records")  # every opened rollout has its result frame
     assert len(closed) == 3
     assert all(r.status == "harness_error" and r.info["error"] == "cancelled" for r in closed)
-    from .test_faults import _procs_with
-
-    assert _procs_with(token) == []
+    assert pids_with(token) == []
 
 
 @needs_bwrap

@@ -11,6 +11,7 @@ import uuid
 import pytest
 
 from clawfast.sandbox.cgroup import CgroupHost, sandbox_groups
+from clawfast.sandbox.probes import pids_with
 
 
 class EchoServer:
@@ -57,21 +58,6 @@ def echo_server():
 def marker() -> str:
     """A unique string to put on the command lines of sandboxed processes, to find them from the host."""
     return f"cfmark{uuid.uuid4().hex[:12]}"
-
-
-def pids_with(text: str) -> list[int]:
-    """Host pids whose command line contains `text` (this test process excluded)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                if text.encode() in f.read():
-                    found.append(int(entry))
-        except OSError:
-            pass
-    return found
 
 
 def mounts() -> list[str]:

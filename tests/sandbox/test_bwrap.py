@@ -424,7 +424,7 @@ def test_close_while_a_run_is_starting_kills_it(backend, marker, host, monkeypat
 def test_a_cgroup_removed_under_a_reader_has_no_members():
     """close() destroys the cgroup while a run may be reading its members: a group removed between
     open and read (the kernel answers ENODEV) or before the open (ENOENT) counts as empty."""
-    from clawfast.sandbox.base import Limits
+    from clawfast.sandbox.spec import Limits
     from clawfast.sandbox.cgroup import Cgroup, CgroupHost
 
     cgroup = Cgroup.create(Limits(), CgroupHost.detect())

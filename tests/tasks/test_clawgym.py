@@ -355,15 +355,15 @@ temperature = 0.0
 
 def test_the_local_backend_marks_a_placed_task_and_the_batch_runs_on(tmp_path):
     from clawfast.embedded import ensure_embedded_model
-    from clawfast.rollout import ORACLE, RolloutService, RolloutSpec
+    from clawfast.rollout import ORACLE, HarnessConfig, RolloutService, RolloutSpec, SandboxConfig
     from clawfast.rollout.check import check_task
 
     (placed,) = load_clawgym(f"clawgym:{write_sum_task(tmp_path / 's')}")
     placed = dataclasses.replace(placed, oracle=("mkdir -p output && echo 10 > output/answer.txt",))
     plain = check_task()
     with RolloutService(ORACLE, ensure_embedded_model(), records_dir=tmp_path / "records",
-                        harnesses={"mini-swe-agent": {"timeout_s": 120}}, sandbox="local", timeout_s=120,
-                        oracle_tasks=[placed, plain]) as service:
+                        harnesses=HarnessConfig({"mini-swe-agent": {"timeout_s": 120}}, timeout_s=120),
+                        sandbox=SandboxConfig("local"), oracle_tasks=[placed, plain]) as service:
         bad, good = service.run([RolloutSpec(placed, "mini-swe-agent", 0), RolloutSpec(plain, "mini-swe-agent", 0)])
     assert (bad.status, bad.reward, bad.info["sandbox_attempts"]) == ("sandbox_error", 0.0, 1)
     assert "sandbox refused the task" in bad.info["error"] and "local backend cannot" in bad.info["error"]
@@ -371,7 +371,7 @@ def test_the_local_backend_marks_a_placed_task_and_the_batch_runs_on(tmp_path):
 
 
 def test_a_config_resolves_a_relative_clawgym_suite_and_keeps_its_options(tmp_path, monkeypatch):
-    from clawfast.train.config import load_config
+    from clawfast.train.config_file import load_config
     from clawfast.train.data import load_tasks
 
     write_suite(tmp_path / "cfg" / "suite")

@@ -12,7 +12,7 @@ import sys
 import numpy as np
 from safetensors.torch import save_file
 
-from clawfast.train.config import load_config
+from clawfast.train.config_file import load_config
 from clawfast.train.loop import train
 from clawfast.train.sampled import EngineRollouts, TokenTask
 

@@ -56,7 +56,7 @@ tasks_per_step = 2
 samples_per_task = 3
 [optim]
 lr = 1e-3
-max_tokens = 256
+micro_batch_tokens = 256
 [eval]
 before = false
 after = false

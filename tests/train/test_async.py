@@ -17,7 +17,7 @@ from safetensors.numpy import load_file
 import clawfast.train.distributed as distributed
 from clawfast.train.algorithms import version_lags
 from clawfast.train.checkpoint import checkpoint_name, latest_checkpoint, read_state
-from clawfast.train.config import load_config
+from clawfast.train.config_file import load_config
 from clawfast.train.loop import IN_FLIGHT, train
 from clawfast.train.sampled import EngineRollouts, TokenTask
 
@@ -59,7 +59,7 @@ name = "{algorithm}"
 {"" if staleness is None else f"max_staleness = {staleness}"}
 [optim]
 lr = 1e-2
-max_tokens = 512
+micro_batch_tokens = 512
 [eval]
 before = false
 after = false

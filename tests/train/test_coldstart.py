@@ -39,7 +39,7 @@ def test_sft_epoch_steps_the_schedule_once_per_update(tmp_path):
     policy = Policy.from_pretrained(make_tiny_model(tmp_path / "m"))
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-3)
     sched = warmup_cosine(opt, total_updates=3)
-    m = sft_epoch(policy, opt, demos, max_tokens=64, batch_rollouts=2, rng=rng, scheduler=sched)
+    m = sft_epoch(policy, opt, demos, micro_batch_tokens=64, batch_rollouts=2, rng=rng, scheduler=sched)
     assert m["updates"] == 3 and sched.last_epoch == 3
     assert opt.param_groups[0]["lr"] == 0.0
 

@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from clawfast.train.config import ConfigError, RunConfig, config_from_dict, load_config
-from clawfast.train.step import step_config
+from clawfast.train.config import RunConfig
+from clawfast.train.config_file import ConfigError, config_from_dict, load_config
+from clawfast.train.step_config import step_config
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -24,7 +25,7 @@ def test_examples_load_and_build_a_step_config(name):
     assert isinstance(config, RunConfig)
     step = step_config(config)
     assert step.name == config.algorithm.name
-    assert step.max_tokens == config.optim.max_tokens
+    assert step.micro_batch_tokens == config.optim.micro_batch_tokens
 
 
 def test_defaults_and_sections(tmp_path):
@@ -131,6 +132,14 @@ def test_config_is_frozen():
 def test_a_renamed_key_says_its_new_name():
     with pytest.raises(ConfigError, match="harness_max_steps is now harness_max_turns"):
         config_from_dict({"rollout": {"harness_max_steps": 3}})
+
+
+@pytest.mark.parametrize("section", ["optim", "coldstart"])
+def test_the_old_row_budget_key_says_its_new_name(section):
+    # engine.max_tokens (one call's output cap) keeps its name; the micro-batch row budget does not
+    with pytest.raises(ConfigError, match="max_tokens is now micro_batch_tokens"):
+        config_from_dict({section: {"max_tokens": 4096}})
+    assert config_from_dict({"engine": {"max_tokens": 64}}).engine.max_tokens == 64
 
 
 @pytest.mark.parametrize("path", sorted((Path(__file__).parents[2] / "examples").glob("*.toml")), ids=lambda p: p.name)

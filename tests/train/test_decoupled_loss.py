@@ -18,18 +18,13 @@ from test_step_equivalence import harness_rollouts, longest_kept, path_forward, 
 
 from clawfast.train import step as step_module
 from clawfast.train.checkpoint import TrainState
-from clawfast.train.config import ConfigError, config_from_dict
-from clawfast.train.step import (
-    VERL_MISMATCH_NAMES,
-    VERL_RATIO_NAMES,
-    StepConfig,
-    accumulate_gradients,
-    fix_step,
-    prepare_step,
-    step_config,
-    train_on_rollouts,
-    train_step,
-)
+from clawfast.train.config_file import ConfigError, config_from_dict
+from clawfast.train.prepare import prepare_step
+from clawfast.train.proximal import fix_step
+from clawfast.train.step import train_on_rollouts, train_step
+from clawfast.train.step_config import StepConfig, step_config
+from clawfast.train.update import accumulate_gradients
+from clawfast.train.verl_names import VERL_MISMATCH_NAMES, VERL_RATIO_NAMES
 from clawfast.tree_ref import kept_leaf_paths_ref, trainable_mask_ref
 
 
@@ -43,7 +38,7 @@ def grads(p):
 
 def test_ppo_epochs_and_minibatches_make_the_clip_act(policy, rollouts):
     # 2 tasks -> 2 mini-batches of whole groups; 3 epochs: 6 updates against one proximal pass
-    config = StepConfig(max_tokens=longest_kept(rollouts) + 40, ppo_epochs=3, updates_per_step=2, clip_low=0.1,
+    config = StepConfig(micro_batch_tokens=longest_kept(rollouts) + 40, ppo_epochs=3, updates_per_step=2, clip_low=0.1,
                         max_grad_norm=None)  # no clipping, so that the hand-written loop below is train_step's
     p = copy.deepcopy(policy)
     opt = adamw(p)
@@ -79,7 +74,7 @@ def test_ppo_epochs_and_minibatches_make_the_clip_act(policy, rollouts):
 
 def test_train_on_rollouts_orders_minibatches_by_seed_and_step(policy, rollouts, monkeypatch):
     config = config_from_dict({"seed": 3, "optim": {"ppo_epochs": 3, "updates_per_step": 2, "lr": 1e-3,
-                                                     "max_tokens": longest_kept(rollouts) + 40}})
+                                                     "micro_batch_tokens": longest_kept(rollouts) + 40}})
     assert step_config(config).ppo_epochs == 3 and step_config(config).updates_per_step == 2
     state = TrainState(step=5, weight_version=5)
     seen = []
@@ -109,7 +104,7 @@ def test_one_update_is_the_same_with_or_without_the_proximal_pass(name):
     # proximal pass at the same weights must give the same loss, gradients and IS metrics
     p = tiny_policy(4, value_head=name == "ppo")
     rs = harness_rollouts(p, seed=3)
-    config = StepConfig(name=name, max_tokens=longest_kept(rs) + 40, is_cap=1.3, entropy_coef=0.01)
+    config = StepConfig(name=name, micro_batch_tokens=longest_kept(rs) + 40, is_cap=1.3, entropy_coef=0.01)
     data = prepare_step(rs, None, config)
     skipped = accumulate_gradients(p, data, config)
     want = grads(p)
@@ -135,7 +130,7 @@ def _leaf_paths(tree):
 def test_sequence_level_weights_match_flat_paths(policy, rollouts, mode):
     # small micro-batches: the trees are split, but a path's weight is over the whole path
     # the sampler's log-probs are the model's plus noise, capped at 0, so path ratios lie in ~[1.4, 16]
-    config = StepConfig(max_tokens=longest_kept(rollouts) + 3, is_level="sequence", is_mode=mode, is_cap=4.0,
+    config = StepConfig(micro_batch_tokens=longest_kept(rollouts) + 3, is_level="sequence", is_mode=mode, is_cap=4.0,
                         is_lo=2.5, is_hi=8.0)
     data = prepare_step(rollouts, None, config)
     assert len(data.batches) >= 3 and sum(int(b.is_context.sum()) for b in data.batches) > 0, "no split"
@@ -181,7 +176,7 @@ def test_sequence_level_weights_match_flat_paths(policy, rollouts, mode):
 
 @pytest.mark.parametrize("mode", ["truncate", "mask", "off"])
 def test_mismatch_metrics_and_their_verl_names(policy, rollouts, mode):
-    config = StepConfig(max_tokens=longest_kept(rollouts) + 40, is_mode=mode, is_cap=1.3, is_lo=0.7, is_hi=1.4)
+    config = StepConfig(micro_batch_tokens=longest_kept(rollouts) + 40, is_mode=mode, is_cap=1.3, is_lo=0.7, is_hi=1.4)
     p = copy.deepcopy(policy)
     metrics = train_step(p, adamw(p), rollouts, None, config)
     for ours, verl in VERL_MISMATCH_NAMES.items():

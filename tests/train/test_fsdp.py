@@ -18,7 +18,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from test_step_equivalence import harness_rollouts, longest_kept, tiny_policy
 
-from clawfast.train.step import StepConfig, accumulate_gradients, prepare_step, train_step
+from clawfast.train.prepare import prepare_step
+from clawfast.train.step import train_step
+from clawfast.train.step_config import StepConfig
+from clawfast.train.update import accumulate_gradients
 
 ATOL = 1e-5
 WORLD = 2
@@ -27,11 +30,11 @@ WORLD = 2
 def _config(rollouts) -> StepConfig:
     """Small micro-batches, in an odd number (>= 3), so one rank must pad."""
     for extra in range(10, 200, 7):
-        config = StepConfig(max_tokens=longest_kept(rollouts) + extra, max_grad_norm=0.05, entropy_coef=0.01)
+        config = StepConfig(micro_batch_tokens=longest_kept(rollouts) + extra, max_grad_norm=0.05, entropy_coef=0.01)
         n = len(prepare_step(rollouts, None, config).batches)
         if n >= 3 and n % WORLD == 1:
             return config
-    raise AssertionError("no max_tokens gives an odd number of micro-batches")
+    raise AssertionError("no micro_batch_tokens gives an odd number of micro-batches")
 
 
 def _adamw(policy):

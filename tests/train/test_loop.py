@@ -13,10 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from clawfast.train.checkpoint import list_checkpoints
-from clawfast.train.config import config_from_dict, load_config
+from clawfast.train.config_file import config_from_dict, load_config
 from clawfast.train.data import TaskSampler
 from clawfast.train.loop import train
-from clawfast.train.metrics import read_metrics
+from clawfast.train.metrics_log import read_metrics
 
 from loop_fixtures import make_recorded, make_tiny_model, recorded_config_text
 
@@ -170,7 +170,7 @@ MINI_LAYER = ".clawfast/mini-instance-template.yaml"
 def test_updates_per_step_split_whole_groups():
     from clawfast.records import RolloutResult
     from clawfast.train.algorithms import group_ids
-    from clawfast.train.step import split_groups
+    from clawfast.train.prepare import split_groups
 
     rs = [RolloutResult(f"r{i}", f"t{i % 5}", "codex" if i % 2 else "claude-code", i) for i in range(20)]
     for group_by in ("task", "task_harness"):
@@ -239,7 +239,7 @@ def test_sft_loss_is_the_nll_of_exactly_the_generated_tokens(tmp_path):
         logp = torch.log_softmax(policy.lm(input_ids=path[None]).logits[0].double(), -1)
     positions = list(range(len(p1), len(p1) + 7)) + list(range(len(p2), len(p2) + 9))
     want = -np.mean([float(logp[i - 1, path[i]]) for i in positions])
-    m = sft_epoch(policy, torch.optim.SGD(policy.parameters(), lr=0.0), [demo], max_tokens=64, batch_rollouts=1,
+    m = sft_epoch(policy, torch.optim.SGD(policy.parameters(), lr=0.0), [demo], micro_batch_tokens=64, batch_rollouts=1,
                   rng=np.random.default_rng(0))
     assert m["targets"] == 16 and m["updates"] == 1
     assert abs(m["nll"] - want) < 1e-4  # fp32 forward vs a float64 log-softmax of the same logits

@@ -34,8 +34,8 @@ import pytest
 from clawfast.harness.codex import Codex
 from clawfast.records import read_rollout, rollout_path
 from clawfast.train.checkpoint import list_checkpoints
-from clawfast.train.config import load_config
-from clawfast.train.metrics import read_metrics
+from clawfast.train.config_file import load_config
+from clawfast.train.metrics_log import read_metrics
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "mix_harness_small.toml"
 HARNESSES = ("mini-swe-agent", "codex")
@@ -91,10 +91,10 @@ def mixed_config(run_dir: Path):
 def train_watched(config, monkeypatch) -> dict:
     """Run `train(config)`, keeping what reached the trainer: the step's rollouts, GRPO's group ids
     and advantages, the summary and the train metrics record."""
-    from clawfast.train import distributed, loop, step
+    from clawfast.train import distributed, loop, prepare
 
     seen: dict = {}
-    real_training_step, real_group_ids, real_advantages = distributed.train_on_rollouts, step.group_ids, step.grpo_rollout_advantages
+    real_training_step, real_group_ids, real_advantages = distributed.train_on_rollouts, prepare.group_ids, prepare.grpo_rollout_advantages
 
     def training_step(policy, optimizer, results, *args, **kwargs):
         seen["results"] = list(results)
@@ -111,8 +111,8 @@ def train_watched(config, monkeypatch) -> dict:
         return adv
 
     monkeypatch.setattr(distributed, "train_on_rollouts", training_step)
-    monkeypatch.setattr(step, "group_ids", group_ids)
-    monkeypatch.setattr(step, "grpo_rollout_advantages", grpo_rollout_advantages)
+    monkeypatch.setattr(prepare, "group_ids", group_ids)
+    monkeypatch.setattr(prepare, "grpo_rollout_advantages", grpo_rollout_advantages)
     seen["summary"] = loop.train(config, progress=False)
     (seen["record"],) = [r for r in read_metrics(config.run_dir) if r["kind"] == "train"]
     return seen

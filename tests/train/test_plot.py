@@ -9,14 +9,9 @@ import pytest
 from clawfast.cli import main
 from clawfast.records import RolloutResult
 from clawfast.tasks import clawbench_mini
-from clawfast.train.metrics import (
-    MetricsLogger,
-    metrics_by_tag,
-    plot_run,
-    read_metrics,
-    rollout_metrics,
-    subscore_means,
-)
+from clawfast.train.metrics import metrics_by_tag, rollout_metrics, subscore_means
+from clawfast.train.metrics_log import MetricsLogger, read_metrics
+from clawfast.train.plot import plot_run
 from clawfast.train.report import pass_at_1
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from clawfast.train.metrics import Phase, ProgressView, clock
+from clawfast.train.progress import Phase, ProgressView, clock
 
 
 def test_counter_eta_follows_the_mean_pace():

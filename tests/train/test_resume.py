@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from clawfast.train.checkpoint import list_checkpoints
-from clawfast.train.metrics import read_metrics
+from clawfast.train.metrics_log import read_metrics
 
 from loop_fixtures import make_recorded, make_tiny_model, recorded_config_text
 

@@ -18,7 +18,9 @@ from clawfast.records import RolloutResult
 from clawfast.synthetic import random_group
 from clawfast.train.algorithms import KeptForest, group_ids, grpo_rollout_advantages, ppo_advantages, stale_rollouts
 from clawfast.train.policy import Policy
-from clawfast.train.step import StepConfig, prepare_step, train_step
+from clawfast.train.prepare import prepare_step
+from clawfast.train.step import train_step
+from clawfast.train.step_config import StepConfig
 from clawfast.tree import build_tree
 from clawfast.tree_ref import trainable_mask_ref
 
@@ -30,7 +32,7 @@ def adamw(p):
 
 
 def test_train_step_matches_flat_reference_optimizer_step(policy, rollouts):
-    config = StepConfig(max_tokens=longest_kept(rollouts) + 40, max_grad_norm=0.05, entropy_coef=0.01)
+    config = StepConfig(micro_batch_tokens=longest_kept(rollouts) + 40, max_grad_norm=0.05, entropy_coef=0.01)
     packed, flat = copy.deepcopy(policy), copy.deepcopy(policy)
     metrics = train_step(packed, adamw(packed), rollouts, None, config)
 
@@ -50,7 +52,7 @@ def test_train_step_matches_flat_reference_optimizer_step(policy, rollouts):
 
 
 def test_metrics_report_tokens_dedup_and_timings(policy, rollouts):
-    config = StepConfig(max_tokens=4096)
+    config = StepConfig(micro_batch_tokens=4096)
     metrics = train_step(copy.deepcopy(policy), adamw(policy), rollouts, None, config)
     trees = [build_tree(r.calls) for r in rollouts]
     assert metrics["tokens_per_call_flat"] == sum(t.num_call_tokens for t in trees)
@@ -106,8 +108,8 @@ def test_nothing_trainable_skips_the_optimizer(policy, rollouts):
 def test_bad_config_and_inputs_raise(policy, rollouts):
     with pytest.raises(ValueError, match="name"):
         StepConfig(name="dpo")
-    with pytest.raises(ValueError, match="max_tokens"):
-        StepConfig(max_tokens=0)
+    with pytest.raises(ValueError, match="micro_batch_tokens"):
+        StepConfig(micro_batch_tokens=0)
     with pytest.raises(ValueError, match="keep_statuses"):
         StepConfig(keep_statuses=("done",))
     with pytest.raises(ValueError, match="is_cap|cap"):
@@ -124,11 +126,11 @@ def test_bad_config_and_inputs_raise(policy, rollouts):
 def test_overlong_and_overbranching_rollouts_are_dropped_and_counted(rollouts):
     depth = [max(lf.depth for lf in build_tree(r.calls).leaves if lf.status == "kept") for r in rollouts]
     cut = sorted(depth)[len(depth) // 2]
-    data = prepare_step(rollouts, None, StepConfig(max_tokens=cut))
+    data = prepare_step(rollouts, None, StepConfig(micro_batch_tokens=cut))
     assert data.counts["dropped_too_long"] == sum(d > cut for d in depth) > 0
     trained = {int(g) for b in data.batches for g in b.target_rollout}
     assert trained == {g for g, d in enumerate(depth) if d <= cut}
-    assert prepare_step(rollouts, None, StepConfig(max_tokens=16)).denominator == 0
+    assert prepare_step(rollouts, None, StepConfig(micro_batch_tokens=16)).denominator == 0
     leaves = [len(build_tree(r.calls).kept_leaves) for r in rollouts]
     data = prepare_step(rollouts, None, StepConfig(max_kept_leaves=min(leaves)))
     assert data.counts["dropped_branching"] == sum(n > min(leaves) for n in leaves)
@@ -170,7 +172,7 @@ def test_ppo_step_trains_the_value_head():
     p = tiny_policy(3, value_head=True)
     rs = harness_rollouts(p, seed=6)
     before = p.value_head.weight.detach().clone()
-    cfg = StepConfig(name="ppo", max_tokens=longest_kept(rs) + 40, gae_mode="tree")
+    cfg = StepConfig(name="ppo", micro_batch_tokens=longest_kept(rs) + 40, gae_mode="tree")
     metrics = train_step(p, adamw(p), rs, None, cfg)
     assert metrics["value_loss"] > 0 and np.isfinite(metrics["advantage_mean"])
     assert not torch.equal(before, p.value_head.weight)
@@ -189,7 +191,7 @@ def test_explicit_group_keys_override_group_by(policy, rollouts):
 def test_policy_from_pretrained_directory_runs_packed_batches(tmp_path, policy, rollouts):
     policy.lm.save_pretrained(tmp_path)
     loaded = Policy.from_pretrained(tmp_path, value_head=True)
-    batch = prepare_step(rollouts, None, StepConfig(max_tokens=4096)).batches[0]
+    batch = prepare_step(rollouts, None, StepConfig(micro_batch_tokens=4096)).batches[0]
     with torch.no_grad():
         want, got = policy.run(batch), loaded.run(batch)
     torch.testing.assert_close(got.logprobs, want.logprobs, atol=1e-6, rtol=0)
@@ -217,8 +219,8 @@ def _with_rewards(rollouts, rewards):
 def test_filter_groups_trains_only_groups_whose_rewards_differ(policy, rollouts):
     # task0 (rollouts 0-2) all solved: no signal; task1 (3-5) mixed
     rs = _with_rewards(rollouts, [1, 1, 1, 0, 1, 0])
-    plain = prepare_step(rs, None, StepConfig(max_tokens=4096))
-    data = prepare_step(rs, None, StepConfig(max_tokens=4096, filter_groups=True, updates_per_step=2))
+    plain = prepare_step(rs, None, StepConfig(micro_batch_tokens=4096))
+    data = prepare_step(rs, None, StepConfig(micro_batch_tokens=4096, filter_groups=True, updates_per_step=2))
     assert data.counts["dropped_uniform_group"] == 3 and data.counts["rollouts_trained"] == 3
     trained = {int(g) for b in data.batches for g in b.target_rollout}
     assert trained == {3, 4, 5}
@@ -239,7 +241,7 @@ def test_filter_groups_makes_no_update_without_signal_where_adam_would_drift(pol
     for filtered in (False, True):
         p = copy.deepcopy(policy)
         opt = adamw(p)
-        config = StepConfig(max_tokens=4096, filter_groups=filtered)
+        config = StepConfig(micro_batch_tokens=4096, filter_groups=filtered)
         train_step(p, opt, signal, None, config)
         after_first = [a.detach().clone() for a in p.parameters()]
         metrics = train_step(p, opt, flat, None, config)
@@ -251,7 +253,7 @@ def test_filter_groups_makes_no_update_without_signal_where_adam_would_drift(pol
 @settings(max_examples=60, deadline=None)
 @given(ids=st.lists(st.integers(0, 6), min_size=1, max_size=40), n=st.integers(1, 5), seed=st.integers(0, 2**16))
 def test_split_groups_over_members_keeps_groups_whole(ids, n, seed):
-    from clawfast.train.step import split_groups
+    from clawfast.train.prepare import split_groups
 
     # first-appearance group indices, as group_ids makes them
     index: dict[int, int] = {}
@@ -268,10 +270,10 @@ def test_split_groups_over_members_keeps_groups_whole(ids, n, seed):
 
 
 def test_warmup_ramps_the_learning_rate_from_the_optimizers_own_count(policy, rollouts):
-    from clawfast.train.step import updates_done
+    from clawfast.train.warmup import updates_done
 
     rs = _with_rewards(rollouts, [1, 0, 1, 0, 1, 0])
-    config = StepConfig(max_tokens=4096, warmup_updates=4, updates_per_step=2)
+    config = StepConfig(micro_batch_tokens=4096, warmup_updates=4, updates_per_step=2)
     p = copy.deepcopy(policy)
     opt = adamw(p)
     lrs = []
@@ -284,4 +286,4 @@ def test_warmup_ramps_the_learning_rate_from_the_optimizers_own_count(policy, ro
     again.load_state_dict(opt.state_dict())
     assert updates_done(again) == 6 and train_step(p, again, rs, None, config)["lr"] == pytest.approx(1e-3)
     fresh = copy.deepcopy(policy)
-    assert train_step(fresh, adamw(fresh), rs, None, StepConfig(max_tokens=4096))["lr"] == 1e-3
+    assert train_step(fresh, adamw(fresh), rs, None, StepConfig(micro_batch_tokens=4096))["lr"] == 1e-3

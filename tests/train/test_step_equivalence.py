@@ -15,7 +15,7 @@ PPO: per-path GAE with the plain verl loop on each flat copy (reward on the path
 token, values from the value head at the predicting position); a shared token's advantage and
 return are the mean over the copies (the "path" mode of tree GAE).
 
-The packed step runs with a small ``max_tokens`` so trees are split across micro-batches with
+The packed step runs with a small ``micro_batch_tokens`` so trees are split across micro-batches with
 re-included context rows. Tolerance 1e-4 absolute on the loss and on every gradient entry: both
 sides are fp32 with the same weights; only reduction orders differ (measured differences ~1e-7).
 """
@@ -33,7 +33,9 @@ from clawfast.records import RolloutResult
 from clawfast.synthetic import random_group, task_group
 from clawfast.train.algorithms import group_ids, grpo_rollout_advantages
 from clawfast.train.policy import Policy
-from clawfast.train.step import StepConfig, accumulate_gradients, prepare_step
+from clawfast.train.prepare import prepare_step
+from clawfast.train.step_config import StepConfig
+from clawfast.train.update import accumulate_gradients
 from clawfast.threads import reconstruct, with_kinds
 from clawfast.tree import build_tree
 from clawfast.tree_ref import kept_leaf_paths_ref, trainable_mask_ref
@@ -236,7 +238,7 @@ def test_grpo_step_equals_flat_per_leaf(aggregation):
     policy = tiny_policy(0)
     rollouts = harness_rollouts(policy, seed=1)
     ref_policy = tiny_policy(7)
-    config = StepConfig(name="grpo", max_tokens=longest_kept(rollouts) + 40, aggregation=aggregation,
+    config = StepConfig(name="grpo", micro_batch_tokens=longest_kept(rollouts) + 40, aggregation=aggregation,
                         is_mode="truncate", is_cap=1.3, entropy_coef=0.01, kl_coef=0.05)
     metrics = assert_same_step(policy, rollouts, config, ref_policy)
     assert 0 < metrics["is_frac_above"] < 1, "truncation never (or always) happened"
@@ -246,7 +248,7 @@ def test_grpo_step_equals_flat_per_leaf(aggregation):
 def test_grpo_step_equals_flat_on_adversarial_trees(seed):
     policy = tiny_policy(1)
     rollouts = random_rollouts(policy, seed)
-    config = StepConfig(max_tokens=longest_kept(rollouts) + 3, is_mode="mask", is_lo=0.7, is_hi=1.4)
+    config = StepConfig(micro_batch_tokens=longest_kept(rollouts) + 3, is_mode="mask", is_lo=0.7, is_hi=1.4)
     metrics = assert_same_step(policy, rollouts, config)
     assert 0 < metrics["is_frac_above"] + metrics["is_frac_below"] < 1
 
@@ -255,7 +257,7 @@ def test_grpo_step_equals_flat_on_adversarial_trees(seed):
 def test_ppo_step_equals_flat_per_leaf(aggregation):
     policy = tiny_policy(2, value_head=True)
     rollouts = harness_rollouts(policy, seed=4)
-    config = StepConfig(name="ppo", max_tokens=longest_kept(rollouts) + 40, aggregation=aggregation,
+    config = StepConfig(name="ppo", micro_batch_tokens=longest_kept(rollouts) + 40, aggregation=aggregation,
                         gamma=0.99, lam=0.95, value_coef=0.5, value_clip=0.2, is_cap=1.5, entropy_coef=0.01)
     assert_same_step(policy, rollouts, config)
 
@@ -266,7 +268,7 @@ def test_sequence_level_is_step_equals_flat_per_leaf(mode):
     # flat copy carries its path's weight, a shared token the mean over its copies
     policy = tiny_policy(0)
     rollouts = harness_rollouts(policy, seed=1)
-    config = StepConfig(max_tokens=longest_kept(rollouts) + 40, is_level="sequence", is_mode=mode, is_cap=1.5,
+    config = StepConfig(micro_batch_tokens=longest_kept(rollouts) + 40, is_level="sequence", is_mode=mode, is_cap=1.5,
                         is_lo=0.2, is_hi=5.0, entropy_coef=0.01)
     metrics = assert_same_step(policy, rollouts, config)
     assert 0 < metrics["is_frac_above"] + metrics["is_frac_below"] < 1, "the path weights never (or always) acted"

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from clawfast.train.checkpoint import list_checkpoints
-from clawfast.train.metrics import read_metrics
+from clawfast.train.metrics_log import read_metrics
 
 from loop_fixtures import make_recorded, make_tiny_model, recorded_config_text
 
@@ -173,7 +173,7 @@ samples_per_task = 4
 max_staleness = 1
 [optim]
 lr = 1e-2
-max_tokens = 256
+micro_batch_tokens = 256
 [eval]
 before = false
 after = false

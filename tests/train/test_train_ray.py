@@ -32,8 +32,8 @@ def test_one_step_with_rollouts_on_ray_actors(tmp_path, monkeypatch):
     from clawfast.tasks import clawbench_mini
     from clawfast.train import distributed, loop
     from clawfast.train.build import harness_options
-    from clawfast.train.config import config_from_dict
-    from clawfast.train.metrics import read_metrics
+    from clawfast.train.config_file import config_from_dict
+    from clawfast.train.metrics_log import read_metrics
 
     config = config_from_dict({
         "run_dir": str(tmp_path / "run"), "steps": 1, "seed": 1,
@@ -42,7 +42,7 @@ def test_one_step_with_rollouts_on_ray_actors(tmp_path, monkeypatch):
                     "sandbox": SANDBOX, "harness_max_turns": 8, "timeout_s": 240,
                     "mini_instance_template": "Task: {{task}}"},
         "eval": {"before": False, "after": False},
-        "optim": {"max_tokens": 4096},
+        "optim": {"micro_batch_tokens": 4096},
         "distributed": {"rollouts": "ray", "ray_address": "local"},
     })
     tasks = [t for t in clawbench_mini(0) if t.split == "train"]

@@ -1,0 +1,119 @@
+"""The attention cases of bench/gpu_kernels.py (its sections 2 and 5): ``tree_attention`` forward+backward
+on an agent forest against SDPA with the dense tree mask, on one causal chain against SDPA's causal
+kernel, and against FlexAttention."""
+
+from __future__ import annotations
+
+from gpu_forests import agent_parent, subtree_ends
+from gpu_kernels_timing import Timing, note, secs, try_time, versus
+
+
+class AttentionInputs:
+    def __init__(self, K, torch, device, n, gen):
+        cpu = device.type == "cpu"
+        self.cpu = cpu
+        self.hq, self.hkv, self.d = (4, 2, 16) if cpu else (32, 8, 128)
+        self.dtype = torch.float32 if cpu else torch.bfloat16
+        gen_host = torch.Generator().manual_seed(n)  # the forest's shape: drawn on the host
+        parent = agent_parent(torch, n, gen_host).tolist()
+        self.kv_end = torch.tensor(subtree_ends(parent), dtype=torch.int32, device=device)
+        self.n = n = self.kv_end.shape[0]
+        self.mask = K.TreeMask(self.kv_end)
+        self.q, self.k, self.v = (torch.randn(n, h, self.d, generator=gen, device=device).to(self.dtype)
+                                  for h in (self.hq, self.hkv, self.hkv))
+        self.g = torch.randn(n, self.hq, self.d, generator=gen, device=device).to(self.dtype)
+        pairs = self.mask.visible_pairs()
+        self.pairs = pairs
+        self.shape = (f"N={n} Hq={self.hq} Hkv={self.hkv} D={self.d} {str(self.dtype)[6:]}, agent forest, "
+                      f"pairs/causal={pairs / (n * (n + 1) / 2):.2f}")
+
+    def flops(self, pairs):
+        return 3.5 * 4.0 * self.hq * self.d * pairs  # forward 2 matmuls per pair, backward 2.5x
+
+
+def tree_step(K, torch, x: AttentionInputs, backend, mask=None):
+    """Forward+backward of tree attention (forward only for flex on a CPU: no flex backward there)."""
+    grads = not (x.cpu and backend == "flex")
+    mask = x.mask if mask is None else mask
+
+    def run():
+        q, k, v = (t.detach().requires_grad_(grads) for t in (x.q, x.k, x.v))
+        out = K.tree_attention(q, k, v, mask, backend=backend)
+        if grads:
+            out.backward(x.g)
+    return run
+
+
+def bench_attention(K, torch, bench, cases, rows, x: AttentionInputs, with_chain: bool):
+    """Triton vs SDPA with the dense mask on the forest; Triton vs SDPA causal on one chain."""
+    import torch.nn.functional as F
+
+    op = "tree_attention"
+    row = dict(op=op, case="fwd+bwd triton", shape=x.shape)
+    if not cases.fits("attention" if with_chain else "attention_big", **row, baseline="dense SDPA"):
+        return None
+    try:
+        ours = bench.measure(tree_step(K, torch, x, "triton"))
+    except Exception as exc:  # noqa: BLE001
+        cases.error(exc, ours=True, **row)
+        return None
+
+    def dense():
+        # key/value heads repeated for the query heads, as HF's SDPA path does with a mask: the
+        # memory-efficient kernel takes a mask but no GQA (enable_gqa would fall back to math)
+        q, k, v = (t.detach().transpose(0, 1)[None].requires_grad_() for t in (x.q, x.k, x.v))
+        rep = x.hq // x.hkv
+        allowed = K.tree_mask_ref(x.kv_end)
+        out = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
+                                             attn_mask=allowed)
+        out.backward(x.g.transpose(0, 1)[None])
+
+    base = try_time(bench, dense)
+    dense_name = "dense SDPA (bool [N, N] tree mask; k, v repeated to Hq heads)"
+    rows.add(**versus(ours, base, **row, baseline=dense_name, note=note(
+        f"first call {secs(ours.first_ms)} (compile)",
+        f"triton {x.flops(x.pairs) / ours.ms / 1e9:.0f} TFLOP/s on the visible pairs" if bench.cuda else "")))
+    if not with_chain:
+        return ours
+    cases.free()
+    # One plain causal chain of N rows: the same kernel on a flat sample, against the kernel a flat
+    # trainer runs (SDPA is_causal: torch's flash backend on a GPU).
+    row = dict(op=op, case="fwd+bwd triton, one causal chain", shape=f"N={x.n} Hq={x.hq} Hkv={x.hkv} D={x.d} "
+               f"{str(x.dtype)[6:]}, one sequence")
+    if not cases.fits("chain", **row):
+        return ours
+    try:
+        chain = K.TreeMask(torch.full_like(x.kv_end, x.n - 1))
+        mine = bench.measure(tree_step(K, torch, x, "triton", chain))
+    except Exception as exc:  # noqa: BLE001
+        cases.error(exc, ours=True, **row)
+        return ours
+
+    def causal():
+        q, k, v = (t.detach().transpose(0, 1)[None].requires_grad_() for t in (x.q, x.k, x.v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        out.backward(x.g.transpose(0, 1)[None])
+
+    base = try_time(bench, causal)
+    causal_pairs = x.n * (x.n + 1) // 2
+    rows.add(**versus(mine, base, **row, baseline="SDPA is_causal (torch's flash backend on a GPU)", note=note(
+        f"triton {x.flops(causal_pairs) / mine.ms / 1e9:.0f} TFLOP/s" if bench.cuda else "",
+        f"SDPA {x.flops(causal_pairs) / base.ms / 1e9:.0f} TFLOP/s" if bench.cuda and isinstance(base, Timing)
+        else "")))
+    return ours
+
+
+def bench_flex(K, torch, bench, cases, rows, x: AttentionInputs, ours: Timing | None):
+    op = "tree_attention"
+    case = "fwd+bwd triton" + (" (flex: forward only on a CPU)" if x.cpu else "")
+    row = dict(op=op, case=case, shape=x.shape, baseline="FlexAttention (compiled, the tree's block mask)")
+    if not cases.fits("flex", **row):
+        return
+    try:
+        ours = ours or bench.measure(tree_step(K, torch, x, "triton"))
+    except Exception as exc:  # noqa: BLE001
+        cases.error(exc, ours=True, **row)
+        return
+    base = try_time(bench, tree_step(K, torch, x, "flex"))
+    rows.add(**versus(ours, base, **row, note=note(
+        f"flex's first call {secs(base.first_ms)} (torch.compile)" if isinstance(base, Timing) else "")))

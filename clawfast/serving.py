@@ -1,0 +1,28 @@
+"""The serving proxy's settings as plain data: `ProxyConfig`, the bounds `clawfast.proxy.core.ProxyCore`
+puts on every call and how it answers.
+
+It lives below the proxy because the trainer writes a run's proxy settings (`clawfast.train.build`) and
+may not import `clawfast.proxy` (tests/test_dependencies.py R5), while the proxy may not import the
+trainer or the rollout service (R3): this module imports nothing of clawfast, so every floor may. The
+proxy re-exports it (`clawfast.proxy.ProxyConfig`, `clawfast.proxy.core.ProxyConfig`: the same class).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class ProxyConfig:
+    """max_tokens_cap: upper bound on any call's output budget. default_max_tokens: budget when the
+    request names none. max_model_len: prompt + output limit (None: unchecked). keepalive_s: seconds
+    between keep-alive events while the engine works. parser: tool-call parser family (None: from the
+    tokenizer's special tokens). What a call samples with beyond these bounds (temperature, top_p,
+    its rollout's call budget) is its rollout's `Sampling`, set when the rollout is opened, merged by
+    `Sampling.params`."""
+
+    max_tokens_cap: int = 4096
+    default_max_tokens: int = 1024
+    max_model_len: int | None = None
+    keepalive_s: float = 5.0
+    parser: str | None = None

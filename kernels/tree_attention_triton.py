@@ -1,0 +1,395 @@
+"""Tree attention's Triton kernels, their launchers, and the table of their launch tiles.
+
+``_tree_attn_fwd_kernel``: one program per (query block, head) walking its key-block list with an
+online softmax. ``_tree_attn_dq_kernel``: the same walk in tiles of ``TritonTiles.dq_cols`` keys.
+``_tree_attn_dkdv_kernel``: one program per (key block, kv head) walking its pairs by key block in
+query tiles of ``TritonTiles.dkdv_rows`` rows, computed transposed (no atomics: dK / dV sum the
+group's query heads in one program). The backward recomputes the scores from the saved log-sum-exp.
+Launch tiles per (dtype, head dim): ``_GPU_TILES``, every variant compiled for sm_80 and sm_90 by
+``clawfast.kernels.aot``; `triton_refuses` names the inputs no tile takes (the torch path runs them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ._common import HAS_TRITON, acc_dtype, dropout_threshold, refuses_dtype, triton_interpret
+from .tree_attention_schedule import Scores, TreeMask
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+
+@dataclass(frozen=True)
+class TritonTiles:
+    """How the three Triton kernels are launched for one (dtype, head dim): the block size B of the
+    schedule (query and key blocks alike), the head-dim tile, (num_warps, num_stages) per kernel, the
+    keys the dQ kernel and the query rows the dK / dV kernel take at a time (divisors of B)."""
+
+    block: int
+    block_d: int
+    fwd: tuple[int, int]
+    dq: tuple[int, int]
+    dkdv: tuple[int, int]
+    dq_cols: int
+    dkdv_rows: int
+
+
+# GPU launches by (bytes per element, head-dim tile): the head dim rounded up to a power of two,
+# at least 64 (a smaller head pads its lanes). Chosen so that no variant spills registers or
+# exceeds sm_80's 163 KiB of shared memory per block, the smaller of the two targets, with the latest
+# Triton and with the GPU image's (3.6): `clawfast.kernels.aot` compiles every variant (its tables:
+# bench/results/kernel_compile*.md). Register allocation differs between Triton releases, so a
+# config at the edge in one spills in the other. dQ keeps q, dO and its accumulator live across its
+# walk and dK / dV two accumulators and k, v: both walk their partner blocks in half-block tiles.
+# float32 operands run as three TF32 products, which hold twice the operand registers: smaller
+# blocks, and at head dim 256 every tile spills (such inputs take the torch path, `triton_refuses`).
+_GPU_TILES = {
+    (2, 64): TritonTiles(64, 64, (4, 3), (4, 3), (8, 3), 32, 32),
+    (2, 128): TritonTiles(64, 128, (8, 3), (8, 3), (8, 3), 32, 32),
+    (2, 256): TritonTiles(32, 256, (4, 3), (4, 4), (8, 2), 16, 16),
+    (4, 64): TritonTiles(32, 64, (8, 2), (8, 2), (8, 2), 16, 16),
+    (4, 128): TritonTiles(16, 128, (8, 2), (8, 1), (8, 2), 16, 16),
+}
+
+
+def _gpu_tiles_key(dtype: torch.dtype, head_dim: int) -> tuple[int, int]:
+    """The `_GPU_TILES` key: bytes per element, and the head dim as a power of two of at least 64."""
+    return dtype.itemsize, max(64, 1 << (head_dim - 1).bit_length())
+
+
+def triton_tiles(dtype: torch.dtype, head_dim: int) -> TritonTiles:
+    """How the kernels are launched for this dtype and head dim (by whether Triton interprets, never by
+    the device: `clawfast.kernels.aot` records a GPU's launches on a CPU)."""
+    if triton_interpret():
+        # the interpreter runs every program in Python: small tiles keep its per-element cost low,
+        # and dQ / dK / dV walk each block in two halves, as on a GPU
+        return TritonTiles(16, max(16, triton.next_power_of_2(head_dim)), (1, 1), (1, 1), (1, 1), 8, 8)
+    return _GPU_TILES[_gpu_tiles_key(dtype, head_dim)]
+
+
+def triton_refuses(dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why the Triton kernels cannot take this dtype and head dim (None: they can)."""
+    if (reason := refuses_dtype(dtype)) is not None:
+        return reason
+    if _gpu_tiles_key(dtype, head_dim) not in _GPU_TILES:
+        return (f"the Triton tree attention has no {str(dtype).removeprefix('torch.')} kernel for head dim "
+                f"{head_dim} (every tile spills registers)" if head_dim <= 256 else
+                f"the Triton tree attention takes head dims up to 256, got {head_dim}")
+    return None
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _dot(a, b, TF32X3: tl.constexpr):
+        if TF32X3:
+            # float32 operands: three TF32 products on tensor cores keep float32 accuracy (one TF32
+            # product would round the operands to 10 mantissa bits; "ieee" runs on the FMA units,
+            # spills registers at these tiles and compiles ~10x slower)
+            return tl.dot(a, b, input_precision="tf32x3")
+        return tl.dot(a, b)
+
+    @triton.jit
+    def _load_rows(ptr, rows, row_ok, cols, col_ok, stride_n, UPCAST: tl.constexpr):
+        """[len(rows), len(cols)] tile of a row-major view; UPCAST: bf16/fp16 read as float32 (the
+        interpreter's half-precision tl.dot is unreliable; GPUs never take this)."""
+        x = tl.load(ptr + rows.to(tl.int64)[:, None] * stride_n + cols[None, :],
+                    mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+        if UPCAST:
+            x = x.to(tl.float32)
+        return x
+
+    @triton.jit
+    def _store_rows(ptr, rows, row_ok, cols, col_ok, stride_n, x):
+        tl.store(ptr + rows.to(tl.int64)[:, None] * stride_n + cols[None, :], x.to(ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & col_ok[None, :])
+
+    @triton.jit
+    def _rows(b, N, BLOCK: tl.constexpr):
+        """Rows of block b, with their in-range mask."""
+        rows = b * BLOCK + tl.arange(0, BLOCK)
+        return rows, rows < N
+
+    @triton.jit
+    def _block(b, N, D, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
+        """Rows of block b and the head dimension's lanes, with their in-range masks."""
+        rows, row_ok = _rows(b, N, BLOCK)
+        ds = tl.arange(0, BLOCK_D)
+        return rows, row_ok, ds, ds < D
+
+    @triton.jit
+    def _key_block(k_ptr, v_ptr, kv_end_ptr, depth_ptr, kb, hk, ds, d_ok, N, skn, skh, svn, svh,
+                   BLOCK: tl.constexpr, UPCAST: tl.constexpr, WINDOW: tl.constexpr):
+        """Key block kb (of BLOCK rows) of kv head hk: (cols, k, v, kv_end of the cols, depth of the cols)."""
+        cols = kb * BLOCK + tl.arange(0, BLOCK)
+        col_ok = cols < N
+        k = _load_rows(k_ptr + hk * skh, cols, col_ok, ds, d_ok, skn, UPCAST)
+        v = _load_rows(v_ptr + hk * svh, cols, col_ok, ds, d_ok, svn, UPCAST)
+        kve = tl.load(kv_end_ptr + cols, mask=col_ok, other=-1)  # padding keys are seen by no row
+        return cols, k, v, kve, _depths(depth_ptr, cols, col_ok, WINDOW)
+
+    @triton.jit
+    def _depths(depth_ptr, rows, row_ok, WINDOW: tl.constexpr):
+        if WINDOW:
+            return tl.load(depth_ptr + rows, mask=row_ok, other=0)
+        return rows  # unused without a window
+
+    @triton.jit
+    def _visible(rows, cols, kve, drow, dcol, window, WINDOW: tl.constexpr):
+        """[rows, cols]: query row i sees key j."""
+        visible = (cols[None, :] <= rows[:, None]) & (kve[None, :] >= rows[:, None])
+        if WINDOW:
+            visible = visible & (drow[:, None] - dcol[None, :] < window)
+        return visible
+
+    @triton.jit
+    def _visible_t(rows, cols, kve, drow, dcol, window, WINDOW: tl.constexpr):
+        """`_visible` as [cols, rows]."""
+        visible = (cols[:, None] <= rows[None, :]) & (kve[:, None] >= rows[None, :])
+        if WINDOW:
+            visible = visible & (drow[None, :] - dcol[:, None] < window)
+        return visible
+
+    @triton.jit
+    def _logits(a, b, scale, cap, TF32X3: tl.constexpr, SOFTCAP: tl.constexpr):
+        """(logits, tanh): a.b^T * scale (q.k^T, or k.q^T for the transposed tile), soft-capped to
+        ``cap * tanh(x / cap)`` under SOFTCAP (the tanh is kept for the backward; without SOFTCAP
+        the second value is unused)."""
+        x = _dot(a, tl.trans(b), TF32X3).to(tl.float32) * scale
+        if SOFTCAP:
+            # tanh from exp, which saturates to +-1 instead of overflowing
+            t = 1.0 - 2.0 / (tl.exp(2.0 * x / cap) + 1.0)
+            return cap * t, t
+        return x, x
+
+    @triton.jit
+    def _mix32(x):
+        """`clawfast.kernels._common.mix32` on uint32: products wrap modulo 2**32 and shifts are
+        logical, which is the reference's int64 arithmetic masked to 32 bits, in half the registers."""
+        x = (x ^ (x >> 16)) * 0x45D9F3B
+        x = (x ^ (x >> 16)) * 0x45D9F3B
+        return x ^ (x >> 16)
+
+    @triton.jit
+    def _row_hash(seed, h, rows):
+        """The per-(head, query row) half of `_common.dropout_keep`'s hash."""
+        return _mix32(_mix32((seed ^ h).to(tl.uint32)) ^ rows.to(tl.uint32))
+
+    @triton.jit
+    def _keep_scale(x, threshold, inv_keep):
+        """1 / (1 - p) where the entry whose hash input is x survives dropout, else 0."""
+        return tl.where((_mix32(x) >> 8) >= threshold, inv_keep, 0.0)
+
+    @triton.jit
+    def _tile_grads(q, k, v, do, lse, delta, visible, scale, cap, seed, h, rows, cols, threshold, inv_keep,
+                    TF32X3: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr):
+        """dS w.r.t. the scaled, uncapped scores of one [query rows, key cols] tile, recomputed from
+        the saved log-sum-exp. With dropout O = (P * Z) V, so dP = (dO V^T) * Z and delta =
+        rowsum(dO * O) stays the row term."""
+        s, t = _logits(q, k, scale, cap, TF32X3, SOFTCAP)
+        p = tl.where(visible, tl.exp(s - lse[:, None]), 0.0)
+        dp = _dot(do, tl.trans(v), TF32X3).to(tl.float32)
+        if DROPOUT:
+            dp = dp * _keep_scale(_row_hash(seed, h, rows)[:, None] ^ cols.to(tl.uint32)[None, :], threshold,
+                                     inv_keep)
+        dsc = p * (dp - delta[:, None])
+        if SOFTCAP:
+            dsc = dsc * (1.0 - t * t)
+        return dsc
+
+    @triton.jit
+    def _tile_grads_t(q, k, v, do, lse, delta, visible_t, scale, cap, seed, h, rows, cols, threshold, inv_keep,
+                      TF32X3: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr):
+        """`_tile_grads` as [key cols, query rows], with P after dropout: (P^T Z, dS^T). dV += (P Z)^T dO
+        and dK += dS^T Q then multiply these tiles as they are, never a transposed register tile."""
+        s, t = _logits(k, q, scale, cap, TF32X3, SOFTCAP)
+        p = tl.where(visible_t, tl.exp(s - lse[None, :]), 0.0)
+        dp = _dot(v, tl.trans(do), TF32X3).to(tl.float32)
+        pz = p
+        if DROPOUT:
+            z = _keep_scale(_row_hash(seed, h, rows)[None, :] ^ cols.to(tl.uint32)[:, None], threshold, inv_keep)
+            dp = dp * z
+            pz = p * z
+        dsc = p * (dp - delta[None, :])
+        if SOFTCAP:
+            dsc = dsc * (1.0 - t * t)
+        return pz, dsc
+
+    @triton.jit
+    def _query_block(depth_ptr, q_ptr, qb, h, N, D, sqn, sqh, BLOCK: tl.constexpr,
+                     BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, WINDOW: tl.constexpr):
+        """What a (query block, head) program starts from: the block's rows, lanes and depths, and its
+        q tile."""
+        rows, row_ok, ds, d_ok = _block(qb, N, D, BLOCK, BLOCK_D)
+        q = _load_rows(q_ptr + h * sqh, rows, row_ok, ds, d_ok, sqn, UPCAST)
+        return rows, row_ok, ds, d_ok, _depths(depth_ptr, rows, row_ok, WINDOW), q
+
+    # Sizes and offsets vary from launch to launch: specialising them (== 1, divisible by 16) would only
+    # compile more variants for nothing: they bound masks and loops, they are never strides.
+    @triton.jit(do_not_specialize=['N', 'G', 'window', 'seed', 'threshold'])
+    def _tree_attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, kv_end_ptr, depth_ptr, sink_ptr, kv_ptr_ptr,
+                              kv_idx_ptr, N, D, G, window, seed, threshold, scale, cap, inv_keep, sqn, sqh, skn, skh, svn, svh,
+                              son, soh, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
+                              TF32X3: tl.constexpr, UPCAST: tl.constexpr, WINDOW: tl.constexpr,
+                              SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, SINKS: tl.constexpr):
+        qb = tl.program_id(0)
+        h = tl.program_id(1)
+        rows, row_ok, ds, d_ok, drow, q = _query_block(depth_ptr, q_ptr, qb, h, N, D, sqn, sqh, BLOCK, BLOCK_D,
+                                                       UPCAST, WINDOW)
+        m = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
+        l = tl.zeros([BLOCK], dtype=tl.float32)
+        acc = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
+        for t in range(tl.load(kv_ptr_ptr + qb), tl.load(kv_ptr_ptr + qb + 1)):
+            cols, k, v, kve, dcol = _key_block(k_ptr, v_ptr, kv_end_ptr, depth_ptr, tl.load(kv_idx_ptr + t), h // G,
+                                               ds, d_ok, N, skn, skh, svn, svh, BLOCK, UPCAST, WINDOW)
+            s, _ = _logits(q, k, scale, cap, TF32X3, SOFTCAP)
+            s = tl.where(_visible(rows, cols, kve, drow, dcol, window, WINDOW), s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            # a block can hide every key from a row (another branch): keep -inf - -inf out
+            shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(s - shift[:, None])
+            alpha = tl.exp(m - shift)
+            l = l * alpha + tl.sum(p, 1)
+            if DROPOUT:  # the normaliser counts every key; the weighted sum only the kept ones
+                p = p * _keep_scale(_row_hash(seed, h, rows)[:, None] ^ cols.to(tl.uint32)[None, :], threshold,
+                                       inv_keep)
+            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, TF32X3).to(tl.float32)
+            m = m_new
+        l_safe = tl.where(l > 0, l, 1.0)  # padding rows only: every real row sees itself
+        out = acc / l_safe[:, None]
+        lse = m + tl.log(l_safe)
+        if SINKS:  # the head's sink logit joins the denominator (see tree_attention_torch._with_sinks)
+            sink = tl.load(sink_ptr + h).to(tl.float32)
+            top = tl.maximum(lse, sink)
+            total = top + tl.log(tl.exp(lse - top) + tl.exp(sink - top))
+            out = out * tl.exp(lse - total)[:, None]
+            lse = total
+        _store_rows(o_ptr + h * soh, rows, row_ok, ds, d_ok, son, out)
+        tl.store(lse_ptr + h * N + rows, lse, mask=row_ok)
+
+    @triton.jit(do_not_specialize=['N', 'G', 'window', 'seed', 'threshold'])
+    def _tree_attn_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dq_ptr, lse_ptr, delta_ptr, kv_end_ptr, depth_ptr,
+                             kv_ptr_ptr, kv_idx_ptr, N, D, G, window, seed, threshold, scale, cap, inv_keep, sqn, sqh,
+                             skn, skh, svn, svh, sdon, sdoh, sdqn, sdqh, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr,
+                             BLOCK_D: tl.constexpr, TF32X3: tl.constexpr, UPCAST: tl.constexpr,
+                             WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr):
+        """One query block, one head: its listed key blocks walked BLOCK_K keys at a time (the q, dO
+        tiles and the dQ accumulator stay live across the walk; smaller key tiles keep the score-sized
+        tiles of each step in registers)."""
+        qb = tl.program_id(0)
+        h = tl.program_id(1)
+        rows, row_ok, ds, d_ok, drow, q = _query_block(depth_ptr, q_ptr, qb, h, N, D, sqn, sqh, BLOCK, BLOCK_D,
+                                                       UPCAST, WINDOW)
+        do = _load_rows(do_ptr + h * sdoh, rows, row_ok, ds, d_ok, sdon, UPCAST)
+        lse = tl.load(lse_ptr + h * N + rows, mask=row_ok, other=0.0)
+        delta = tl.load(delta_ptr + h * N + rows, mask=row_ok, other=0.0)
+        dq = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
+        SUBS: tl.constexpr = BLOCK // BLOCK_K
+        for u in range(tl.load(kv_ptr_ptr + qb) * SUBS, tl.load(kv_ptr_ptr + qb + 1) * SUBS):
+            cols, k, v, kve, dcol = _key_block(k_ptr, v_ptr, kv_end_ptr, depth_ptr,
+                                               tl.load(kv_idx_ptr + u // SUBS) * SUBS + u % SUBS, h // G, ds, d_ok, N,
+                                               skn, skh, svn, svh, BLOCK_K, UPCAST, WINDOW)
+            visible = _visible(rows, cols, kve, drow, dcol, window, WINDOW)
+            dsc = _tile_grads(q, k, v, do, lse, delta, visible, scale, cap, seed, h, rows, cols, threshold, inv_keep,
+                              TF32X3, SOFTCAP, DROPOUT)
+            dq += _dot(dsc.to(k.dtype), k, TF32X3).to(tl.float32)
+        _store_rows(dq_ptr + h * sdqh, rows, row_ok, ds, d_ok, sdqn, dq * scale)
+
+    @triton.jit(do_not_specialize=['N', 'G', 'window', 'seed', 'threshold'])
+    def _tree_attn_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, lse_ptr, delta_ptr, kv_end_ptr,
+                               depth_ptr, q_ptr_ptr, q_idx_ptr, N, D, G, window, seed, threshold, scale, cap, inv_keep, sqn,
+                               sqh, skn, skh, svn, svh, sdon, sdoh, sdkn, sdkh, sdvn, sdvh, BLOCK: tl.constexpr,
+                               BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
+                               TF32X3: tl.constexpr, UPCAST: tl.constexpr, WINDOW: tl.constexpr,
+                               SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr):
+        """One key block, one kv head: its listed query blocks walked BLOCK_Q rows at a time (the dK / dV
+        accumulators and the k, v tiles stay live across the walk; smaller query tiles keep the rest
+        in registers), tiles computed transposed ([keys, queries])."""
+        kb = tl.program_id(0)
+        hk = tl.program_id(1)
+        cols, col_ok, ds, d_ok = _block(kb, N, D, BLOCK, BLOCK_D)
+        _, k, v, kve, dcol = _key_block(k_ptr, v_ptr, kv_end_ptr, depth_ptr, kb, hk, ds, d_ok, N, skn, skh, svn, svh,
+                                        BLOCK, UPCAST, WINDOW)
+        dk = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
+        dv = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
+        SUBS: tl.constexpr = BLOCK // BLOCK_Q
+        for gi in range(0, G):  # the group's query heads share this key head: sum them here
+            h = hk * G + gi
+            for u in range(tl.load(q_ptr_ptr + kb) * SUBS, tl.load(q_ptr_ptr + kb + 1) * SUBS):
+                # a name bound before the loop must keep its type in it (Triton's loop-carried values),
+                # so the loop rebinds none of them (`_` above included)
+                rows, row_ok = _rows(tl.load(q_idx_ptr + u // SUBS) * SUBS + u % SUBS, N, BLOCK_Q)
+                q = _load_rows(q_ptr + h * sqh, rows, row_ok, ds, d_ok, sqn, UPCAST)
+                do = _load_rows(do_ptr + h * sdoh, rows, row_ok, ds, d_ok, sdon, UPCAST)
+                lse = tl.load(lse_ptr + h * N + rows, mask=row_ok, other=0.0)
+                delta = tl.load(delta_ptr + h * N + rows, mask=row_ok, other=0.0)
+                visible_t = _visible_t(rows, cols, kve, _depths(depth_ptr, rows, row_ok, WINDOW), dcol, window, WINDOW)
+                pz_t, dsc_t = _tile_grads_t(q, k, v, do, lse, delta, visible_t, scale, cap, seed, h, rows, cols,
+                                            threshold, inv_keep, TF32X3, SOFTCAP, DROPOUT)
+                dv += _dot(pz_t.to(do.dtype), do, TF32X3).to(tl.float32)
+                dk += _dot(dsc_t.to(q.dtype), q, TF32X3).to(tl.float32)
+        _store_rows(dk_ptr + hk * sdkh, cols, col_ok, ds, d_ok, sdkn, dk * scale)
+        _store_rows(dv_ptr + hk * sdvh, cols, col_ok, ds, d_ok, sdvn, dv)
+
+
+def _triton_flags(q: torch.Tensor, rule: Scores, tiles: TritonTiles) -> dict:
+    upcast = triton_interpret() and q.dtype in (torch.float16, torch.bfloat16)
+    return dict(BLOCK=tiles.block, BLOCK_D=tiles.block_d, TF32X3=q.dtype == torch.float32, UPCAST=upcast,
+                WINDOW=rule.window is not None, SOFTCAP=rule.softcap is not None, DROPOUT=rule.dropout_p > 0)
+
+
+def _triton_scalars(mask: TreeMask, rule: Scores):
+    """(depth, scalars): the depths (kv_end stands in, unread, without a window); the window, the
+    dropout seed and threshold, the scale, the softcap and 1 / (1 - dropout)."""
+    depth = mask.kv_end if rule.window is None else mask.depth()
+    return depth, (rule.window or 0, rule.seed, dropout_threshold(rule.dropout_p), rule.scale, rule.softcap or 1.0,
+                   1.0 / (1.0 - rule.dropout_p))
+
+
+def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
+    """The kernels take any row and head strides but need each head's vector contiguous."""
+    return t if t.stride(2) == 1 else t.contiguous()
+
+
+def forward_triton(q, k, v, sinks, mask: TreeMask, rule: Scores, tiles: TritonTiles):
+    """(out [N, Hq, D] in q's dtype, log-sum-exp [Hq, N] in the accumulation dtype)."""
+    q, k, v = (_unit_last_stride(t) for t in (q, k, v))
+    n, hq, d = q.shape
+    s = mask.schedule(tiles.block, rule.window)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty(hq, n, dtype=acc_dtype(q.dtype), device=q.device)
+    depth, scalars = _triton_scalars(mask, rule)
+    _tree_attn_fwd_kernel[(s.num_blocks, hq)](
+        # the sinks in the accumulation dtype: one variant per kernel, whatever dtype the caller's are
+        q, k, v, out, lse, mask.kv_end, depth, sinks.to(lse.dtype) if sinks is not None else lse, s.kv_ptr,
+        s.kv_idx, n, d, hq // k.shape[1], *scalars, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        v.stride(0), v.stride(1), out.stride(0), out.stride(1), SINKS=sinks is not None, num_warps=tiles.fwd[0],
+        num_stages=tiles.fwd[1], **_triton_flags(q, rule, tiles))
+    return out, lse
+
+
+def backward_triton(q, k, v, lse, delta, dout, mask: TreeMask, rule: Scores, tiles: TritonTiles):
+    """(dq, dk, dv) from the saved log-sum-exp and ``delta`` = rowsum(dO * O) [Hq, N]."""
+    n, hq, d = q.shape
+    hkv = k.shape[1]
+    s = mask.schedule(tiles.block, rule.window)
+    q, k, v, dout = (_unit_last_stride(t) for t in (q, k, v, dout))
+    dq = torch.empty(n, hq, d, dtype=q.dtype, device=q.device)
+    dk = torch.empty(n, hkv, d, dtype=k.dtype, device=q.device)
+    dv = torch.empty(n, hkv, d, dtype=v.dtype, device=q.device)
+    flags = _triton_flags(q, rule, tiles)
+    depth, scalars = _triton_scalars(mask, rule)
+    common = (n, d, hq // hkv, *scalars, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
+              v.stride(1), dout.stride(0), dout.stride(1))
+    _tree_attn_dq_kernel[(s.num_blocks, hq)](
+        q, k, v, dout, dq, lse, delta, mask.kv_end, depth, s.kv_ptr, s.kv_idx, *common, dq.stride(0), dq.stride(1),
+        BLOCK_K=tiles.dq_cols, num_warps=tiles.dq[0], num_stages=tiles.dq[1], **flags)
+    _tree_attn_dkdv_kernel[(s.num_blocks, hkv)](
+        q, k, v, dout, dk, dv, lse, delta, mask.kv_end, depth, s.q_ptr, s.q_idx, *common, dk.stride(0),
+        dk.stride(1), dv.stride(0), dv.stride(1), BLOCK_Q=tiles.dkdv_rows, num_warps=tiles.dkdv[0],
+        num_stages=tiles.dkdv[1], **flags)
+    return dq, dk, dv

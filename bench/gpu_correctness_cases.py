@@ -3,8 +3,10 @@ inputs and measures its error, forward and gradients, against its float64 refere
 ``kernels/reference.py`` fed the same rounded inputs (and the same rounded upstream gradients).
 
 `RUNNERS` maps a plan's ``Case.run`` to its function; each takes (torch, device, sizes, params, seed)
-and returns (shape text, {part: err}, dtype name, note); parts are judged by
-`gpu_correctness_plan.tolerance(part, dtype)`. The error measures are defined in that module's
+and returns (shape text, {part: err}, dtype name, note, {part: plain float32 err}); parts are judged by
+`gpu_correctness_plan.bar(part, dtype, plain)`. The log-prob cases also run their reference in plain
+float32 on the same rounded inputs (IEEE cuBLAS, dense logits) and report its error: the bar of a
+part that plain float32 arithmetic cannot meet either is set by it. The error measures are defined in that module's
 docstring. Inputs are agent-shaped forests (`gpu_forests.Forest`).
 """
 
@@ -105,7 +107,7 @@ def case_attention(torch, device, sizes, params, seed):
     shape = f"N={n} Hq={hq} Hkv={hkv} D={d} depth<={depth}"
     if options.get("window"):
         shape += f" window={options['window']}"
-    return shape, errs, params["dtype"], f"{forest.num_samples} samples, {len(forest.leaves)} leaves"
+    return shape, errs, params["dtype"], f"{forest.num_samples} samples, {len(forest.leaves)} leaves", {}
 
 
 def _logprob_inputs(torch, device, dtype, n, d, v, gen):
@@ -118,6 +120,16 @@ def _logprob_errs(torch, lp, ent, lp_r, ent_r, h, w, hd, wd):
     return {"logprobs": rel_err(torch, lp, lp_r), "entropy": rel_err(torch, ent, ent_r),
             "d_hidden": rel_err(torch, h.grad, hd.grad) if h.grad is not None else math.inf,
             "d_weight": rel_err(torch, w.grad, wd.grad) if w.grad is not None else math.inf}
+
+
+def _plain_float32(torch, ref, hidden, weight, grads, *args, **kwargs):
+    """The reference run in float32 on the same rounded inputs, its loss weighted by the same upstream
+    gradients: (logprobs, entropy, hidden, weight) with the leaves' gradients filled."""
+    h, w = (t.detach().float().requires_grad_() for t in (hidden, weight))
+    lp, ent = ref(h, w, *args, **kwargs)
+    g_lp, g_ent = grads
+    ((lp * g_lp).sum() + ((ent * g_ent).sum() if g_ent is not None else 0.0)).backward()
+    return lp, ent, h, w
 
 
 def case_tree_logprobs(torch, device, sizes, params, seed):
@@ -142,8 +154,11 @@ def case_tree_logprobs(torch, device, sizes, params, seed):
     loss_r = (lp_r * g_lp.double()).sum() + ((ent_r * g_ent.double()).sum() if params["entropy"] else 0.0)
     loss_r.backward()
     errs = _logprob_errs(torch, lp, ent, lp_r, ent_r, h, w, hd, wd)
+    lp_f, ent_f, h_f, w_f = _plain_float32(torch, tree_logprobs_ref, hidden, weight,
+                                           (g_lp, g_ent if params["entropy"] else None), rows, ids)
+    plain = _logprob_errs(torch, lp_f, ent_f, lp_r, ent_r, h_f, w_f, hd, wd)
     return (f"N={n} d={d} V={v} M={rows.shape[0]}", errs, params["dtype"],
-            f"float32 outputs: {lp.dtype == torch.float32 and ent.dtype == torch.float32}")
+            f"float32 outputs: {lp.dtype == torch.float32 and ent.dtype == torch.float32}", plain)
 
 
 def case_linear_logprobs(torch, device, sizes, params, seed):
@@ -167,10 +182,13 @@ def case_linear_logprobs(torch, device, sizes, params, seed):
     lp_r, ent_r = linear_logprobs_ref(hd, wd, labels, temperature=temperature)
     ((lp_r * g_lp.double()).sum() + (ent_r * g_ent.double()).sum()).backward()
     errs = _logprob_errs(torch, lp, ent, lp_r, ent_r, h, w, hd, wd)
+    lp_f, ent_f, h_f, w_f = _plain_float32(torch, linear_logprobs_ref, hidden, weight, (g_lp, g_ent), labels,
+                                           temperature=temperature)
+    plain = _logprob_errs(torch, lp_f, ent_f, lp_r, ent_r, h_f, w_f, hd, wd)
     ignored_zero = bool((lp[labels == -100] == 0).all())
     if not ignored_zero:
         errs["ignored positions are 0"] = math.inf
-    return f"B={b} T={t_len} d={d} V={v}", errs, params["dtype"], f"T={temperature}"
+    return f"B={b} T={t_len} d={d} V={v}", errs, params["dtype"], f"T={temperature}", plain
 
 
 def _target_batch(torch, device, sizes, seed):
@@ -221,7 +239,7 @@ def case_importance(torch, device, sizes, params, seed):
     errs = {"weights": rel_err(torch, res.weights.cpu(), w_ref), "metrics": metrics_err(res.metrics, met_ref)}
     note = (f"{len(sequences)} paths, clipped/masked fraction above {met_ref['is_frac_above']:.3f} "
             f"below {met_ref['is_frac_below']:.3f}")
-    return f"M={lp.shape[0]} targets, N={forest.n} rows", errs, "float32", note
+    return f"M={lp.shape[0]} targets, N={forest.n} rows", errs, "float32", note, {}
 
 
 def case_policy_loss(torch, device, sizes, params, seed):
@@ -253,7 +271,7 @@ def case_policy_loss(torch, device, sizes, params, seed):
     errs = {"loss": rel_err(torch, loss.cpu(), loss_r), "d_logprobs": rel_err(torch, lp.grad.cpu(), lp_r.grad),
             "metrics": metrics_err(met, met_r)}
     note = f"clip_frac {met_r['clip_frac']:.3f}, dual_clip_frac {met_r['dual_clip_frac']:.3f}"
-    return f"M={m} targets, N={forest.n} rows", errs, "float32", note
+    return f"M={m} targets, N={forest.n} rows", errs, "float32", note, {}
 
 
 def case_gae(torch, device, sizes, params, seed):
@@ -275,7 +293,7 @@ def case_gae(torch, device, sizes, params, seed):
                         backend="triton", **kw)
     adv_r, ret_r = tree_gae_ref(rewards.double(), values.double(), parent, mask=mask.double(), **kw)
     errs = {"advantages": rel_err(torch, adv.cpu(), adv_r), "returns": rel_err(torch, ret.cpu(), ret_r)}
-    return f"N={n} depth<={forest.depth()} leaves={len(forest.leaves)}", errs, "float32", ""
+    return f"N={n} depth<={forest.depth()} leaves={len(forest.leaves)}", errs, "float32", "", {}
 
 
 def case_grpo(torch, device, sizes, params, seed):
@@ -292,7 +310,7 @@ def case_grpo(torch, device, sizes, params, seed):
     keys[0] = torch.tensor([groups, 0])  # a group of one: advantage 0
     adv = grpo_advantages(rewards.to(device), keys.to(device))
     adv_r = grpo_advantages_ref(rewards.double(), keys)
-    return f"R={r} rewards", {"advantages": rel_err(torch, adv.cpu(), adv_r)}, "float64", ""
+    return f"R={r} rewards", {"advantages": rel_err(torch, adv.cpu(), adv_r)}, "float64", "", {}
 
 
 RUNNERS = {"attention": case_attention, "tree_logprobs": case_tree_logprobs, "linear_logprobs": case_linear_logprobs,

@@ -27,10 +27,23 @@ Tolerances (``tolerance``), against float64 on the same rounded inputs:
   the smoke sizes (40 rows) reaches 3.8u on dk for some seeds (6 seeds x 11 half-precision cases).
   The margins still catch a wrong tile: a wrong mask, scale or softmax statistic costs orders of
   magnitude more.
+
+Where plain float32 arithmetic cannot meet that bar either, it sets the bar (`bar`): a log-prob case
+also runs its reference in float32 on the same rounded inputs (dense logits, IEEE cuBLAS) and a part
+passes within ``PLAIN_FACTOR`` (2) times that error, flash-attention's test rule for a fast path
+against the framework's own arithmetic in the same precision. At d = 4,096 and V = 128,256 a float32
+reduction over the vocabulary (the entropy, ``-sum p * log p`` of logits divided by T) and a float32
+matmul over it (d_hidden) come close to 1e-5 by themselves: plain float32 on a CPU (256 rows of
+`linear_logprobs_ref`, float64 the truth) gave entropy 6.5e-6 and d_hidden 9.3e-6 for bf16 inputs at
+T = 0.7, 6.2e-6 and 6.5e-6 for float32 inputs at T = 0.7, 9.7e-7 and 1.7e-6 at T = 1; the first H200
+run's four misses were 1.3-2.0e-5. A float32 kernel cannot be held below float32 itself; it is held
+to within twice it. The fixed bars above still hold wherever plain float32 stays under half of them
+(every smoke size; every part but the log-prob cases' entropy and gradients at GPU sizes).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 ATTENTION_FULL = dict(rows=2048, hq=32, hkv=8, head_dim=128)
@@ -130,6 +143,18 @@ def tolerance(part: str, dtype: str = "float32") -> float:
     if dtype in ROUNDOFF and part in ROUNDED_PARTS:
         return ROUNDED_PARTS[part] * ROUNDOFF[dtype]
     return 1e-10 if dtype == "float64" else 1e-5
+
+
+PLAIN_FACTOR = 2.0
+
+
+def bar(part: str, dtype: str, plain: dict[str, float] | None = None) -> float:
+    """The bar of one compared output: its `tolerance`, or `PLAIN_FACTOR` times the error of plain
+    float32 arithmetic on the same inputs (``plain[part]``, where the case measured it) when that is
+    larger (module docstring). A plain error that is not finite sets nothing: it means the plain run
+    failed, not that anything goes."""
+    floor = (plain or {}).get(part, 0.0)
+    return max(tolerance(part, dtype), PLAIN_FACTOR * floor if math.isfinite(floor) else 0.0)
 
 
 def plan(smoke: bool) -> list[dict]:

@@ -16,7 +16,7 @@ import time
 import traceback
 
 from gpu_correctness_cases import RUNNERS
-from gpu_correctness_plan import CASES, Case, tolerance
+from gpu_correctness_plan import CASES, Case, bar
 from rows import Rows
 
 
@@ -35,7 +35,7 @@ def run_case(torch, device: str, case: Case, smoke: bool, seed: int, tol_scale: 
     t0 = time.perf_counter()
     row = {"op": case.op, "case": case.name}
     try:
-        shape, errs, dtype, note = RUNNERS[case.run](torch, device, case.sizes(smoke), case.params, seed)
+        shape, errs, dtype, note, plain = RUNNERS[case.run](torch, device, case.sizes(smoke), case.params, seed)
     except Exception as exc:  # noqa: BLE001 - reported as the case's result
         if isinstance(exc, torch.cuda.OutOfMemoryError):
             raise
@@ -47,11 +47,13 @@ def run_case(torch, device: str, case: Case, smoke: bool, seed: int, tol_scale: 
     finally:
         if device != "cpu":
             torch.cuda.empty_cache()
-    ratios = {part: (err / (tolerance(part, dtype) * tol_scale) if tol_scale > 0 else (math.inf if err else 0.0))
-              for part, err in errs.items()}
+    bars = {part: bar(part, dtype, plain) * tol_scale for part in errs}
+    ratios = {part: (err / bars[part] if bars[part] > 0 else (math.inf if err else 0.0)) for part, err in errs.items()}
     worst = max(ratios, key=lambda p: (ratios[p], errs[p]))
     parts = ", ".join(f"{p} {e:.2g}" for p, e in errs.items())
-    row.update(shape=shape, err=errs[worst], tol=tolerance(worst, dtype) * tol_scale,
+    if plain:
+        parts += " (plain float32: " + ", ".join(f"{p} {e:.2g}" for p, e in plain.items()) + ")"
+    row.update(shape=shape, err=errs[worst], tol=bars[worst],
                ok=all(math.isfinite(e) for e in errs.values()) and ratios[worst] <= 1.0,
                ms=(time.perf_counter() - t0) * 1e3, note=f"{parts}; seed {seed}" + (f"; {note}" if note else ""))
     return row

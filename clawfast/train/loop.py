@@ -250,16 +250,17 @@ def _evaluate(source: RolloutSource, config: RunConfig, eval_tasks: dict, logger
               shown: str | None = None) -> dict[str, float]:
     """Evaluate, log the record under `label` at `step`, show `phase` while it runs and the result line
     (named `shown`, default `label`) after; returns the metrics."""
-    on_result = None
+    solved = 0
+
+    def count_solved(r: RolloutResult) -> None:
+        nonlocal solved
+        solved += r.reward >= 1.0
+        view.advance(note=f"solved {solved}")
+
     if view:
         view.begin(phase or f"eval at {label}", len(eval_tasks) * len(config.rollout.harnesses)
                    * config.eval.samples_per_task, "rollouts")
-        solved = [0]
-
-        def on_result(r: RolloutResult) -> None:
-            solved[0] += r.reward >= 1.0
-            view.advance(note=f"solved {solved[0]}")
-    m = run_eval(source, config, eval_tasks, on_result)
+    m = run_eval(source, config, eval_tasks, count_solved if view else None)
     if view:
         view.end()
     logger.log("eval", step, {**m, "label": label})

@@ -33,21 +33,10 @@ import numpy as np
 from clawfast.train.config_file import load_config
 from clawfast.train.loop import train
 from clawfast.train.sampled import EngineRollouts, TokenTask
+from sampled_runs import make_model, run_config  # bench/: the script's own folder
 
 RESULTS = Path(__file__).parent / "results" / "bench_async.json"
 GOOD = np.arange(10, 16)
-
-
-def make_model(path: Path) -> Path:
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    config = Qwen3Config(vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
-                         tie_word_embeddings=True)
-    torch.manual_seed(0)
-    Qwen3ForCausalLM(config).save_pretrained(path)
-    return path
 
 
 def reward(outputs: list[np.ndarray]) -> float:
@@ -65,30 +54,9 @@ def tasks(n: int = 8) -> dict[str, TokenTask]:
 def run_mode(root: Path, model: Path, steps: int, staleness: int | None) -> dict:
     name = "sync" if staleness is None else f"async-{staleness}"
     toml = root / f"{name}.toml"
-    toml.write_text(f"""
-run_dir = "{root / name}"
-seed = 0
-steps = {steps}
-[model]
-path = "{model}"
-[engine]
-kind = "torch"
-max_tokens = 12
-max_batch = 16
-[rollout]
-tasks_per_step = 4
-samples_per_task = 4
-[algorithm]
-{"" if staleness is None else f"max_staleness = {staleness}"}
-[optim]
-lr = 3e-3
-micro_batch_tokens = 1024
-[eval]
-before = false
-after = false
-[checkpoint]
-interval = {steps}
-""")
+    algorithm = {} if staleness is None else {"max_staleness": staleness}
+    toml.write_text(run_config(root / name, model, seed=0, steps=steps, algorithm=algorithm, lr=3e-3,
+                               micro_batch_tokens=1024))
     engines = []
 
     def make_source(engine):

@@ -12,20 +12,27 @@ tool result, a summary).
 1. **Probe**: at most one token sampled, stopped on length: ``quota``.
 2. **Links**, each call against the earlier ones: *extends* p (replays p's whole prompt, up to the
    tokens all prompts end with, and p's turn); a *fork* (replays p's prompt but not its turn:
-   continues nothing, or, if nothing takes up p's answer, is a retry of p); a *retry* (p's very prompt: continues what p continues); *edited* (holds the
-   turn of a later call m past the prefix it shares, agreeing with m as far: the harness rewrote the
-   history and went on from m), unless m's history later goes on without it.
+   continues nothing, or, if nothing takes up p's answer, is a retry of p); a *retry* (p's very
+   prompt: continues what p continues); *edited* (holds the turn of a later call m past the prefix
+   it shares, agreeing with m as far, and keeps the first prompt of m's thread: the harness rewrote
+   the history and went on from m; a call that keeps less starts a thread of its own), unless m's
+   history later goes on without it.
 3. **Compaction**: a call that continues no call whole quotes the answer of a call k that nothing
-   continued, and shares at least half of the first prompt of the thread k was given: k is a
-   ``compaction``; the call restarts that thread.
+   continued, and shares at least half of the first prompt of the thread k was given (for a k that
+   continues nothing, the thread whose turns or answers it re-read): k is a ``compaction``; the call
+   restarts that thread.
 4. **Subagent**: a chain whose last answer is quoted, past the shared prefix, by a later call of
-   another chain that continues it.
-5. **Main**: the longest other chain; in it, an edited one-off its chain went on without is a
-   ``summary``. A one-call side chain is a ``title`` (holds no earlier answer) or a ``summary``;
-   a longer one is ``other-side``.
+   another chain that continues it (or by a compaction call).
+5. **Main**: the longest other chain, preferring chains that did not start by re-reading another
+   chain's turns or answers; in it, an edited one-off its chain went on without is a ``summary``.
+   A one-call side chain is a ``title`` (holds no earlier answer) or a ``summary``; a longer one is
+   ``other-side``.
 6. **Hints**: the proxy's tags decide only what the structure cannot (a hinted side chain is main
-   only if nothing else is; a hinted subagent; a compaction hint on the main chain's last call; a
-   one-off's hinted kind).
+   only if nothing else is; a hinted subagent; a compaction hint on the main chain's last call, or
+   on a call whose answer is too plain to quote, held whole by a restart; a one-off's hinted kind).
+7. **Links** (`Link`): a subagent's last call ``returns`` into the call its answer comes back in; a
+   compaction call ``restarts`` the thread, and the main thread's last call before the restart
+   ``resumes`` in it. PPO's GAE follows them when the side kind is trained (`algorithm.train_threads`).
 
 Guaranteed: every call gets one `CallThread`; a call's `extends` is an earlier call. Continuity
 counts, for each main call that extends a main call, whether its prompt starts with all of that
@@ -70,6 +77,30 @@ class Divergence:
     cause: str  # one of CAUSES
 
 
+LINK_KINDS = ("returns", "restarts", "resumes")
+
+
+@dataclass(frozen=True)
+class Link:
+    """Where one thread hands on to another: what `source` produced is read by `target`, which goes on
+    from it. kind: "returns" (a subagent's last call; its answer comes back in `target`), "restarts"
+    (a compaction call; `target` is the thread restarted from its summary), "resumes" (the thread's
+    last call before a compaction; `target` restarts it). `thread_kind`: the side kind whose training
+    the link belongs to (`subagent` or `compaction`)."""
+
+    kind: str  # one of LINK_KINDS
+    source: int  # call_index
+    target: int  # call_index
+
+    def __post_init__(self) -> None:
+        if self.kind not in LINK_KINDS:
+            raise ValueError(f"unknown link kind {self.kind!r}; expected one of {LINK_KINDS}")
+
+    @property
+    def thread_kind(self) -> str:
+        return "subagent" if self.kind == "returns" else "compaction"
+
+
 @dataclass
 class RolloutThreads:
     calls: list[CallThread]  # in call-index order
@@ -77,6 +108,7 @@ class RolloutThreads:
     main_pairs: int  # main calls that extend a main call
     exact_pairs: int  # of those, the ones whose prompt starts with all of its prompt + output
     drift: int  # tokens of the extended calls' prompt + output that those prompts did not reuse
+    links: list[Link] = dataclasses.field(default_factory=list)  # by (target, source)
 
     @property
     def continuity(self) -> float:
@@ -229,8 +261,20 @@ class _Rollout:
             if not self.holds_turn(i, m, max(start - TURN_TOKENS, 0)):
                 continue
             if best is None or _lcp(prompt, self.prompts[m]) >= best_s:
-                self.parent[i], self.link[i], self.shared[i] = m, "edited", shared_with_path(prompt, self.prompts[m], self.outputs[m])
+                shared = shared_with_path(prompt, self.prompts[m], self.outputs[m])
+                # An edit rewrites the history past the thread's first prompt; a call that keeps less
+                # of it (another system prompt, another first request) re-read m's turns in a thread
+                # of its own (a memory extractor, a side request), whatever it replays after that.
+                if shared < max(len(self.prompts[self.head(m)]) - self.slack, 1):
+                    continue
+                self.parent[i], self.link[i], self.shared[i] = m, "edited", shared
                 return
+
+    def head(self, m: int) -> int:
+        """The first call of m's thread as linked so far (its first prompt: system prompt and task)."""
+        while self.parent[m] is not None:
+            m = self.parent[m]
+        return m
 
     def how(self, i: int) -> str:
         """How call i is linked to its parent; a retry, as the call it repeats."""
@@ -266,35 +310,56 @@ def reconstruct(calls: Sequence[CallRecord]) -> RolloutThreads:
     # Compactions: a call that replays no prompt whole quotes the answer of a call nobody
     # continued, and shares at least half of the first prompt of the thread that call compacted.
     restart_of: dict[int, int] = {}  # restarted call -> the call its thread continues
+    compaction_of: dict[int, int] = {}  # restarted call -> the compaction call whose summary it holds
     thread_root: list[int] = list(range(n))  # the first call of each call's thread so far
+
+    def compacted_thread(c: int, k: int) -> int | None:
+        """The call whose thread c restarts from k's summary: the one c continues, which must be the
+        one whose history k was given; else k's parent; for a k that continues nothing (its own
+        system prompt), the latest call whose turn k holds, else whose answer it quotes, else the
+        one c shares most with."""
+        q = r.parent[k]
+        if extends[c] is not None:  # an edited c restarts only the thread k was given
+            return extends[c] if q is not None and thread_root[q] == thread_root[extends[c]] else None
+        if q is not None:
+            return q
+        held = ([q for q in range(k) if kind[q] is None and r.holds_turn(k, q)]
+                or [q for q in range(k) if kind[q] is None and r.quotes(k, q)])
+        if held:
+            return held[-1]
+        others = [q for q in range(c) if q != k and kind[q] is None]
+        return max(others, key=lambda q: (shared_with_path(r.prompts[c], r.prompts[q], r.outputs[q]), q), default=None)
+
     for c in range(n):
         if r.retry_of[c] is not None and r.retry_of[c] in restart_of:  # a restart asked again
             restart_of[c], extends[c] = restart_of[r.retry_of[c]], None
+            compaction_of[c] = compaction_of[r.retry_of[c]]
             thread_root[c] = thread_root[r.retry_of[c]]
             continue
         if extends[c] is not None and r.how(c) != "edited":
             thread_root[c] = thread_root[extends[c]]
             continue
-        # Of several quoted answers (a summary, then a subagent's result after it), the first.
+        # Of several quoted answers (a summary, then a subagent's result after it), the first; an
+        # answer an earlier call already quoted came back before (a subagent's report) and summarises
+        # nothing.
         edited = extends[c] if extends[c] is not None else -1
         quoted = [(token_position(r.bytes[c], r.answers[k]), k) for k in range(edited + 1, c)
-                  if kind[k] is None and k not in continued and r.quotes(c, k)]
+                  if kind[k] is None and k not in continued and r.quotes(c, k)
+                  and not any(r.quotes(j, k) for j in range(k + 1, c))]
         k = min(quoted)[1] if quoted else None
-        if k is not None:
-            # The thread compacted: the one c continues, which must be the one whose history k was
-            # given; else k's; else the one c shares most with.
-            q = r.parent[k]
-            if extends[c] is not None:  # an edited c restarts only the thread k was given
-                q = extends[c] if q is not None and thread_root[q] == thread_root[extends[c]] else None
-            elif q is None:
-                others = [q for q in range(c) if q != k and kind[q] is None]
-                q = max(others, key=lambda q: (shared_with_path(r.prompts[c], r.prompts[q], r.outputs[q]), q), default=None)
-            head = None if q is None else thread_root[q]
-            if q is not None and 2 * _lcp(r.prompts[c], r.prompts[head]) >= len(r.prompts[head]):
-                kind[k], reason[k] = "compaction", f"its answer restarts the thread in call {calls[c].call_index}"
-                restart_of[c], extends[c] = q, None
-                thread_root[c] = head
-                continue
+        if k is None:  # an answer too plain to quote (text its own prompt held): a compaction hint decides
+            hinted = [k for k in range(edited + 1, c) if kind[k] is None and k not in continued
+                      and hint[k] == "compaction" and r.answers[k] is None and len(r.outputs[k])
+                      and _find(r.bytes[c], r.outputs[k].tobytes())]
+            k = hinted[-1] if hinted else None
+        q = None if k is None else compacted_thread(c, k)
+        head = None if q is None else thread_root[q]
+        if q is not None and 2 * _lcp(r.prompts[c], r.prompts[head]) >= len(r.prompts[head]):
+            kind[k], reason[k] = "compaction", f"its answer restarts the thread in call {calls[c].call_index}"
+            restart_of[c], extends[c] = q, None
+            compaction_of[c] = k
+            thread_root[c] = head
+            continue
         if extends[c] is not None:
             thread_root[c] = thread_root[extends[c]]
 
@@ -322,18 +387,21 @@ def reconstruct(calls: Sequence[CallRecord]) -> RolloutThreads:
         last = group[-1]
         for c in range(last + 1, n):
             p = extends[c]
-            if kind[c] != "quota" and (p is not None or c in restart_of) and root(c) != head and r.quotes(c, last, max(r.shared[c] - 1, 0)):
+            if kind[c] != "quota" and (p is not None or c in restart_of or kind[c] == "compaction") and root(c) != head and r.quotes(c, last, max(r.shared[c] - 1, 0)):
                 subagent_of[head] = c
                 break
     for head, group in members.items():
         if any(hint[i] == "subagent" for i in group):
             subagent_of.setdefault(head, -1)
 
-    # Main: the longest chain that is not a subagent (hinted side chains only if nothing else).
+    # Main: the longest chain that is not a subagent (hinted side chains only if nothing else), and
+    # that did not start by re-reading another chain's turns or answers (a side thread handed them).
     def rank(head: int) -> tuple:
         group = members[head]
         hinted = sum(hint[i] is not None for i in group) * 2 > len(group)
-        return (head not in subagent_of, not hinted, len(group), group[-1])
+        derived = any(kind[m] is None and root(m) != head and (r.holds_turn(head, m) or r.quotes(head, m))
+                      for m in range(head))
+        return (head not in subagent_of, not hinted, not derived, len(group), group[-1])
 
     main_head = max(members, key=rank) if members else None
     thread = [""] * n
@@ -395,11 +463,40 @@ def reconstruct(calls: Sequence[CallRecord]) -> RolloutThreads:
         cause = "history edit" if r.how(i) == "edited" else "template re-render"
         divergences.append(Divergence(calls[i].call_index, calls[p].call_index, s, cause))
 
+    # Links: a subagent's last call to the call its answer returns in; a compaction call, and the
+    # main thread's last call before the restart, to the restart (of a restart asked again, the last).
+    found: dict[tuple[str, int], int] = {}
+    for head, c in subagent_of.items():
+        if c >= 0 and kind[head] == "subagent":
+            found[("returns", members[head][-1])] = c
+    for c, k in compaction_of.items():
+        # the main thread's last call before the restart (not the restart itself asked before)
+        before = [i for i in range(c) if kind[i] == "main" and compaction_of.get(i) != k]
+        if kind[c] == "main" and kind[k] == "compaction":
+            found[("restarts", k)] = c
+            if before:
+                found[("resumes", before[-1])] = c
+    links = sorted((Link(how, int(calls[src].call_index), int(calls[dst].call_index)) for (how, src), dst in found.items()),
+                   key=lambda lk: (lk.target, lk.source))
     out = [
         CallThread(int(c.call_index), thread[i], kind[i], None if extends[i] is None else int(calls[extends[i]].call_index), reason[i])
         for i, c in enumerate(calls)
     ]
-    return RolloutThreads(out, divergences, pairs, exact, drift)
+    return RolloutThreads(out, divergences, pairs, exact, drift, links)
+
+
+def trained_kinds(kinds: Sequence[str]) -> tuple[str, ...]:
+    """The thread kinds a run trains (`algorithm.train_threads`), checked: known kinds, "main" among
+    them, none twice; returned in `KINDS` order. Raises ValueError naming what is wrong."""
+    kinds = list(kinds)
+    bad = [k for k in kinds if k not in KINDS]
+    if bad:
+        raise ValueError(f"unknown thread kind(s) {bad}: each must be one of {list(KINDS)}")
+    if "main" not in kinds:
+        raise ValueError(f"must include 'main' (the thread the task is done in), got {kinds}")
+    if len(set(kinds)) != len(kinds):
+        raise ValueError(f"lists a kind twice: {kinds}")
+    return tuple(k for k in KINDS if k in kinds)
 
 
 def with_kinds(calls: Sequence[CallRecord], threads: RolloutThreads) -> list[CallRecord]:

@@ -228,6 +228,57 @@ def test_hints_decide_what_the_structure_cannot():
     assert kinds(hinted) == ["main", "subagent", "main"]
 
 
+@pytest.mark.parametrize("after", [0, 2])
+@pytest.mark.parametrize("calls", [1, 3])
+def test_a_memory_extractor_that_keeps_a_sliver_of_the_system_prompt_is_a_side_thread(after, calls):
+    """Another CLI's memory extractor: its own system prompt (only its first 6 tokens are the main
+    one's), the last turns replayed as messages, a few calls, mid-session or at the end. It holds the
+    main thread's turns but keeps less than the thread's first prompt, so it is no history edit."""
+    s = Session(20)
+    preamble = s.text(6)
+    history = main_session(s, 3, preamble + s.text(300), s.text(30))
+    recent = history[-120:]
+    extractor = s.msg(SYSTEM, preamble + s.text(80)) + recent[recent.index(START):]
+    for _ in range(calls):
+        extractor = extractor + s.ask(extractor) + s.msg(TOOL, s.text(10))
+    for _ in range(after):
+        history = history + s.ask(history) + s.msg(TOOL, s.text(20))
+    side = "other-side" if calls > 1 else "summary"
+    assert kinds(s.calls) == ["main"] * 3 + [side] * calls + ["main"] * after
+    # The proxy's subagent hint is no longer overridden by a misread link.
+    hinted = [dataclasses.replace(c, tags=("subagent",)) if 3 <= c.call_index < 3 + calls else c for c in s.calls]
+    assert kinds(hinted) == ["main"] * 3 + ["subagent"] * calls + ["main"] * after
+
+
+@pytest.mark.parametrize("after", [0, 2])
+def test_a_side_call_with_the_main_system_prompt_and_another_first_request(after):
+    """The main system prompt, then a first user turn of its own and the last turn replayed."""
+    s = Session(21)
+    system = s.text(300)
+    history = main_session(s, 3, system, s.text(30))
+    last = history[-120:]  # the last turn and the tool result before it
+    s.ask(s.msg(SYSTEM, system) + s.msg(USER, s.text(15)) + last[last.index(START):], s.text(8) + [END])
+    for _ in range(after):
+        history = history + s.ask(history) + s.msg(TOOL, s.text(20))
+    got = kinds(s.calls)
+    assert got[:3] == ["main"] * 3 and got[3] in ("summary", "title") and got[4:] == ["main"] * after
+
+
+def test_a_subagent_with_its_own_system_prompt_started_mid_session_returns_its_answer():
+    s = Session(22)
+    history = main_session(s, 3, s.text(300), s.text(30))
+    sub = s.msg(SYSTEM, s.text(60)) + s.msg(USER, s.text(25))
+    for _ in range(4):
+        answer = s.ask(sub)
+        sub = sub + answer + s.msg(TOOL, s.text(15))
+    history = history + s.ask(history)
+    history = history + s.msg(TOOL, answer[2:-1])
+    s.ask(history)
+    rt = reconstruct(s.calls)
+    assert kinds(s.calls) == ["main"] * 3 + ["subagent"] * 4 + ["main"] * 2
+    assert [(lk.kind, lk.source, lk.target) for lk in rt.links] == [("returns", 6, 8)]
+
+
 def random_session(seed: int) -> tuple[list[CallRecord], list[str], set[int]]:
     """A session of random shape, its true kinds and its restarts after a compaction: main steps with retries, subagents, compactions
     in both forms (the main header, or one of its own replaying the history; the last turn kept or
@@ -311,6 +362,14 @@ def test_random_sessions_recover_their_kinds(seed):
     assert all((t.thread == "main") == (t.kind == "main") for t in rt.calls)
     assert rt.exact_pairs == rt.main_pairs - sum(d.cause == "history edit" for d in rt.divergences)
     assert {d.call_index for d in rt.divergences if d.cause == "compaction"} == restarts
+    # Every restart is the target of its compaction's link and of the main thread's before it; every
+    # link joins a thread of its kind to a later call.
+    kind = {t.call_index: t.kind for t in rt.calls}
+    restarted = {lk.target for lk in rt.links if lk.kind == "restarts"}
+    assert restarted == {lk.target for lk in rt.links if lk.kind == "resumes"} <= restarts
+    for lk in rt.links:
+        assert lk.source < lk.target and kind[lk.source] == {"returns": "subagent", "restarts": "compaction",
+                                                            "resumes": "main"}[lk.kind]
 
 
 def test_rejects_mixed_rollouts_and_duplicate_indices():

@@ -84,3 +84,29 @@ def test_inspect_bad_input(tmp_path):
     # The flag's old name is refused with a message naming the new one.
     proc = inspect(tmp_path / "bad.cfr", "--max-tokens", "2048")
     assert proc.returncode == 2 and "--max-tokens is now --micro-batch-tokens" in proc.stderr
+
+
+def test_inspect_marks_trained_threads_and_links(tmp_path):
+    """A Claude Code rollout with two subagents and a compaction (tests/data/threads): the calls'
+    threads, which are trained under --train-threads, and the links PPO follows."""
+    import gzip
+    from pathlib import Path
+
+    data = Path(__file__).parent / "data" / "threads"
+    path = tmp_path / "cc.cfr"
+    path.write_bytes(gzip.decompress((data / "claude-code-threads.cfr.gz").read_bytes()))
+    kinds = json.loads((data / "claude-code-threads.labels.json").read_text())
+    for trained in (["main"], ["main", "subagent"], ["main", "subagent", "compaction"]):
+        proc = inspect(path, "--json", "--train-threads", ",".join(trained))
+        assert proc.returncode == 0, proc.stderr
+        [d] = json.loads(proc.stdout)["rollouts"]
+        assert [c["tags"] == [k] for c, k in zip(d["calls"], kinds)] == [True] * len(kinds)
+        assert [not c["excluded"] for c in d["calls"]] == [k in trained for k in kinds]
+        assert {c["thread"] for c in d["calls"] if c["tags"] == ["subagent"]} == {"subagent:1", "subagent:4"}
+        links = {(lk["kind"], lk["source"], lk["target"]): lk["followed"] for lk in d["links"]}
+        assert links == {("returns", 2, 3): "subagent" in trained, ("returns", 5, 6): "subagent" in trained,
+                         ("resumes", 7, 9): "compaction" in trained, ("restarts", 8, 9): "compaction" in trained}
+    text = inspect(path, "--train-threads", "main,subagent").stdout
+    assert "returns   call 2 -> call 3\n" in text and "restarts  call 8 -> call 9  (not followed" in text
+    bad = inspect(path, "--train-threads", "subagent")
+    assert bad.returncode == 2 and "must include 'main'" in bad.stderr

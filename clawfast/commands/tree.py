@@ -1,8 +1,9 @@
 """`clawfast tree inspect ROLLOUT`: what the prefix tree makes of captured rollouts.
 
 For each rollout (a `.cfr` file, or every one in a directory) it prints the calls (index, kind as
-the trainer sees it — from `clawfast.threads.reconstruct`, not the proxy's hint —, prompt/output
-lengths, end node), the segments, the unique token count against the two flat layouts
+the trainer sees it — from `clawfast.threads.reconstruct`, not the proxy's hint —, its thread and
+whether it is trained under ``--train-threads``, prompt/output lengths, end node), the links between
+threads (followed by PPO's GAE when their side kind is trained), the segments, the unique token count against the two flat layouts
 (one sample per call as captured; one sample per kept leaf) with the dedup ratios, and each leaf
 with its status and calls. With several rollouts it also packs them together, as the trainer does
 for a group, and reports the deduplicated forest size. `--json` prints the same as one JSON object.
@@ -42,23 +43,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="also pack all rollouts into micro-batches of at most T rows (tokens) and report the fill")
     p.add_argument("--max-tokens", action=_Renamed, help=argparse.SUPPRESS)
     p.add_argument("--recover", action="store_true", help="read live or torn logs (keep complete calls)")
+    p.add_argument("--train-threads", default="main", metavar="KINDS",
+                   help="comma-separated thread kinds to train, as algorithm.train_threads (default: main)")
 
 
 def _ratio(num: int, den: int) -> float | None:
     return round(num / den, 3) if den else None
 
 
-def describe_rollout(rollout, tree) -> dict[str, Any]:
-    """The JSON-ready description of one rollout and its tree."""
+def describe_rollout(rollout, tree, threads, trained: tuple[str, ...] = ("main",)) -> dict[str, Any]:
+    """The JSON-ready description of one rollout, its threads (`clawfast.threads.RolloutThreads`) and tree."""
     from clawfast.pack import pack
 
     # Trainable tokens = targets of the tree packed alone (a dropped tree has none).
     trainable = sum(len(b.target_ids) for b in pack([tree], max(1, tree.num_unique_tokens)))
     by_index = {c.call_index: c for c in rollout.calls}
+    thread_of = {t.call_index: t for t in threads.calls}
     calls = [
         {
             "index": int(i),
             "tags": list(by_index[int(i)].tags),
+            "thread": thread_of[int(i)].thread,
             "excluded": bool(excl),
             "prompt_len": len(by_index[int(i)].prompt_ids),
             "output_len": len(by_index[int(i)].output_ids),
@@ -100,6 +105,8 @@ def describe_rollout(rollout, tree) -> dict[str, Any]:
             "dedup_vs_per_kept_leaf": _ratio(tree.num_flat_tokens, tree.num_unique_tokens),
         },
         "leaves": leaves,
+        "links": [{"kind": lk.kind, "source": lk.source, "target": lk.target, "followed": lk.thread_kind in trained}
+                  for lk in threads.links],
     }
 
 
@@ -131,9 +138,16 @@ def _print_rollout(d: dict[str, Any], out) -> None:
     w = out.write
     w(f"rollout {d['rollout_id']}  task {d['task_id']}  harness {d['harness']}  sample {d['sample_index']}  "
       f"reward {d['reward']:g}  status {d['status']}{'  DROPPED (too many kept leaves)' if d['dropped'] else ''}\n")
-    w(f"  calls ({len(d['calls'])})\n    {'index':>6} {'tags':<20} {'prompt':>8} {'output':>7} {'end':>6}\n")
+    w(f"  calls ({len(d['calls'])})\n    {'index':>6} {'kind':<12} {'thread':<16} {'trained':<7} {'prompt':>8} "
+      f"{'output':>7} {'end':>6}\n")
     for c in d["calls"]:
-        w(f"    {c['index']:>6} {','.join(c['tags']):<20} {c['prompt_len']:>8} {c['output_len']:>7} {c['end_node']:>6}\n")
+        w(f"    {c['index']:>6} {','.join(c['tags']):<12} {c['thread']:<16} {'no' if c['excluded'] else 'yes':<7} "
+          f"{c['prompt_len']:>8} {c['output_len']:>7} {c['end_node']:>6}\n")
+    if d["links"]:
+        w(f"  links ({len(d['links'])})\n")
+        for lk in d["links"]:
+            w(f"    {lk['kind']:<9} call {lk['source']} -> call {lk['target']}"
+              f"{'' if lk['followed'] else '  (not followed: its side kind is not trained)'}\n")
     w(f"  segments ({len(d['segments'])})\n    {'seg':>6} {'parent':>6} {'depth':>7} {'len':>7} {'kind':<10} {'call':>5}\n")
     for s in d["segments"]:
         call = "-" if s["call"] is None else s["call"]
@@ -160,8 +174,14 @@ def _print_group(g: dict[str, Any], out) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from clawfast.threads import reconstruct, with_kinds
+    from clawfast.threads import KINDS, reconstruct, trained_kinds, with_kinds
     from clawfast.tree import build_tree
+
+    try:
+        trained = trained_kinds([k.strip() for k in args.train_threads.split(",") if k.strip()])
+    except ValueError as exc:
+        print(f"clawfast tree inspect: --train-threads {exc}", file=sys.stderr)
+        return 2
 
     try:
         rollouts = load_rollouts(args.rollout, recover=args.recover)
@@ -177,13 +197,15 @@ def run(args: argparse.Namespace) -> int:
             skipped.append({"rollout_id": rollout.rollout_id, "reason": "no calls"})
             continue
         try:
-            calls = with_kinds(rollout.calls, reconstruct(rollout.calls))
-            tree = build_tree(calls, max_kept_leaves=args.max_kept_leaves, drop_dead=not args.keep_dead)
+            threads = reconstruct(rollout.calls)
+            calls = with_kinds(rollout.calls, threads)
+            tree = build_tree(calls, max_kept_leaves=args.max_kept_leaves, drop_dead=not args.keep_dead,
+                              exclude_tags=frozenset(KINDS) - frozenset(trained))
         except ValueError as exc:
             skipped.append({"rollout_id": rollout.rollout_id, "reason": str(exc)})
             continue
         trees.append(tree)
-        described.append(describe_rollout(dataclasses.replace(rollout, calls=calls), tree))
+        described.append(describe_rollout(dataclasses.replace(rollout, calls=calls), tree, threads, trained))
     try:
         group = describe_group(trees, args.micro_batch_tokens) if trees else None
     except ValueError as exc:  # e.g. a kept path longer than --micro-batch-tokens

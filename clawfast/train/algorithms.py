@@ -14,7 +14,12 @@ The loss itself (clipped surrogate x truncated/masked IS, k3 KL to a reference, 
   bootstraps from the plain mean of its children). The value of a token is the value head read at
   its *predicting* row (the state before the token), as in verl. The rollout's reward is placed on
   the last trainable token of every kept leaf's path (context tokens carry values and advantages
-  across, verl's multi-turn convention).
+  across, verl's multi-turn convention). With side threads trained (`train_threads`), GAE follows the
+  links between threads (`clawfast.threads.Link`): the last trainable token of a linked thread's
+  leaf takes no reward of its own but bootstraps from the token its link leads to (the first token
+  its target call sampled): ``delta = gamma * V(next) - V``, and its advantage goes on with
+  ``gamma * lam * A(next)``, so credit reaches a subagent through the call its answer returns in
+  and a summary through the thread restarted from it.
 - **Sequences** (`forest_paths`): the kept root-to-leaf paths of every rollout over the unsplit
   kept forest, for sequence-level IS (a path may span several micro-batches).
 - **Rollout filters**: `stale_rollouts` (weight-version lag, `version_lags`, above a limit).
@@ -113,6 +118,9 @@ class KeptForest:
     subtree_end: np.ndarray   # int64[R], last row of the row's subtree (DFS: a subtree is a row range)
     leaf_rows: np.ndarray     # int64[L], last row of each kept leaf's path (trees, then leaves, in order)
     leaf_rollout: np.ndarray  # int64[L], its tree
+    link_source: np.ndarray   # int64[K], the linked leaf's last trainable row (it bootstraps from ...)
+    link_target: np.ndarray   # int64[K], ... the first token its target call sampled
+    links_unused: int         # links given that could not be placed (a leaf not kept, a target not trained)
     _keys: np.ndarray       # sorted int64 (rollout, first kept leaf below, depth) of trainable rows
     _rows: np.ndarray       # the row of each key
     _leaf_mult: int
@@ -123,13 +131,14 @@ class KeptForest:
         return int(self.parent.shape[0])
 
     @classmethod
-    def build(cls, trees: Sequence) -> "KeptForest":
+    def build(cls, trees: Sequence, links: Sequence[Sequence[tuple[int, int, int]]] | None = None) -> "KeptForest":
+        """``links[g]``: tree g's links as (source call, target call, the target's prompt length)."""
         parts = []
         base = 0
         for g, tree in enumerate(trees):
             if tree.dropped:
                 continue
-            part = _tree_part(tree, g, base)
+            part = _tree_part(tree, g, base, links[g] if links is not None else ())
             base += part["parent"].shape[0]
             parts.append(part)
 
@@ -145,7 +154,8 @@ class KeptForest:
         order = np.argsort(keys, kind="stable")
         return cls(parent, rollout, depth, cat("tokens", np.int64), trainable, cat("reward_row", bool),
                    cat("subtree_end", np.int64), cat("leaf_rows", np.int64), cat("leaf_rollout", np.int64),
-                   keys[order], rows[order], leaf_mult, depth_mult)
+                   cat("link_source", np.int64), cat("link_target", np.int64),
+                   int(sum(p["links_unused"] for p in parts)), keys[order], rows[order], leaf_mult, depth_mult)
 
     def locate(self, batch) -> np.ndarray:
         """int64[M]: the forest row of each target of a PackedBatch (its predicted token).
@@ -169,8 +179,8 @@ class KeptForest:
         return rows
 
 
-def _tree_part(tree, g: int, base: int) -> dict[str, np.ndarray]:
-    """One tree's kept rows (see KeptForest), with parents offset by ``base``."""
+def _tree_part(tree, g: int, base: int, links: Sequence[tuple[int, int, int]] = ()) -> dict[str, np.ndarray]:
+    """One tree's kept rows (see KeptForest), with parents offset by ``base``; its links as rows."""
     seg_parent = np.asarray(tree.seg_parent, np.int64)
     seg_start = np.asarray(tree.seg_start, np.int64)
     seg_len = np.asarray(tree.seg_len, np.int64)
@@ -209,12 +219,19 @@ def _tree_part(tree, g: int, base: int) -> dict[str, np.ndarray]:
     keep = np.asarray(kept, bool)[seg_of]
     new = np.cumsum(keep) - 1 + base
     parent = np.where(tok_parent >= 0, new[np.maximum(tok_parent, 0)], -1)[keep]
+    sources, targets, unused = _link_tokens(tree, links, last_train, seg_train, keep)
     reward_tok = np.zeros(n_tok, dtype=bool)
     for i, leaf in enumerate(tree.leaves):
         if leaf.status == "kept" and last_train[leaf.node] >= 0:
             reward_tok[last_train[leaf.node]] = True
+    # A linked leaf's reward is what it leads to, not the rollout's reward (a token where an unlinked
+    # kept path also ends keeps the reward; _link_tokens leaves such links out).
+    reward_tok[sources] = False
     kept_leaves = [last[leaf.node] for leaf in tree.leaves if leaf.status == "kept"]
     return {
+        "link_source": new[sources],
+        "link_target": new[targets],
+        "links_unused": unused,
         # every token of a segment has the segment's kept subtree below it (the rest of the segment first)
         "subtree_end": new[np.asarray(sub_end, np.int64)[seg_of]][keep],
         "leaf_rows": new[np.asarray(kept_leaves, np.int64)],
@@ -227,6 +244,37 @@ def _tree_part(tree, g: int, base: int) -> dict[str, np.ndarray]:
         "reward_row": reward_tok[keep],
         "minleaf": np.asarray(minleaf, np.int64)[seg_of][keep],
     }
+
+
+def _link_tokens(tree, links, last_train, seg_train, keep) -> tuple[np.ndarray, np.ndarray, int]:
+    """Token indices (into the tree's tokens) of each placeable link's source and target, and the
+    number of links that could not be placed."""
+    if not links:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), 0
+    seg_parent, seg_depth = tree.seg_parent.tolist(), tree.seg_depth.tolist()
+    seg_start, seg_len = tree.seg_start.tolist(), tree.seg_len.tolist()
+    pos = {int(c): i for i, c in enumerate(tree.call_indices.tolist())}
+    kept_leaf_of: dict[int, int] = {}
+    reward_nodes: dict[int, int] = {}  # reward token -> kept leaves ending their path there
+    for leaf in tree.leaves:
+        if leaf.status == "kept":
+            reward_nodes[last_train[leaf.node]] = reward_nodes.get(last_train[leaf.node], 0) + 1
+            for c in leaf.calls:
+                kept_leaf_of[c] = leaf.node
+    sources, targets = [], []
+    for source, target, depth in links:
+        node = kept_leaf_of.get(source)
+        src = last_train[node] if node is not None else -1
+        s = int(tree.end_node[pos[target]]) if target in pos else -1
+        while s >= 0 and seg_depth[s] > depth:  # up to the segment holding the target's first output token
+            s = seg_parent[s]
+        ok = (src >= 0 and reward_nodes[src] == 1 and s >= 0 and depth < seg_depth[s] + seg_len[s]
+              and seg_train[s])
+        dst = seg_start[s] + depth - seg_depth[s] if ok else -1
+        if ok and keep[src] and keep[dst]:
+            sources.append(src)
+            targets.append(dst)
+    return np.asarray(sources, np.int64), np.asarray(targets, np.int64), len(links) - len(sources)
 
 
 def forest_paths(forest: KeptForest, rows: np.ndarray, device=None) -> TreePaths:
@@ -256,10 +304,43 @@ def ppo_advantages(forest: KeptForest, values: torch.Tensor, rewards: Sequence[f
     r = np.asarray(rewards, dtype=np.float64)
     row_reward = np.where(forest.reward_row, r[forest.rollout] if r.size else 0.0, 0.0)
     dev = values.device
-    return tree_gae(torch.as_tensor(row_reward, dtype=values.dtype, device=dev), values,
-                    torch.as_tensor(forest.parent, device=dev),
-                    mask=torch.as_tensor(forest.trainable, dtype=values.dtype, device=dev),
-                    gamma=gamma, lam=lam, mode=mode)
+    reward = torch.as_tensor(row_reward, dtype=values.dtype, device=dev)
+
+    def gae(reward):
+        return tree_gae(reward, values, torch.as_tensor(forest.parent, device=dev),
+                        mask=torch.as_tensor(forest.trainable, dtype=values.dtype, device=dev),
+                        gamma=gamma, lam=lam, mode=mode)
+
+    if not forest.link_source.size:
+        return gae(reward)
+    # A link's bootstrap needs the final advantage at its target, which depends on the links whose
+    # sources lie below that target: one pass per level of that dependency, then the final pass.
+    # Folding the bootstrap into a reward on the source row is exact: GAE is linear in the rewards
+    # and the source is the last trainable token of its path.
+    level = link_levels(forest)
+    src = torch.as_tensor(forest.link_source, device=dev)
+    dst = torch.as_tensor(forest.link_target, device=dev)
+    for k in range(int(level.max()) + 1):
+        adv, _ = gae(reward)
+        now = torch.as_tensor(level == k, device=dev)
+        reward = reward.index_put((src[now],), gamma * (values[dst[now]] + lam * adv[dst[now]]).to(reward.dtype),
+                                  accumulate=True)
+    return gae(reward)
+
+
+def link_levels(forest: KeptForest) -> np.ndarray:
+    """int64[K]: each link's level: 0 if no link's source lies in the subtree below its target, else
+    one more than the highest level among those. Raises ValueError if links depend on each other in
+    a cycle (not a shape threads can have: a target is sampled after its source)."""
+    src, dst = forest.link_source, forest.link_target
+    below = (src[None, :] >= dst[:, None]) & (src[None, :] <= forest.subtree_end[dst][:, None])  # [target, source]
+    level = np.zeros(src.shape[0], np.int64)
+    for _ in range(src.shape[0] + 1):
+        new = np.where(below.any(1), np.max(np.where(below, level[None, :] + 1, 0), axis=1), 0)
+        if np.array_equal(new, level):
+            return level
+        level = new
+    raise ValueError("the links between threads form a cycle")
 
 
 def value_loss_terms(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,

@@ -18,6 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from clawfast.records import STATUSES
+from clawfast.threads import trained_kinds
 
 HARNESS_NAMES = ("claude-code", "openclaw", "codex", "mini-swe-agent")
 
@@ -215,6 +216,13 @@ class AlgorithmConfig(_Section):
     clip_low / clip_high / dual_clip: the clipping of pi / pi_prox, which acts only when a step makes
     several optimizer updates (`OptimConfig.ppo_epochs`, `OptimConfig.updates_per_step`).
     max_kept_leaves / drop_dead: the leaf filter of `build_tree`.
+    train_threads: the thread kinds of `clawfast.threads` whose calls are trained (docs/HARNESSES.md,
+    "Training side threads"):
+    ["main"] (the default: side calls stay out of the loss) or "main" with any of "subagent",
+    "compaction" (the summary call; the restarted thread is main), "title", "summary", "other-side"
+    (a side chain of a shape no rule names) and "quota". A trained thread is a path of its rollout's
+    tree with its own prompt; GRPO gives it the rollout's advantage, PPO's GAE follows the links
+    between threads (a subagent's answer into the call it returns in, a summary into the restart).
     keep_statuses: rollout statuses that are trained. filter_groups (GRPO): train no rollout of a
     group whose rewards are all equal (verl's and DAPO's filter_groups, without re-sampling): such a
     group has advantage 0 everywhere, so it only dilutes a token-mean loss, and an update of such
@@ -252,6 +260,12 @@ class AlgorithmConfig(_Section):
     keep_statuses: tuple[str, ...] = ("ok",)
     filter_groups: bool = False
     max_staleness: int | None = Field(None, ge=0)
+    train_threads: tuple[str, ...] = ("main",)
+
+    @field_validator("train_threads")
+    @classmethod
+    def _threads(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        return trained_kinds(value)
 
     @field_validator("keep_statuses")
     @classmethod

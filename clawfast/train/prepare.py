@@ -14,7 +14,7 @@ import numpy as np
 
 from clawfast.pack import PackedBatch, pack, pack_stats
 from clawfast.records import RolloutResult
-from clawfast.threads import fidelity_counts, reconstruct, with_kinds
+from clawfast.threads import KINDS, RolloutThreads, fidelity_counts, reconstruct, with_kinds
 from clawfast.train.algorithms import KeptForest, group_ids, grpo_rollout_advantages, stale_rollouts
 from clawfast.train.step_config import StepConfig
 from clawfast.tree import PrefixTree, build_tree
@@ -31,7 +31,9 @@ class StepData:
     advantages[b]: per-target GRPO advantages (None for PPO: computed in the step). forest /
     forest_rows[b]: the unmerged kept trees and each target's row there (PPO and sequence-level IS;
     else None). counts: filter counts and the main-thread fidelity of the kept rollouts
-    (`clawfast.threads.fidelity_counts`). minibatches[k]: the indices into ``batches`` of mini-batch k
+    (`clawfast.threads.fidelity_counts`), and per thread kind (`thread_counts`). target_kind[b]: each
+    target's thread kind (an index into `clawfast.threads.KINDS`). threads: each kept rollout's
+    `clawfast.threads.RolloutThreads`. minibatches[k]: the indices into ``batches`` of mini-batch k
     (whole groups); empty means one mini-batch of every micro-batch (``denominators = [denominator]``).
     """
 
@@ -45,6 +47,8 @@ class StepData:
     forest: KeptForest | None
     forest_rows: list[np.ndarray] | None
     counts: dict[str, float] = field(default_factory=dict)
+    target_kind: list[np.ndarray] = field(default_factory=list)
+    threads: list[RolloutThreads] = field(default_factory=list)
     minibatches: list[np.ndarray] = field(default_factory=list)
     denominators: list[float] = field(default_factory=list)
 
@@ -80,10 +84,12 @@ def prepare_step(rollouts: Sequence[RolloutResult], groups: Sequence[Hashable] |
     # only targets to the token-mean's denominator, and an update made of such groups alone would
     # still move every weight by Adam's momentum.
     uniform = uniform_groups(rewards, ids) if config.filter_groups else np.zeros(len(kept), dtype=bool)
-    # Side calls are excluded by what the rollout's structure says they are, not by the proxy's hints.
+    # Calls are trained or excluded by what the rollout's structure says they are, not by the proxy's
+    # hints: the kinds of `train_threads` are trained, every other kind is excluded.
     threads = [reconstruct(r.calls) for r in kept]
-    trees = [build_tree(with_kinds(r.calls, t), max_kept_leaves=config.max_kept_leaves, drop_dead=config.drop_dead)
-             for r, t in zip(kept, threads)]
+    excluded = frozenset(KINDS) - frozenset(config.train_threads)
+    trees = [build_tree(with_kinds(r.calls, t), max_kept_leaves=config.max_kept_leaves, drop_dead=config.drop_dead,
+                        exclude_tags=excluded) for r, t in zip(kept, threads)]
     # A kept path longer than a micro-batch cannot be trained (pack would raise): drop its rollout
     # and count it, rather than lose the whole step to one overlong session.
     branching = np.array([t.dropped for t in trees], dtype=bool)
@@ -119,8 +125,9 @@ def prepare_step(rollouts: Sequence[RolloutResult], groups: Sequence[Hashable] |
     if config.name == "grpo":
         advantages = [rollout_adv[b.target_rollout] for b in batches]
     if config.name == "ppo" or config.is_level == "sequence":
-        forest = KeptForest.build(trees)
+        forest = KeptForest.build(trees, [trained_links(r, t, config.train_threads) for r, t in zip(kept, threads)])
         forest_rows = [forest.locate(b) for b in batches]
+    target_kind = [target_kinds(b, threads) for b in batches]
     counts = {
         "rollouts_in": len(rollouts),
         "rollouts_trained": int(sum(not t.dropped for t in trees)),
@@ -131,9 +138,55 @@ def prepare_step(rollouts: Sequence[RolloutResult], groups: Sequence[Hashable] |
         "dropped_too_long": int(too_long.sum()),
         "dropped_uniform_group": int(uniform.sum()),
         **fidelity_counts(threads),
+        **thread_counts([t for t, tree in zip(threads, trees) if not tree.dropped], target_kind,
+                        config.train_threads, forest),
     }
     return StepData(kept, trees, rewards, batches, weights, denominator, advantages, forest, forest_rows, counts,
-                    minibatches, denominators)
+                    target_kind, threads, minibatches, denominators)
+
+
+def trained_links(rollout: RolloutResult, threads: RolloutThreads, train_threads) -> list[tuple[int, int, int]]:
+    """The links of a rollout that PPO's GAE follows (those of trained side kinds), as
+    (source call, target call, the target's prompt length) for `KeptForest.build`."""
+    prompt_len = {int(c.call_index): len(c.prompt_ids) for c in rollout.calls}
+    return [(lk.source, lk.target, prompt_len[lk.target]) for lk in threads.links if lk.thread_kind in train_threads]
+
+
+def target_kinds(batch: PackedBatch, threads: Sequence[RolloutThreads]) -> np.ndarray:
+    """int8[M]: the thread kind (index into `KINDS`) of the call that owns each target."""
+    out = np.zeros(len(batch.target_call), np.int8)
+    for g in np.unique(batch.target_rollout):
+        at = batch.target_rollout == g
+        table = np.zeros(max(c.call_index for c in threads[g].calls) + 1, np.int8)
+        for c in threads[g].calls:
+            table[c.call_index] = KINDS.index(c.kind)
+        out[at] = table[batch.target_call[at]]
+    return out
+
+
+def thread_counts(threads: Sequence[RolloutThreads], target_kind: Sequence[np.ndarray], train_threads,
+                  forest: KeptForest | None) -> dict[str, float]:
+    """Per thread kind found in the trained rollouts: ``threads/<kind>/calls``, and either
+    ``threads/<kind>/targets`` (trained: packed targets owned by its calls) or
+    ``threads/<kind>/calls_excluded`` (a kind `train_threads` leaves out, named so that nothing is
+    dropped unseen); PPO: ``threads/links`` placed and ``threads/links_unused``."""
+    calls = {k: 0 for k in KINDS}
+    for t in threads:
+        for c in t.calls:
+            calls[c.kind] += 1
+    targets = np.bincount(np.concatenate(target_kind) if target_kind else np.zeros(0, np.int8), minlength=len(KINDS))
+    out: dict[str, float] = {}
+    for i, k in enumerate(KINDS):
+        if calls[k]:
+            out[f"threads/{k}/calls"] = calls[k]
+            if k in train_threads:
+                out[f"threads/{k}/targets"] = int(targets[i])
+            else:
+                out[f"threads/{k}/calls_excluded"] = calls[k]
+    if forest is not None:
+        out["threads/links"] = int(forest.link_source.shape[0])
+        out["threads/links_unused"] = forest.links_unused
+    return out
 
 
 def split_groups(ids: np.ndarray, n: int, members: np.ndarray | None = None) -> list[np.ndarray]:

@@ -10,7 +10,12 @@ A rollout makes ``task.turns`` calls shaped like a harness session: call i's pro
 prompt + output + ``task.feedback`` (a tool result), so a rollout is a chain of prefix extensions
 and the trainer's tree packing sees what it sees in real traffic. ``task.delay_s`` seconds pass
 before each call after the first (the tool's run time), which is how benchmarks give tasks unequal
-lengths. The reward is ``task.reward(outputs)`` over the output ids of every call.
+lengths. The reward is ``task.reward(outputs)`` over the output ids of every call. A task with ``threads``
+(`SideThreads`) runs the shape of a harness that delegates and compacts instead: the main call, a
+subagent with a prompt of its own, the main call that reads the subagent's answer back as a tool
+result, a compaction call (the history + a summary request), and the main thread restarted from the
+summary; the proxy's hints are set as a harness's headers would set them (``subagent``,
+``compaction``), and `clawfast.threads` recovers the shape from the tokens.
 
 Each call samples with a seed derived from (source seed, data position, task, sample, call), so the
 tokens do not depend on which thread asked first; with an engine that batches one request at a
@@ -35,10 +40,31 @@ from clawfast.train.protocols import Batch
 
 
 @dataclass(frozen=True)
+class SideThreads:
+    """subagent: the subagent's own first prompt; compact: the summary request appended to the main
+    history; restart: what the restarted main prompt opens with before the summary (a harness keeps
+    its system prompt: share at least half of the task's prompt, or it is not read as a restart)."""
+
+    subagent: tuple[int, ...]
+    compact: tuple[int, ...]
+    restart: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        for name in ("subagent", "compact", "restart"):
+            if not getattr(self, name):
+                raise ValueError(f"SideThreads.{name} is empty")
+
+
+# The kinds of a side-thread rollout's calls, in call order (each call's proxy hint too).
+SIDE_THREAD_KINDS = ("main", "subagent", "main", "compaction", "main")
+
+
+@dataclass(frozen=True)
 class TokenTask:
     """id; prompt: the first call's token ids; reward: output ids of every call -> reward; turns:
     calls per rollout; feedback: tokens appended after each output; delay_s: seconds before each
-    later call."""
+    later call; threads: the side-thread shape instead of `turns` (`SIDE_THREAD_KINDS` are its calls;
+    the reward gets their outputs in that order)."""
 
     id: str
     prompt: tuple[int, ...]
@@ -46,6 +72,7 @@ class TokenTask:
     turns: int = 1
     feedback: tuple[int, ...] = ()
     delay_s: float = 0.0
+    threads: SideThreads | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt:
@@ -54,6 +81,8 @@ class TokenTask:
             raise ValueError(f"task {self.id!r}: turns must be at least 1, got {self.turns}")
         if self.delay_s < 0:
             raise ValueError(f"task {self.id!r}: delay_s must be >= 0, got {self.delay_s}")
+        if self.threads is not None and self.turns != 1:
+            raise ValueError(f"task {self.id!r}: threads gives the rollout's calls; turns must stay 1")
 
 
 def call_seed(seed: int, position: int, task_id: str, sample: int, call: int) -> int:
@@ -117,9 +146,11 @@ class EngineRollouts:
                        sampling: Sampling) -> RolloutResult:
         task = self.tasks[task_id]
         rollout_id = f"{task_id}-p{position}-{harness}-{sample}"
-        prompt = np.asarray(task.prompt, dtype=np.int32)
-        calls, outputs = [], []
-        for i in range(task.turns):
+        calls: list[CallRecord] = []
+
+        async def call(prompt: np.ndarray) -> np.ndarray:
+            i = len(calls)
+            tag = "main" if task.threads is None else SIDE_THREAD_KINDS[i]
             if i:
                 await asyncio.sleep(task.delay_s)
             # A call here asks for nothing of its own: its budget is this source's, under the rollout's cap.
@@ -128,8 +159,25 @@ class EngineRollouts:
                                      stop_token_ids=self.stop_token_ids)
             gen = await self.engine.generate(prompt, params)
             calls.append(CallRecord(rollout_id, i, harness, prompt, gen.output_ids, gen.infer_logprobs,
-                                    weight_version=gen.weight_version, finish_reason=gen.finish_reason))
-            outputs.append(np.asarray(gen.output_ids))
-            prompt = np.concatenate([prompt, gen.output_ids, np.asarray(task.feedback, dtype=np.int32)])
+                                    weight_version=gen.weight_version, finish_reason=gen.finish_reason, tags=(tag,)))
+            return np.asarray(gen.output_ids, dtype=np.int32)
+
+        def ids(tokens) -> np.ndarray:
+            return np.asarray(tokens, dtype=np.int32)
+
+        prompt, feedback = ids(task.prompt), ids(task.feedback)
+        if task.threads is None:
+            for _ in range(task.turns):
+                out = await call(prompt)
+                prompt = np.concatenate([prompt, out, feedback])
+        else:
+            shape = task.threads
+            first = await call(prompt)
+            answer = await call(ids(shape.subagent))
+            history = np.concatenate([prompt, first, feedback, answer, feedback])  # its answer as a tool result
+            second = await call(history)
+            summary = await call(np.concatenate([history, second, ids(shape.compact)]))
+            await call(np.concatenate([ids(shape.restart), summary, feedback]))
+        outputs = [c.output_ids for c in calls]
         return RolloutResult(rollout_id, task_id, harness, sample_index=sample, reward=float(task.reward(outputs)),
                              status="ok", calls=calls)

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from clawfast.kernels import policy_loss
 from clawfast.kernels.policy_loss import LOSS_METRIC_NAMES
+from clawfast.threads import KINDS
 from clawfast.train.algorithms import value_loss_terms
 from clawfast.train.data_parallel import rank_and_world, rank_schedule, sum_over_ranks
 from clawfast.train.mismatch import mismatch
@@ -51,6 +52,7 @@ def accumulate_gradients(policy: Policy, data: StepData, config: StepConfig, *,
     t1 = time.perf_counter()
     sums = torch.zeros(3 + len(LOSS_METRIC_NAMES), dtype=torch.float64)  # loss, pg part, value part, metrics
     collected = []  # (logprobs, infer, weights, rollout) of real targets, for the IS metrics of a one-update step
+    per_kind = torch.zeros(len(KINDS), 4, dtype=torch.float64) if len(config.train_threads) > 1 else None
     for b, real in schedule:
         batch = data.batches[b]
         out = policy.run(batch)
@@ -94,6 +96,9 @@ def accumulate_gradients(policy: Policy, data: StepData, config: StepConfig, *,
             pg_f, v_f = float(pg_part.detach()), float(v_part.detach())
             sums += torch.tensor([pg_f + v_f, pg_f, v_f]
                                  + [m[k] * w for k in LOSS_METRIC_NAMES], dtype=torch.float64)
+            if per_kind is not None:
+                prox = out.logprobs.detach() if old is None else old
+                per_kind += _kind_sums(data.target_kind[b], a, adv, prox, infer, ref_lp, out.logprobs.detach())
             if fixed.proximal is None:
                 collected.append((out.logprobs.detach().cpu(), infer.cpu(), a.cpu(),
                                   torch.as_tensor(batch.target_rollout)))
@@ -106,8 +111,27 @@ def accumulate_gradients(policy: Policy, data: StepData, config: StepConfig, *,
             metrics[k] = sums[3 + i].item() / total_w
     if fixed.proximal is None:
         metrics.update(_is_metrics(collected, config, world))
+    if per_kind is not None:
+        per_kind = sum_over_ranks(per_kind.to(device)).cpu()
+        for i, k in enumerate(KINDS):
+            w = per_kind[i, 0].item()
+            if w > 0:
+                metrics[f"threads/{k}/advantage_mean"] = per_kind[i, 1].item() / w
+                metrics[f"threads/{k}/is_ratio_mean"] = per_kind[i, 2].item() / w
+                if ref_policy is not None:
+                    metrics[f"threads/{k}/kl_mean"] = per_kind[i, 3].item() / w
     metrics.update(fixed.metrics)
     return metrics
+
+
+def _kind_sums(kinds, weight, adv, proximal, infer, ref_lp, logprobs) -> torch.Tensor:
+    """float64[len(KINDS), 4]: per thread kind, the targets' loss weight and the weighted sums of
+    the advantage, the IS ratio pi_prox / pi_behav and the k3 KL to the reference."""
+    w = weight.double()
+    log_ratio = (ref_lp.double() - logprobs.double()) if ref_lp is not None else torch.zeros_like(w)
+    cols = torch.stack([w, w * adv.double(), w * torch.exp(proximal.double() - infer.double()),
+                        w * (torch.exp(log_ratio) - log_ratio - 1)], 1)
+    return torch.zeros(len(KINDS), 4, dtype=torch.float64).index_add_(0, torch.as_tensor(kinds).long(), cols.cpu())
 
 
 def _is_metrics(collected, config: StepConfig, world: int) -> dict[str, float]:

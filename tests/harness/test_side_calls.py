@@ -72,7 +72,11 @@ CC_COMPACT_INSTRUCTION = "Your task is to create a detailed summary of the conve
 CODEX_COMPACT_INSTRUCTION = "CONTEXT CHECKPOINT COMPACTION"
 OPENCLAW_SUMMARISER = "You are a context summarization assistant"
 
-SCENARIOS = ["cc_subagent", "cc_compaction", "codex_compaction", "openclaw_compaction"]
+SUBAGENT_PROBE_2 = "SUBAGENT-PROBE-2: print the first line of probe.txt and report it."
+SUBAGENT_RESULT_2 = "SUBAGENT-RESULT-c41e"
+CC_THREADS_SUMMARY = "COMPACT-SUMMARY-e802"
+
+SCENARIOS = ["cc_subagent", "cc_compaction", "codex_compaction", "openclaw_compaction", "cc_threads"]
 COMPACTIONS = ["cc_compaction", "codex_compaction", "openclaw_compaction"]
 
 
@@ -100,6 +104,32 @@ def _cc_subagent_decide(task_marker: str):
             args = {"description": "List the files", "prompt": SUBAGENT_PROBE, "subagent_type": "general-purpose",
                     "run_in_background": False}  # fmt: skip
             return "main", tool_call("Agent", args, "Delegating the listing.")
+        return UNEXPECTED, {"text": "ok"}
+
+    return decide
+
+
+def _cc_threads_decide(task_marker: str):
+    """Two subagents in turn, then shell steps until Claude Code compacts, then the final answer."""
+    probes = ((SUBAGENT_PROBE, SUBAGENT_RESULT, "ls"), (SUBAGENT_PROBE_2, SUBAGENT_RESULT_2, "head -1 probe.txt"))
+
+    def decide(text: str):
+        users = user_texts(text)
+        if users and CC_COMPACT_INSTRUCTION in users[-1]:
+            return "compaction", {"text": f"<summary>{CC_THREADS_SUMMARY}: two subagents reported; seq ran.</summary>"}
+        first = users[0] if users else ""
+        for probe, result, command in probes:
+            if probe in first:
+                if tool_results(text) == 0:
+                    return "subagent", tool_call("Bash", {"command": command, "description": "Look"}, "Looking.")
+                return "subagent", {"text": f"{result}: the directory holds probe.txt, whose first line is probe."}
+        if task_marker in first or CC_THREADS_SUMMARY in first:
+            for probe, result, _ in probes:
+                if CC_THREADS_SUMMARY not in text and result not in text:
+                    args = {"description": "Look at the files", "prompt": probe, "subagent_type": "general-purpose",
+                            "run_in_background": False}  # fmt: skip
+                    return "main", tool_call("Agent", args, "Delegating.")
+            return _stepping_main(text, CC_THREADS_SUMMARY, "Bash", "command", 400)
         return UNEXPECTED, {"text": "ok"}
 
     return decide
@@ -224,6 +254,16 @@ def openclaw_compaction(renderer, tmp_path_factory):
                     notes={"agents.defaults.compaction": OPENCLAW_COMPACTION, "summary_marker": OPENCLAW_SUMMARY})  # fmt: skip
 
 
+@pytest.fixture(scope="module")
+def cc_threads(renderer, tmp_path_factory):
+    marker = "SIDECALL-TASK-threads"
+    return _produce(renderer, tmp_path_factory, "cc_threads", CC, harness="claude-code",
+                    instruction=f"{marker}: look at the files with two helpers, then count to 400 several times with seq.",
+                    decide=_cc_threads_decide(marker), workspace_files={"probe.txt": "probe\n"}, extra_env=CC_COMPACT_ENV,
+                    notes={"env": CC_COMPACT_ENV, "subagent_results": [SUBAGENT_RESULT, SUBAGENT_RESULT_2],
+                           "summary_marker": CC_THREADS_SUMMARY})  # fmt: skip
+
+
 # -- what the traffic holds (ground truth and decoded prompts; no classifier) ----------------------
 
 
@@ -270,6 +310,24 @@ def test_claude_code_subagent_traffic(cc_subagent):
                          for role, c in turns(t.prompts[after[0]]) if role == "user"), report  # fmt: skip
     _main_extends_previous_main(t, main)
     assert json.loads(t.stdout)["result"] == FINAL, report
+
+
+def test_claude_code_two_subagents_and_a_compaction_traffic(cc_threads):
+    t = cc_threads
+    _common(t)
+    report = t.report()
+    assert set(t.labels) == {"main", "subagent", "compaction"} and len(t.indices("compaction")) == 1, report
+    # Two subagent threads (one agent id each), each returning in the next main call's Agent result.
+    sub = t.indices("subagent")
+    ids = [t.headers(i).get("x-claude-code-agent-id") for i in sub]
+    assert None not in ids and len(set(ids)) == 2, report
+    for result in (SUBAGENT_RESULT, SUBAGENT_RESULT_2):
+        last = max(i for i in sub if result in t.outputs[i])
+        back = min(i for i in t.indices("main") if i > last)
+        assert result in t.prompts[back], report
+    comp = t.indices("compaction")[0]
+    post = min(i for i in t.indices("main") if i > comp)
+    assert CC_THREADS_SUMMARY in t.prompts[post] and t.extends[post] is None, report
 
 
 def _check_compaction(t: Traffic, summary: str) -> tuple[list[int], int]:
@@ -382,7 +440,8 @@ def test_threads_kinds_match_ground_truth(scenario, request):
     assert all(c.thread == "main" for c in rt.calls if c.kind == "main"), report
     sub_threads = {c.thread for c in rt.calls if c.kind == "subagent"}
     if "subagent" in t.labels:
-        assert len(sub_threads) == 1 and "main" not in sub_threads, report
+        agents = {t.headers(i).get("x-claude-code-agent-id") for i in t.indices("subagent")}
+        assert len(sub_threads) == len(agents) and "main" not in sub_threads, report
     # Where the ground truth has a token-level extension between main calls, the reconstruction
     # names the same predecessor.
     main = t.indices("main")
@@ -420,3 +479,25 @@ def test_threads_kinds_give_the_same_leaves(scenario, request):
     kinds = [c.kind for c in rt.calls]
     calls = [dataclasses.replace(c, tags=(k,)) for c, k in zip(t.calls, kinds)]
     _check_leaves(t, build_tree(calls, exclude_tags=SIDE_KINDS), kinds)
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_trained_tokens_in_each_mode_are_exactly_the_trained_threads_outputs(scenario, request):
+    """The step trains, as one target each with the rollout's reward, exactly the output tokens of
+    the calls whose ground-truth kind is in `train_threads`: main only, each side kind with main, all."""
+    from trained_targets import expected_targets, packed_targets  # tests/ (its conftest puts it on the path)
+
+    from clawfast.records import RolloutResult
+    from clawfast.train.prepare import prepare_step
+    from clawfast.train.step_config import StepConfig
+
+    t = request.getfixturevalue(scenario)
+    rollout = dataclasses.replace(t.result, reward=1.0)
+    assert isinstance(rollout, RolloutResult)
+    side = sorted(set(t.labels) - {"main"})
+    for trained in [["main"]] + [["main", k] for k in side] + [["main", *side]]:
+        data = prepare_step([rollout], None, StepConfig(name="grpo", micro_batch_tokens=65536, train_threads=trained))
+        got = packed_targets(data, 0)
+        assert len(got) == len(set(got)), (trained, t.report())
+        assert set(got) == expected_targets(rollout, t.labels, trained), (trained, t.report())
+        assert all((b.target_reward == 1.0).all() for b in data.batches)

@@ -40,3 +40,16 @@ def test_async_benchmark_runs_both_schedules(tmp_path):
     assert set(rows) == {"sync", "async-1"}
     assert all(row["steps"] == 2 and row["rollouts_per_min"] > 0 and 0 <= row["trainer_idle"] <= 1
                for row in rows.values())
+
+
+def test_threads_benchmark_runs_both_modes_and_reads_every_thread(tmp_path):
+    out = tmp_path / "threads.json"
+    proc = _run(["bench/bench_train_threads.py", "--steps", "2", "--seeds", "0", "--workloads", "split", "--out", str(out)])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {row["mode"]: row for row in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"main", "all"}
+    for row in rows.values():
+        n = row["rollouts"]  # each rollout: 3 main calls, a subagent, a compaction, 12 tokens each
+        assert row["steps"] == 2 and row["calls"] == {"main": 3 * n, "subagent": n, "compaction": n}
+    assert rows["main"]["targets"] == {"main": 36 * n, "subagent": 0, "compaction": 0}
+    assert rows["all"]["targets"] == {"main": 36 * n, "subagent": 12 * n, "compaction": 12 * n}

@@ -49,6 +49,8 @@ def test_defaults_and_sections(tmp_path):
     ("[algorithm]\nkeep_statuses = [\"fine\"]\n", "algorithm.keep_statuses"),
     ("[algorithm]\nis_mode = \"mask\"\nis_lo = 3.0\n", "algorithm"),
     ("[algorithm]\nclip_low = 1.5\n", "algorithm.clip_low"),
+    ("[algorithm]\ntrain_threads = [\"subagent\"]\n", "algorithm.train_threads"),
+    ("[algorithm]\ntrain_threads = [\"main\", \"subagents\"]\n", "algorithm.train_threads"),
     ("[optim]\nbetas = [0.9, 1.0]\n", "optim.betas"),
     ("[tasks]\nsplit = \"test\"\n", "tasks.split"),
     ("[eval]\nsamples = 3\n", "eval.samples"),
@@ -146,3 +148,10 @@ def test_the_old_row_budget_key_says_its_new_name(section):
 def test_every_example_config_loads(path):
     config = load_config(path)
     assert config.steps >= 1
+
+
+def test_train_threads_default_order_and_step_config(tmp_path):
+    config = load_config(write(tmp_path, "[algorithm]\ntrain_threads = [\"compaction\", \"main\", \"subagent\"]\n"))
+    assert config.algorithm.train_threads == ("main", "subagent", "compaction")
+    assert step_config(config).train_threads == ("main", "subagent", "compaction")
+    assert load_config(write(tmp_path, "")).algorithm.train_threads == ("main",)

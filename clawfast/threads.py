@@ -15,8 +15,8 @@ tool result, a summary).
    continues nothing, or, if nothing takes up p's answer, is a retry of p); a *retry* (p's very
    prompt: continues what p continues); *edited* (holds the turn of a later call m past the prefix
    it shares, agreeing with m as far, and keeps the first prompt of m's thread: the harness rewrote
-   the history and went on from m; a call that keeps less starts a thread of its own), unless m's
-   history later goes on without it.
+   the history and went on from m; a call that keeps less, or that the proxy hinted as a side call,
+   starts a thread of its own), unless m's history later goes on without it.
 3. **Compaction**: a call that continues no call whole quotes the answer of a call k that nothing
    continued, and shares at least half of the first prompt of the thread k was given (for a k that
    continues nothing, the thread whose turns or answers it re-read): k is a ``compaction``; the call
@@ -168,6 +168,7 @@ class _Rollout:
         self.bytes = [p.tobytes() for p in self.prompts]
         self.slack = _common_suffix(self.prompts) if n > 1 else 0
         self.quota = [len(o) <= 1 and c.finish_reason == "length" for c, o in zip(calls, self.outputs)]
+        self.side_hint = [any(t in _HINTED_SIDE for t in c.tags) for c in calls]
         self.turns = [self._turn(i) for i in range(n)]
         self.answers = [self._answer(i) for i in range(n)]
         self.parent: list[int | None] = [None] * n
@@ -265,7 +266,9 @@ class _Rollout:
                 # An edit rewrites the history past the thread's first prompt; a call that keeps less
                 # of it (another system prompt, another first request) re-read m's turns in a thread
                 # of its own (a memory extractor, a side request), whatever it replays after that.
-                if shared < max(len(self.prompts[self.head(m)]) - self.slack, 1):
+                # Where it does keep it, an edit and a side call that re-read the history look the
+                # same: the proxy's side hint (a header, a summary instruction) decides.
+                if shared < max(len(self.prompts[self.head(m)]) - self.slack, 1) or self.side_hint[i]:
                     continue
                 self.parent[i], self.link[i], self.shared[i] = m, "edited", shared
                 return

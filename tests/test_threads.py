@@ -279,6 +279,93 @@ def test_a_subagent_with_its_own_system_prompt_started_mid_session_returns_its_a
     assert [(lk.kind, lk.source, lk.target) for lk in rt.links] == [("returns", 6, 8)]
 
 
+def test_parallel_subagents_interleaved_return_together():
+    """Two subagents delegated at once (their calls interleaved), both reports in one main turn."""
+    s = Session(30)
+    system = s.text(300)
+    history = s.msg(SYSTEM, system) + s.msg(USER, s.text(30))
+    history = history + s.ask(history)  # delegates twice at once
+    subs = [s.msg(SYSTEM, system[:40] + s.text(30)) + s.msg(USER, s.text(25)) for _ in range(2)]
+    answers = [None, None]
+    for _ in range(3):
+        for j in range(2):
+            answers[j] = s.ask(subs[j])
+            subs[j] = subs[j] + answers[j] + s.msg(TOOL, s.text(15))
+    history = history + s.msg(TOOL, answers[0][2:-1]) + s.msg(TOOL, answers[1][2:-1])
+    history = history + s.ask(history) + s.msg(TOOL, s.text(10))
+    s.ask(history)
+    rt = reconstruct(s.calls)
+    got = kinds(s.calls)
+    assert got == ["main"] + ["subagent"] * 6 + ["main"] * 2, [(t.call_index, t.kind, t.reason) for t in rt.calls]
+    assert len({t.thread for t in rt.calls if t.kind == "subagent"}) == 2
+    assert sorted((lk.kind, lk.source, lk.target) for lk in rt.links) == [("returns", 5, 7), ("returns", 6, 7)]
+
+def test_a_subagent_that_delegates_to_its_own_subagent():
+    s = Session(31)
+    system = s.text(300)
+    history = s.msg(SYSTEM, system) + s.msg(USER, s.text(30))
+    history = history + s.ask(history)
+    outer = s.msg(SYSTEM, system[:40] + s.text(30)) + s.msg(USER, s.text(25))
+    outer = outer + s.ask(outer)  # delegates further
+    inner = s.msg(SYSTEM, system[:40] + s.text(35)) + s.msg(USER, s.text(20))
+    for _ in range(2):
+        a = s.ask(inner)
+        inner = inner + a + s.msg(TOOL, s.text(10))
+    outer = outer + s.msg(TOOL, a[2:-1])
+    b = s.ask(outer)
+    history = history + s.msg(TOOL, b[2:-1])
+    s.ask(history)
+    rt = reconstruct(s.calls)
+    got = kinds(s.calls)
+    assert got == ["main", "subagent", "subagent", "subagent", "subagent", "main"], [(t.call_index, t.kind, t.reason) for t in rt.calls]
+    assert sorted((lk.kind, lk.source, lk.target) for lk in rt.links) == [("returns", 3, 4), ("returns", 4, 5)]
+
+@pytest.mark.parametrize("after", [0, 2])
+def test_a_sub_session_with_the_main_system_prompt_and_its_own_task(after):
+    """A subagent that keeps the main system prompt whole (same header and tools), its own first request."""
+    s = Session(32)
+    system = s.text(300)
+    history = main_session(s, 2, system, s.text(30))
+    history = history + s.ask(history)
+    sub = s.msg(SYSTEM, system) + s.msg(USER, s.text(25))
+    for _ in range(3):
+        a = s.ask(sub)
+        sub = sub + a + s.msg(TOOL, s.text(15))
+    history = history + s.msg(TOOL, a[2:-1])
+    for _ in range(after + 1):
+        history = history + s.ask(history) + s.msg(TOOL, s.text(10))
+    got = kinds(s.calls)
+    assert got == ["main"] * 3 + ["subagent"] * 3 + ["main"] * (after + 1), [(t.call_index, t.kind, t.reason) for t in reconstruct(s.calls).calls]
+
+def test_a_compaction_restart_that_keeps_the_whole_first_prompt():
+    s = Session(33)
+    system, task = s.text(300), s.text(30)
+    head = s.msg(SYSTEM, system) + s.msg(USER, task)
+    history = main_session(s, 3, system, task)
+    summary = s.ask(history + s.msg(USER, s.text(20)))
+    history = head + s.msg(USER, summary[2:-1])
+    for _ in range(2):
+        history = history + s.ask(history) + s.msg(TOOL, s.text(20))
+    rt = reconstruct(s.calls)
+    assert kinds(s.calls) == ["main"] * 3 + ["compaction"] + ["main"] * 2, [(t.call_index, t.kind, t.reason) for t in rt.calls]
+    assert sorted((lk.kind, lk.source, lk.target) for lk in rt.links) == [("restarts", 3, 4), ("resumes", 2, 4)]
+
+@pytest.mark.parametrize("hint", [None, "subagent", "compaction"])
+def test_a_side_call_that_keeps_the_whole_first_prompt_last_in_the_session(hint):
+    """The main header and task, the last turns, another request, as the session's last call: the
+    structure reads a history edit going on (docs/HARNESSES.md, failure modes); a side hint decides."""
+    s = Session(34)
+    system, task = s.text(300), s.text(30)
+    history = main_session(s, 3, system, task)
+    head = s.msg(SYSTEM, system) + s.msg(USER, task)
+    recent = history[-120:]
+    at = next(i for i in range(len(recent) - 1) if recent[i:i + 2] == [START, TOOL])  # from a tool result on
+    s.ask(head + recent[at:] + s.msg(USER, s.text(12)))
+    calls = s.calls if hint is None else s.calls[:-1] + [dataclasses.replace(s.calls[-1], tags=(hint,))]
+    got = kinds(calls)
+    assert got == ["main"] * 3 + [hint or "main"], [(t.call_index, t.kind, t.reason) for t in reconstruct(calls).calls]
+
+
 def random_session(seed: int) -> tuple[list[CallRecord], list[str], set[int]]:
     """A session of random shape, its true kinds and its restarts after a compaction: main steps with retries, subagents, compactions
     in both forms (the main header, or one of its own replaying the history; the last turn kept or

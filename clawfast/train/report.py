@@ -35,11 +35,24 @@ def eval_line(label: str, metrics: dict[str, float]) -> str:
 
 
 def step_line(step: int, record: dict[str, float]) -> str:
-    """One line per step for runs without the live display (logs, CI, --no-progress)."""
-    return (f"step {step}: pass@1 {record.get('pass@1', 0.0):.3f} ({breakdown(record, 'pass@1')}) "
+    """One line per step for runs without the live display (logs, CI, --no-progress); with side
+    threads trained, the targets of each thread kind, and the side calls left out of the loss."""
+    line = (f"step {step}: pass@1 {record.get('pass@1', 0.0):.3f} ({breakdown(record, 'pass@1')}) "
             f"loss {record.get('loss', float('nan')):.4f} "
             f"over {int(record.get('rollouts', 0))} rollouts; rollout {record.get('time/rollout_s', 0.0):.1f} s, "
             f"train {record.get('time/train_s', 0.0):.1f} s")
+    targets = _per_thread(record, "targets")
+    if len(targets) > 1:
+        line += "; targets by thread: " + ", ".join(targets)
+    left_out = _per_thread(record, "calls_excluded")
+    if left_out:
+        line += "; side calls not trained: " + ", ".join(left_out)
+    return line
+
+
+def _per_thread(record: dict[str, float], name: str) -> list[str]:
+    """``kind n`` of each metric ``threads/<kind>/<name>`` (`clawfast.train.prepare.thread_counts`)."""
+    return [f"{k.split('/')[1]} {int(v)}" for k, v in record.items() if k.startswith("threads/") and k.endswith("/" + name)]
 
 
 def nll_by_epoch(summary: dict[str, float]) -> tuple[int, str]:

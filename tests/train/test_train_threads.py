@@ -246,3 +246,15 @@ def test_a_step_over_every_thread_trains_and_reports_each_kind(name):
         assert metrics["threads/subagent/advantage_mean"] == pytest.approx(adv[sub].mean(), abs=1e-9)
     else:
         assert metrics["threads/links"] == 4 and metrics["threads/links_unused"] == 0
+
+
+def test_the_step_line_names_trained_threads_and_side_calls_left_out():
+    from clawfast.train.report import step_line
+
+    rollouts = [subagent_session(seed, reward=float(seed % 2)) for seed in range(2)]
+    for trained, want in ((["main"], "; side calls not trained: subagent 6"),
+                          (["main", "subagent"], "; targets by thread: main ")):
+        data = prepare_step(rollouts, ["g"] * 2, StepConfig(name="grpo", micro_batch_tokens=4096, train_threads=trained))
+        line = step_line(1, {"loss": 0.0, **data.counts})
+        assert want in line, line
+        assert ("subagent" in line.split("targets by thread:")[-1]) == ("subagent" in trained or "not trained" in line)

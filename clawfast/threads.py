@@ -24,7 +24,9 @@ tool result, a summary).
 4. **Subagent**: a chain whose last answer is quoted, past the shared prefix, by a later call of
    another chain that continues it (or by a compaction call).
 5. **Main**: the longest other chain, preferring chains that did not start by re-reading another
-   chain's turns or answers; in it, an edited one-off its chain went on without is a ``summary``.
+   chain's turns or answers; in it, an edited one-off its chain went on without, and a call that
+   extends the history with a message of its own the chain then replaced (a next-speaker check), are
+   ``summary``.
    A one-call side chain is a ``title`` (holds no earlier answer) or a ``summary``; a longer one is
    ``other-side``.
 6. **Hints**: the proxy's tags decide only what the structure cannot (a hinted side chain is main
@@ -406,6 +408,20 @@ def reconstruct(calls: Sequence[CallRecord]) -> RolloutThreads:
                       for m in range(head))
         return (head not in subagent_of, not hinted, not derived, len(group), group[-1])
 
+    def asked_aside(i: int, group: list[int]) -> bool:
+        """Whether a later call of the chain goes on from the call i extends, replacing what i added
+        (a next-speaker check, a question put to the whole history); a later call that keeps i's
+        added message (the harness dropped a message i had, and asked again) or holds i's answer
+        (an edit of the message before it hid i's turn) does not count."""
+        p = extends[i]
+        path = len(r.prompts[p]) + len(r.outputs[p])
+        return any(extends[j] == p and r.how(j) == "extends" and _lcp(r.prompts[i], r.prompts[j]) <= path + TURN_TOKENS
+                   and not took_up(j, i) for j in group if j > i)
+
+    def took_up(j: int, i: int) -> bool:
+        """Whether call j holds i's answer, as i's turn or anywhere (the turn may have been edited)."""
+        return r.holds_turn(j, i) or (r.answers[i] is not None and _find(r.bytes[j], r.answers[i]))
+
     main_head = max(members, key=rank) if members else None
     thread = [""] * n
     for head, group in members.items():
@@ -416,6 +432,9 @@ def reconstruct(calls: Sequence[CallRecord]) -> RolloutThreads:
             for i in group:
                 if r.link[i] == "edited" and i != group[-1] and i not in continued:
                     kind[i], reason[i] = "summary", "an edited one-off that its chain went on without"
+                    thread[i] = f"summary:{calls[i].call_index}"
+                elif r.how(i) == "extends" and i not in continued and asked_aside(i, group):
+                    kind[i], reason[i] = "summary", "a one-off that asked something else of the history, which went on without it"
                     thread[i] = f"summary:{calls[i].call_index}"
             last = group[-1]
             if hint[last] == "compaction" and kind[last] == "main":

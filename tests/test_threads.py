@@ -366,6 +366,25 @@ def test_a_side_call_that_keeps_the_whole_first_prompt_last_in_the_session(hint)
     assert got == ["main"] * 3 + [hint or "main"], [(t.call_index, t.kind, t.reason) for t in reconstruct(calls).calls]
 
 
+@pytest.mark.parametrize("where", ["mid", "every"])
+def test_a_question_put_to_the_whole_history_that_the_main_thread_replaces(where):
+    """A next-speaker check (another CLI's): the history so far + a question of its own, a short
+    answer, and the main thread goes on from the same history with a tool result instead."""
+    s = Session(40)
+    system = s.text(300)
+    history = s.msg(SYSTEM, system) + s.msg(USER, s.text(30))
+    truth = []
+    for step in range(4):
+        a = s.ask(history); truth.append("main")
+        if where == "every" or step == 1:
+            s.ask(history + a + s.msg(USER, s.text(15)), s.text(4) + [END]); truth.append("side")
+        history = history + a + s.msg(TOOL, s.text(20))
+    s.ask(history); truth.append("main")
+    rt = reconstruct(s.calls)
+    got = [t.kind for t in rt.calls]
+    assert all((g == "main") == (t == "main") for g, t in zip(got, truth)), [(t.call_index, t.kind, t.reason, tr) for t, tr in zip(rt.calls, truth)]
+
+
 def random_session(seed: int) -> tuple[list[CallRecord], list[str], set[int]]:
     """A session of random shape, its true kinds and its restarts after a compaction: main steps with retries, subagents, compactions
     in both forms (the main header, or one of its own replaying the history; the last turn kept or

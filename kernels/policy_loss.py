@@ -113,7 +113,7 @@ class PolicyLossFunction(torch.autograd.Function):
             block = 64 if triton_interpret() else 1024
             _policy_loss_fwd_kernel[(triton.cdiv(n, block),)](
                 lp, old, adv, isw, coef, ref if ref is not None else lp, pg, kl, gpg, gkl, flags,
-                n, clip_low, clip_high, dual_clip or 0.0, _LOG_CLAMP,
+                n, clip_low, clip_high, dual_clip or 0.0, LOG_CLAMP,
                 HAS_DUAL=dual_clip is not None, HAS_REF=ref is not None, BLOCK=block)
         ctx.save_for_backward(gpg, gkl)
         ctx.mark_non_differentiable(flags)
@@ -127,7 +127,14 @@ class PolicyLossFunction(torch.autograd.Function):
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 LOSS_METRIC_NAMES = ("pg_loss", "entropy", "kl_ref", "clip_frac", "dual_clip_frac", "ratio_mean",
                      "approx_kl_old")
-_LOG_CLAMP = 20.0
+LOG_CLAMP = 20.0
+
+
+def k3(ref_logprobs: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
+    """Per target, the k3 estimate of KL(pi || ref) the loss uses: exp(d) - d - 1, d = ref - lp
+    clamped to +-LOG_CLAMP."""
+    d = (ref_logprobs - logprobs).clamp(-LOG_CLAMP, LOG_CLAMP)
+    return torch.exp(d) - d - 1.0
 
 
 def _agg_coef(a, seq, num_seqs, aggregation):
@@ -227,7 +234,7 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor | None,
             coef.contiguous(), ref, float(clip_low), float(clip_high), dual_clip)
         clipped, dual = (flags & 1) > 0, (flags & 2) > 0
     else:
-        log_r = (lp - old).clamp(-_LOG_CLAMP, _LOG_CLAMP)
+        log_r = (lp - old).clamp(-LOG_CLAMP, LOG_CLAMP)
         ratio = torch.exp(log_r)
         pg1 = -adv * ratio
         pg2 = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
@@ -241,8 +248,7 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor | None,
         pg_loss = (coef * is_w.detach() * pg).sum()
         kl_mean = zero
         if ref is not None:
-            d = (ref - lp).clamp(-_LOG_CLAMP, _LOG_CLAMP)
-            kl_mean = (coef * (torch.exp(d) - d - 1.0)).sum()
+            kl_mean = (coef * k3(ref, lp)).sum()
     loss = pg_loss + kl_coef * kl_mean if ref is not None else pg_loss
     ent_mean = zero
     if entropy is not None:
@@ -255,7 +261,7 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor | None,
         def wmean(x):
             return (a * x.to(dt)).sum() / den
 
-        log_r = (lp.detach() - old).clamp(-_LOG_CLAMP, _LOG_CLAMP)
+        log_r = (lp.detach() - old).clamp(-LOG_CLAMP, LOG_CLAMP)
         vec = torch.stack([pg_loss.detach(), ent_mean.detach(), kl_mean.detach(),
                            wmean(clipped), wmean(dual), wmean(torch.exp(log_r)),
                            wmean(torch.exp(log_r) - 1.0 - log_r)]).double()

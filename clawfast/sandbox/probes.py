@@ -18,8 +18,9 @@ def pids_with(text: str) -> list[int]:
             continue
         try:
             with open(f"/proc/{entry}/cmdline", "rb") as f:
-                if text.encode() in f.read():
-                    found.append(int(entry))
-        except OSError:
-            pass  # ended while /proc was read
+                cmdline = f.read()
+        except OSError:  # it ended while /proc was read: left out, as the docstring says
+            continue
+        if text.encode() in cmdline:
+            found.append(int(entry))
     return found

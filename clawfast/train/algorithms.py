@@ -305,11 +305,11 @@ def ppo_advantages(forest: KeptForest, values: torch.Tensor, rewards: Sequence[f
     row_reward = np.where(forest.reward_row, r[forest.rollout] if r.size else 0.0, 0.0)
     dev = values.device
     reward = torch.as_tensor(row_reward, dtype=values.dtype, device=dev)
+    parent = torch.as_tensor(forest.parent, device=dev)
+    mask = torch.as_tensor(forest.trainable, dtype=values.dtype, device=dev)
 
     def gae(reward):
-        return tree_gae(reward, values, torch.as_tensor(forest.parent, device=dev),
-                        mask=torch.as_tensor(forest.trainable, dtype=values.dtype, device=dev),
-                        gamma=gamma, lam=lam, mode=mode)
+        return tree_gae(reward, values, parent, mask=mask, gamma=gamma, lam=lam, mode=mode)
 
     if not forest.link_source.size:
         return gae(reward)

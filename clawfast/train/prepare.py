@@ -127,7 +127,8 @@ def prepare_step(rollouts: Sequence[RolloutResult], groups: Sequence[Hashable] |
     if config.name == "ppo" or config.is_level == "sequence":
         forest = KeptForest.build(trees, [trained_links(r, t, config.train_threads) for r, t in zip(kept, threads)])
         forest_rows = [forest.locate(b) for b in batches]
-    target_kind = [target_kinds(b, threads) for b in batches]
+    kind_tables = [kind_table(t) for t in threads]
+    target_kind = [target_kinds(b, kind_tables) for b in batches]
     counts = {
         "rollouts_in": len(rollouts),
         "rollouts_trained": int(sum(not t.dropped for t in trees)),
@@ -152,15 +153,20 @@ def trained_links(rollout: RolloutResult, threads: RolloutThreads, train_threads
     return [(lk.source, lk.target, prompt_len[lk.target]) for lk in threads.links if lk.thread_kind in train_threads]
 
 
-def target_kinds(batch: PackedBatch, threads: Sequence[RolloutThreads]) -> np.ndarray:
-    """int8[M]: the thread kind (index into `KINDS`) of the call that owns each target."""
+def kind_table(threads: RolloutThreads) -> np.ndarray:
+    """int8[max call index + 1]: each call's thread kind, as an index into `KINDS`."""
+    table = np.zeros(max(c.call_index for c in threads.calls) + 1, np.int8)
+    for c in threads.calls:
+        table[c.call_index] = KINDS.index(c.kind)
+    return table
+
+
+def target_kinds(batch: PackedBatch, kind_tables: Sequence[np.ndarray]) -> np.ndarray:
+    """int8[M]: the thread kind of the call that owns each target (`kind_table` per rollout)."""
     out = np.zeros(len(batch.target_call), np.int8)
     for g in np.unique(batch.target_rollout):
         at = batch.target_rollout == g
-        table = np.zeros(max(c.call_index for c in threads[g].calls) + 1, np.int8)
-        for c in threads[g].calls:
-            table[c.call_index] = KINDS.index(c.kind)
-        out[at] = table[batch.target_call[at]]
+        out[at] = kind_tables[g][batch.target_call[at]]
     return out
 
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from clawfast.kernels import policy_loss
-from clawfast.kernels.policy_loss import LOSS_METRIC_NAMES
+from clawfast.kernels.policy_loss import LOG_CLAMP, LOSS_METRIC_NAMES, k3
 from clawfast.threads import KINDS
 from clawfast.train.algorithms import value_loss_terms
 from clawfast.train.data_parallel import rank_and_world, rank_schedule, sum_over_ranks
@@ -52,7 +52,8 @@ def accumulate_gradients(policy: Policy, data: StepData, config: StepConfig, *,
     t1 = time.perf_counter()
     sums = torch.zeros(3 + len(LOSS_METRIC_NAMES), dtype=torch.float64)  # loss, pg part, value part, metrics
     collected = []  # (logprobs, infer, weights, rollout) of real targets, for the IS metrics of a one-update step
-    per_kind = torch.zeros(len(KINDS), 4, dtype=torch.float64) if len(config.train_threads) > 1 else None
+    # per thread kind: loss weight and weighted advantage, IS ratio, k3 (summed on the device: no sync per batch)
+    per_kind = torch.zeros(len(KINDS), 4, dtype=torch.float64, device=device) if len(config.train_threads) > 1 else None
     for b, real in schedule:
         batch = data.batches[b]
         out = policy.run(batch)
@@ -112,7 +113,7 @@ def accumulate_gradients(policy: Policy, data: StepData, config: StepConfig, *,
     if fixed.proximal is None:
         metrics.update(_is_metrics(collected, config, world))
     if per_kind is not None:
-        per_kind = sum_over_ranks(per_kind.to(device)).cpu()
+        per_kind = sum_over_ranks(per_kind).cpu()
         for i, k in enumerate(KINDS):
             w = per_kind[i, 0].item()
             if w > 0:
@@ -128,10 +129,11 @@ def _kind_sums(kinds, weight, adv, proximal, infer, ref_lp, logprobs) -> torch.T
     """float64[len(KINDS), 4]: per thread kind, the targets' loss weight and the weighted sums of
     the advantage, the IS ratio pi_prox / pi_behav and the k3 KL to the reference."""
     w = weight.double()
-    log_ratio = (ref_lp.double() - logprobs.double()) if ref_lp is not None else torch.zeros_like(w)
-    cols = torch.stack([w, w * adv.double(), w * torch.exp(proximal.double() - infer.double()),
-                        w * (torch.exp(log_ratio) - log_ratio - 1)], 1)
-    return torch.zeros(len(KINDS), 4, dtype=torch.float64).index_add_(0, torch.as_tensor(kinds).long(), cols.cpu())
+    rho = torch.exp((proximal.double() - infer.double()).clamp(-LOG_CLAMP, LOG_CLAMP))
+    kl = k3(ref_lp.double(), logprobs.double()) if ref_lp is not None else torch.zeros_like(w)
+    cols = torch.stack([w, w * adv.double(), w * rho, w * kl], 1)
+    index = torch.as_tensor(kinds, device=w.device).long()
+    return torch.zeros(len(KINDS), 4, dtype=torch.float64, device=w.device).index_add_(0, index, cols)
 
 
 def _is_metrics(collected, config: StepConfig, world: int) -> dict[str, float]:

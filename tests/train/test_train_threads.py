@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from clawfast.kernels.reference import gae_loop
 from clawfast.records import RolloutResult
 from clawfast.threads import KINDS, reconstruct
 from clawfast.train.algorithms import KeptForest, link_levels, ppo_advantages
@@ -96,16 +97,13 @@ def test_the_captured_rollout_with_two_subagents_and_a_compaction_trains_all_of_
 
 
 def hand_gae(rows, forest: KeptForest, reward, values, gamma, lam) -> dict[int, float]:
-    """Plain masked GAE, one float64 loop backwards over `rows` (a chain walked by hand: a thread's
-    rows, then the rows its link leads to); context rows carry the next value and advantage."""
-    out, nv, ga = {}, 0.0, 0.0
-    for row in reversed(rows):
-        if forest.trainable[row]:
-            delta = reward.get(row, 0.0) + gamma * nv - float(values[row])
-            ga = delta + gamma * lam * ga
-            nv = float(values[row])
-        out[row] = ga
-    return out
+    """The advantage of each of `rows` (a chain walked by hand: a thread's rows, then the rows its
+    link leads to) by the plain float64 reference loop over one sequence (`gae_loop`, verl's);
+    context rows carry the next value and advantage."""
+    r = torch.tensor([[reward.get(row, 0.0) for row in rows]], dtype=torch.float64)
+    m = torch.as_tensor(forest.trainable[rows], dtype=torch.float64)[None]
+    adv, _ = gae_loop(r, values[torch.as_tensor(rows)].double()[None], m, gamma, lam)
+    return dict(zip(rows, adv[0].tolist()))
 
 
 def path_rows(forest: KeptForest, row: int, stop: int = -1) -> list[int]:

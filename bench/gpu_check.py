@@ -11,7 +11,8 @@
   log-probs), then every other dtype, head dim and softmax option, GAE, IS weights, the policy loss.
 - ``train``: a short end-to-end run of the RL loop on the GPU (``clawfast.train.loop.train``, the
   embedded model in bfloat16, the torch engine serving engine-sampled token tasks, GRPO with
-  ``max_staleness = 1``) that must complete steps trained on rollouts one weight version old.
+  ``max_staleness = 1``) that must complete steps trained on rollouts one weight version old; each
+  step's row also says what its push moved (whole or delta) and how many calls went on across it.
 - ``kernels``: ``bench/gpu_kernels.py``: timings of the Triton kernels against their baselines and
   peers (Liger-Kernel, Cut Cross-Entropy, SDPA, FlexAttention).
 - ``step``: ``bench/gpu_step.py``: timings of a whole training step.
@@ -530,7 +531,10 @@ interval = 3
         rows.add(op="train", case=f"step {r['step']}", ms=r["time/train_s"] * 1e3,
                  note=f"train time; rollouts {r['time/rollout_s']:.2f} s, reward {r['reward/mean']:.3f}, "
                       f"loss {r['loss']:.4g}, grad norm {r['grad_norm']:.3g}, staleness max "
-                      f"{r['async/staleness_max']:g}, {r['tokens_packed']:g} tokens packed")
+                      f"{r['async/staleness_max']:g}, {r['tokens_packed']:g} tokens packed; push "
+                      f"{'delta' if r['push/delta'] else 'whole'} {r['push/bytes'] / 1e6:.2f} of "
+                      f"{r['push/full_bytes'] / 1e6:.2f} MB in {r['time/sync_s']:.3f} s, "
+                      f"{r['async/calls_spanning_pushes']:g} calls continued across it")
     device = torch.cuda.get_device_name() if cuda else "cpu"
     ok = (len(steps) == 3 and max(r["async/staleness_max"] for r in steps) == 1
           and all(np.isfinite(r["loss"]) and np.isfinite(r["grad_norm"]) for r in steps))

@@ -1,7 +1,7 @@
 """What the learning benchmarks built on `clawfast.train.sampled.EngineRollouts` share
 (bench/bench_async.py, bench/bench_train_threads.py): the tiny Qwen3 they train (4 layers, hidden
 128, vocabulary 64, random weights from a seed) and the run config around it (torch engine,
-12-token calls, 4 tasks x 4 samples a step, no evaluation)."""
+12-token calls unless told, 4 tasks x 4 samples a step, no evaluation)."""
 
 from __future__ import annotations
 
@@ -22,9 +22,11 @@ def make_model(path: Path, seed: int = 0) -> Path:
 
 
 def run_config(run_dir: Path, model: Path, *, seed: int, steps: int, algorithm: dict, lr: float,
-               micro_batch_tokens: int) -> str:
-    """The TOML of one run; ``algorithm``: the [algorithm] keys (values as JSON, which TOML reads)."""
+               micro_batch_tokens: int, max_tokens: int = 12, engine: dict | None = None) -> str:
+    """The TOML of one run; ``algorithm`` and ``engine``: more keys of those sections (values as
+    JSON, which TOML reads); ``max_tokens``: each call's output budget."""
     algo = "".join(f"{k} = {json.dumps(v)}\n" for k, v in algorithm.items())
+    more_engine = "".join(f"{k} = {json.dumps(v)}\n" for k, v in (engine or {}).items())
     return f"""
 run_dir = "{run_dir}"
 seed = {seed}
@@ -33,9 +35,9 @@ steps = {steps}
 path = "{model}"
 [engine]
 kind = "torch"
-max_tokens = 12
+max_tokens = {max_tokens}
 max_batch = 16
-[rollout]
+{more_engine}[rollout]
 tasks_per_step = 4
 samples_per_task = 4
 [algorithm]

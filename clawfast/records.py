@@ -45,6 +45,21 @@ _CRC = struct.Struct("<I")
 _KIND_HEADER, _KIND_CALL, _KIND_RESULT = ord("H"), ord("C"), ord("R")
 
 
+def checked_versions(versions: Any, weight_version: int, n: int) -> np.ndarray | None:
+    """The per-token versions of a call of `n` output tokens whose oldest token has `weight_version`,
+    checked (one per token, non-decreasing, starting there); None when one version sampled them all."""
+    if versions is None:
+        return None
+    versions = np.asarray(versions, dtype=np.int64)
+    if versions.shape != (n,):
+        raise ValueError(f"output_versions holds {versions.size} versions for {n} output tokens")
+    if n and int(versions[0]) != int(weight_version):
+        raise ValueError(f"output_versions starts at version {int(versions[0])}, but weight_version is {weight_version}")
+    if n > 1 and np.any(np.diff(versions) < 0):
+        raise ValueError("output_versions must not decrease: a later token cannot come from older weights")
+    return versions if n and versions[-1] != versions[0] else None
+
+
 class RecordFormatError(ValueError):
     """A record file or record is malformed (truncated, corrupt, inconsistent)."""
 
@@ -73,6 +88,12 @@ class CallRecord:
     metadata: the request facts that produced the tags and anything else worth keeping (protocol,
         headers of interest, prompt drift against the previous call, client disconnects).
     timings: seconds, e.g. ``{"received": t0, "answered": t1, "generate": g}``.
+    weight_version: the version of the weights that sampled the oldest output token.
+    output_versions: None when `weight_version` sampled every output token; for a call that went on
+        decoding across a weight push, the version that sampled each one (int64, same length,
+        non-decreasing; an array of one version is stored as None). `token_versions` gives the
+        array either way. On disk only a call that spans versions stores them (as runs); an older
+        file reads back with one version covering the call.
     """
 
     rollout_id: str
@@ -86,11 +107,16 @@ class CallRecord:
     timings: dict[str, float] = field(default_factory=dict)
     tags: tuple[str, ...] = ("main",)
     metadata: dict[str, Any] = field(default_factory=dict)
+    output_versions: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         self.prompt_ids = _as_array(self.prompt_ids, np.int32, "prompt_ids")
         self.output_ids = _as_array(self.output_ids, np.int32, "output_ids")
         self.infer_logprobs = _as_array(self.infer_logprobs, np.float32, "infer_logprobs")
+        try:
+            self.output_versions = checked_versions(self.output_versions, self.weight_version, len(self.output_ids))
+        except ValueError as exc:
+            raise ValueError(f"call {self.call_index} of rollout {self.rollout_id!r}: {exc}") from None
         self.tags = tuple(self.tags)
         self.validate()
 
@@ -116,6 +142,13 @@ class CallRecord:
                     raise ValueError(
                         f"call {self.call_index}: {name} holds token id {ids.max()} >= vocab size {vocab_size}"
                     )
+
+    @property
+    def token_versions(self) -> np.ndarray:
+        """int64[n_output]: the weight version that sampled each output token."""
+        if self.output_versions is not None:
+            return self.output_versions
+        return np.full(len(self.output_ids), int(self.weight_version), dtype=np.int64)
 
     @property
     def excluded(self) -> bool:
@@ -169,7 +202,7 @@ class RolloutResult:
 
 
 def _meta_of(call: CallRecord) -> dict[str, Any]:
-    return {
+    meta = {
         "rollout_id": call.rollout_id,
         "call_index": call.call_index,
         "harness": call.harness,
@@ -181,6 +214,26 @@ def _meta_of(call: CallRecord) -> dict[str, Any]:
         "n_prompt": int(len(call.prompt_ids)),
         "n_output": int(len(call.output_ids)),
     }
+    if call.output_versions is not None:  # a call on one version stores none: files stay as they were
+        meta["version_runs"] = version_runs(call.output_versions)
+    return meta
+
+
+def version_runs(versions: np.ndarray) -> list[list[int]]:
+    """[[first token index, version], ...]: where each run of one version starts."""
+    starts = np.flatnonzero(np.diff(versions)) + 1 if len(versions) else np.zeros(0, dtype=np.int64)
+    return [[0, int(versions[0])]] + [[int(i), int(versions[i])] for i in starts] if len(versions) else []
+
+
+def versions_of_runs(runs: list[list[int]], n: int) -> np.ndarray:
+    """The per-token versions of `n` tokens from `version_runs`."""
+    versions = np.empty(n, dtype=np.int64)
+    bounds = [int(start) for start, _ in runs] + [n]
+    if bounds[0] != 0 or any(a >= b for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"version_runs {runs} do not cover {n} tokens in order")
+    for (start, version), end in zip(runs, bounds[1:]):
+        versions[int(start):end] = int(version)
+    return versions
 
 
 # ----------------------------------------------------------------------------------------------
@@ -258,6 +311,7 @@ def _decode_call(payload: bytes, offset: int) -> CallRecord:
             timings=meta["timings"],
             tags=tuple(meta["tags"]),
             metadata=meta["metadata"],
+            output_versions=versions_of_runs(meta["version_runs"], n_o) if "version_runs" in meta else None,
         )
     except RecordFormatError:
         raise

@@ -191,6 +191,7 @@ class ProxyCore:
                 output_ids=np.asarray(gen.output_ids, np.int32),
                 infer_logprobs=np.asarray(gen.infer_logprobs, np.float32),
                 weight_version=gen.weight_version,
+                output_versions=gen.output_versions,
                 finish_reason=gen.finish_reason,
                 timings=timings,
                 tags=(call.tagging.tag,),

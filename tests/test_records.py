@@ -103,6 +103,10 @@ def test_live_log_survives_a_torn_tail(tmp_path):
         (dict(prompt_ids=[]), "empty prompt"),
         (dict(output_ids=[1], infer_logprobs=[float("nan")]), "non-finite"),
         (dict(output_ids=[1], infer_logprobs=[0.5]), "positive"),
+        (dict(output_ids=[1, 2], infer_logprobs=[-0.1, -0.2], output_versions=[0]), "versions for 2"),
+        (dict(output_ids=[1, 2], infer_logprobs=[-0.1, -0.2], output_versions=[1, 2]), "starts at version 1"),
+        (dict(output_ids=[1, 2], infer_logprobs=[-0.1, -0.2], weight_version=2, output_versions=[2, 1]),
+         "must not decrease"),
     ],
 )
 def test_malformed_calls_raise(kwargs, match):
@@ -116,3 +120,50 @@ def test_vocab_bound():
     c = CallRecord(rollout_id="r", call_index=0, harness="h", prompt_ids=[1, 99], output_ids=[], infer_logprobs=[])
     with pytest.raises(ValueError, match="vocab"):
         c.validate(vocab_size=50)
+
+
+def test_per_token_versions_round_trip_and_old_files_read_as_one_version(tmp_path):
+    """A call continued across pushes keeps each token's version through the file (stored as runs);
+    a call on one version stores none, so files written before per-token versions, which hold
+    none, read back with the call's one version covering every token."""
+    from clawfast.records import _meta_of
+
+    rng = np.random.default_rng(7)
+    calls = [_call(i, rng) for i in range(3)]
+    n = len(calls[1].output_ids) or 1
+    calls[1] = CallRecord("r0", 1, "h", [1, 2], np.arange(n + 4), -np.ones(n + 4), weight_version=3,
+                          output_versions=[3] * 2 + [4] * n + [6] * 2)
+    rollout = RolloutResult("r0", "t", "h", calls=calls)
+    back = read_rollout(write_rollout(tmp_path / "v.cfr", rollout))
+    assert back.equals(rollout)
+    np.testing.assert_array_equal(back.calls[1].token_versions, [3] * 2 + [4] * n + [6] * 2)
+    assert _meta_of(back.calls[1])["version_runs"] == [[0, 3], [2, 4], [2 + n, 6]]
+    assert back.calls[0].output_versions is None and "version_runs" not in _meta_of(back.calls[0])
+    assert (back.calls[0].token_versions == 3).all()
+    # Uniform versions are the one-version case, stored the way files always were.
+    same = CallRecord("r0", 0, "h", [1], [5, 6], [-0.1, -0.2], weight_version=2, output_versions=[2, 2])
+    assert same.output_versions is None and encode_rollout(RolloutResult("r", "t", "h", calls=[same])) == \
+        encode_rollout(RolloutResult("r", "t", "h", calls=[CallRecord("r0", 0, "h", [1], [5, 6], [-0.1, -0.2],
+                                                                      weight_version=2)]))
+
+
+def test_version_runs_that_do_not_cover_the_output_are_a_format_error():
+    call = CallRecord("r0", 0, "h", [1], [5, 6, 7], [-0.1] * 3, weight_version=0, output_versions=[0, 1, 1])
+    data = encode_rollout(RolloutResult("r", "t", "h", calls=[call]))
+    bad = data.replace(b'"version_runs":[[0,0],[1,1]]', b'"version_runs":[[0,0],[5,1]]')
+    assert bad != data
+    import zlib
+
+    # Re-seal the frame's checksum so that the decoder reaches the runs themselves.
+    from clawfast.records import MAGIC, _CRC, _FRAME_HEAD
+
+    pos = len(MAGIC)
+    frames = []
+    while pos < len(bad):
+        kind, length = _FRAME_HEAD.unpack_from(bad, pos)
+        head = bad[pos:pos + _FRAME_HEAD.size]
+        payload = bad[pos + _FRAME_HEAD.size:pos + _FRAME_HEAD.size + length]
+        frames.append(head + payload + _CRC.pack(zlib.crc32(payload, zlib.crc32(head))))
+        pos += _FRAME_HEAD.size + length + _CRC.size
+    with pytest.raises(RecordFormatError, match="do not cover"):
+        decode_rollout(MAGIC + b"".join(frames))

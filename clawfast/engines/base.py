@@ -74,20 +74,27 @@ class Sampling:
 
 @dataclass
 class Generation:
-    """output_ids (int32) and infer_logprobs (float32, same length: the sampler's log-prob of each); finish_reason is "stop" (a stop token
-    or end of sequence) or "length" (max_tokens reached); weight_version of the weights that sampled."""
+    """output_ids (int32) and infer_logprobs (float32, same length: the sampler's log-prob of each);
+    finish_reason is "stop" (a stop token or end of sequence) or "length" (max_tokens reached).
+    output_versions (int64, same length, or None): the weight version that sampled each token; a
+    call that went on decoding across a weight push (``on_update="continue"``) holds more than one,
+    in non-decreasing order. None: `weight_version` sampled every token. weight_version: the version
+    of the oldest token (the one the call started on; a call with no tokens: the version serving it).
+    `clawfast.records.CallRecord` checks and keeps them."""
 
     output_ids: np.ndarray
     infer_logprobs: np.ndarray
     finish_reason: str
     weight_version: int
     timings: dict[str, float] = field(default_factory=dict)
+    output_versions: np.ndarray | None = None
 
 
 class Engine(abc.ABC):
     """Async generation over token ids. Implementations batch concurrent calls where they can."""
 
     weight_version: int = 0
+    takes_deltas: bool = False  # implements `apply_delta`
 
     @abc.abstractmethod
     async def generate(self, prompt_ids: np.ndarray, params: SamplingParams) -> Generation:
@@ -98,6 +105,11 @@ class Engine(abc.ABC):
         at a time, as a sharded trainer streams them) and set `weight_version`; engines that cannot,
         say so."""
         raise NotImplementedError(f"{type(self).__name__} does not take weight updates")
+
+    def apply_delta(self, delta: Any) -> None:
+        """Apply a `clawfast.engines.weight_delta.WeightDelta` (only what changed since the version
+        serving) and serve ``delta.version``; engines with ``takes_deltas`` False get full pushes."""
+        raise NotImplementedError(f"{type(self).__name__} does not take delta pushes")
 
     async def close(self) -> None:
         """Release processes and memory. Idempotent."""

@@ -31,11 +31,20 @@ non-weight files, config.json and tokenizer, are copied beside them) and asks th
 - SGLang: ``POST /update_weights_from_disk {"model_path": DIR, "weight_version": "<version>"}``
   (SGLang waits for running requests and flushes its cache itself); ``success: false`` is an error.
 
-Meanwhile this engine's own calls are held back (new ones wait, running ones finish first), so every
-`Generation` carries the version that produced it; the version is bumped only after the server
+Meanwhile this engine's own calls are held back: new ones wait, and running ones finish first
+(``on_update="finish"``) or, vLLM only (``"continue"``), are aborted on the server (``POST
+/pause?mode=abort``, which also aborts other clients' requests: give training a server of its
+own) and go on as new requests from their tokens so far once the new weights serve
+(`clawfast.engines.pieces`). Every `Generation` carries the version that sampled each token; the version is bumped only after the server
 answered, and the previous version directory is deleted then. Not checked: that the tensors fit the
 served model (the server's load decides; a vLLM server fed a wrong name dies); an update must be
 a full state dict unless the server's loader keeps what a partial checkpoint lacks.
+
+With ``deltas=True`` (vLLM, a server started with ``--worker-extension-cls
+clawfast.engines.vllm_weight_sync.WeightSyncExtension``) whole pushes load through the extension's
+``clawfast_load_dir`` (each worker keeps a host copy of the tensors) and `apply_delta` writes a
+`WeightDelta` as a file beside them for the workers to apply and reload (``clawfast_apply_delta_file``):
+only what changed is written and read.
 
 The HTTP client is created on first use and belongs to that event loop (the proxy's); `update_weights`
 is synchronous and must be called from another thread.
@@ -44,6 +53,7 @@ is synchronous and must be called from another thread.
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 import threading
 import time
@@ -55,6 +65,9 @@ import httpx
 import numpy as np
 
 from clawfast.engines.base import Engine, Generation, SamplingParams
+from clawfast.engines.pieces import Pieces
+from clawfast.engines.vllm_checkpoint import CheckpointSchema
+from clawfast.engines.weight_delta import DeltaMismatch, WeightDelta, check_delta, write_delta_file
 
 APIS = ("vllm", "sglang")
 _TOKEN_PREFIX = "token_id:"
@@ -84,9 +97,20 @@ class RemoteEngine(Engine):
         max_connections: int = 256,
         reload_dir: str | Path | None = None,
         model_dir: str | Path | None = None,
+        on_update: str = "finish",
+        deltas: bool = False,
     ) -> None:
         if api not in APIS:
             raise ValueError(f"api must be one of {APIS}, got {api!r}")
+        if on_update not in ("continue", "finish"):
+            raise ValueError(f"on_update must be 'continue' or 'finish', got {on_update!r}")
+        if deltas and (api != "vllm" or reload_dir is None or model_dir is None):
+            raise ValueError("deltas=True needs api='vllm', reload_dir and model_dir (the checkpoint's names and "
+                             "layers), and a server started with --worker-extension-cls "
+                             "clawfast.engines.vllm_weight_sync.WeightSyncExtension")
+        if on_update == "continue" and api != "vllm":
+            raise ValueError("on_update='continue' needs api='vllm' (its /pause?mode=abort hands back what an "
+                             "aborted request sampled); SGLang finishes calls in flight on the old weights")
         if model_dir is not None and reload_dir is None:
             raise ValueError("model_dir is only used with reload_dir")
         if model_dir is not None and not (Path(model_dir) / "config.json").is_file():
@@ -102,6 +126,12 @@ class RemoteEngine(Engine):
         self.api = api
         self.model = model
         self.weight_version = int(weight_version)
+        self.on_update = on_update
+        self.takes_deltas = deltas
+        self._schema: CheckpointSchema | None = None  # deltas: the checkpoint's names and layers, read once
+        self._base_dtypes: dict[str, Any] = {}  # deltas: each tensor's dtype in the server's base copy
+        self.continued_calls = 0  # calls an update aborted that went on as a new request
+        self._updates = 0  # weight updates that aborted running calls, so a call knows its abort was one
         self._headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
         self._timeout = timeout
         self._limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
@@ -156,33 +186,32 @@ class RemoteEngine(Engine):
             raise ValueError(f"prompt_ids holds a negative id {ids.min()}")
         if params.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {params.max_tokens}")
-        prompt = [int(i) for i in ids]
+        call = Pieces([int(i) for i in ids], params)
         self._http()
         assert self._open is not None and self._drained is not None
-        while not self._open.is_set():  # a weight update is in progress
-            await self._open.wait()
-        self._inflight += 1
-        self._drained.clear()
-        version = self.weight_version
         t0 = time.perf_counter()
-        try:
-            if self.api == "vllm":
-                output_ids, logprobs, finish = await self._generate_vllm(prompt, params)
-            else:
-                output_ids, logprobs, finish = await self._generate_sglang(prompt, params)
-        finally:
-            self._inflight -= 1
-            if self._inflight == 0:
-                self._drained.set()
-        if len(output_ids) != len(logprobs):
-            raise RuntimeError(f"{self.api} server returned {len(output_ids)} tokens but {len(logprobs)} logprobs")
-        return Generation(
-            output_ids=np.asarray(output_ids, dtype=np.int32),
-            infer_logprobs=np.asarray(logprobs, dtype=np.float32),
-            finish_reason=finish,
-            weight_version=version,
-            timings={"generate": time.perf_counter() - t0},
-        )
+        while True:
+            while not self._open.is_set():  # a weight update is in progress
+                await self._open.wait()
+            self._inflight += 1
+            self._drained.clear()
+            version, updates = self.weight_version, self._updates
+            try:
+                if self.api == "vllm":
+                    output_ids, logprobs, finish = await self._generate_vllm(call.prompt, call.params)
+                else:
+                    output_ids, logprobs, finish = await self._generate_sglang(call.prompt, call.params)
+            finally:
+                self._inflight -= 1
+                if self._inflight == 0:
+                    self._drained.set()
+            call.add(output_ids, logprobs, version)
+            if finish == "abort" and self._updates != updates:  # an update aborted it: go on afterwards
+                if call.params.max_tokens > 0:
+                    self.continued_calls += 1
+                    continue
+                finish = "length"
+            return call.joined(_finish(finish), {"generate": time.perf_counter() - t0})
 
     async def _generate_vllm(self, prompt: list[int], params: SamplingParams) -> tuple[list[int], list[float], str]:
         body = {
@@ -212,7 +241,7 @@ class RemoteEngine(Engine):
             raise RuntimeError(f"vLLM completion without token ids or logprobs ({exc!r}): {str(data)[:500]}") from exc
         if output_ids != from_tokens:
             raise RuntimeError("vLLM token_ids disagree with the ids of its logprob tokens")
-        return output_ids, logprobs, _finish(finish)
+        return output_ids, logprobs, finish
 
     async def _generate_sglang(self, prompt: list[int], params: SamplingParams) -> tuple[list[int], list[float], str]:
         sampling: dict[str, Any] = {
@@ -238,7 +267,7 @@ class RemoteEngine(Engine):
             raise RuntimeError(f"SGLang answer without output_token_logprobs ({exc!r}): {str(data)[:500]}") from exc
         if data.get("output_ids") is not None and [int(t) for t in data["output_ids"]] != output_ids:
             raise RuntimeError("SGLang output_ids disagree with the ids of output_token_logprobs")
-        return output_ids, logprobs, _finish(finish)
+        return output_ids, logprobs, finish
 
     # ------------------------------------------------------------------------------------------
     # Weights
@@ -265,17 +294,22 @@ class RemoteEngine(Engine):
         else:
             loop = None  # no call of this engine can be running
         with self._update_lock:
-            target = self._write_checkpoint(state_dict, int(version))
+            written_dtypes: dict[str, Any] = {}
+            target = self._write_checkpoint(state_dict, int(version), written_dtypes)
             if loop is not None:
                 asyncio.run_coroutine_threadsafe(self._pause(), loop).result()
             try:
                 with httpx.Client(base_url=self.base_url, headers=self._headers, timeout=self._timeout) as http:
                     if self.api == "vllm":
-                        self._reload_vllm(http, target, int(version))
+                        load = ("clawfast_load_dir", {"path": str(target.resolve())}) if self.takes_deltas else \
+                            ("reload_weights", {"weights_path": str(target.resolve())})
+                        self._reload_vllm(http, load, int(version))
                     else:
                         self._reload_sglang(http, target, int(version))
                 self.weight_version = int(version)
+                self._base_dtypes.update(written_dtypes)
             except BaseException:
+                self._base_dtypes.clear()  # the server's base copy may hold part of this update
                 if target != self._written:
                     shutil.rmtree(target, ignore_errors=True)
                 raise
@@ -286,7 +320,8 @@ class RemoteEngine(Engine):
             if previous is not None and previous != target:
                 shutil.rmtree(previous, ignore_errors=True)  # the server no longer reads it
 
-    def _write_checkpoint(self, state_dict: Mapping[str, Any] | Iterable[tuple[str, Any]], version: int) -> Path:
+    def _write_checkpoint(self, state_dict: Mapping[str, Any] | Iterable[tuple[str, Any]], version: int,
+                          dtypes: dict[str, Any]) -> Path:
         """``reload_dir/v<version>`` holding the tensors in safetensors shards (written to a temporary
         name, then renamed, so the server never sees half a checkpoint)."""
         import torch
@@ -308,6 +343,7 @@ class RemoteEngine(Engine):
                 if name in names:
                     raise ValueError(f"update_weights: {name!r} appears twice")
                 names.add(name)
+                dtypes[name] = tensor.dtype
                 data = tensor.detach().to("cpu").contiguous()
                 if any(t.untyped_storage().data_ptr() == data.untyped_storage().data_ptr() for t in shard.values()):
                     data = data.clone()  # tied weights share storage, which safetensors refuses
@@ -330,16 +366,67 @@ class RemoteEngine(Engine):
             raise
         return target
 
-    def _reload_vllm(self, http: httpx.Client, target: Path, version: int) -> None:
+    def _reload_vllm(self, http: httpx.Client, load: tuple[str, dict[str, str]], version: int) -> Any:
+        """Pause the server, run the workers' `load` (method, string kwargs), reset its prefix
+        cache and set its version; resume it whatever happened. Returns the RPC's results."""
         _checked(http.post("/pause", params={"mode": "wait"}), "pause (is VLLM_SERVER_DEV_MODE=1 set?)")
         try:
-            _checked(http.post("/collective_rpc", json={"method": "reload_weights",
-                                                         "kwargs": {"weights_path": str(target.resolve())}}),
-                     "reload_weights")
+            method, kwargs = load
+            answer = _checked(http.post("/collective_rpc", json={"method": method, "kwargs": kwargs}), method)
             _checked(http.post("/reset_prefix_cache"), "reset_prefix_cache")
             _checked(http.post("/update_weight_version", json={"new_version": str(version)}), "update_weight_version")
+            return answer
         finally:
             _checked(http.post("/resume"), "resume")
+
+    def apply_delta(self, delta: WeightDelta) -> None:
+        """``deltas=True``: write `delta` as a file in ``reload_dir`` and have the server's workers
+        apply it to their base copies and reload the layers it touches
+        (`WeightSyncExtension.clawfast_apply_delta_file`), paused like `update_weights`. Refused
+        with a ValueError before anything changes: an engine without deltas, a base that is not
+        every checkpoint tensor, a delta that does not fit (`check_delta`). A checksum that differs
+        after applying is `DeltaMismatch`."""
+        import torch
+
+        if not self.takes_deltas:
+            raise ValueError("this RemoteEngine takes no deltas: build it with deltas=True")
+        assert self.reload_dir is not None and self.model_dir is not None
+        schema = self._checkpoint_schema()
+        missing = set(schema.shapes) - set(self._base_dtypes)
+        if missing:
+            raise ValueError(f"no base for {len(missing)} tensors, e.g. {sorted(missing)[:3]}: push the full weights first")
+        check_delta(delta, self.weight_version, {name: torch.empty(schema.shapes[name], dtype=dtype, device="meta")
+                                                 for name, dtype in self._base_dtypes.items()})
+        reload = sorted({m for t in delta.tensors for m in schema.groups[t.name]})  # whole layers
+        loop = self._loop if self._client is not None and self._loop is not None and self._loop.is_running() else None
+        with self._update_lock:
+            path = write_delta_file(delta, self.reload_dir / f"d{delta.version}.safetensors")
+            if loop is not None:
+                asyncio.run_coroutine_threadsafe(self._pause(), loop).result()
+            try:
+                with httpx.Client(base_url=self.base_url, headers=self._headers, timeout=self._timeout) as http:
+                    load = ("clawfast_apply_delta_file", {"path": str(path.resolve()), "reload": json.dumps(reload)})
+                    answer = self._reload_vllm(http, load, delta.version) if reload else None
+                bad = sorted({n for names in (answer or {}).get("results", []) for n in names})
+                if bad:
+                    raise DeltaMismatch(f"{len(bad)} tensors differ from the trainer's after the delta, e.g. {bad[:3]}")
+                self.weight_version = int(delta.version)
+            except BaseException:
+                self._base_dtypes.clear()  # what the server's copies hold is no longer known: push whole
+                raise
+            finally:
+                path.unlink(missing_ok=True)
+                if loop is not None:
+                    asyncio.run_coroutine_threadsafe(self._resume(), loop).result()
+
+    def _checkpoint_schema(self) -> CheckpointSchema:
+        if self._schema is None:
+            with httpx.Client(base_url=self.base_url, headers=self._headers, timeout=self._timeout) as http:
+                answer = _checked(http.post("/collective_rpc", json={"method": "clawfast_packed_modules"}),
+                                  "clawfast_packed_modules (is the server started with --worker-extension-cls "
+                                  "clawfast.engines.vllm_weight_sync.WeightSyncExtension?)")
+            self._schema = CheckpointSchema.read(str(self.model_dir), answer["results"][0])
+        return self._schema
 
     def _reload_sglang(self, http: httpx.Client, target: Path, version: int) -> None:
         response = http.post("/update_weights_from_disk",
@@ -351,6 +438,10 @@ class RemoteEngine(Engine):
     async def _pause(self) -> None:
         assert self._open is not None and self._drained is not None
         self._open.clear()
+        if self.on_update == "continue" and self._inflight:
+            self._updates += 1
+            response = await self._http().post("/pause", params={"mode": "abort"})
+            _checked(response, "pause (is VLLM_SERVER_DEV_MODE=1 set?)")
         await self._drained.wait()
 
     async def _resume(self) -> None:

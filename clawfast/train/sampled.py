@@ -159,7 +159,8 @@ class EngineRollouts:
                                      stop_token_ids=self.stop_token_ids)
             gen = await self.engine.generate(prompt, params)
             calls.append(CallRecord(rollout_id, i, harness, prompt, gen.output_ids, gen.infer_logprobs,
-                                    weight_version=gen.weight_version, finish_reason=gen.finish_reason, tags=(tag,)))
+                                    weight_version=gen.weight_version, output_versions=gen.output_versions,
+                                    finish_reason=gen.finish_reason, tags=(tag,)))
             return np.asarray(gen.output_ids, dtype=np.int32)
 
         def ids(tokens) -> np.ndarray:

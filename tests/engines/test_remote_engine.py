@@ -43,6 +43,7 @@ from starlette.routing import Route  # noqa: E402
 from clawfast.engines.base import SamplingParams  # noqa: E402
 from clawfast.engines.remote import RemoteEngine  # noqa: E402
 
+from .continued_calls import check_sampled_pieces  # noqa: E402
 from .tiny_qwen3 import EOS, MAX_LEN, VOCAB, tiny_qwen3  # noqa: E402
 # fp32 transformers on both sides of the stand-in (exact up to summation order); the real vLLM
 # differs by kernels: measured <= 4e-6 (tests/engines/test_vllm_engine.py). A wrong token is off by > 0.1.
@@ -371,6 +372,8 @@ def vllm_server(model_dir):
         "--max-model-len", str(MAX_LEN), "--enforce-eager", "--host", "127.0.0.1", "--port", str(port),
         # Log-probs of the distribution it sampled from (the default is raw logits).
         "--logprobs-mode", "processed_logprobs", "--kv-cache-memory-bytes", str(64 << 20),
+        # The project's worker extension: what delta files are applied by.
+        "--worker-extension-cls", "clawfast.engines.vllm_weight_sync.WeightSyncExtension",
     ]
     log = open(model_dir / "vllm-server.log", "w")
     # Dev mode mounts /pause, /collective_rpc, /reset_prefix_cache, ...: what a reload from disk needs.
@@ -458,3 +461,61 @@ def test_real_vllm_server_reloads_weights_from_disk(vllm_server, model, tmp_path
     assert restored.weight_version == 2
     np.testing.assert_array_equal(restored.output_ids, before.output_ids)
     assert sorted(p.name for p in (tmp_path / "reload").iterdir()) == ["v2"]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.skipif(_VLLM_ERROR is not None, reason=f"vllm does not import: {_VLLM_ERROR}")
+def test_real_vllm_server_continues_a_call_across_a_reload(vllm_server, model, tmp_path):
+    """``on_update="continue"``: the push aborts the call on the server (``/pause?mode=abort``),
+    which hands back the tokens it sampled; once the server reloaded, the call goes on from them on
+    the new weights. The caller gets one answer, ended by the budget (or the end-of-sequence token
+    the new weights may sample) in the second piece, every token's log-prob the model's under the
+    version it records."""
+    new = tiny_qwen3(seed=2)
+    prompt = np.random.default_rng(23).integers(0, VOCAB - 3, size=9).astype(np.int32)
+    budget = MAX_LEN - len(prompt) - 1
+    engine = RemoteEngine(vllm_server, model="tiny", reload_dir=tmp_path / "reload", on_update="continue")
+
+    async def run():
+        task = asyncio.ensure_future(engine.generate(prompt, SamplingParams(max_tokens=budget, temperature=1.0, seed=3)))
+        while not engine._inflight:
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.1)  # some tokens decoded (the server is warm: the module's tests ran on it)
+        await asyncio.to_thread(engine.update_weights, new.state_dict(), 1)
+        return await task
+
+    try:
+        gen = asyncio.run(run())
+        check_sampled_pieces(gen, prompt, budget, model, new, _reference_logprobs, ATOL)
+        assert gen.weight_version == 0 and engine.continued_calls == 1
+    finally:
+        engine.update_weights(model.state_dict(), 2)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.skipif(_VLLM_ERROR is not None, reason=f"vllm does not import: {_VLLM_ERROR}")
+def test_real_vllm_server_takes_delta_files(vllm_server, model, model_dir, tmp_path):
+    """``deltas=True`` against the real server started with the project's worker extension: a whole
+    push in bfloat16 (loaded by ``clawfast_load_dir``, which keeps the workers' base copies), then real
+    AdamW steps pushed as delta files with checksums: the server's greedy path and log-probs are
+    those of the trainer's weights rounded to bfloat16, no delta file is left behind, and a delta
+    on another version is refused with the old weights serving on."""
+    from .delta_pushes import check_delta_pushes
+
+    engine = RemoteEngine(vllm_server, model="tiny", reload_dir=tmp_path / "reload", model_dir=model_dir, deltas=True)
+    prompt = np.random.default_rng(29).integers(0, VOCAB - 3, size=12).astype(np.int32)
+
+    def serves(reference):
+        (gen,) = _generate_all(engine, [prompt], SamplingParams(max_tokens=8, temperature=0.0))
+        out, _, _ = _greedy(reference, prompt.tolist(), 8, {EOS})
+        np.testing.assert_array_equal(gen.output_ids, np.asarray(out, dtype=np.int32))
+        np.testing.assert_allclose(gen.infer_logprobs, _reference_logprobs(reference, prompt, gen.output_ids), atol=ATOL)
+        return gen
+
+    try:
+        check_delta_pushes(engine, model, serves)
+        assert not list((tmp_path / "reload").glob("d*.safetensors"))
+    finally:
+        engine.update_weights(model.state_dict(), engine.weight_version + 1)

@@ -4,6 +4,7 @@ single-sequence forward, batching, weight updates."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -118,6 +119,36 @@ def test_torch_engine_behind_the_proxy(embedded_dir, renderer, tmp_path):
         assert question.startswith("<|im_start|>user\nquestion ") and question.endswith("<|im_start|>assistant\n")
 
 
+def test_a_call_behind_the_proxy_goes_on_across_a_push(embedded_dir, renderer, tmp_path):
+    """A harness's call (the official OpenAI client, through the proxy) in flight when the weights
+    are pushed: the client gets one answer, and the record holds every token with the version that
+    sampled it, older first."""
+    import concurrent.futures
+
+    import openai
+
+    from clawfast.proxy import ProxyApp, ProxyConfig, ProxyCore, ProxyServer, RolloutRegistry
+
+    engine = TorchEngine.from_pretrained(embedded_dir, seed=0)
+    torch.manual_seed(1)
+    new = {k: v + 0.05 * torch.randn_like(v) for k, v in engine.model.state_dict().items()}
+    registry = RolloutRegistry(tmp_path / "records")
+    with ProxyServer(ProxyApp(ProxyCore(engine, renderer, ProxyConfig(keepalive_s=0.5)), registry)) as server:
+        key = registry.open("t").key
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key=key, max_retries=0)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(client.chat.completions.create, model="m", max_tokens=120, temperature=1.0, seed=3,
+                                 messages=[{"role": "user", "content": "tell a long story"}])
+            while engine.decode_steps < 5:
+                time.sleep(0.001)
+            engine.update_weights(new, 1)
+            reply = answer.result()
+    (call,) = registry.close("t").calls
+    versions = call.token_versions
+    assert call.weight_version == 0 and versions[0] == 0 and versions[-1] == 1  # spans the push
+    assert reply.usage.completion_tokens == len(call.output_ids) and engine.continued_calls == 1
+
+
 def test_batches_group_prompts_of_similar_length(engine):
     """Rows are padded to the longest prompt, so a long prompt is not batched with short ones; the
     oldest request always goes first and nothing is lost or reordered within a length group."""
@@ -221,6 +252,83 @@ def test_a_call_in_flight_at_an_update_runs_on_one_version(embedded_dir, on_upda
     np.testing.assert_array_equal(got.output_ids, expected.output_ids)
     np.testing.assert_allclose(got.infer_logprobs, expected.infer_logprobs, atol=1e-6)
     assert engine.aborted_calls == (1 if on_update == "abort" else 0)
+
+
+def plain_sampling(model, weights_by_version, switch_at, prompt, params):
+    """What a call should get when its first `switch_at` tokens come from version 0 and the rest from
+    version 1: one uncached forward per token over prompt + tokens so far, the next token drawn with
+    the call's own seeded generator from the log-softmax (temperature 1, no truncation), stopping
+    at a stop token or the budget."""
+    generator = torch.Generator().manual_seed(params.seed)
+    out, logprobs, versions = [], [], []
+    finish = "length"
+    while len(out) < params.max_tokens:
+        version = 0 if len(out) < switch_at else 1
+        model.load_state_dict(weights_by_version[version])
+        ids = torch.tensor(np.concatenate([prompt, np.asarray(out, dtype=np.int64)]), dtype=torch.long)[None]
+        with torch.no_grad():
+            logp = torch.log_softmax(model(ids).logits[0, -1].float(), -1)
+        token = int(torch.multinomial(logp.exp(), 1, generator=generator))
+        out.append(token)
+        logprobs.append(float(logp[token]))
+        versions.append(version)
+        if token in params.stop_token_ids:
+            finish = "stop"
+            break
+    return np.asarray(out), np.asarray(logprobs), np.asarray(versions), finish
+
+
+def continued_call(engine, prompt, params, new, *, decoded_before=3):
+    """Start a call, push `new` as version 1 once it has decoded `decoded_before` steps, return it."""
+
+    async def run():
+        call = asyncio.ensure_future(engine.generate(prompt, params))
+        start = engine.decode_steps
+        while engine.decode_steps < start + decoded_before:
+            await asyncio.sleep(0.001)
+        await asyncio.to_thread(engine.update_weights, new, 1)
+        return await call
+
+    return asyncio.run(run())
+
+
+def test_a_call_continued_across_an_update_is_what_each_version_sampled(embedded_dir):
+    """``on_update="continue"``: the call in flight keeps its tokens, goes on decoding on the new
+    weights from where it stopped, and comes back as one answer whose every token, log-prob and
+    version is what a plain uncached sampler gives when the weights change at that token; a stop
+    token in the second piece ends it exactly there, and a budget that runs out there too."""
+    engine = TorchEngine.from_pretrained(embedded_dir, seed=0, max_batch=2, on_update="continue")
+    torch.manual_seed(3)
+    old = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    new = {k: v + 0.05 * torch.randn_like(v) for k, v in old.items()}
+    prompt = np.arange(20, 36)
+    params = SamplingParams(max_tokens=48, temperature=1.0, seed=5)
+    got = continued_call(engine, prompt, params, new)
+    switch = int((got.output_versions == 0).sum())
+    assert 0 < switch < len(got.output_ids) == 48  # the answer spans the push
+    assert got.weight_version == 0 and set(got.output_versions[switch:]) == {1}
+    assert engine.continued_calls == 1 and engine.aborted_calls == engine.discarded_tokens == 0
+    assert engine.replayed_tokens == len(prompt) + switch  # its KV rebuilt on the new weights
+    reference = engine.model  # the engine is idle now: its model serves as the plain sampler's
+    want_ids, want_lp, want_versions, finish = plain_sampling(reference, {0: old, 1: new}, switch, prompt, params)
+    np.testing.assert_array_equal(got.output_ids, want_ids)
+    np.testing.assert_allclose(got.infer_logprobs, want_lp, atol=2e-5)
+    np.testing.assert_array_equal(got.output_versions, want_versions)
+    assert got.finish_reason == finish == "length"
+
+    # A stop token sampled after the push ends the call there; so does a budget that ends there.
+    stop_at = switch + 4
+    for cut in (dict(stop_token_ids=(int(want_ids[stop_at]),)), dict(max_tokens=stop_at + 1)):
+        engine.update_weights(old, 0)
+        p = SamplingParams(**{"max_tokens": 48, "temperature": 1.0, "seed": 5, **cut})
+        got = continued_call(engine, prompt, p, new, decoded_before=switch - 1)
+        assert len(got.output_ids) <= stop_at + 1
+        n_old = int((got.output_versions == 0).sum())
+        ids, lp, versions, finish = plain_sampling(reference, {0: old, 1: new}, n_old, prompt, p)
+        np.testing.assert_array_equal(got.output_ids, ids)
+        np.testing.assert_allclose(got.infer_logprobs, lp, atol=2e-5)
+        np.testing.assert_array_equal(got.output_versions, versions)
+        assert got.finish_reason == finish == ("stop" if "stop_token_ids" in cut else "length")
 
 
 def test_on_update_is_validated(embedded_dir):

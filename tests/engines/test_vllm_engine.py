@@ -10,6 +10,7 @@ so the engine is built once per module.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -32,6 +33,7 @@ transformers = pytest.importorskip("transformers")
 
 from clawfast.engines.base import SamplingParams  # noqa: E402
 
+from .continued_calls import check_sampled_pieces, switch_point  # noqa: E402
 from .tiny_qwen3 import MAX_LEN, VOCAB, tiny_qwen3  # noqa: E402
 
 
@@ -47,7 +49,7 @@ def engine(model_dir):
     from clawfast.engines.vllm_engine import VLLMEngine
 
     eng = VLLMEngine(
-        str(model_dir), dtype="float32", max_model_len=MAX_LEN, seed=0, kv_cache_memory_bytes=64 << 20
+        str(model_dir), dtype="float32", max_model_len=MAX_LEN, seed=0, kv_cache_memory_bytes=64 << 20, deltas=True
     )
     yield eng
     asyncio.run(eng.close())
@@ -155,6 +157,81 @@ def test_partial_update_keeps_the_other_weights(engine, model_dir):
         np.testing.assert_allclose(gen.infer_logprobs, _reference_logprobs(hybrid, prompt, gen.output_ids), atol=LOGPROB_ATOL)
     finally:
         engine.update_weights(original.state_dict(), version=version + 1)
+
+
+def _continued(engine, prompt, params, new_state):
+    """Run a call on `engine` with ``on_update="continue"``, pushing `new_state` a third of the way
+    into it (timed by the same call run before, warm)."""
+    for _ in range(2):  # the first call of an engine also warms it up
+        t0 = time.perf_counter()
+        _run(engine.generate(prompt, params))
+        whole = time.perf_counter() - t0
+
+    async def run():
+        task = asyncio.ensure_future(engine.generate(prompt, params))
+        await asyncio.sleep(whole / 3)
+        await asyncio.to_thread(engine.update_weights, new_state, engine.weight_version + 1)
+        return await task
+
+    engine.on_update = "continue"
+    try:
+        return _run(run())
+    finally:
+        engine.on_update = "finish"
+
+
+def test_a_call_continued_across_an_update_joins_its_pieces(engine, model_dir):
+    """``on_update="continue"``: the request in flight at a push is aborted and goes on from its
+    tokens on the new weights; the caller gets one answer. Sampled: every token's log-prob is the
+    reference's under the weights its version names, and the budget (or the end-of-sequence token the
+    new weights may sample) ends it in the second piece.
+    Greedy, with a stop token only the new weights sample: the answer is the old weights' greedy
+    path up to the push, then the stop token, sampled by the new weights."""
+    old_model = transformers.Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    new_model = tiny_qwen3(seed=2)
+    prompt = np.random.default_rng(42).integers(0, VOCAB - 3, size=9).astype(np.int32)
+    budget = MAX_LEN - len(prompt) - 1
+    try:
+        gen = _continued(engine, prompt, SamplingParams(max_tokens=budget, temperature=1.0, seed=9),
+                         new_model.state_dict())
+        check_sampled_pieces(gen, prompt, budget, old_model, new_model, _reference_logprobs, LOGPROB_ATOL)
+        engine.update_weights(old_model.state_dict(), engine.weight_version + 1)
+        # New weights whose head is all zeros: every logit ties and greedy picks token 0, which ends
+        # the call as a stop token the old weights' greedy path never reaches.
+        old_path = _reference_greedy(old_model, prompt, budget)
+        assert 0 not in old_path
+        zero_head = {"lm_head.weight": torch.zeros_like(old_model.lm_head.weight)}
+        gen = _continued(engine, prompt, SamplingParams(max_tokens=budget, temperature=0.0, stop_token_ids=(0,)),
+                         zero_head)
+        k = switch_point(gen)
+        np.testing.assert_array_equal(gen.output_ids, np.append(old_path[:k], 0))
+        assert gen.finish_reason == "stop" and len(gen.output_ids) == k + 1
+        np.testing.assert_allclose(gen.infer_logprobs[k], -np.log(VOCAB), atol=LOGPROB_ATOL)
+    finally:
+        engine.update_weights(old_model.state_dict(), engine.weight_version + 1)
+
+
+def test_delta_pushes_serve_what_the_trainer_pushed(engine, model_dir):
+    """``deltas=True``: a whole push in bfloat16 through the pusher, then real AdamW steps pushed as
+    deltas with checksums (each worker writes them into its base copy and reloads the layers they
+    touch): vLLM's greedy path and log-probs are those of the trainer's weights rounded to
+    bfloat16. A delta built on another version is refused and the old weights keep serving."""
+    from .delta_pushes import check_delta_pushes
+
+    original = transformers.Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompt = np.random.default_rng(51).integers(0, VOCAB - 3, size=11).astype(np.int32)
+
+    def serves(reference):
+        gen = _run(engine.generate(prompt, SamplingParams(max_tokens=8, temperature=0.0)))
+        np.testing.assert_array_equal(gen.output_ids, _reference_greedy(reference, prompt, len(gen.output_ids)))
+        np.testing.assert_allclose(gen.infer_logprobs, _reference_logprobs(reference, prompt, gen.output_ids),
+                                   atol=LOGPROB_ATOL)
+        return gen
+
+    try:
+        check_delta_pushes(engine, original, serves)
+    finally:
+        engine.update_weights(original.state_dict(), engine.weight_version + 1)
 
 
 @pytest.fixture(scope="module")

@@ -73,8 +73,8 @@ keep = 10
     return load_config(path)
 
 
-def source_of(tasks: dict[str, TokenTask]):
-    return lambda engine: EngineRollouts(engine, tasks, max_tokens=4, seed=11)
+def source_of(tasks: dict[str, TokenTask], max_tokens: int = 4):
+    return lambda engine: EngineRollouts(engine, tasks, max_tokens=max_tokens, seed=11)
 
 
 def train_records(run_dir: Path) -> list[dict]:
@@ -137,27 +137,38 @@ def test_staleness_zero_matches_sync_on_recorded_rollouts(tmp_path):
     assert [r["loss"] for r in train_records(dirs["sync"])] == [r["loss"] for r in train_records(dirs["async0"])]
 
 
-def test_no_trained_token_is_older_than_the_bound(tmp_path, tiny_model, monkeypatch):
+@pytest.mark.parametrize("max_tokens", [4, 48])
+def test_no_trained_token_is_older_than_the_bound(tmp_path, tiny_model, monkeypatch, max_tokens):
     """Slow tasks (three calls, 0.4 s of 'tool time' between them) beside fast ones, max_staleness 1:
     fast groups overtake slow ones, which then arrive too old and are dropped and counted; every
-    rollout the trainer is handed has its oldest call within one version of the trainer's."""
-    seen = []
+    token the trainer is handed is within one version of the trainer's. With long answers, calls
+    in flight at a push go on decoding on the new weights (the engine's ``on_update="continue"``):
+    their tokens carry two versions, and the bound still holds for the oldest."""
+    seen, spanning = [], []
     real = distributed.train_on_rollouts
 
     def checked(policy, optimizer, results, config, state, ref_policy=None):
-        seen.append([state.weight_version - min(c.weight_version for c in r.calls) for r in results])
+        seen.append([int((state.weight_version - c.token_versions).max(initial=0))
+                     for r in results for c in r.calls])
+        spanning.extend(c for r in results for c in r.calls if c.output_versions is not None)
         return real(policy, optimizer, results, config, state, ref_policy)
 
     monkeypatch.setattr(distributed, "train_on_rollouts", checked)
     tasks = token_tasks(6, turns=3, delays={0: 0.4, 1: 0.4})
     config = sampled_config(tmp_path, tiny_model, name="bound", steps=8, staleness=1)
-    train(config, progress=False, make_source=source_of(tasks))
+    assert config.engine.on_update == "continue"
+    train(config, progress=False, make_source=source_of(tasks, max_tokens))
     records = train_records(config.run_dir)
-    assert len(seen) == 8 and all(len(lags) == 16 for lags in seen)
+    assert len(seen) == 8 and all(len(lags) == 16 * 3 for lags in seen)
     assert max(max(lags) for lags in seen) <= 1
     assert max(max(lags) for lags in seen) == 1  # the bound is used, not just respected
     assert sum(r["async/dropped_stale_groups"] for r in records) > 0
     assert [r["async/staleness_max"] for r in records] == [float(max(lags)) for lags in seen]
+    assert sum(r["async/calls_spanning_pushes"] for r in records) == len(spanning)
+    if max_tokens == 48:
+        assert spanning  # a push came while calls decoded, and they went on
+        for call in spanning:
+            assert call.weight_version == call.output_versions[0] < call.output_versions[-1]
 
 
 def test_checkpoint_stores_what_was_in_flight_and_resume_reruns_it(tmp_path, tiny_model, capsys):
@@ -233,3 +244,37 @@ def test_producer_keeps_the_bound_with_slow_real_harness_rollouts(tmp_path):
             assert [(r.status, r.reward) for r in g.results] == [("ok", 1.0)], [r.info for r in g.results]
     positions = sorted(g.position for _, groups in taken for g in groups)
     assert len(positions) == 6 and len(set(positions)) == 6 and max(positions) == 5 + dropped
+
+
+def test_a_recorded_call_that_spans_a_push_trains_with_each_tokens_version_and_logprob(tmp_path, tiny_model):
+    """A call the torch engine continued across a push, written to a rollout file and read back:
+    its per-token versions survive the file, the staleness filter counts its oldest token, and the
+    trainer's targets carry each token's own sampling log-prob."""
+    import torch
+
+    from clawfast.engines.base import SamplingParams
+    from clawfast.engines.torch_engine import TorchEngine
+    from clawfast.records import CallRecord, RolloutResult, read_rollouts, write_rollouts
+    from clawfast.train.prepare import prepare_step
+    from clawfast.train.step_config import StepConfig
+    from engines.test_torch_engine import continued_call
+
+    engine = TorchEngine.from_pretrained(tiny_model, seed=0, max_batch=1)
+    torch.manual_seed(0)
+    new = {k: v + 0.05 * torch.randn_like(v) for k, v in engine.model.state_dict().items()}
+    prompt = np.array([1, 2, 3, 4])
+    gen = continued_call(engine, prompt, SamplingParams(max_tokens=40, seed=3), new)
+    assert gen.output_versions[0] == 0 and gen.output_versions[-1] == 1
+    rollouts = [RolloutResult(f"r{i}", "t0", "h", reward=float(i), calls=[CallRecord(
+        f"r{i}", 0, "h", prompt if i else prompt[:3], gen.output_ids, gen.infer_logprobs,
+        weight_version=gen.weight_version, output_versions=gen.output_versions)]) for i in range(2)]
+    back = read_rollouts(write_rollouts(tmp_path, rollouts)[0].parent)
+    np.testing.assert_array_equal(back[1].calls[0].token_versions, gen.output_versions)
+    assert back[1].calls[0].equals(rollouts[1].calls[0])
+    # The oldest token is version 0: at trainer version 2 it lags 2 whatever its later tokens.
+    assert prepare_step(back, None, StepConfig(max_staleness=1), weight_version=2).counts["dropped_stale"] == 2
+    data = prepare_step(back, None, StepConfig(max_staleness=2), weight_version=2)
+    assert data.counts["dropped_stale"] == 0
+    for r in range(2):
+        got = np.concatenate([b.infer_logprobs[(b.target_rollout == r) & (b.loss_mask > 0)] for b in data.batches])
+        np.testing.assert_array_equal(got, gen.infer_logprobs)

@@ -34,12 +34,14 @@ def test_budget_sweep_runs_on_recorded_rollouts(tmp_path):
 
 def test_async_benchmark_runs_both_schedules(tmp_path):
     out = tmp_path / "async.json"
-    proc = _run(["bench/bench_async.py", "--steps", "2", "--staleness", "1", "--out", str(out)])
+    proc = _run(["bench/bench_async.py", "--steps", "2", "--staleness", "1", "--on-update", "abort", "continue",
+                 "--max-tokens", "16", "--out", str(out)])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {row["mode"]: row for row in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {"sync", "async-1"}
+    assert set(rows) == {"sync", "async-1/abort", "async-1/continue"}
     assert all(row["steps"] == 2 and row["rollouts_per_min"] > 0 and 0 <= row["trainer_idle"] <= 1
                for row in rows.values())
+    assert rows["async-1/continue"]["discarded_tokens_per_push"] == 0
 
 
 def test_threads_benchmark_runs_both_modes_and_reads_every_thread(tmp_path):
@@ -53,3 +55,12 @@ def test_threads_benchmark_runs_both_modes_and_reads_every_thread(tmp_path):
         assert row["steps"] == 2 and row["calls"] == {"main": 3 * n, "subagent": n, "compaction": n}
     assert rows["main"]["targets"] == {"main": 36 * n, "subagent": 0, "compaction": 0}
     assert rows["all"]["targets"] == {"main": 36 * n, "subagent": 12 * n, "compaction": 12 * n}
+
+
+def test_delta_push_benchmark_runs_real_grpo_steps_and_checks_bits(tmp_path):
+    out = tmp_path / "delta.json"
+    proc = _run(["bench/bench_weight_sync.py", "--delta", "--quick", "--steps", "2", "--out", str(out)])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["step"] for r in rows] == [1, 2] and all(r["bit_identical"] for r in rows)
+    assert all(0 < r["delta_bytes"] < r["full_bytes"] for r in rows)

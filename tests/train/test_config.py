@@ -28,6 +28,19 @@ def test_examples_load_and_build_a_step_config(name):
     assert step.micro_batch_tokens == config.optim.micro_batch_tokens
 
 
+def test_engine_defaults_follow_the_kind(tmp_path):
+    """Calls in flight continue across a push, and pushes are deltas, where the engine does both
+    exactly; a remote server finishes its calls (its abort reaches every client) and takes whole
+    pushes unless told its workers run the project's extension."""
+    engines = {kind: load_config(write(tmp_path, f'[engine]\nkind = "{kind}"\n{extra}')).engine for kind, extra in (
+        ("torch", ""), ("vllm", ""), ("remote", 'url = "http://h:1"\nreload_dir = "/tmp/r"\n'))}
+    assert {k: (e.on_update, e.delta_pushes) for k, e in engines.items()} == {
+        "torch": ("continue", True), "vllm": ("continue", True), "remote": ("finish", False)}
+    told = load_config(write(tmp_path, '[engine]\nkind = "remote"\nurl = "http://h:1"\nreload_dir = "/tmp/r"\n'
+                                       'on_update = "continue"\ndelta_pushes = true\ndtype = "bfloat16"\n')).engine
+    assert (told.on_update, told.delta_pushes, told.dtype) == ("continue", True, "bfloat16")
+
+
 def test_defaults_and_sections(tmp_path):
     config = load_config(write(tmp_path, 'steps = 3\n[optim]\nlr = 0.5\n[rollout]\nharnesses = ["codex", "openclaw"]\n'))
     assert config.steps == 3 and config.optim.lr == 0.5
@@ -44,7 +57,10 @@ def test_defaults_and_sections(tmp_path):
     ("[rollout]\nsamples_per_task = 1\n", "<root>"),  # GRPO with groups of one
     ("[engine]\nkind = \"sglang\"\n", "engine.kind"),
     ("[engine]\nkind = \"remote\"\n", "engine"),
-    ("[engine]\nkind = \"remote\"\nurl = \"http://h:1\"\nsync_weights = false\ndtype = \"bfloat16\"\n", "engine"),
+    ("[engine]\nkind = \"remote\"\nurl = \"http://h:1\"\nsync_weights = false\non_update = \"abort\"\n", "engine"),
+    ("[engine]\nkind = \"vllm\"\non_update = \"abort\"\n", "engine"),
+    ("[engine]\non_update = \"later\"\n", "engine.on_update"),
+    ("[engine]\nfull_push_every = 0\n", "engine.full_push_every"),
     ("[engine]\ndtype = \"fp8\"\n", "engine.dtype"),
     ("[algorithm]\nkeep_statuses = [\"fine\"]\n", "algorithm.keep_statuses"),
     ("[algorithm]\nis_mode = \"mask\"\nis_lo = 3.0\n", "algorithm"),

@@ -1,0 +1,80 @@
+"""How the trainer's weights reach the engine: full pushes, or only what changed.
+
+`WeightPusher` stands where a trainer pushes (`Trainer.push_weights(sink, version)` calls
+``sink.update_weights(pairs, version)``, a plain policy's state dict or a sharded trainer's stream
+of gathered tensors). For an engine that takes deltas (``Engine.takes_deltas``) with
+``engine.delta_pushes`` on, the first push is full and keeps a copy of the weights in the engine's
+dtype (`clawfast.engines.weight_delta.DeltaEncoder`); each later push diffs against it and sends a
+`WeightDelta`. A full push goes again every ``engine.full_push_every`` pushes, and whenever a delta
+is refused (the engine serves another version than the delta's base: weights pushed by other means)
+or its checksums differ after applying: the encoder's copy *is* the new weights, so that full push
+needs nothing from the trainer. A stream that does not match the last push's names and shapes is a
+ValueError before the engine changes; its old weights keep serving and the next push is full.
+
+`last` holds the metrics of the latest push: ``push/delta`` (1 for a delta), ``push/bytes`` (what
+travelled), ``push/full_bytes`` (what a full push moves), ``push/changed_fraction`` and
+``push/fallback`` (1 when a delta was refused and the full weights went instead).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterable, Mapping
+
+import torch
+
+from clawfast.engines.base import Engine
+from clawfast.engines.weight_delta import DeltaEncoder, DeltaMismatch
+
+log = logging.getLogger(__name__)
+
+
+class WeightPusher:
+    def __init__(self, engine: Engine, dtype: torch.dtype, *, delta: bool = True, full_every: int | None = None,
+                 checksums: bool = False) -> None:
+        if full_every is not None and full_every < 1:
+            raise ValueError(f"full_every must be >= 1 or None, got {full_every}")
+        self.engine = engine
+        self.full_every = full_every
+        self.encoder = DeltaEncoder(dtype, checksums=checksums) if delta and engine.takes_deltas else None
+        self.since_full = 0  # delta pushes since the last full one
+        self.last: dict[str, float] = {}
+
+    def update_weights(self, state_dict: Mapping[str, Any] | Iterable[tuple[str, Any]], version: int) -> None:
+        """Push `state_dict` (a Mapping or a stream of (name, tensor) pairs) as `version`."""
+        pairs = state_dict.items() if isinstance(state_dict, Mapping) else state_dict
+        enc = self.encoder
+        due = self.full_every is not None and self.since_full >= self.full_every
+        if enc is None or enc.base_version is None or due:
+            self._full(pairs, version)
+            return
+        delta = enc.encode(pairs, version)
+        try:
+            self.engine.apply_delta(delta)
+        except (ValueError, DeltaMismatch) as exc:
+            log.warning("delta push to version %d refused (%s); pushing the full weights", version, exc)
+            self._full(list(enc.base.items()), version, fallback=True)
+            return
+        self.since_full += 1
+        self.last = {"push/delta": 1.0, "push/bytes": float(delta.nbytes), "push/full_bytes": float(delta.full_nbytes),
+                     "push/changed_fraction": delta.changed / max(1, delta.full_nbytes // _size(enc.dtype)),
+                     "push/fallback": 0.0}
+
+    def _full(self, pairs: Iterable[tuple[str, Any]], version: int, *, fallback: bool = False) -> None:
+        sizes: list[int] = []
+
+        def counted(stream):
+            for name, tensor in stream:
+                sizes.append(tensor.numel() * (_size(self.encoder.dtype) if self.encoder else tensor.element_size()))
+                yield name, tensor
+
+        stream = self.encoder.reset(pairs, version) if self.encoder is not None else pairs
+        self.engine.update_weights(counted(stream), version)
+        self.since_full = 0
+        total = float(sum(sizes))
+        self.last = {"push/delta": 0.0, "push/bytes": total, "push/full_bytes": total, "push/changed_fraction": 1.0,
+                     "push/fallback": float(fallback)}
+
+
+def _size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()

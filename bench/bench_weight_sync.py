@@ -202,10 +202,12 @@ def delta_main(quick: bool, steps: int, out: Path) -> int:
     print(f"Delta pushes: {name}, float32 trainer, bfloat16 engines, GRPO at lr 3e-5, torch {torch.__version__}, "
           f"{os.cpu_count()} CPUs")
     print(f"{'step':>4}{'full MB':>10}{'delta MB':>10}{'fewer bytes':>13}{'sent':>8}{'full s':>9}{'delta s':>9}"
-          f"{'identical':>11}")
+          f"{'full s/GB':>11}{'delta s/GB':>12}{'identical':>11}")
     for r in rows:
+        gb = r["full_bytes"] / 1e9  # both per GB of the model pushed
         print(f"{r['step']:>4}{r['full_bytes'] / 1e6:>10.1f}{r['delta_bytes'] / 1e6:>10.2f}{r['bytes_ratio']:>12.1f}x"
-              f"{r['changed_fraction']:>8.2%}{r['full_push_s']:>9.3f}{r['delta_push_s']:>9.3f}{str(r['bit_identical']):>11}")
+              f"{r['changed_fraction']:>8.2%}{r['full_push_s']:>9.3f}{r['delta_push_s']:>9.3f}"
+              f"{r['full_push_s'] / gb:>11.3f}{r['delta_push_s'] / gb:>12.3f}{str(r['bit_identical']):>11}")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"bench": "bench_weight_sync --delta", "machine": platform.machine(),
                                "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d"), "model": name,

@@ -121,7 +121,7 @@ def _narrowest(largest: int) -> torch.dtype:
 
 def checksum(tensor: torch.Tensor) -> int:
     """crc32 of a tensor's bytes (on the CPU)."""
-    data = tensor.detach().contiguous().cpu()
+    data = tensor.detach().reshape(-1).contiguous().cpu()  # flat: a 0-d tensor has no bytes view
     return zlib.crc32(data.view(torch.uint8).numpy() if data.numel() else b"")
 
 

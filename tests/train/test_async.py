@@ -137,13 +137,14 @@ def test_staleness_zero_matches_sync_on_recorded_rollouts(tmp_path):
     assert [r["loss"] for r in train_records(dirs["sync"])] == [r["loss"] for r in train_records(dirs["async0"])]
 
 
-@pytest.mark.parametrize("max_tokens", [4, 48])
+@pytest.mark.parametrize("max_tokens", [4, 160])
 def test_no_trained_token_is_older_than_the_bound(tmp_path, tiny_model, monkeypatch, max_tokens):
     """Slow tasks (three calls, 0.4 s of 'tool time' between them) beside fast ones, max_staleness 1:
-    fast groups overtake slow ones, which then arrive too old and are dropped and counted; every
-    token the trainer is handed is within one version of the trainer's. With long answers, calls
-    in flight at a push go on decoding on the new weights (the engine's ``on_update="continue"``):
-    their tokens carry two versions, and the bound still holds for the oldest."""
+    every token the trainer is handed is within one version of the trainer's. With short answers
+    fast groups overtake slow ones, which then arrive too old and are dropped and counted. With long
+    answers (160 tokens: a call outlasts a train step, so pushes land while calls decode; at 48 a run
+    sometimes had none), calls in flight at a push go on decoding on the new weights (the engine's
+    ``on_update="continue"``): their tokens carry two versions, and the bound holds for the oldest."""
     seen, spanning = [], []
     real = distributed.train_on_rollouts
 
@@ -162,10 +163,11 @@ def test_no_trained_token_is_older_than_the_bound(tmp_path, tiny_model, monkeypa
     assert len(seen) == 8 and all(len(lags) == 16 * 3 for lags in seen)
     assert max(max(lags) for lags in seen) <= 1
     assert max(max(lags) for lags in seen) == 1  # the bound is used, not just respected
-    assert sum(r["async/dropped_stale_groups"] for r in records) > 0
     assert [r["async/staleness_max"] for r in records] == [float(max(lags)) for lags in seen]
     assert sum(r["async/calls_spanning_pushes"] for r in records) == len(spanning)
-    if max_tokens == 48:
+    if max_tokens == 4:  # short calls: the slow tasks' tool time decides, and fast groups overtake them
+        assert sum(r["async/dropped_stale_groups"] for r in records) > 0
+    else:
         assert spanning  # a push came while calls decoded, and they went on
         for call in spanning:
             assert call.weight_version == call.output_versions[0] < call.output_versions[-1]

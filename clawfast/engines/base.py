@@ -94,7 +94,10 @@ class Engine(abc.ABC):
     """Async generation over token ids. Implementations batch concurrent calls where they can."""
 
     weight_version: int = 0
-    takes_deltas: bool = False  # implements `apply_delta`
+    # True for an engine with an `apply_delta(delta)` method taking a
+    # `clawfast.engines.weight_delta.WeightDelta` (only what changed since the version serving);
+    # the others get whole pushes (`clawfast.train.push.WeightPusher`).
+    takes_deltas: bool = False
 
     @abc.abstractmethod
     async def generate(self, prompt_ids: np.ndarray, params: SamplingParams) -> Generation:
@@ -105,11 +108,6 @@ class Engine(abc.ABC):
         at a time, as a sharded trainer streams them) and set `weight_version`; engines that cannot,
         say so."""
         raise NotImplementedError(f"{type(self).__name__} does not take weight updates")
-
-    def apply_delta(self, delta: Any) -> None:
-        """Apply a `clawfast.engines.weight_delta.WeightDelta` (only what changed since the version
-        serving) and serve ``delta.version``; engines with ``takes_deltas`` False get full pushes."""
-        raise NotImplementedError(f"{type(self).__name__} does not take delta pushes")
 
     async def close(self) -> None:
         """Release processes and memory. Idempotent."""

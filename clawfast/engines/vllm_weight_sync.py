@@ -131,11 +131,10 @@ class WeightSyncExtension:
     def clawfast_load_weights(self, packed: list) -> int:
         """The bytes path: load ``[(hf_name, dtype, shape, raw bytes), ...]`` (see `pack_tensor`) into
         the running model; return how many tensors it was given."""
-        import torch
 
         def unpack():
-            for name, dtype, shape, raw in packed:
-                yield name, torch.frombuffer(bytearray(raw), dtype=getattr(torch, dtype)).reshape(shape)
+            for name, *array in packed:
+                yield name, _unpack_array(array)
 
         # The worker's in-place reload, not model.load_weights: after the first load vLLM may
         # have post-processed parameters (dropping their loaders); reload_weights restores and
@@ -183,10 +182,7 @@ def pack_tensor(name: str, tensor: Any) -> tuple[str, str, list[int], bytes]:
     """One tensor of the bytes path, as `WeightSyncExtension.clawfast_load_weights` takes it."""
     # Raw bytes with dtype and shape: vLLM's utility-call IPC keeps bytes and lists intact but
     # does not rebuild tensors nested in arguments (they arrive as lists).
-    import torch
-
-    t = tensor.detach().to("cpu").contiguous()
-    return name, str(t.dtype).removeprefix("torch."), list(t.shape), t.view(-1).view(torch.uint8).numpy().tobytes()
+    return (name, *_pack_array(tensor))
 
 
 def _pack_array(t: Any) -> tuple[str, list[int], bytes] | None:
@@ -195,7 +191,7 @@ def _pack_array(t: Any) -> tuple[str, list[int], bytes] | None:
     if t is None:
         return None
     t = t.detach().to("cpu").contiguous()
-    return str(t.dtype).removeprefix("torch."), list(t.shape), t.view(-1).view(torch.uint8).numpy().tobytes()
+    return str(t.dtype).removeprefix("torch."), list(t.shape), t.reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 def _unpack_array(packed: Any) -> Any:

@@ -164,6 +164,36 @@ class ChatRenderer:
             raise ValueError("chat template is not prefix-stable: a message changes the text before it")
         return full[len(base) :]
 
+    def added_messages(self, added_ids: np.ndarray, after_output_ids: np.ndarray) -> list[tuple[str, str]] | None:
+        """The messages a harness added after an assistant turn, from their tokens: `added_ids` are what
+        a later prompt holds past that turn's sampled `after_output_ids`, up to and with the generation
+        prompt. Returns (role, content) of each, role ``user`` or ``tool``, when the text is the turn's
+        closing text, then chunks each framed verbatim as this template frames one message of its
+        role (`_verbatim_frames`), then the generation prompt; None when it is anything else (a
+        template that frames messages by their neighbours, an edited history), for the caller to
+        take the text whole."""
+        text = self.decode(added_ids)
+        tail = self._assistant_tail
+        if len(after_output_ids) and int(after_output_ids[-1]) in self.stop_token_ids:
+            stop_text = self.decode(after_output_ids[-1:])
+            tail = tail[len(stop_text):] if tail.startswith(stop_text) else tail
+        generation_prompt = self.decode(self.generation_prompt_ids)
+        if not text.startswith(tail) or not text.endswith(generation_prompt):
+            return None
+        text = text[len(tail):len(text) - len(generation_prompt)]
+        messages = []
+        while text:
+            for role in ("tool", "user"):
+                prefix, suffix = self._verbatim.get(role, ("", ""))
+                end = text.find(suffix, len(prefix)) if prefix and suffix and text.startswith(prefix) else -1
+                if end != -1:
+                    messages.append((role, text[len(prefix):end]))
+                    text = text[end + len(suffix):]
+                    break
+            else:
+                return None
+        return messages
+
     # -- ids -------------------------------------------------------------------------------------
 
     def header_ids(self, system: str, tools: tuple[ToolSpec, ...]) -> np.ndarray:

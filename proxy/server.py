@@ -1,7 +1,8 @@
 """HTTP server (uvicorn): the three model-call routes, keep-alives, disconnects; Starlette for the rest.
 
 Routes: POST /v1/messages (Anthropic; ``?beta=true`` accepted), POST /v1/chat/completions, POST
-/v1/responses, POST /v1/messages/count_tokens, GET /v1/models, GET /health.
+/v1/responses, POST /v1/messages/count_tokens, GET /v1/models, GET /health, GET /clawfast/transcript (the
+rollout's transcript as PinchBench graders read it, `clawfast.proxy.transcript`).
 
 Pseudo-streaming: the whole turn is generated, parsed once, and then the complete event sequence is
 written in one send. If the engine is not done after one turn of the event loop, a stream first gets
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
 import logging
 import os
 import threading
@@ -53,6 +55,7 @@ from clawfast.proxy.front import ProtocolError
 from clawfast.proxy.incremental import UnitMemory
 from clawfast.proxy.responses import ResponsesFront
 from clawfast.proxy.rollouts import Rollout, RolloutRegistry, refusal
+from clawfast.proxy.transcript import TRANSCRIPT_PATH, core_transcript
 
 log = logging.getLogger(__name__)
 
@@ -273,6 +276,7 @@ class ProxyApp:
             Route(self.COUNT_TOKENS, self.count_tokens, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
+            Route(TRANSCRIPT_PATH, self.transcript, methods=["GET"]),
         ]
         self.app = Starlette(routes=routes, exception_handlers={HTTPException: self._http_error})
 
@@ -384,6 +388,21 @@ class ProxyApp:
         }
         body = {"object": "list", "data": [model], "has_more": False, "first_id": self.model_name, "last_id": self.model_name}
         return JSONBytes(orjson.dumps(body))
+
+    async def transcript(self, request: HTTPRequest):
+        """``{"events": [...]}``: the transcript of the open rollout the key names, built from its
+        calls so far (`clawfast.proxy.transcript`); 401 for an unknown or closed key."""
+        try:
+            rollout = self._authorize(request.headers, request.scope)
+            calls = self.registry.records(rollout.rollout_id)
+        except (ProtocolError, KeyError):  # KeyError: the rollout closed since the key was looked up
+            exc = ProtocolError(401, "authentication", "invalid x-api-key: unknown or closed rollout key")
+            _refused(request.scope, None, None, exc)  # an access-log note only: reading is no model call
+            return JSONBytes(CHAT.error(exc), status_code=401)
+        # Thread reconstruction, decoding and dumping grow with the rollout: off the loop, so calls keep
+        # flowing. The stdlib dumps: a model's arguments may hold integers orjson refuses (over 64 bits).
+        body = await asyncio.to_thread(lambda: json.dumps({"events": core_transcript(self.core, calls)}).encode())
+        return JSONBytes(body)
 
     async def health(self, request: HTTPRequest):
         return JSONBytes(b'{"status":"ok"}')

@@ -1,12 +1,16 @@
-"""`clawfast eval`: pass@1 and mean reward of a checkpoint on the eval split, per harness, difficulty,
-category (and per task with ``--json``).
+"""`clawfast eval`: pass@1 and mean score of a checkpoint on the eval split, per harness, suite,
+difficulty, category (and per task with ``--json``), with the tasks judged and not judged and the
+grader errors by task.
 
     clawfast eval CONFIG --checkpoint DIR [--split eval|train] [--samples K] [--set KEY=VALUE ...] [--json]
 
 DIR is a checkpoint directory (``<run_dir>/checkpoints/step-N``), a run directory (its latest
 checkpoint), or any Hugging Face model directory. The harnesses, sandbox, engine and sampling
-(``eval.temperature``, ``eval.samples_per_task``) come from CONFIG. Records are written under
-``<DIR>/eval-<time>/`` (or ``--out``). Exit status: 0 on success, 2 on bad input.
+(``eval.temperature``, ``eval.samples_per_task``) and the judge of rubrics (``eval.judge``) come from
+CONFIG. Records are written under ``<DIR>/eval-<time>/`` (or ``--out``), with ``scores.jsonl``: each
+rollout's score, judge prompt and verdict. pass@1 and the mean score count the rollouts whose every
+part was scored; those of tasks with a rubric that no judge scored are counted as not judged (see
+`clawfast.tasks.scoring`). Exit status: 0 on success, 2 on bad input.
 """
 
 from __future__ import annotations
@@ -66,16 +70,22 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(metrics, indent=2, sort_keys=True))
         return 0
     print(f"model {model_dir}  suite {config.tasks.suite}  split {config.eval.split}  "
-          f"{int(metrics.get('rollouts', 0))} rollouts")
-    print(f"pass@1 {metrics.get('pass@1', 0.0):.3f}  mean reward {metrics.get('reward/mean', 0.0):.3f}  "
-          f"verifier errors {int(metrics.get('verifier_errors', 0))}")
+          f"{int(metrics.get('rollouts_all', 0))} rollouts")
+    print(f"pass@1 {metrics.get('pass@1', 0.0):.3f}  mean score {metrics.get('reward/mean', 0.0):.3f}  "
+          f"over {int(metrics.get('rollouts', 0))} scored rollouts")
+    print(f"judged {int(metrics['judged'])}  not judged {int(metrics['not_judged'])}  judge errors "
+          f"{int(metrics['judge_errors'])}  (tasks with a rubric; not judged and judge errors are not in pass@1)")
+    errors = {k.split("/", 1)[1]: int(v) for k, v in metrics.items() if k.startswith("grader_errors_task/")}
+    print(f"grader errors {sum(errors.values())}" + (": " + ", ".join(f"{t} {n}" for t, n in errors.items())
+                                                      if errors else ""))
     for title, pass_prefix, reward_prefix in (("harness", "pass@1/", "reward/"),
+                                               ("suite", "pass@1_suite/", "reward_suite/"),
                                                ("difficulty", "pass@1_difficulty/", "reward_difficulty/"),
                                                ("category", "pass@1_category/", "reward_category/")):
         rows = [(k[len(pass_prefix):], v, metrics.get(reward_prefix + k[len(pass_prefix):], 0.0))
                 for k, v in sorted(metrics.items()) if k.startswith(pass_prefix)]
         if rows:
-            print(f"  per {title:<12} {'pass@1':>7} {'reward':>7}")
+            print(f"  per {title:<12} {'pass@1':>7} {'score':>7}")
             for name, p, r in rows:
                 print(f"    {name:<22} {p:7.3f} {r:7.3f}")
     subscores = [f"{k[9:]} {v:.3f}" for k, v in sorted(metrics.items()) if k.startswith("subscore/")]

@@ -95,19 +95,24 @@ def _nothing_with(tasks: list[Task], as_json: bool, runner) -> int:
     for i, task in enumerate(tasks):
         if live:
             print(f"\r[{i + 1}/{len(tasks)}] {task.id}", end="", file=sys.stderr, flush=True)
+        if task.verifier is None:
+            # A judge alone scores it: there is no code to run on the do-nothing workspace.
+            results.append({"id": task.id, "reward": None, "error": None, "judge_only": True})
+            rows.append([task.id, task.split, task.category, "judged", "-", "-", ""])
+            continue
         start = time.monotonic()
         verdict = score_do_nothing(task, runner)
         seconds = time.monotonic() - start
         error = verdict.error if verdict.status != "ok" else None
         results.append({"id": task.id, "reward": verdict.score, "error": error})
-        subscores = verdict.details.get("subscores", {})
+        subscores = verdict.details.get("subscores") or verdict.details.get("criteria") or {}
         rows.append([task.id, task.split, task.category, f"{verdict.score:.3f}",
                      " ".join(f"{k}={v:g}" for k, v in subscores.items())[:60] or "-",
                      f"{seconds:.2f}", (error or "")[:80]])
     if live:
         print("\r\033[K", end="", file=sys.stderr, flush=True)
     errors = sum(r["error"] is not None for r in results)
-    scored = [r["reward"] for r in results if r["error"] is None]
+    scored = [r["reward"] for r in results if r["error"] is None and r["reward"] is not None]
     summary = {"tasks": len(results), "verifier_errors": errors,
                "mean_reward": sum(scored) / len(scored) if scored else None}
     if as_json:
@@ -115,8 +120,10 @@ def _nothing_with(tasks: list[Task], as_json: bool, runner) -> int:
     else:
         print(_table(["id", "split", "category", "reward", "subscores", "seconds", "error"], rows))
         mean = "-" if summary["mean_reward"] is None else f"{summary['mean_reward']:.3f}"
+        judged = sum(r["reward"] is None for r in results)
         print(f"{len(results)} tasks, {errors} verifier errors, mean do-nothing reward {mean}"
-              f"{' (over the tasks whose verifier ran)' if errors else ''}")
+              f"{' (over the tasks whose verifier ran)' if errors or judged else ''}"
+              f"{f'; {judged} scored by a judge alone' if judged else ''}")
     return 1 if errors else 0
 
 

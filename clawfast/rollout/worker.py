@@ -13,7 +13,8 @@ Status (one per rollout):
 - ``harness_error``: the harness exited non-zero (128+N when signal N killed it), its adapter could
   not configure it, or the run was cancelled (``info["error"] == "cancelled"``).
 - ``verifier_error``: the harness exited 0 but the verifier could not score the workspace (it
-  crashed, timed out, or printed no score): the reward is unknown.
+  crashed, timed out, or printed no score), or the run's transcript that its graders read could not
+  be had: the reward is unknown.
 - ``ok``: the harness exited 0 and the verifier scored the workspace.
 
 The verifier runs whenever the harness ran (ok, timeout or harness_error): the reward is its score,
@@ -22,6 +23,12 @@ status what to use). If the verifier cannot score the workspace the reward is 0.
 ``info["verifier"]`` says why (with the verifier's output); an ``ok`` rollout becomes
 ``verifier_error``, or ``sandbox_error`` when the verifier's own sandbox failed, so that no bogus
 reward reaches training.
+
+Tasks whose graders read the run's transcript (PinchBench's ``grade``, ClawGym's reward payload, a
+rubric) get it before the verifier runs (`rollout_transcript`): the harness's own session log where
+its adapter reads one, else the proxy's, from the rollout's recorded main thread. A task with a
+rubric keeps its judge's prompt in ``info["judge"]`` (built here, where the final workspace still
+exists; the judge answers later, `clawfast.tasks.scoring`).
 
 Guaranteed: a rollout that was opened is closed exactly once (also on cancellation), its sandbox is
 closed before `run` returns, and a sandbox start is retried but a harness run never is. The harness's
@@ -50,7 +57,10 @@ from clawfast.proxy.rollouts import OpenedRollout
 from clawfast.records import RolloutResult
 from clawfast.rollout.spec import RolloutSpec
 from clawfast.sandbox import Limits, RunResult, Sandbox, SandboxBackend, SandboxError, SandboxSpec
-from clawfast.tasks.task import VerifierResult
+from clawfast.proxy.transcript import fetch_transcript
+from clawfast.tasks.judge import judge_prompt
+from clawfast.tasks.task import GradeFunctionVerifier, RewardScriptVerifier, Task, VerifierResult
+from clawfast.tasks.transcript import with_instruction
 from clawfast.tasks.verify import CommandRunner, run_verifier
 
 T = TypeVar("T")
@@ -107,6 +117,20 @@ def unopened_result(spec: RolloutSpec, error: Exception, info: dict[str, Any]) -
         task_id=spec.task.id, harness=spec.harness, sample_index=spec.sample_index,
         status="proxy_error", info=info,
     )  # fmt: skip
+
+
+def needs_transcript(task: Task) -> bool:
+    """Whether `task`'s graders read the run's transcript."""
+    return task.rubric is not None or isinstance(task.verifier, (GradeFunctionVerifier, RewardScriptVerifier))
+
+
+def rollout_transcript(task: Task, harness: Harness, layout: RunLayout, opened: OpenedRollout) -> list[dict[str, Any]]:
+    """The run's transcript events (`clawfast.tasks.transcript`): the harness's own log, else the
+    proxy's, behind the task's instruction. Raises what reading either raised."""
+    events = harness.transcript(layout)
+    if events is None:
+        events = fetch_transcript(opened.base_url, opened.key)
+    return with_instruction(task.instruction, events)
 
 
 def close_rollout(control: RolloutControl, spec: RolloutSpec, rollout_id: str, reward: float, status: str,
@@ -370,13 +394,26 @@ class RolloutWorker:
             info["stderr_tail"] = run.stderr[-2000:].decode("utf-8", errors="replace")
 
         t = time.monotonic()
+        transcript = None
+        if needs_transcript(task):
+            try:
+                transcript = await self._call(rollout_transcript, task, harness, layout, opened)
+            except Exception as exc:  # graders that read a transcript cannot score without it
+                timings["transcript"] = time.monotonic() - t
+                info["error"] = f"the run's transcript could not be read: {type(exc).__name__}: {exc}"
+                return ("verifier_error" if status == "ok" else status), 0.0
+            timings["transcript"] = time.monotonic() - t
+        t = time.monotonic()
         try:
             # The harness's stdout is its final answer for the harnesses run in print mode.
             final = run.stdout[-FINAL_MESSAGE_BYTES:].decode("utf-8", errors="replace")
             verdict: VerifierResult = await self._call(
-                functools.partial(run_verifier, final_message=final), task, Path(sandbox.host_workdir),
-                self.verifier_runner,
+                functools.partial(run_verifier, final_message=final, transcript=transcript), task,
+                Path(sandbox.host_workdir), self.verifier_runner,
             )
+            if task.rubric is not None:
+                prompt = await self._call(judge_prompt, task, transcript, Path(sandbox.host_workdir))
+                info["judge"] = {"prompt": prompt, "weight": task.rubric.weight}
         except Exception as exc:  # the runner itself failed (e.g. its sandbox did not start)
             timings["verify"] = time.monotonic() - t
             info["verifier"] = {"status": "runner_error", "error": f"{type(exc).__name__}: {exc}"}

@@ -48,6 +48,13 @@ is in docs/TASKS.md; a minimal task.toml:
 (`Task.workdir`) and a `RewardScriptVerifier` runs ``reward.sh``, whose last stdout line is a graded
 reward in [0, 1], with ``check.py``'s named sub-scores kept.
 
+**PinchBench suites** (one Markdown file per task under ``tasks/``, graded by a Python ``grade(transcript,
+workspace_path)`` and/or a judge's rubric) load as ``pinchbench:PATH[?eval=FRACTION][&exclude=ID,ID]``
+(`clawfast.tasks.pinchbench.load_pinchbench`); their ``grade`` runs in a fresh sandbox
+(`GradeFunctionVerifier`) with the run's transcript (`clawfast.tasks.transcript`). Tasks with a
+`Rubric` are also scored by a judge model (`clawfast.tasks.judge`), combined by their weights
+(`clawfast.tasks.scoring`: ClawGym hybrid 0.7 / 0.3, PinchBench by grading type).
+
 **Built-in suite** ``clawbench-mini`` (`clawbench_mini(seed)`): 64 generated tasks in four
 categories (files, code, data, shell), 48 train / 16 eval; see `clawfast.tasks.mini`.
 `load_suite(name_or_dir, split)` returns either kind; `check_task(task)` replays the oracle and the
@@ -56,11 +63,14 @@ do-nothing solution and scores both.
 
 from clawfast.tasks.clawgym import load_clawgym
 from clawfast.tasks.mini import clawbench_mini
+from clawfast.tasks.pinchbench import load_pinchbench
 from clawfast.tasks.suites import BUILTIN_SUITES, load_suite
 from clawfast.tasks.task import (
     CallableVerifier,
     CommandVerifier,
+    GradeFunctionVerifier,
     RewardScriptVerifier,
+    Rubric,
     Task,
     TaskFormatError,
     VerifierResult,
@@ -84,8 +94,10 @@ __all__ = [
     "CommandResult",
     "CommandRunner",
     "CommandVerifier",
+    "GradeFunctionVerifier",
     "OracleRun",
     "RewardScriptVerifier",
+    "Rubric",
     "SubprocessRunner",
     "Task",
     "TaskCheck",
@@ -94,6 +106,7 @@ __all__ = [
     "check_task",
     "clawbench_mini",
     "load_clawgym",
+    "load_pinchbench",
     "load_suite",
     "load_task",
     "load_task_dir",

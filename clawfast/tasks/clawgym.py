@@ -5,7 +5,7 @@
         data_entry.json   {"task_id", "user_query", "input_mount_dir"?, "metadata": {"category", "grading_type"}}
         input_files/      copied verbatim into the workspace (optional)
         reward/           reward.sh (required: its last stdout line is the reward, a float in [0, 1]),
-                          check.py and other helpers
+                          check.py and other helpers; rubric.json for hybrid tasks (below)
 
 As a suite: ``clawgym:PATH`` (every task folder under PATH) or ``clawgym:PATH?eval=FRACTION`` (a
 deterministic split by task id hash: a task is in ``eval`` when the first 8 bytes of the SHA-256 of
@@ -19,6 +19,14 @@ ClawGym's reward scripts look for it) inside the sandbox, for the harness and th
 hidden from the agent's sandbox (`Task.private_dirs`). Tags: ``category`` (the
 metadata's, ``uncategorized`` when empty), ``grading_type``, ``split`` and ``suite = clawgym``.
 
+**Hybrid tasks** (``metadata.grading_type = "hybrid"``, as 44 of ClawGym-Bench's 200 are) score 0.7
+by reward.sh and 0.3 by a judge reading a rubric (`clawfast.tasks.scoring`). The rubric lies in
+``reward/rubric.json`` (hidden from the agent with the rest of ``reward/``) in the schema of ClawGym's
+rubric generator: ``{"eval_type": "llm_rubric", "score_options": [...], "eval_input": "...", "rules":
+[{"name", "file_path", "scores": {"0": "...", ..., "1": "..."}}]}``; each rule's ``file_path`` (relative
+to the workspace, or absolute under ``input_mount_dir``) is a file the judge reads. An ``automated``
+task holds no rubric.json.
+
 Every problem raises `TaskFormatError` naming the folder and the field: a missing or unparsable
 data_entry.json, a missing reward.sh, an unknown grading type, ``input_mount_dir`` without
 ``input_files/``, an unknown key, a sub-folder that is not a task folder, duplicate ids. Nothing is
@@ -27,16 +35,16 @@ skipped silently. Files are not read into memory: tasks refer to their folders, 
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Any, Callable
-from urllib.parse import parse_qsl
 
+from clawfast.tasks import suite_spec
 from clawfast.tasks.task import (
     DEFAULT_TASK_TIMEOUT,
     SPLITS,
     RewardScriptVerifier,
+    Rubric,
     Task,
     TaskFormatError,
     check_workdir_field,
@@ -45,8 +53,11 @@ from clawfast.tasks.task import (
 PREFIX = "clawgym:"
 ENTRY_FILE = "data_entry.json"
 DEFAULT_MOUNT_DIR = "/root/.openclaw/workspace"
-# Grading types whose reward.sh scores the workspace (the published suites hold only these).
-GRADING_TYPES = ("automated",)
+# automated: reward.sh alone; hybrid: reward.sh and a rubric (the published folders hold only automated).
+GRADING_TYPES = ("automated", "hybrid")
+RUBRIC_FILE = "rubric.json"
+# ClawGym-Bench's split of a hybrid task's score: 0.7 code, 0.3 rubric.
+RUBRIC_WEIGHT = 0.3
 # ClawGym's own rollout gives reward.sh 120 s.
 REWARD_TIMEOUT = 120.0
 UNCATEGORIZED = "uncategorized"
@@ -55,31 +66,8 @@ _ENTRY_KEYS = {"task_id", "user_query", "input_mount_dir", "metadata"}
 
 def parse_spec(spec: str) -> tuple[Path, float | None]:
     """``clawgym:PATH[?eval=FRACTION]`` -> (PATH, FRACTION or None). Raises ValueError."""
-    if not spec.startswith(PREFIX):
-        raise ValueError(f"{spec!r} is not a clawgym suite ({PREFIX}PATH)")
-    body = spec[len(PREFIX):]
-    path, _, query = body.partition("?")
-    if not path:
-        raise ValueError(f"{spec!r}: no path after {PREFIX}")
-    options = dict(parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query)))
-    unknown = sorted(set(options) - {"eval"})
-    if unknown:
-        raise ValueError(f"{spec!r}: unknown option {unknown[0]!r} (allowed: eval=FRACTION)")
-    if "eval" not in options:
-        return Path(path), None
-    try:
-        fraction = float(options["eval"])
-    except ValueError:
-        raise ValueError(f"{spec!r}: eval={options['eval']!r} is not a number") from None
-    if not 0.0 < fraction < 1.0:
-        raise ValueError(f"{spec!r}: eval={fraction} must lie strictly between 0 and 1")
-    return Path(path), fraction
-
-
-def hash_split(task_id: str, eval_fraction: float) -> str:
-    """``eval`` or ``train`` for `task_id`, the same on every machine and in every run."""
-    h = int.from_bytes(hashlib.sha256(task_id.encode("utf-8")).digest()[:8], "big")
-    return "eval" if h / 2.0**64 < eval_fraction else "train"
+    path, options = suite_spec.parse_spec(spec, PREFIX, {"eval": "eval=FRACTION"})
+    return path, suite_spec.eval_fraction(spec, options)
 
 
 def _fail(where: Path, name: str, problem: str) -> TaskFormatError:
@@ -95,6 +83,50 @@ def _string(entry: dict[str, Any], where: Path, name: str, *, required: bool = T
     if not isinstance(value, str):
         raise _fail(where, name, f"must be a string, got {type(value).__name__}")
     return value
+
+
+def load_rubric(path: Path, workdir: str) -> Rubric:
+    """A ClawGym rubric file (see the module docstring) as a `Rubric` of weight `RUBRIC_WEIGHT`: its
+    rules rendered as the text a judge reads, their files named relative to the workspace."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise TaskFormatError(f"{path}: invalid JSON: {exc}") from None
+    if not isinstance(data, dict) or data.get("eval_type") != "llm_rubric":
+        raise _fail(path, "eval_type", "must be 'llm_rubric'")
+    rules = data.get("rules")
+    if not isinstance(rules, list) or not rules:
+        raise _fail(path, "rules", "must be a non-empty list")
+    lines, files = [], []
+    if isinstance(data.get("eval_input"), str) and data["eval_input"].strip():
+        lines.append(data["eval_input"].strip())
+    for i, rule in enumerate(rules):
+        where = f"rules[{i}]"
+        if not isinstance(rule, dict) or not isinstance(rule.get("name"), str) or not isinstance(rule.get("scores"), dict):
+            raise _fail(path, where, "must be an object with a name and a scores object")
+        file_path = rule.get("file_path")
+        if file_path is not None:
+            if not isinstance(file_path, str) or not file_path:
+                raise _fail(path, f"{where}.file_path", f"must be a non-empty string, got {file_path!r}")
+            if file_path.startswith("/"):
+                if not file_path.startswith(workdir.rstrip("/") + "/"):
+                    raise _fail(path, f"{where}.file_path", f"{file_path!r} is not inside the workspace {workdir}")
+                file_path = file_path[len(workdir.rstrip("/")) + 1:]
+            files.append(file_path)
+        lines.append(f"### {rule['name']}" + (f" (file: {file_path})" if file_path else ""))
+        for level, text in sorted(rule["scores"].items(), key=lambda kv: float(kv[0]) if _number(kv[0]) else 2.0):
+            if not _number(level) or not isinstance(text, str):
+                raise _fail(path, f"{where}.scores", f"levels must be numbers with descriptions, got {level!r}")
+            lines.append(f"**Score {level}**: {text}")
+    return Rubric(text="\n".join(lines), weight=RUBRIC_WEIGHT, files=tuple(dict.fromkeys(files)))
+
+
+def _number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def load_clawgym_task(folder: Path | str, split: str | Callable[[str], str], suite: Path | None = None) -> Task:
@@ -137,6 +169,12 @@ def load_clawgym_task(folder: Path | str, split: str | Callable[[str], str], sui
         raise TaskFormatError(f"{folder}: reward/{RewardScriptVerifier.ENTRY} is missing (every ClawGym task "
                               f"needs one)")
     check_workdir_field(where, "input_mount_dir", mount_dir)
+    rubric_path = reward / RUBRIC_FILE
+    if grading == "hybrid" and not rubric_path.is_file():
+        raise _fail(where, "metadata.grading_type", f"a hybrid task needs reward/{RUBRIC_FILE}")
+    if grading != "hybrid" and rubric_path.exists():
+        raise _fail(where, "metadata.grading_type", f"is {grading!r} but reward/{RUBRIC_FILE} exists (use 'hybrid')")
+    rubric = load_rubric(rubric_path, mount_dir or DEFAULT_MOUNT_DIR) if grading == "hybrid" else None
     try:
         return Task(
             id=task_id,
@@ -150,6 +188,7 @@ def load_clawgym_task(folder: Path | str, split: str | Callable[[str], str], sui
             timeout=DEFAULT_TASK_TIMEOUT,
             workdir=mount_dir or DEFAULT_MOUNT_DIR,
             private_dirs=(suite or folder,),
+            rubric=rubric,
         )
     except TaskFormatError as exc:
         raise TaskFormatError(f"{where}: {exc}") from None
@@ -184,10 +223,7 @@ def load_clawgym(spec: str, split: str | None = None) -> list[Task]:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     if not path.is_dir():
         raise TaskFormatError(f"{path}: not a directory")
-    if eval_fraction is None:
-        own_split: str | Callable[[str], str] = split or "train"
-    else:
-        own_split = lambda task_id: hash_split(task_id, eval_fraction)  # noqa: E731
+    own_split = suite_spec.split_rule(split, eval_fraction)
     tasks, seen = [], {}
     for folder in _task_folders(path):
         task = load_clawgym_task(folder, own_split, suite=path)

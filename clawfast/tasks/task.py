@@ -144,6 +144,55 @@ class CallableVerifier:
 
 
 @dataclass(frozen=True)
+class GradeFunctionVerifier:
+    """PinchBench's grading protocol: `code` is Python source defining ``grade(transcript: list,
+    workspace_path: str) -> dict`` that returns criterion -> score in [0, 1]. It runs in its own
+    ``python3`` process in a fresh sandbox, with a copy of the final workspace as its working
+    directory and ``workspace_path``, and the run's transcript (`clawfast.tasks.transcript`). The score
+    is the mean of the criteria (0 when it returns none), the criteria are kept in
+    ``details["criteria"]``; anything else it returns or raises is a ``verifier_error``."""
+
+    code: str
+    timeout: float = DEFAULT_VERIFIER_TIMEOUT
+
+    RUNNER = "grade_runner.py"
+
+    def validate(self, where: str) -> GradeFunctionVerifier:
+        if not isinstance(self.code, str) or "def grade" not in self.code:
+            raise _fail(where, "verifier.code", "must be Python source defining grade(transcript, workspace_path)")
+        try:
+            compile(self.code, f"<{where} grade>", "exec")
+        except SyntaxError as exc:
+            raise _fail(where, "verifier.code", f"is not valid Python: line {exc.lineno}: {exc.msg}") from None
+        return GradeFunctionVerifier(code=self.code, timeout=_check_timeout(where, "verifier.timeout", self.timeout))
+
+
+@dataclass(frozen=True)
+class Rubric:
+    """The part of a task's score that a judge model gives (`clawfast.tasks.judge`).
+
+    text: the rubric the judge reads (its criteria and what each score level means).
+    weight: the rubric's share of the task's score, in (0, 1]; the verifier's score has the rest. A
+        rubric of weight 1 is the whole score, and the task has no verifier (`Task.verifier` None).
+    expected: what a good run does, shown to the judge beside the rubric (may be empty).
+    files: workspace paths whose contents the judge reads (the rubric's rules are about them).
+    """
+
+    text: str
+    weight: float
+    expected: str = ""
+    files: tuple[str, ...] = ()
+
+    def validate(self, where: str) -> Rubric:
+        if not isinstance(self.text, str) or not self.text.strip():
+            raise _fail(where, "rubric.text", "must be a non-empty string")
+        if isinstance(self.weight, bool) or not isinstance(self.weight, (int, float)) or not 0.0 < self.weight <= 1.0:
+            raise _fail(where, "rubric.weight", f"must be a number in (0, 1], got {self.weight!r}")
+        files = tuple(_check_rel_path(where, "rubric.files", f) for f in self.files)
+        return Rubric(text=self.text, weight=float(self.weight), expected=self.expected or "", files=files)
+
+
+@dataclass(frozen=True)
 class RewardScriptVerifier:
     """ClawGym's reward protocol: `directory` (the task's ``reward/`` folder, holding ``reward.sh``)
     is copied to ``<workdir>/reward`` of a copy of the final workspace, placed at the task's `workdir`
@@ -173,7 +222,8 @@ class RewardScriptVerifier:
         return (self.directory / self.SUBSCORES).is_file()
 
 
-Verifier = CommandVerifier | CallableVerifier | RewardScriptVerifier
+Verifier = CommandVerifier | CallableVerifier | RewardScriptVerifier | GradeFunctionVerifier
+VERIFIER_TYPES = (CommandVerifier, CallableVerifier, RewardScriptVerifier, GradeFunctionVerifier)
 
 
 def check_workdir_field(where: str, field_name: str, workdir: str | None) -> str | None:
@@ -193,7 +243,8 @@ class Task:
     instruction: what the agent is told (the harness's prompt).
     files / workspace_dir: the initial workspace: inline ``path -> content`` and/or a directory copied
         first (inline files are written over it). Either may be empty.
-    verifier: a `CommandVerifier` or a `CallableVerifier`.
+    verifier: a `CommandVerifier`, `CallableVerifier`, `RewardScriptVerifier` or
+        `GradeFunctionVerifier`; None only for a task that a judge alone scores (a `rubric` of weight 1).
     oracle: bash command strings that solve the task when run in order, each with ``bash -c`` in the
         workspace (a scripted engine replays them as tool calls through any harness).
     timeout: seconds the harness gets.
@@ -202,13 +253,14 @@ class Task:
         workspace there too, so tasks whose files name absolute paths keep working.
     private_dirs: host directories the agent must not see, hidden inside its sandbox: the folder of
         the suite the task was loaded from, which holds its verifier's files and the other tasks'.
+    rubric: the part of the score a judge model gives (`Rubric`), None for tasks that code alone scores.
     tags: string tags; ``category`` and ``split`` (``train`` or ``eval``) are required, others
         (``difficulty``, ``template``, ``suite``) are free.
     """
 
     id: str
     instruction: str
-    verifier: Verifier
+    verifier: Verifier | None
     oracle: tuple[str, ...]
     tags: Mapping[str, str]
     files: Mapping[str, bytes] = field(default_factory=dict)
@@ -216,6 +268,7 @@ class Task:
     timeout: float = DEFAULT_TASK_TIMEOUT
     workdir: str | None = None
     private_dirs: tuple[Path, ...] = ()
+    rubric: Rubric | None = None
 
     def __post_init__(self) -> None:
         where = f"task {self.id!r}"
@@ -223,8 +276,15 @@ class Task:
             raise _fail(where, "id", f"must match {ID_PATTERN.pattern}")
         if not isinstance(self.instruction, str) or not self.instruction.strip():
             raise _fail(where, "instruction", "must be a non-empty string")
-        if not isinstance(self.verifier, (CommandVerifier, CallableVerifier, RewardScriptVerifier)):
-            raise _fail(where, "verifier", f"must be a CommandVerifier, CallableVerifier or RewardScriptVerifier, "
+        if self.rubric is not None and not isinstance(self.rubric, Rubric):
+            raise _fail(where, "rubric", f"must be a Rubric, got {type(self.rubric).__name__}")
+        judge_only = self.rubric is not None and self.rubric.weight == 1.0
+        if self.verifier is None and not judge_only:
+            raise _fail(where, "verifier", "is required (only a task scored by a rubric of weight 1 has none)")
+        if self.verifier is not None and judge_only:
+            raise _fail(where, "verifier", "must be None: a rubric of weight 1 is the whole score")
+        if self.verifier is not None and not isinstance(self.verifier, VERIFIER_TYPES):
+            raise _fail(where, "verifier", f"must be one of {', '.join(t.__name__ for t in VERIFIER_TYPES)}, "
                                            f"got {type(self.verifier).__name__}")
         if isinstance(self.verifier, RewardScriptVerifier) and self.workdir is None:
             raise _fail(where, "workdir", "is required with a RewardScriptVerifier (its scripts name the "
@@ -240,7 +300,10 @@ class Task:
         if self.tags.get("split") not in SPLITS:
             raise _fail(where, "tags.split", f"must be one of {SPLITS}, got {self.tags.get('split')!r}")
         # Frozen dataclass: normalised values are set through object.__setattr__, once, here.
-        object.__setattr__(self, "verifier", self.verifier.validate(where))
+        if self.verifier is not None:
+            object.__setattr__(self, "verifier", self.verifier.validate(where))
+        if self.rubric is not None:
+            object.__setattr__(self, "rubric", self.rubric.validate(where))
         object.__setattr__(self, "oracle", tuple(self.oracle))
         object.__setattr__(self, "tags", dict(self.tags))
         object.__setattr__(self, "files", _check_files(where, "files", self.files))

@@ -34,7 +34,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Protocol, Sequence
 
-from clawfast.tasks.task import CallableVerifier, CommandVerifier, RewardScriptVerifier, Task, VerifierResult
+from clawfast.tasks.task import (
+    CallableVerifier,
+    CommandVerifier,
+    GradeFunctionVerifier,
+    RewardScriptVerifier,
+    Task,
+    VerifierResult,
+)
 
 VERIFIER_STATUSES = ("ok", "verifier_error")
 # Enough of a verifier's stderr to see a traceback; bounded so a chatty verifier cannot bloat records.
@@ -174,13 +181,9 @@ def _failed_run(res: CommandResult, timeout: float) -> VerifierResult | None:
     return None
 
 
-def _run_command_verifier(verifier: CommandVerifier, scratch: Path, workspace: Path,
-                          runner: CommandRunner, workdir: str | None) -> VerifierResult:
-    verifier_dir = scratch / "verifier"
-    verifier.materialize(verifier_dir)
-    res = runner(verifier.command, workspace, verifier_dir=verifier_dir, timeout=verifier.timeout,
-                 workdir=workdir)
-    failed = _failed_run(res, verifier.timeout)
+def _scored(res: CommandResult, timeout: float) -> VerifierResult:
+    """The result of a verifier run that prints the JSON score line (`parse_score_line`)."""
+    failed = _failed_run(res, timeout)
     if failed is not None:
         return failed
     try:
@@ -188,6 +191,15 @@ def _run_command_verifier(verifier: CommandVerifier, scratch: Path, workspace: P
     except ValueError as exc:
         return _error(str(exc), res.stderr, res.duration_s, res.stdout)
     return VerifierResult(score=score, details=details, stderr=res.stderr, duration_s=res.duration_s)
+
+
+def _run_command_verifier(verifier: CommandVerifier, scratch: Path, workspace: Path,
+                          runner: CommandRunner, workdir: str | None) -> VerifierResult:
+    verifier_dir = scratch / "verifier"
+    verifier.materialize(verifier_dir)
+    res = runner(verifier.command, workspace, verifier_dir=verifier_dir, timeout=verifier.timeout,
+                 workdir=workdir)
+    return _scored(res, verifier.timeout)
 
 
 def parse_float_line(stdout: str) -> float:
@@ -220,14 +232,27 @@ def parse_subscores(stdout: str) -> dict[str, float]:
     return out
 
 
-def _reward_payload(task: Task, verifier: RewardScriptVerifier, final_message: str) -> dict[str, Any]:
-    # The fields ClawGym's rollout writes; no transcript is kept (the proxy records token ids, not text).
+def _reward_payload(task: Task, verifier: RewardScriptVerifier, final_message: str,
+                    transcript: list[dict[str, Any]]) -> dict[str, Any]:
+    # The fields ClawGym's rollout writes.
     return {"task_id": task.id, "user_query": task.instruction, "metadata": dict(verifier.metadata),
-            "final_message": final_message, "transcript": []}
+            "final_message": final_message, "transcript": transcript}
+
+
+def _run_grade_function(verifier: GradeFunctionVerifier, scratch: Path, workspace: Path, runner: CommandRunner,
+                        workdir: str | None, transcript: list[dict[str, Any]]) -> VerifierResult:
+    verifier_dir = scratch / "verifier"
+    verifier_dir.mkdir()
+    shutil.copyfile(Path(__file__).with_name(verifier.RUNNER), verifier_dir / verifier.RUNNER)
+    (verifier_dir / "grade.py").write_text(verifier.code, encoding="utf-8")
+    (verifier_dir / "transcript.json").write_text(json.dumps(transcript), encoding="utf-8")
+    res = runner(f'python3 "$VERIFIER_DIR/{verifier.RUNNER}"', workspace, verifier_dir=verifier_dir,
+                 timeout=verifier.timeout, workdir=workdir)
+    return _scored(res, verifier.timeout)
 
 
 def _run_reward_script(task: Task, verifier: RewardScriptVerifier, workspace: Path, runner: CommandRunner,
-                       final_message: str) -> VerifierResult:
+                       final_message: str, transcript: list[dict[str, Any]]) -> VerifierResult:
     workdir = task.workdir
     reward = workspace / "reward"
     # Whatever the agent left at reward/ is replaced: only the task's own scripts judge it.
@@ -236,7 +261,7 @@ def _run_reward_script(task: Task, verifier: RewardScriptVerifier, workspace: Pa
     elif reward.exists() or reward.is_symlink():
         reward.unlink()
     shutil.copytree(verifier.directory, reward, symlinks=True)
-    (workspace / PAYLOAD_FILE).write_text(json.dumps(_reward_payload(task, verifier, final_message)))
+    (workspace / PAYLOAD_FILE).write_text(json.dumps(_reward_payload(task, verifier, final_message, transcript)))
     env = {"OPENCLAW_REWARD_PAYLOAD": f"{workdir}/{PAYLOAD_FILE}"}
     inside = shlex.quote(f"{workdir}/reward")
     res = runner(f"bash {inside}/{verifier.ENTRY}", workspace, verifier_dir=None, timeout=verifier.timeout,
@@ -301,15 +326,21 @@ def _special_files(directory: str, names: list[str]) -> set[str]:
 
 
 def run_verifier(task: Task, workspace: Path | str, runner: CommandRunner | None = None, *,
-                 final_message: str = "") -> VerifierResult:
+                 final_message: str = "", transcript: list[dict[str, Any]] | None = None) -> VerifierResult:
     """Score the final `workspace` of `task`. The verifier runs on a scratch copy of it; `runner`
-    (default `SubprocessRunner()`) runs command and reward-script verifiers, with the copy at
-    `task.workdir` where the task has one. `final_message`: the agent's last answer, for reward
-    scripts that grade it (`RewardScriptVerifier`'s payload). See the module docstring for the
-    error contract."""
+    (default `SubprocessRunner()`) runs command, reward-script and grade-function verifiers, with the
+    copy at `task.workdir` where the task has one. `final_message`: the agent's last answer, for
+    reward scripts that grade it (`RewardScriptVerifier`'s payload). `transcript`: the run's
+    transcript events (`clawfast.tasks.transcript`; None: an empty one, as for a run that did
+    nothing), for `GradeFunctionVerifier` and the reward payload. A task that a judge alone scores
+    (no verifier) gets score 0 with ``details["verifier"] = "none"``: its score is the judge's
+    (`clawfast.tasks.scoring`). See the module docstring for the error contract."""
     workspace = Path(workspace)
     if not workspace.is_dir():
         raise FileNotFoundError(f"workspace {workspace} is not a directory")
+    if task.verifier is None:
+        return VerifierResult(score=0.0, details={"verifier": "none"})
+    transcript = transcript or []
     with tempfile.TemporaryDirectory(prefix=f"clawfast-verify-{task.id}-") as tmp:
         scratch = Path(tmp)
         copy = scratch / "workspace"
@@ -322,7 +353,11 @@ def run_verifier(task: Task, workspace: Path | str, runner: CommandRunner | None
         if isinstance(task.verifier, CallableVerifier):
             return _run_callable_verifier(task.verifier, copy)
         if isinstance(task.verifier, RewardScriptVerifier):
-            return _run_reward_script(task, task.verifier, copy, runner or SubprocessRunner(), final_message)
+            return _run_reward_script(task, task.verifier, copy, runner or SubprocessRunner(), final_message,
+                                      transcript)
+        if isinstance(task.verifier, GradeFunctionVerifier):
+            return _run_grade_function(task.verifier, scratch, copy, runner or SubprocessRunner(), task.workdir,
+                                       transcript)
         return _run_command_verifier(task.verifier, scratch, copy, runner or SubprocessRunner(), task.workdir)
 
 

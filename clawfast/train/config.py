@@ -147,8 +147,9 @@ class EngineConfig(_Section):
 
 
 class TasksConfig(_Section):
-    """suite: "clawbench-mini", a task.toml directory, or a ClawGym-format folder
-    ``clawgym:PATH[?eval=FRACTION]`` (`clawfast.tasks.clawgym`). split: the training split. suite_seed: the
+    """suite: "clawbench-mini", a task.toml directory, a ClawGym-format folder
+    ``clawgym:PATH[?eval=FRACTION]`` (`clawfast.tasks.clawgym`) or a PinchBench suite
+    ``pinchbench:PATH[?eval=FRACTION][&exclude=ID,ID]`` (`clawfast.tasks.pinchbench`). split: the training split. suite_seed: the
     generator seed of a built-in suite. difficulties / categories: train only on tasks with these
     ``difficulty`` / ``category`` tags (empty: all), e.g. on the categories the cold start did not
     demonstrate. The eval split is `EvalConfig.split`, whole."""
@@ -381,10 +382,33 @@ class ColdStartConfig(_Section):
         return _refuse_renamed_row_budget(raw)
 
 
+class JudgeConfig(_Section):
+    """The model that reads rubrics (`clawfast.tasks.judge`): either `url`, an OpenAI-compatible API
+    root (``http://host:port/v1``) serving `model`, with the key in the environment variable
+    `api_key_env` (none sent when unset), or `model_dir`, a model directory run on the embedded torch
+    engine. max_tokens: the answer's budget. Judges answer greedily."""
+
+    url: str | None = None
+    model: str = "judge"
+    model_dir: str | None = None
+    api_key_env: str = "OPENAI_API_KEY"
+    max_tokens: int = Field(1024, ge=16)
+
+    @model_validator(mode="after")
+    def _one_engine(self) -> "JudgeConfig":
+        if (self.url is None) == (self.model_dir is None):
+            raise ValueError("eval.judge needs exactly one of url (an OpenAI-compatible API root) or model_dir")
+        if self.url is not None and not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"eval.judge.url must be http(s)://..., got {self.url!r}")
+        return self
+
+
 class EvalConfig(_Section):
     """split: evaluated split. samples_per_task: attempts per task (pass@1 is their mean).
     temperature: 0 is greedy. before / after: evaluate before training and after the last step.
-    after_coldstart: also between the cold start and RL. interval: also every N steps (0: never)."""
+    after_coldstart: also between the cold start and RL. interval: also every N steps (0: never).
+    judge: the model that scores tasks' rubrics (None: their judged parts are reported "not judged",
+    and those tasks left out of pass@1; `clawfast.tasks.scoring`)."""
 
     split: Literal["train", "eval"] = "eval"
     samples_per_task: int = Field(1, ge=1)
@@ -393,6 +417,7 @@ class EvalConfig(_Section):
     after_coldstart: bool = True
     after: bool = True
     interval: int = Field(0, ge=0)
+    judge: JudgeConfig | None = None
 
 
 class CheckpointConfig(_Section):

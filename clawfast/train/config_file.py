@@ -7,7 +7,7 @@ Any problem raises `ConfigError` (a `ValueError`) naming the file and the field,
 ``quickstart.toml: field 'optim.lr': Input should be greater than 0``.
 
 Relative input paths in the file (``model.path``, ``tasks.suite`` when it is a directory or a
-``clawgym:PATH``, ``rollout.recorded_dir``) are resolved against the directory of the TOML file, so a
+``clawgym:PATH`` or ``pinchbench:PATH``, ``rollout.recorded_dir``) are resolved against the directory of the TOML file, so a
 config reads the same inputs from any working directory; ``run_dir`` (an output) is relative to the
 working directory.
 """
@@ -35,7 +35,7 @@ def _resolve_paths(raw: dict[str, Any], base: Path) -> None:
     """Make relative paths in `raw` relative to `base` (the TOML file's directory), in place.
     "embedded" and packaged model names (model) and built-in suite names are names, not paths."""
     from clawfast.pretrained import MODELS
-    from clawfast.tasks.suites import BUILTIN_SUITES, CLAWGYM
+    from clawfast.tasks.suites import BUILTIN_SUITES, CLAWGYM, PINCHBENCH
 
     for keys in _PATH_FIELDS:
         node = raw
@@ -48,10 +48,11 @@ def _resolve_paths(raw: dict[str, Any], base: Path) -> None:
             continue
         if keys == ("tasks", "suite") and value in BUILTIN_SUITES:
             continue
-        if keys == ("tasks", "suite") and value.startswith(CLAWGYM):
-            path, sep, options = value[len(CLAWGYM):].partition("?")
+        prefix = next((p for p in (CLAWGYM, PINCHBENCH) if value.startswith(p)), None)
+        if keys == ("tasks", "suite") and prefix is not None:
+            path, sep, options = value[len(prefix):].partition("?")
             if not Path(path).expanduser().is_absolute():
-                node[keys[-1]] = CLAWGYM + str((base / Path(path).expanduser()).resolve()) + sep + options
+                node[keys[-1]] = prefix + str((base / Path(path).expanduser()).resolve()) + sep + options
             continue
         if not Path(value).expanduser().is_absolute():
             node[keys[-1]] = str((base / Path(value).expanduser()).resolve())

@@ -57,6 +57,17 @@ def load_tasks(config: RunConfig, split: str, difficulties: Sequence[str] = (), 
     return {t.id: t for t in tasks}
 
 
+def check_trainable(tasks: dict) -> None:
+    """Refuse tasks that only a judge scores: a training reward is the verifier's score (as ClawGym
+    trains; `clawfast.tasks.scoring`), and they have none. Hybrid tasks train on their verifier's part."""
+    judged = sorted(task_id for task_id, task in tasks.items() if task.verifier is None)
+    if judged:
+        shown = ", ".join(judged[:5]) + (f" and {len(judged) - 5} more" if len(judged) > 5 else "")
+        raise ValueError(f"{len(judged)} training task(s) are scored by a judge alone, so a rollout of them has no "
+                         f"reward: {shown}. Train on tasks with a verifier (tasks.categories, or a suite option "
+                         f"such as pinchbench:PATH?exclude=ID,ID), and evaluate them with eval.judge.")
+
+
 class RecordedRollouts:
     """Rollouts read from a directory of .cfr files; spec (task, harness, i) gets the i-th
     (cyclically) recorded rollout of that task and harness, ordered by (sample index, rollout id).

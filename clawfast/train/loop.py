@@ -79,10 +79,12 @@ from clawfast.train.build import (
 from clawfast.train.checkpoint import TrainState, latest_checkpoint, list_checkpoints, load_checkpoint
 from clawfast.train.coldstart import run_coldstart
 from clawfast.train.config import RunConfig
-from clawfast.train.data import HarnessRollouts, RecordedRollouts, TaskSampler, load_tasks
+from clawfast.train.data import HarnessRollouts, RecordedRollouts, TaskSampler, check_trainable, load_tasks
 from clawfast.train.distributed import make_trainer, train_sharded
 from clawfast.train.producer import RolloutProducer
-from clawfast.train.metrics import metrics_by_tag, rollout_metrics
+from clawfast.tasks.judge import build_judge
+from clawfast.tasks.scoring import judge_results, write_scores
+from clawfast.train.metrics import metrics_by_tag, rollout_metrics, score_counts
 from clawfast.train.metrics_log import MetricsLogger
 from clawfast.train.plot import plot_run
 from clawfast.train.progress import ProgressView
@@ -158,6 +160,7 @@ def run_loop(config: RunConfig, *, resume: bool, progress: bool, group=None,
                 train_ids, eval_tasks, engine = source.task_ids, {}, None
             else:
                 train_tasks = load_tasks(config, config.tasks.split, config.tasks.difficulties, config.tasks.categories)
+                check_trainable(train_tasks)
                 eval_tasks = load_tasks(config, config.eval.split)
                 train_ids = sorted(train_tasks)
                 _warn_if_not_held_out(train_tasks, eval_tasks, config.tasks.suite)
@@ -226,7 +229,7 @@ def run_loop(config: RunConfig, *, resume: bool, progress: bool, group=None,
     return summary
 
 
-EVAL_TAGS = ("difficulty", "category", "task")
+EVAL_TAGS = ("suite", "difficulty", "category", "task")
 
 
 def _warn_if_not_held_out(train_tasks: dict, eval_tasks: dict, suite: str) -> None:
@@ -237,15 +240,26 @@ def _warn_if_not_held_out(train_tasks: dict, eval_tasks: dict, suite: str) -> No
               file=sys.stderr, flush=True)
 
 
-def run_eval(source: RolloutSource, config: RunConfig, eval_tasks: dict, on_result=None) -> dict[str, float]:
-    """pass@1 and mean reward of `eval_tasks` at the eval's sampling: overall, per harness, and per
-    difficulty, category and task. `on_result` gets each rollout as it ends."""
+def run_eval(source: RolloutSource, config: RunConfig, eval_tasks: dict, on_result=None, *,
+             scores_path: Path | None = None) -> dict[str, float]:
+    """pass@1 and mean score of `eval_tasks` at the eval's sampling: overall, per harness, and per
+    suite, difficulty, category and task, after ``eval.judge`` scored the rubrics
+    (`clawfast.tasks.scoring.judge_results`). Rollouts whose score lacks a part (not judged, or
+    the judge failed) are left out of pass@1 and counted (`score_counts`). `on_result` gets each
+    rollout as it ends; `scores_path`: where each rollout's score, judge prompt and verdict go
+    (one JSON line each)."""
+    judge = build_judge(config.eval.judge)  # before the rollouts: a judge that cannot load fails first
     batch = source.run(sorted(eval_tasks), config.rollout.harnesses, config.eval.samples_per_task,
                        sampling=rollout_sampling(config, config.eval.temperature), on_result=on_result)
-    metrics = pass_at_1(batch.results)
+    judge_results(batch.results, eval_tasks, judge)
+    scored = [r for r in batch.results if r.info["score"]["score"] is not None]
+    metrics = pass_at_1(scored)
     for tag in EVAL_TAGS:
-        metrics.update(metrics_by_tag(batch.results, eval_tasks, tag))
+        metrics.update(metrics_by_tag(scored, eval_tasks, tag))
+    metrics.update(score_counts(batch.results))
     metrics["time/eval_s"] = batch.seconds
+    if scores_path is not None:
+        write_scores(scores_path, batch.results)
     return metrics
 
 
@@ -264,7 +278,9 @@ def _evaluate(source: RolloutSource, config: RunConfig, eval_tasks: dict, logger
     if view:
         view.begin(phase or f"eval at {label}", len(eval_tasks) * len(config.rollout.harnesses)
                    * config.eval.samples_per_task, "rollouts")
-    m = run_eval(source, config, eval_tasks, count_solved if view else None)
+    # Every eval keeps each rollout's score, judge prompt and verdict beside the run's metrics.
+    scores = logger.run_dir / "evals" / f"{step:06d}-{label.replace(' ', '-')}.jsonl"
+    m = run_eval(source, config, eval_tasks, count_solved if view else None, scores_path=scores)
     if view:
         view.end()
     logger.log("eval", step, {**m, "label": label})
@@ -463,4 +479,4 @@ def evaluate(config: RunConfig, model_dir: str | Path, out_dir: str | Path) -> d
                           device=resolve_device(config.model.device))
     eval_tasks = load_tasks(config, config.eval.split)
     with rollout_service(config, engine, model_dir, out_dir / "records") as service:
-        return run_eval(HarnessRollouts(service, eval_tasks), config, eval_tasks)
+        return run_eval(HarnessRollouts(service, eval_tasks), config, eval_tasks, scores_path=out_dir / "scores.jsonl")

@@ -7,7 +7,10 @@ could not score them), the trainer's metrics (``loss``,
 ``tokens_per_call_flat`` / ``tokens_packed`` / ``dedup_ratio_call``, ...), and timings
 ``time/rollout_s``, ``time/train_s``, ``time/sync_s``. An eval adds ``pass@1_<tag>/<value>`` and
 ``reward_<tag>/<value>`` per difficulty, per category and per task (tag ``task``), and
-``subscore/<name>``, the mean of each named sub-score of a graded verifier (`subscore_means`).
+``subscore/<name>``, the mean of each named sub-score of a graded verifier (`subscore_means`), per
+suite too (``pass@1_suite/<suite>``), and what its scores rest on (`score_counts`): ``judged``,
+``not_judged``, ``judge_errors``, ``unscored``, ``rollouts_all``, ``grader_errors_task/<id>``; its
+pass@1 and rewards count only the rollouts whose every part was scored.
 """
 
 from __future__ import annotations
@@ -66,4 +69,19 @@ def metrics_by_tag(results: Sequence[RolloutResult], tasks: dict, tag: str) -> d
     for v, xs in sorted(by_value.items()):
         out[f"pass@1_{tag}/{v}"] = sum(x >= 1.0 for x in xs) / len(xs)
         out[f"reward_{tag}/{v}"] = sum(xs) / len(xs)
+    return out
+
+
+def score_counts(results: Sequence[RolloutResult]) -> dict[str, float]:
+    """What an eval's scores rest on (``info["score"]``, `clawfast.tasks.scoring`): ``judged``,
+    ``not_judged`` and ``judge_errors`` (rollouts of tasks with a rubric, by their judge's state),
+    ``unscored`` (the last two: left out of pass@1), ``rollouts_all`` (scored or not), and ``grader_errors_task/<id>``, the rollouts of
+    each task whose verifier could not score them."""
+    states = Counter(r.info.get("score", {}).get("judge") for r in results)
+    out = {"judged": float(states["judged"]), "not_judged": float(states["not judged"]),
+           "judge_errors": float(states["judge_error"])}
+    out["unscored"] = out["not_judged"] + out["judge_errors"]
+    out["rollouts_all"] = float(len(results))
+    errors = Counter(r.task_id for r in results if (r.info.get("verifier") or {}).get("status", "ok") != "ok")
+    out.update({f"grader_errors_task/{task}": float(n) for task, n in sorted(errors.items())})
     return out

@@ -11,7 +11,8 @@ import pytest
 
 from clawfast.cli import main
 from clawfast.tasks import SubprocessRunner, TaskFormatError, load_suite, run_verifier
-from clawfast.tasks.clawgym import hash_split, load_clawgym, parse_spec
+from clawfast.tasks.clawgym import load_clawgym, parse_spec
+from clawfast.tasks.suite_spec import hash_split
 from clawfast.tasks.sandbox_runner import SandboxRunner
 
 from .clawgym_folders import (
@@ -22,6 +23,7 @@ from .clawgym_folders import (
     write_sum_task,
     write_task,
 )
+from .eval_config import write_eval_config
 
 
 # sha256("task_000i")[:8] / 2^64 for i = 0..7: 0.891, 0.148, 0.080, 0.541, 0.751, 0.206, 0.768, 0.611.
@@ -314,26 +316,7 @@ def test_clawfast_eval_on_a_clawgym_folder_reports_reward_and_pass_rate_per_cate
     from clawfast.embedded import ensure_embedded_model
 
     suite = write_suite(tmp_path / "suite")
-    config = tmp_path / "eval.toml"
-    config.write_text(f"""
-run_dir = "{tmp_path / 'run'}"
-[model]
-path = "embedded"
-[engine]
-kind = "torch"
-max_tokens = 24
-[tasks]
-suite = "clawgym:{suite}"
-[rollout]
-harnesses = ["mini-swe-agent"]
-concurrency = 3
-sandbox = "bwrap"
-timeout_s = 120
-harness_max_turns = 2
-[eval]
-samples_per_task = 1
-temperature = 0.0
-""")
+    config = write_eval_config(tmp_path, f"clawgym:{suite}")
     model = ensure_embedded_model()
     assert main(["eval", str(config), "--checkpoint", str(model), "--out", str(tmp_path / "e1"), "--json"]) == 0
     metrics = json.loads(capsys.readouterr().out)
@@ -349,7 +332,7 @@ temperature = 0.0
 
     assert main(["eval", str(config), "--checkpoint", str(model), "--out", str(tmp_path / "e2")]) == 0
     out = capsys.readouterr().out
-    assert f"suite clawgym:{suite}" in out and "mean reward" in out and "verifier errors 0" in out
+    assert f"suite clawgym:{suite}" in out and "mean score" in out and "grader errors 0" in out
     assert "per category" in out and "writing" in out and "data" in out
 
 
@@ -393,3 +376,62 @@ def test_a_broken_reward_script_makes_the_rollout_a_verifier_error(tmp_path):
     result = check_harness("mini-swe-agent", task=dataclasses.replace(task, oracle=("cat a.txt",))).result
     assert (result.status, result.reward) == ("verifier_error", 0.0)
     assert "not a number" in result.info["verifier"]["error"] and "graded: yes" in result.info["verifier"]["stdout"]
+
+
+# -- hybrid tasks: 0.7 reward.sh + 0.3 rubric --------------------------------------------------------
+
+RUBRIC = {
+    "eval_type": "llm_rubric", "score_options": [0, 0.25, 0.5, 0.75, 1], "eval_input": "Judge the notes.",
+    "rules": [
+        {"name": "Tone", "file_path": "notes.md", "scores": {"0": "rude", "0.5": "flat", "1": "warm"}},
+        {"name": "Depth", "file_path": f"{MOUNT}/notes.md", "scores": {"1": "explains why", "0": "a list"}},
+    ],
+}
+
+
+def _hybrid(root: Path, reward: str, rubric=RUBRIC) -> Path:
+    path = write_task(root, "hyb", "Write notes.md about clawfast.", reward_sh=f"echo {reward}\n",
+                      grading_type="hybrid", inputs={"seed.txt": "x"})
+    if rubric is not None:
+        (path / "reward" / "rubric.json").write_text(json.dumps(rubric))
+    return path
+
+
+def test_a_hybrid_task_scores_seven_tenths_code_and_three_tenths_rubric(runner, tmp_path):
+    from clawfast.tasks.judge import Verdict
+    from clawfast.tasks.scoring import combine
+
+    (task,) = load_clawgym(f"clawgym:{_hybrid(tmp_path / 's', '0.5')}")
+    assert task.tags["grading_type"] == "hybrid" and task.rubric.weight == 0.3
+    # Rules become the judge's text; their files are named relative to the workspace, once.
+    assert task.rubric.files == ("notes.md",)
+    assert task.rubric.text.splitlines() == ["Judge the notes.", "### Tone (file: notes.md)", "**Score 0**: rude",
+                                             "**Score 0.5**: flat", "**Score 1**: warm",
+                                             "### Depth (file: notes.md)", "**Score 0**: a list",
+                                             "**Score 1**: explains why"]
+    code = run_verifier(task, task.materialize(tmp_path / "ws"), runner)
+    assert (code.status, code.score) == ("ok", 0.5)
+    for judged, expected in ((0.25, 0.7 * 0.5 + 0.3 * 0.25), (1.0, 0.7 * 0.5 + 0.3), (0.0, 0.35)):
+        score = combine(task, code.score, Verdict("p", "r", judged))
+        assert (score.score, score.code, score.judged, score.judge) == (expected, 0.5, judged, "judged")
+    assert (combine(task, code.score, None).score, combine(task, code.score, None).judge) == (None, "not judged")
+
+
+@pytest.mark.parametrize("rubric, grading, message", [
+    (None, "hybrid", "a hybrid task needs reward/rubric.json"),
+    ({**RUBRIC, "eval_type": "score"}, "hybrid", "field 'eval_type'"),
+    ({**RUBRIC, "rules": []}, "hybrid", "field 'rules'"),
+    ({**RUBRIC, "rules": [{"name": "x", "file_path": "/etc/passwd", "scores": {"1": "y"}}]}, "hybrid",
+     r"field 'rules\[0\].file_path': '/etc/passwd' is not inside the workspace"),
+    ({**RUBRIC, "rules": [{"name": "x", "scores": {"high": "y"}}]}, "hybrid", r"field 'rules\[0\].scores'"),
+    (RUBRIC, "automated", "is 'automated' but reward/rubric.json exists"),
+])
+def test_bad_rubrics_are_errors_naming_the_file_and_field(tmp_path, rubric, grading, message):
+    path = _hybrid(tmp_path / "s", "1", rubric)
+    if grading != "hybrid":
+        entry = json.loads((path / "data_entry.json").read_text())
+        entry["metadata"]["grading_type"] = grading
+        (path / "data_entry.json").write_text(json.dumps(entry))
+    with pytest.raises(TaskFormatError, match=message) as err:
+        load_clawgym(f"clawgym:{path}")
+    assert str(path) in str(err.value)

@@ -70,6 +70,9 @@ def test_defaults_and_sections(tmp_path):
     ("[optim]\nbetas = [0.9, 1.0]\n", "optim.betas"),
     ("[tasks]\nsplit = \"test\"\n", "tasks.split"),
     ("[eval]\nsamples = 3\n", "eval.samples"),
+    ("[eval.judge]\nmodel = \"j\"\n", "eval.judge"),
+    ("[eval.judge]\nurl = \"http://h:1/v1\"\nmodel_dir = \"/m\"\n", "eval.judge"),
+    ("[eval.judge]\nurl = \"h:1/v1\"\n", "eval.judge"),
     ("stepz = 3\n", "stepz"),
     ("[rollout]\nsource = \"recorded\"\n", "rollout"),
     ("[rollout]\nmini_instance_template = \"no task here\"\n", "rollout"),
@@ -171,3 +174,10 @@ def test_train_threads_default_order_and_step_config(tmp_path):
     assert config.algorithm.train_threads == ("main", "subagent", "compaction")
     assert step_config(config).train_threads == ("main", "subagent", "compaction")
     assert load_config(write(tmp_path, "")).algorithm.train_threads == ("main",)
+
+
+def test_eval_judge_names_a_url_or_a_model_dir(tmp_path):
+    assert load_config(write(tmp_path, "")).eval.judge is None
+    judge = load_config(write(tmp_path, '[eval.judge]\nurl = "http://h:8000/v1"\nmodel = "qwen"\n')).eval.judge
+    assert (judge.url, judge.model, judge.model_dir, judge.api_key_env) == ("http://h:8000/v1", "qwen", None, "OPENAI_API_KEY")
+    assert load_config(write(tmp_path, '[eval.judge]\nmodel_dir = "/m"\n')).eval.judge.model_dir == "/m"

@@ -1,7 +1,8 @@
 """`clawfast sandbox run [options] -- CMD...`: run one command in a fresh sandbox, by hand.
 
 The command's stdout/stderr are passed through and its exit code is returned (124 when it timed out,
-the `timeout` utility's convention; 125 when the sandbox itself failed). The workspace starts as a copy
+the `timeout` utility's convention; 125 when the sandbox itself failed); when it ran into one of the
+sandbox's limits (memory, processes, file size, disk), stderr says which. The workspace starts as a copy
 of `--workspace` (empty without it) and is discarded afterwards unless `--keep DIR` copies it out.
 
     clawfast sandbox run --allow-port 8000 -- curl -s http://127.0.0.1:8000/v1/models   # reaches the proxy
@@ -56,6 +57,7 @@ def _parse_pairs(items: list[str], sep: str, what: str) -> dict[str, str]:
 
 def run(args: argparse.Namespace) -> int:
     from clawfast.sandbox import Limits, SandboxError, SandboxSpec, create_backend
+    from clawfast.sandbox.result import limit_message
 
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not cmd:
@@ -106,4 +108,7 @@ def run(args: argparse.Namespace) -> int:
     if result.timed_out:
         print(f"clawfast sandbox run: timed out after {args.timeout:g}s", file=sys.stderr)
         return EXIT_TIMEOUT
+    limit = limit_message(result, limits)
+    if limit is not None:
+        print(f"clawfast sandbox run: the command {limit}", file=sys.stderr)
     return result.exit_code

@@ -11,7 +11,10 @@ Status (one per rollout):
   sandbox died or lost its forwarder while the harness ran (or, on Ray, the actor running it died).
 - ``timeout``: the harness ran past the wall-clock limit and was killed with its process tree.
 - ``harness_error``: the harness exited non-zero (128+N when signal N killed it), its adapter could
-  not configure it, or the run was cancelled (``info["error"] == "cancelled"``).
+  not configure it, or the run was cancelled (``info["error"] == "cancelled"``). When the sandbox can
+  tell that a limit did it (memory, processes, file size, disk), ``info["limit"]`` names it and the
+  error says it in words; ``info["limit"]`` is set too when the harness survived a limit that ended
+  one of its commands.
 - ``verifier_error``: the harness exited 0 but the verifier could not score the workspace (it
   crashed, timed out, or printed no score), or the run's transcript that its graders read could not
   be had: the reward is unknown.
@@ -57,6 +60,7 @@ from clawfast.proxy.rollouts import OpenedRollout
 from clawfast.records import RolloutResult
 from clawfast.rollout.spec import RolloutSpec
 from clawfast.sandbox import Limits, RunResult, Sandbox, SandboxBackend, SandboxError, SandboxSpec
+from clawfast.sandbox.result import limit_message
 from clawfast.proxy.transcript import fetch_transcript
 from clawfast.tasks.judge import judge_prompt
 from clawfast.tasks.task import GradeFunctionVerifier, RewardScriptVerifier, Task, VerifierResult
@@ -382,12 +386,17 @@ class RolloutWorker:
         timings["harness"] = time.monotonic() - t
         info["exit_code"] = run.exit_code
         self._keep_logs(opened.rollout_id, harness, layout, run, info)
+        # Which sandbox limit the run ran into, also when the harness survived it (a tool command
+        # the memory limit killed): the rollout's info says so instead of a bare exit status.
+        limit = limit_message(run, cfg.limits)
+        if limit is not None:
+            info["limit"] = run.limit
         if run.timed_out:
             status = "timeout"
             info["error"] = f"harness ran past {timeout} s and was killed"
         elif run.exit_code != 0:
             status = "harness_error"
-            info["error"] = f"harness exited with status {run.exit_code}"
+            info["error"] = f"harness exited with status {run.exit_code}" + (f": it {limit}" if limit else "")
         else:
             status = "ok"
         if status != "ok":

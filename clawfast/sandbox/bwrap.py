@@ -71,7 +71,7 @@ from clawfast.sandbox.bwrap_supervise import KILL_GRACE_S, Capture, StatusPipe, 
 from clawfast.sandbox.cgroup import Cgroup, CgroupHost, sweep_stale
 from clawfast.sandbox.hostdir import (ForwardingBackend, HostDir, log, merge_env, split_ready, start_script,
                                       sweep_stale_dirs)
-from clawfast.sandbox.result import RunResult
+from clawfast.sandbox.result import EXIT_FILE_SIZE, RunResult
 from clawfast.sandbox.spec import HOMEDIR, PROXYDIR, WORKDIR, SandboxSpec, rlimit_enforced
 from clawfast.sandbox.view import SYSTEM_PATHS, RootView
 
@@ -217,6 +217,7 @@ class BwrapSandbox(Sandbox):
                 stdin_f = open(stdin_path, "wb+")
                 stdin_f.write(stdin)
                 stdin_f.seek(0)
+            counts = self._limit_counts()
             t0 = time.monotonic()
             # Started and registered under the lock that close() takes: a close() in between would
             # find nothing to kill and the cgroup still empty, while the launcher joined it a moment
@@ -284,7 +285,33 @@ class BwrapSandbox(Sandbox):
             duration_s=duration,
             stdout_truncated=stdout_trunc,
             stderr_truncated=stderr_trunc,
+            limit=self._limit_hit(counts, returncode, timed_out),
         )
+
+    def _limit_counts(self) -> tuple[int, int]:
+        """The cgroup's OOM kills and refused forks so far (zeros without a cgroup)."""
+        if self.cgroup is None:
+            return 0, 0
+        return self.cgroup.oom_kills(), self.cgroup.fork_refusals()
+
+    def _limit_hit(self, before: tuple[int, int], returncode: int | None, timed_out: bool) -> str | None:
+        """Which limit the run ran into (`RunResult.limit`). The cgroup's counters are the sandbox's, so
+        with runs in parallel a kill is put on each run that saw it."""
+        if timed_out:
+            return "time"
+        oom, forks = self._limit_counts()
+        if oom > before[0]:
+            return "memory"
+        if forks > before[1]:
+            return "processes"
+        if returncode == EXIT_FILE_SIZE:
+            return "file size"
+        if returncode and self.hostdir.quota is not None:
+            fs = os.statvfs(self.hostdir.data)
+            # A failed command beside a full workspace filesystem: what is left is less than a page.
+            if fs.f_bavail * fs.f_frsize < 4096:
+                return "disk"
+        return None
 
 
 class BwrapBackend(ForwardingBackend):

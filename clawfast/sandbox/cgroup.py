@@ -257,6 +257,20 @@ class Cgroup:
             pass
         return 0
 
+    def fork_refusals(self) -> int:
+        """How many forks the process limit has refused so far (0 without a pids group)."""
+        path = self.dirs.get("pids")
+        if path is None:
+            return 0
+        try:
+            for line in _read(os.path.join(path, "pids.events")).splitlines():
+                k, _, value = line.partition(" ")
+                if k == "max":
+                    return int(value)
+        except OSError:
+            pass
+        return 0
+
     def kill_all(self, timeout: float = 5.0) -> bool:
         """SIGKILL every member until none is left (members may fork meanwhile). True when empty."""
         if self.version == 2:

@@ -212,3 +212,31 @@ def test_200_rollouts_with_faults_end_truthfully_and_leave_nothing(tmp_path, pri
     assert _cgroups_of(os.getpid()) == []
     assert _mounts_of(os.getpid()) == []
     assert list(private_tmp.iterdir()) == []  # sandbox dirs and verifier copies all removed
+
+
+def test_a_harness_run_into_a_sandbox_limit_says_which(tmp_path):
+    """The memory limit kills the harness (its status says why, not just 137), or one of its commands
+    that the harness survives (the rollout is ok, and its info still names the limit)."""
+    from clawfast.sandbox import Limits
+    from clawfast.sandbox.bwrap import BwrapBackend
+
+    hog = "python3 -c 'b = bytearray(256 << 20)'"
+    tasks = [Task(id=name, instruction=instruction, verifier=CommandVerifier(CHECK_OUT, timeout=10), oracle=[],
+                  tags={"category": "limits", "split": "train"}, timeout=60)
+             for name, instruction in (("killed", f"echo hi > out.txt; exec {hog}"),
+                                       ("survived", f"{hog}; echo hi > out.txt"))]
+    install_root = tmp_path / "install"
+    install_root.mkdir()
+    registry = RolloutRegistry(tmp_path / "records", base_url="http://127.0.0.1:47321")
+    backend = BwrapBackend()
+    worker = RolloutWorker(registry, backend, {"script": ScriptHarness(install_root)},
+                           config=RolloutConfig(limits=Limits(memory_bytes=64 << 20)))
+    try:
+        with RolloutScheduler(worker, concurrency=2) as scheduler:
+            killed, survived = scheduler.run([RolloutSpec(t, "script", 0) for t in tasks])
+    finally:
+        backend.close()
+    assert (killed.status, killed.info["exit_code"], killed.info["limit"]) == ("harness_error", 137, "memory")
+    assert killed.info["error"] == ("harness exited with status 137: it was killed by the sandbox's memory "
+                                    "limit (64 MiB)")
+    assert (survived.status, survived.reward, survived.info["limit"]) == ("ok", 1.0, "memory")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -450,7 +451,7 @@ def test_file_size_limit(backend):
     with backend.create(SandboxSpec(limits=Limits(max_file_bytes=1 << 20))) as sb:
         assert sb.enforced["file_size"] == "RLIMIT_FSIZE"
         r = sb.run(["sh", "-c", "head -c 2000000 /dev/zero > big"])
-        assert r.exit_code != 0
+        assert (r.exit_code, r.limit) == (128 + signal.SIGXFSZ, "file size")
         assert len(sb.read_file("big")) == 1 << 20
 
 
@@ -459,9 +460,13 @@ def test_memory_limit(backend):
         # The suite runs as root on a host with cgroups (as CI does): the limit must hold.
         assert "memory" in sb.enforced, sb.enforced
         small = sb.run(py("b = bytearray(16 << 20); print(len(b))"))
-        assert small.stdout == b"16777216\n"
+        assert (small.stdout, small.limit) == (b"16777216\n", None)
         big = sb.run(py("b = bytearray(256 << 20); print(len(b))"))
-        assert big.exit_code == 128 + signal.SIGKILL
+        assert (big.exit_code, big.limit) == (128 + signal.SIGKILL, "memory")
+        # A command that survives the kill of one of its children still reports the limit.
+        child = sb.run(["sh", "-c", f"{shlex.join(py('b = bytearray(256 << 20)'))}; echo survived"])
+        assert (child.exit_code, child.stdout, child.limit) == (0, b"survived\n", "memory")
+        assert sb.run(["true"]).limit is None  # the counter is read per run
 
 
 def test_process_limit(backend):
@@ -483,6 +488,16 @@ def test_process_limit(backend):
         r = sb.run(py(code), timeout=60)
         # bwrap's init, the python parent and the children share the 16: fork fails before 40.
         assert 5 <= int(r.stdout) < 16
+        assert r.limit == "processes"
+
+
+def test_disk_limit_and_timeout_are_named(backend):
+    with backend.create(SandboxSpec(limits=Limits(disk_bytes=8 << 20, memory_bytes=512 << 20))) as sb:
+        full = sb.run(["sh", "-c", "head -c 32000000 /dev/zero > big"])
+        assert (full.exit_code != 0, full.limit) == (True, "disk") and b"No space left" in full.stderr
+        # Space freed: a command that fails for its own reasons names no limit.
+        assert sb.run(["sh", "-c", "rm big; exit 3"]).limit is None
+        assert sb.run(["sleep", "5"], timeout=0.5).limit == "time"
 
 
 def test_address_space_limit(backend):

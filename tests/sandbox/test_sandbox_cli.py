@@ -43,6 +43,12 @@ def test_timeout_and_keep(tmp_path):
     assert r.returncode == 0 and (keep / "out.txt").read_text() == "made\n"
 
 
+def test_a_limit_is_named():
+    r = cli("--memory-mb", "64", "--", "python3", "-c", "b = bytearray(256 << 20)")
+    assert r.returncode == 137
+    assert b"clawfast sandbox run: the command was killed by the sandbox's memory limit (64 MiB)" in r.stderr
+
+
 def test_bad_usage():
     assert cli().returncode == 2  # no command
     assert cli("--backend", "local", "--", "true").returncode == 2  # local needs --unsafe

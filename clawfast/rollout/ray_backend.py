@@ -18,7 +18,8 @@ that address (`LoopbackRelay`) and hands harnesses that port, so one proxy serve
 Without it, the proxy must already listen on each node's loopback (e.g. a local cluster).
 
 Guaranteed: the same status contract as the local scheduler (`clawfast.rollout.worker`; an actor
-that dies under a rollout makes it ``sandbox_error``); at most `RaySetup.concurrency` rollouts per
+that dies under a rollout, or whose node dies, makes it ``sandbox_error``, and the pool gives that
+actor no more rollouts: the rest run on the live actors, or end ``sandbox_error`` when none is left); at most `RaySetup.concurrency` rollouts per
 actor at once, and no rollout is opened before an actor slot is free; every rollout opened is closed
 (also when `run` is interrupted); actors are closed (their sandboxes destroyed) when the pool closes.
 Not guaranteed: TLS between relay and proxy.
@@ -191,6 +192,7 @@ class RayRolloutPool:
             ray.init(address=None if address == "local" else address)
         # Rollouts running on each actor, over every concurrent `run` (the cap is per actor).
         self._load: list[int] = []
+        self._dead: set[int] = set()  # actors whose process or node died: given no more rollouts
         self._freed = threading.Condition()
         options = {"num_cpus": 1, "max_concurrency": setup.concurrency, **(actor_options or {})}
         actor_cls = ray.remote(RolloutActor)
@@ -246,9 +248,18 @@ class RayRolloutPool:
             while queue or inflight:
                 while queue:
                     with freed:
-                        if min(load) >= self.setup.concurrency:
+                        live = [i for i in range(len(load)) if i not in self._dead]
+                        if not live:  # every actor's node died: nothing can run what is left
+                            while queue:
+                                index, spec = queue.popleft()
+                                finish(index, RolloutResult(
+                                    rollout_id=f"unrun-{spec.task.id}-{spec.harness}-{spec.sample_index}",
+                                    task_id=spec.task.id, harness=spec.harness, sample_index=spec.sample_index,
+                                    status="sandbox_error", info={"error": "no live rollout actor: every actor died"}))
                             break
-                        actor = load.index(min(load))
+                        actor = min(live, key=lambda i: load[i])
+                        if load[actor] >= self.setup.concurrency:
+                            break
                         load[actor] += 1  # the slot is taken before the rollout opens
                     index, spec = queue.popleft()
                     try:
@@ -276,6 +287,10 @@ class RayRolloutPool:
                 except Exception as exc:  # the actor died, or raised (a bug): no outcome to trust
                     outcome = {"status": "sandbox_error", "reward": 0.0,
                                "info": {"error": f"rollout actor failed: {type(exc).__name__}: {exc}"}}
+                    if isinstance(exc, ray.exceptions.RayActorError):
+                        # Its process or node is gone (or unreachable): no more rollouts go to it.
+                        with freed:
+                            self._dead.add(job.actor)
                 finish(job.index, close_rollout(control, job.spec, job.rollout_id, outcome["reward"],
                                                 outcome["status"], outcome["info"], job.t0))
             return [r for r in results if r is not None]
@@ -297,7 +312,11 @@ class RayRolloutPool:
         import ray
 
         try:
-            ray.get([a.close.remote() for a in self.actors])
+            for ref in [a.close.remote() for a in self.actors]:
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayActorError:
+                    pass  # the actor (or its node) died: its sandboxes went with its processes
         finally:
             for actor in self.actors:
                 ray.kill(actor)

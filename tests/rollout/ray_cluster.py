@@ -5,9 +5,10 @@ real mechanisms; `kill_worker` SIGKILLs a worker's whole process group, as a pre
 same commands start a cluster of several machines (docs/DESIGN.md).
 
 Every process group is waited for within bounded times and killed if it outlives them, so nothing is
-left running. Token authentication (on by default for `ray start` since Ray 2.5x) is turned off for
-this loopback-only cluster (``RAY_AUTH_MODE=disabled`` for the raylets and this process, the driver);
-a cluster across machines keeps it on.
+left running. Token authentication (on by default for `ray start`) is off for this loopback-only
+cluster: ``RAY_AUTH_MODE=disabled``, set for the whole test process by tests/conftest.py (Ray reads the
+mode once per process, so every Ray cluster of the tests must share it); a cluster across machines
+keeps it on.
 """
 
 from __future__ import annotations
@@ -40,9 +41,10 @@ class LocalRayCluster:
         self.address = f"127.0.0.1:{self.port}"
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.auth = {"RAY_AUTH_MODE": "disabled"}
-        self._saved = {k: os.environ.get(k) for k in (*self.auth, "RAY_USAGE_STATS_ENABLED")}
-        os.environ.update(self.auth, RAY_USAGE_STATS_ENABLED="0")
+        if os.environ.get("RAY_AUTH_MODE") != "disabled":
+            raise RuntimeError("the test cluster runs without token authentication: set RAY_AUTH_MODE=disabled "
+                               "for the whole process (tests/conftest.py does)")
+        self.env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
         self.head: subprocess.Popen | None = None
         self.workers: list[subprocess.Popen | None] = []
         try:
@@ -68,7 +70,7 @@ class LocalRayCluster:
             # `ray start` of this interpreter's Ray, whatever PATH holds.
             return subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", *args, "--block",
                                      "--disable-usage-stats"], stdout=log,
-                                    stderr=subprocess.STDOUT, env=dict(os.environ), start_new_session=True)
+                                    stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
         finally:
             log.close()
 
@@ -127,8 +129,3 @@ class LocalRayCluster:
         current = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
         if current.is_file() and current.read_text().strip().endswith(f":{self.port}"):
             current.unlink()
-        for k, v in self._saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v

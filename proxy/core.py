@@ -145,10 +145,7 @@ class ProxyCore:
     # -- completion ------------------------------------------------------------------------------
 
     def parse(self, call: PreparedCall, gen: Generation) -> Turn:
-        ids = gen.output_ids
-        if len(ids) and int(ids[-1]) in self.renderer.stop_token_ids:
-            ids = ids[:-1]
-        text = self.renderer.decode(ids)
+        text = self.renderer.answer_text(gen.output_ids)
         return self._parse(text, gen.finish_reason, call.front.new_tool_call_id)
 
     def complete(self, call: PreparedCall, gen: Generation, *, disconnected: bool = False,

@@ -92,7 +92,8 @@ class ChatRenderer:
         self.turn_end_id = vocab.get("<|im_end|>", tokenizer.eos_token_id)
         self._base_msgs = [{"role": "system", "content": _PLACEHOLDER_SYSTEM}]
         self._base_text = self.render_text(self._base_msgs)
-        self.generation_prompt_ids = self.encode(self._generation_prompt_text())
+        self._generation_prompt = self._generation_prompt_text()
+        self.generation_prompt_ids = self.encode(self._generation_prompt)
         self._verbatim = self._verbatim_frames()
         self._assistant_tail = self._assistant_tail_text()
         self._tail_ids: dict[str, np.ndarray] = {}  # a handful of entries: one per stop token
@@ -164,6 +165,21 @@ class ChatRenderer:
             raise ValueError("chat template is not prefix-stable: a message changes the text before it")
         return full[len(base) :]
 
+    def _tail_after(self, output_ids: np.ndarray) -> str:
+        """The template's closing text after an answer, minus a stop token the engine already sampled."""
+        tail = self._assistant_tail
+        if len(output_ids) and int(output_ids[-1]) in self.stop_token_ids:
+            stop_text = self.decode(output_ids[-1:])
+            if tail.startswith(stop_text):
+                tail = tail[len(stop_text) :]
+        return tail
+
+    def answer_text(self, output_ids: np.ndarray) -> str:
+        """An answer's text as the proxy parses it: special tokens kept, a final stop token dropped."""
+        if len(output_ids) and int(output_ids[-1]) in self.stop_token_ids:
+            output_ids = output_ids[:-1]
+        return self.decode(output_ids)
+
     def added_messages(self, added_ids: np.ndarray, after_output_ids: np.ndarray) -> list[tuple[str, str]] | None:
         """The messages a harness added after an assistant turn, from their tokens: `added_ids` are what
         a later prompt holds past that turn's sampled `after_output_ids`, up to and with the generation
@@ -173,11 +189,7 @@ class ChatRenderer:
         template that frames messages by their neighbours, an edited history), for the caller to
         take the text whole."""
         text = self.decode(added_ids)
-        tail = self._assistant_tail
-        if len(after_output_ids) and int(after_output_ids[-1]) in self.stop_token_ids:
-            stop_text = self.decode(after_output_ids[-1:])
-            tail = tail[len(stop_text):] if tail.startswith(stop_text) else tail
-        generation_prompt = self.decode(self.generation_prompt_ids)
+        tail, generation_prompt = self._tail_after(after_output_ids), self._generation_prompt
         if not text.startswith(tail) or not text.endswith(generation_prompt):
             return None
         text = text[len(tail):len(text) - len(generation_prompt)]
@@ -215,11 +227,7 @@ class ChatRenderer:
     def produced_turn_ids(self, output_ids: np.ndarray) -> np.ndarray:
         """The tokens an assistant turn stands for in later prompts: generation prompt + the sampled
         ids + the template's closing text (minus a stop token the engine already sampled)."""
-        tail = self._assistant_tail
-        if len(output_ids) and int(output_ids[-1]) in self.stop_token_ids:
-            stop_text = self.decode(output_ids[-1:])
-            if tail.startswith(stop_text):
-                tail = tail[len(stop_text) :]
+        tail = self._tail_after(output_ids)
         tail_ids = self._tail_ids.get(tail)
         if tail_ids is None:
             tail_ids = self._tail_ids[tail] = self.encode(tail)

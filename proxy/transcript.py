@@ -134,21 +134,14 @@ def _added_events(ids: np.ndarray, previous_output: np.ndarray, previous_calls: 
 
 def core_transcript(core: Any, calls: Sequence[CallRecord]) -> list[dict]:
     """`transcript_events` with a `ProxyCore`'s tokenizer and parser, decoding answers as
-    `ProxyCore.parse` does (special tokens kept, a final stop token dropped). CPU work that grows with
+    `ProxyCore.parse` does (`ChatRenderer.answer_text`). CPU work that grows with
     the rollout: the server runs it off its event loop."""
     renderer, parser = core.renderer, get_parser(core.parser_name)
-    stops = set(renderer.stop_token_ids)
-
-    def answer_text(ids: Sequence[int]) -> str:
-        if len(ids) and int(ids[-1]) in stops:
-            ids = ids[:-1]
-        return renderer.decode(ids)
-
     return transcript_events(
         calls,
         lambda ids: renderer.decode(ids, skip_special_tokens=True),
         lambda text, finish: parser(text, finish, lambda: ""),  # ids are minted by transcript_events
-        decode_answer=answer_text,
+        decode_answer=renderer.answer_text,
         added=renderer.added_messages,
     )
 

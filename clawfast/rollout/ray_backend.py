@@ -19,15 +19,17 @@ Without it, the proxy must already listen on each node's loopback (e.g. a local 
 
 Guaranteed: the same status contract as the local scheduler (`clawfast.rollout.worker`; an actor
 that dies under a rollout, or whose node dies, makes it ``sandbox_error``, and the pool gives that
-actor no more rollouts: the rest run on the live actors, or end ``sandbox_error`` when none is left); at most `RaySetup.concurrency` rollouts per
-actor at once, and no rollout is opened before an actor slot is free; every rollout opened is closed
-(also when `run` is interrupted); actors are closed (their sandboxes destroyed) when the pool closes.
+actor no more rollouts: the rest run on the live actors, or end ``sandbox_error`` when none is left);
+at most `RaySetup.concurrency` rollouts per actor at once, and no rollout is opened before an actor
+slot is free; every rollout opened is closed (also when `run` is interrupted); live actors are closed
+(their sandboxes destroyed) when the pool closes.
 Not guaranteed: TLS between relay and proxy.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import threading
 import time
@@ -44,6 +46,8 @@ from clawfast.rollout.service import SandboxConfig
 from clawfast.rollout.spec import RolloutSpec
 from clawfast.rollout.worker import RolloutConfig, RolloutControl, RolloutWorker, close_rollout, unopened_result
 from clawfast.sandbox.forward import relay
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -312,11 +316,15 @@ class RayRolloutPool:
         import ray
 
         try:
-            for ref in [a.close.remote() for a in self.actors]:
+            # A dead actor's sandboxes went with its processes (bwrap's parent-death signal): only the
+            # live ones are asked to destroy theirs.
+            closing = {i: a.close.remote() for i, a in enumerate(self.actors) if i not in self._dead}
+            for i, ref in closing.items():
                 try:
                     ray.get(ref)
-                except ray.exceptions.RayActorError:
-                    pass  # the actor (or its node) died: its sandboxes went with its processes
+                except ray.exceptions.RayActorError as exc:
+                    log.warning("rollout actor %d died before the pool closed (no rollout of it was running): %s",
+                                i, exc)
         finally:
             for actor in self.actors:
                 ray.kill(actor)

@@ -169,7 +169,11 @@ def _weights(meta: dict[str, Any], grading: str, where: Path) -> float:
 def load_pinchbench_task(path: Path | str, root: Path, split: str | Callable[[str], str]) -> Task:
     """One PinchBench task file of the suite at `root`, as a task of `split` (or of `split(id)`)."""
     path = Path(path)
-    meta, body = _front_matter(path)
+    return _task_of(path, *_front_matter(path), root, split)
+
+
+def _task_of(path: Path, meta: dict[str, Any], body: str, root: Path, split: str | Callable[[str], str]) -> Task:
+    """The task of the file at `path`, from its front matter and body."""
     unknown = sorted(set(meta) - _KEYS)
     if unknown:
         raise _fail(path, unknown[0], f"unknown key (allowed: {', '.join(sorted(_KEYS))})")
@@ -235,11 +239,13 @@ def load_pinchbench(spec: str, split: str | None = None) -> list[Task]:
         raise TaskFormatError(f"{tasks_dir}: no task files (*.md)")
     tasks, seen, found = [], {}, set()
     for path in files:
-        meta_id = _peek_id(path)
-        if meta_id in excluded:
-            found.add(meta_id)
+        meta, body = _front_matter(path)
+        # The id is read before the rest is checked, so an excluded task may hold what clawfast cannot load.
+        declared = meta["id"].strip() if isinstance(meta.get("id"), str) else None
+        if declared in excluded:
+            found.add(declared)
             continue
-        task = load_pinchbench_task(path, root, own_split)
+        task = _task_of(path, meta, body, root, own_split)
         if task.id in seen:
             raise _fail(path, "id", f"{task.id!r} is also the id of {seen[task.id]}")
         seen[task.id] = path
@@ -250,10 +256,3 @@ def load_pinchbench(spec: str, split: str | None = None) -> list[Task]:
         raise ValueError(f"{spec!r}: exclude names {', '.join(missing)}, which no task file has as its id")
     return sorted(tasks, key=lambda t: t.id)
 
-
-def _peek_id(path: Path) -> str | None:
-    """The id a task file declares, read before the rest is checked (so an excluded task may hold
-    what clawfast cannot load)."""
-    meta, _ = _front_matter(path)
-    value = meta.get("id")
-    return value.strip() if isinstance(value, str) else None

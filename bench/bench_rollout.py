@@ -11,7 +11,6 @@ Results: a table on stdout and bench/results/bench_rollout.json. ``--quick`` run
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import platform
 import statistics
@@ -67,7 +66,8 @@ def run_once(n: int, concurrency: int, work_s: float, tmp: Path) -> tuple[float,
             worker = RolloutWorker(registry, backend, {"shell": ShellHarness(tmp)},
                                    config=RolloutConfig(), verifier_runner=verifier_runner)
             start = time.perf_counter()
-            results = asyncio.run(RolloutScheduler(worker, concurrency=concurrency).run(make_specs(tasks, ["shell"])))
+            with RolloutScheduler(worker, concurrency=concurrency) as scheduler:
+                results = scheduler.run(make_specs(tasks, ["shell"]))
             elapsed = time.perf_counter() - start
     finally:
         backend.close()

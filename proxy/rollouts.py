@@ -53,6 +53,7 @@ from clawfast.records import CallRecord, RolloutLog, RolloutResult, rollout_path
 MAX_REFUSALS = 100  # refusals kept per rollout; later ones are only counted
 MAX_REFUSAL_MESSAGE = 2000  # characters of a refusal's message kept
 CLOSED_WHILE_GENERATING = "the rollout was closed while this call was generating"
+RETRIED_DIR = "retried"  # under the records directory: attempts set aside (`RolloutRegistry.set_aside`)
 
 
 def refusal(status: int, error_type: str, message: str, *, protocol: str | None, path: str,
@@ -274,6 +275,19 @@ class RolloutRegistry:
             rollout.log.close(reward=reward, status=status, info=info)
             result.calls = list(rollout.calls)
         return result
+
+    def set_aside(self, rollout_id: str) -> Path:
+        """Move a closed rollout's file to ``<records_dir>/retried/``, where no reader of the records
+        directory (a trainer, `clawfast.train.data.RecordedRollouts`) takes it for a rollout of its
+        task: an attempt that an infrastructure failure ended and that runs again
+        (`clawfast.rollout.retry`). Returns the new path."""
+        with self._lock:
+            if rollout_id in self._by_id:
+                raise ValueError(f"rollout {rollout_id!r} is still open: close it before setting it aside")
+        path = rollout_path(self.records_dir, rollout_id)
+        aside = self.records_dir / RETRIED_DIR
+        aside.mkdir(exist_ok=True)
+        return path.rename(aside / path.name)
 
     def close_all(self, status: str = "proxy_error") -> None:
         """Close every open rollout (server shutdown), marking them with `status`."""

@@ -8,7 +8,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Ray reads its authentication mode once per process: the private clusters of `ray.init()` and the
-# multi-raylet cluster of `ray start` (tests/rollout/ray_cluster.py, where token authentication is on
+# multi-raylet cluster of `ray start` (clawfast/rollout/local_cluster.py, where token authentication is on
 # by default) must all run in one mode. They listen on loopback only: no token.
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 

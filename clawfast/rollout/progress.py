@@ -1,6 +1,7 @@
 """A rollout run's progress: its counts (`RunStats`, made by each `run` of the scheduler or the Ray
 pool) and their one live line (`rollout_line`, on the program's live view `clawfast.live`): done /
-total, running, failed, rollouts per minute, and the count of each non-ok status. Drawn on stderr;
+total, running, failed, rollouts per minute, the count of each non-ok status, and the retries of
+infrastructure failures with the Ray nodes lost (`clawfast.rollout.retry`). Drawn on stderr;
 on a non-terminal it prints only at the end."""
 
 from __future__ import annotations
@@ -13,18 +14,22 @@ from rich.text import Text
 
 from clawfast.live import LiveView
 from clawfast.records import RolloutResult
+from clawfast.rollout.retry import infra_counts
 
 
 @dataclass
 class RunStats:
     """Counts of one `run`; `failed` counts every status other than ``ok``; `running`: rollouts
-    running now for any caller of the scheduler."""
+    running now for any caller of the scheduler; `retries`: attempts of the results so far that ran
+    again; `nodes_lost`: Ray nodes whose actor died under one of their attempts."""
 
     total: int = 0
     done: int = 0
     running: int = 0
     failed: int = 0
     by_status: Counter = field(default_factory=Counter)
+    retries: int = 0
+    nodes_lost: set = field(default_factory=set)
     started: float = field(default_factory=time.monotonic)
 
     def record(self, result: RolloutResult) -> None:
@@ -33,6 +38,9 @@ class RunStats:
         self.by_status[result.status] += 1
         if result.status != "ok":
             self.failed += 1
+        infra = infra_counts([result])
+        self.retries += infra["retries"]
+        self.nodes_lost.update(infra["nodes_lost"])
 
     @property
     def elapsed_s(self) -> float:
@@ -52,6 +60,8 @@ def render_stats(stats: RunStats) -> Text:
     failures = {k: v for k, v in sorted(stats.by_status.items()) if k != "ok"}
     if failures:
         text.append("  (" + ", ".join(f"{k} {v}" for k, v in failures.items()) + ")", style="red")
+    if stats.retries or stats.nodes_lost:
+        text.append(f"  retried {stats.retries}, nodes lost {len(stats.nodes_lost)}", style="yellow")
     return text
 
 

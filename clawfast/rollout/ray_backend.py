@@ -17,13 +17,20 @@ proxy's ``host:port`` as the cluster sees it), each actor relays a loopback port
 that address (`LoopbackRelay`) and hands harnesses that port, so one proxy serves every node.
 Without it, the proxy must already listen on each node's loopback (e.g. a local cluster).
 
-Guaranteed: the same status contract as the local scheduler (`clawfast.rollout.worker`; an actor
-that dies under a rollout, or whose node dies, makes it ``sandbox_error``, and the pool gives that
-actor no more rollouts: the rest run on the live actors, or end ``sandbox_error`` when none is left);
-at most `RaySetup.concurrency` rollouts per actor at once, and no rollout is opened before an actor
-slot is free; every rollout opened is closed (also when `run` is interrupted); live actors are closed
+When a node dies: an actor that dies under a rollout, or whose node dies, makes that attempt
+``sandbox_error`` (an infrastructure failure: ``info["actor_died"]``, ``info["ray_node_id"]``); the
+pool kills that actor and gives it no more rollouts, and the attempt runs again on a live actor, up to
+`infra_retries` times, with the same task and sample index (`clawfast.rollout.retry`: the failed
+attempt's record is set aside, never trained). While a `run` has work left it looks every `REFRESH_S`
+for capacity: a node that joined (a restarted raylet joins as a new node) gets an actor.
+
+Guaranteed: the same status contract as the local scheduler (`clawfast.rollout.worker`); every spec
+gets exactly one result, ``sandbox_error`` when its retries are spent or no live actor is left; at
+most `RaySetup.concurrency` rollouts per actor at once, and no rollout is opened before an actor slot
+is free; every rollout opened is closed (also when `run` is interrupted); live actors are closed
 (their sandboxes destroyed) when the pool closes.
-Not guaranteed: TLS between relay and proxy.
+Not guaranteed: TLS between relay and proxy; a retry on another node than the failed attempt's (a
+sandbox failure on a live node may run again there).
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from clawfast.engines.base import Sampling
 from clawfast.proxy.rollouts import OpenedRollout
 from clawfast.records import RolloutResult
 from clawfast.rollout.progress import RunStats, rollout_line
+from clawfast.rollout.retry import attempt_note, should_retry
 from clawfast.rollout.service import SandboxConfig
 from clawfast.rollout.spec import RolloutSpec
 from clawfast.rollout.worker import RolloutConfig, RolloutControl, RolloutWorker, close_rollout, unopened_result
@@ -174,54 +182,142 @@ class _InFlight:
     spec: RolloutSpec
     rollout_id: str
     actor: int
+    retries: list[dict[str, Any]]
     t0: float = field(default_factory=time.monotonic)
+
+
+# How often a `run` with work left looks for capacity to (re)place actors on: a cheap query of the
+# cluster's node table.
+REFRESH_S = 5.0
+# A node whose actor died gets a new one only if the cluster still reports it alive this long after:
+# Ray declares a lost raylet dead within about 30 s (its health checks), so a node still alive after
+# this is one whose actor alone died. A raylet that restarts joins as a new node and gets an actor at once.
+NODE_GRACE_S = 60.0
+# An actor still starting (a node that just joined) may take this long to close; then it is killed.
+CLOSE_TIMEOUT_S = 120.0
 
 
 class RayRolloutPool:
     """Rollout actors kept alive across `run` calls. num_actors None: one actor per alive node with
-    at least one CPU, pinned to it; an int: that many, placed by Ray. `address`: ``"auto"``,
-    ``"ray://host:port"`` or ``"local"`` (start a private cluster here); a cluster this pool started
-    is shut down by `close`. `actor_options` go to `ray.remote(...).options` (default
-    ``{"num_cpus": 1}``)."""
+    at least one CPU, pinned to it (a node that joins later gets one too); an int: that many, placed
+    by Ray. `address`: ``"auto"``, ``"ray://host:port"`` or ``"local"`` (start a private cluster
+    here); a cluster this pool started is shut down by `close`. `actor_options` go to
+    `ray.remote(...).options` (default ``{"num_cpus": 1}``). infra_retries: how many times a spec
+    whose attempt ended in an infrastructure failure (its actor or node died, its sandbox failed) runs
+    again, on a live actor (`clawfast.rollout.retry`; 0: never)."""
 
     def __init__(self, setup: RaySetup, *, address: str | None = None, num_actors: int | None = None,
-                 actor_options: dict | None = None) -> None:
+                 actor_options: dict | None = None, infra_retries: int = 0) -> None:
         import ray
 
         if num_actors is not None and num_actors < 1:
             raise ValueError(f"num_actors must be at least 1, got {num_actors}")
+        if infra_retries < 0:
+            raise ValueError(f"infra_retries must be >= 0, got {infra_retries}")
         self.setup = setup
+        self.num_actors = num_actors
+        self.infra_retries = infra_retries
         self.started_ray = not ray.is_initialized()
         if self.started_ray:
             ray.init(address=None if address == "local" else address)
-        # Rollouts running on each actor, over every concurrent `run` (the cap is per actor).
+        # Per actor, by index (actors are only ever added): its handle, its node (the one it is pinned
+        # to; placed by Ray: None until a rollout's outcome names it), the rollouts running on it over
+        # every concurrent `run` (the cap is per actor); dead ones (process or node gone) get no more
+        # rollouts.
+        self.actors: list[Any] = []
+        self._nodes: list[str | None] = []
         self._load: list[int] = []
-        self._dead: set[int] = set()  # actors whose process or node died: given no more rollouts
+        self._dead: set[int] = set()
+        self._lost: dict[str, float] = {}  # node id -> when its actor died
         self._freed = threading.Condition()
-        options = {"num_cpus": 1, "max_concurrency": setup.concurrency, **(actor_options or {})}
-        actor_cls = ray.remote(RolloutActor)
+        self._growing = threading.Lock()
+        self._checked = 0.0
+        self._options = {"num_cpus": 1, "max_concurrency": setup.concurrency, **(actor_options or {})}
+        self._actor_cls = ray.remote(RolloutActor)
         try:
             if num_actors is None:
-                from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-                nodes = [n["NodeID"] for n in ray.nodes()
-                         if n["Alive"] and n["Resources"].get("CPU", 0) >= options["num_cpus"]]
+                nodes = self._capable_nodes()
                 if not nodes:
-                    raise ValueError(f"no alive Ray node has {options['num_cpus']} CPU(s) for a rollout actor")
-                self.actors = [actor_cls.options(**options, scheduling_strategy=NodeAffinitySchedulingStrategy(
-                    node, soft=False)).remote(setup) for node in nodes]
+                    raise ValueError(f"no alive Ray node has {self._options['num_cpus']} CPU(s) for a rollout actor")
+                for node in nodes:
+                    self._add_actor(node)
             else:
-                self.actors = [actor_cls.options(**options).remote(setup) for _ in range(num_actors)]
+                for _ in range(num_actors):
+                    self._add_actor(None)
         except BaseException:
             self._shutdown()
             raise
-        self._load = [0] * len(self.actors)
+        self._checked = time.monotonic()
 
     def __enter__(self) -> "RayRolloutPool":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def _capable_nodes(self) -> list[str]:
+        import ray
+
+        return [n["NodeID"] for n in ray.nodes()
+                if n["Alive"] and n["Resources"].get("CPU", 0) >= self._options["num_cpus"]]
+
+    def _add_actor(self, node: str | None) -> None:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        options = dict(self._options)
+        if node is not None:
+            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
+        actor = self._actor_cls.options(**options).remote(self.setup)
+        with self._freed:
+            self.actors.append(actor)
+            self._nodes.append(node)
+            self._load.append(0)
+            self._freed.notify_all()
+        if node is not None:
+            log.info("rollout actor %d placed on Ray node %s", len(self.actors) - 1, node)
+
+    def _live(self) -> list[int]:
+        return [i for i in range(len(self.actors)) if i not in self._dead]
+
+    def _grow(self, *, now: bool = False) -> None:
+        """Place actors where capacity is (again): on each alive node without a live actor (one per
+        node mode), or in place of dead ones while the cluster has free CPUs (`num_actors` mode).
+        Looks at most every `REFRESH_S` unless `now`; one thread at a time."""
+        import ray
+
+        if not (now or time.monotonic() - self._checked >= REFRESH_S) or not self._growing.acquire(blocking=False):
+            return
+        try:
+            self._checked = time.monotonic()
+            if self.num_actors is None:
+                with self._freed:
+                    served = {self._nodes[i] for i in self._live()}
+                for node in self._capable_nodes():
+                    died = self._lost.get(node)
+                    if node not in served and (died is None or time.monotonic() - died >= NODE_GRACE_S):
+                        self._add_actor(node)
+            else:
+                missing = self.num_actors - len(self._live())
+                free = int(ray.available_resources().get("CPU", 0) // max(self._options["num_cpus"], 1e-9))
+                for _ in range(min(missing, free)):
+                    self._add_actor(None)
+        finally:
+            self._growing.release()
+
+    def _actor_died(self, actor: int) -> None:
+        """Its process or node is gone (or unreachable): it gets no more rollouts, and it is killed so
+        that one merely unreachable cannot come back with rollouts nobody waits for."""
+        import ray
+
+        with self._freed:
+            if actor in self._dead:
+                return
+            self._dead.add(actor)
+            node = self._nodes[actor]
+            if node is not None:
+                self._lost[node] = time.monotonic()
+        log.warning("rollout actor %d (Ray node %s) died: its rollouts run again on live actors", actor, node)
+        ray.kill(self.actors[actor], no_restart=True)
 
     def run(self, specs: Sequence[RolloutSpec], control: RolloutControl, *, sampling: Sampling | None = None,
             on_result: Callable[[RolloutResult], None] | None = None, progress: bool = False) -> list[RolloutResult]:
@@ -237,8 +333,9 @@ class RayRolloutPool:
         display = rollout_line(stats) if progress else None
         results: list[RolloutResult | None] = [None] * len(specs)
         inflight: dict[Any, _InFlight] = {}
-        queue = deque(enumerate(specs))
-        load, freed = self._load, self._freed
+        # (spec index, spec, notes of its failed attempts); a retry goes to the front.
+        queue: deque[tuple[int, RolloutSpec, list[dict[str, Any]]]] = deque((i, s, []) for i, s in enumerate(specs))
+        freed = self._freed
 
         def finish(index: int, result: RolloutResult) -> None:
             results[index] = result
@@ -250,22 +347,26 @@ class RayRolloutPool:
             if display:
                 display.start()
             while queue or inflight:
+                if queue:
+                    self._grow(now=not self._live())
                 while queue:
                     with freed:
-                        live = [i for i in range(len(load)) if i not in self._dead]
-                        if not live:  # every actor's node died: nothing can run what is left
+                        live = self._live()
+                        if not live:  # every actor died and no capacity came back: nothing can run what is left
                             while queue:
-                                index, spec = queue.popleft()
+                                index, spec, retries = queue.popleft()
                                 finish(index, RolloutResult(
                                     rollout_id=f"unrun-{spec.task.id}-{spec.harness}-{spec.sample_index}",
                                     task_id=spec.task.id, harness=spec.harness, sample_index=spec.sample_index,
-                                    status="sandbox_error", info={"error": "no live rollout actor: every actor died"}))
+                                    status="sandbox_error",
+                                    info={"error": "no live rollout actor: every actor died",
+                                          **({"retries": retries} if retries else {})}))
                             break
-                        actor = min(live, key=lambda i: load[i])
-                        if load[actor] >= self.setup.concurrency:
+                        actor = min(live, key=lambda i: self._load[i])
+                        if self._load[actor] >= self.setup.concurrency:
                             break
-                        load[actor] += 1  # the slot is taken before the rollout opens
-                    index, spec = queue.popleft()
+                        self._load[actor] += 1  # the slot is taken before the rollout opens
+                    index, spec, retries = queue.popleft()
                     try:
                         opened = control.open(task_id=spec.task.id, harness=spec.harness,
                                               sample_index=spec.sample_index, sampling=sampling)
@@ -275,7 +376,7 @@ class RayRolloutPool:
                         continue
                     ref = self.actors[actor].run.remote(spec.task.id, spec.harness, spec.sample_index,
                                                         opened.rollout_id, opened.key, opened.base_url)
-                    inflight[ref] = _InFlight(index, spec, opened.rollout_id, actor)
+                    inflight[ref] = _InFlight(index, spec, opened.rollout_id, actor, retries)
                 stats.running = len(inflight)
                 if display:
                     display.update()
@@ -283,20 +384,32 @@ class RayRolloutPool:
                     with freed:
                         freed.wait(timeout=1.0)
                     continue
-                [ref], _ = ray.wait(list(inflight), num_returns=1)
-                job = inflight.pop(ref)
+                done, _ = ray.wait(list(inflight), num_returns=1, timeout=REFRESH_S)
+                if not done:  # nothing ended: look again for capacity that came back
+                    continue
+                job = inflight.pop(done[0])
                 self._release(job.actor)
                 try:
-                    outcome = ray.get(ref)
+                    outcome = ray.get(done[0])
+                    if self._nodes[job.actor] is None:
+                        self._nodes[job.actor] = outcome["info"].get("ray_node_id")
                 except Exception as exc:  # the actor died, or raised (a bug): no outcome to trust
                     outcome = {"status": "sandbox_error", "reward": 0.0,
                                "info": {"error": f"rollout actor failed: {type(exc).__name__}: {exc}"}}
+                    if self._nodes[job.actor] is not None:
+                        outcome["info"]["ray_node_id"] = self._nodes[job.actor]
                     if isinstance(exc, ray.exceptions.RayActorError):
-                        # Its process or node is gone (or unreachable): no more rollouts go to it.
-                        with freed:
-                            self._dead.add(job.actor)
-                finish(job.index, close_rollout(control, job.spec, job.rollout_id, outcome["reward"],
-                                                outcome["status"], outcome["info"], job.t0))
+                        outcome["info"]["actor_died"] = True
+                        self._actor_died(job.actor)
+                if job.retries:
+                    outcome["info"]["retries"] = job.retries
+                result = close_rollout(control, job.spec, job.rollout_id, outcome["reward"], outcome["status"],
+                                       outcome["info"], job.t0)
+                if should_retry(result, len(job.retries), self.infra_retries):
+                    control.set_aside(result.rollout_id)
+                    queue.appendleft((job.index, job.spec, [*job.retries, attempt_note(result)]))
+                    continue
+                finish(job.index, result)
             return [r for r in results if r is not None]
         finally:
             for ref, job in inflight.items():  # interrupted: nothing opened stays open
@@ -321,10 +434,12 @@ class RayRolloutPool:
             closing = {i: a.close.remote() for i, a in enumerate(self.actors) if i not in self._dead}
             for i, ref in closing.items():
                 try:
-                    ray.get(ref)
+                    ray.get(ref, timeout=CLOSE_TIMEOUT_S)
                 except ray.exceptions.RayActorError as exc:
                     log.warning("rollout actor %d died before the pool closed (no rollout of it was running): %s",
                                 i, exc)
+                except ray.exceptions.GetTimeoutError:
+                    log.warning("rollout actor %d did not close within %.0f s: killed", i, CLOSE_TIMEOUT_S)
         finally:
             for actor in self.actors:
                 ray.kill(actor)

@@ -11,7 +11,8 @@ all under the one cap. Blocking work (sandbox starts and runs, verifiers, proxy 
 thread pool sized to the cap, so a slow sandbox never stalls the loop.
 
 Guaranteed: every spec of a `run` gets a result with a truthful status (see
-`clawfast.rollout.worker`), in spec order; if the caller is interrupted (Ctrl-C) or a rollout
+`clawfast.rollout.worker`), in spec order, after at most `infra_retries` re-runs of an attempt that
+ended in an infrastructure failure (`clawfast.rollout.retry`); if the caller is interrupted (Ctrl-C) or a rollout
 raises (a bug), every rollout of that `run` still in flight is closed and its sandbox destroyed
 before the exception propagates; `close` does the same for every rollout of every caller. Not
 guaranteed: an order of completion (use `on_result` for streaming).
@@ -28,6 +29,7 @@ from typing import Callable, Sequence
 from clawfast.engines.base import Sampling
 from clawfast.records import RolloutResult
 from clawfast.rollout.progress import RunStats, rollout_line
+from clawfast.rollout.retry import attempt_note, should_retry
 from clawfast.rollout.spec import RolloutSpec
 from clawfast.rollout.worker import RolloutWorker
 
@@ -62,14 +64,18 @@ def gather(futures: Sequence[concurrent.futures.Future], *, on_result: Callable[
 
 
 class RolloutScheduler:
-    """concurrency: rollouts in flight at once, over every caller. Start with `start` (or `with`),
-    stop with `close`."""
+    """concurrency: rollouts in flight at once, over every caller. infra_retries: how many times a
+    spec whose attempt ended in an infrastructure failure runs again (`clawfast.rollout.retry`; 0:
+    never). Start with `start` (or `with`), stop with `close`."""
 
-    def __init__(self, worker: RolloutWorker, *, concurrency: int = 8) -> None:
+    def __init__(self, worker: RolloutWorker, *, concurrency: int = 8, infra_retries: int = 0) -> None:
         if concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, got {concurrency}")
+        if infra_retries < 0:
+            raise ValueError(f"infra_retries must be >= 0, got {infra_retries}")
         self.worker = worker
         self.concurrency = concurrency
+        self.infra_retries = infra_retries
         self.running = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -133,10 +139,16 @@ class RolloutScheduler:
             out.set_result(task.result())
 
     async def _one(self, spec: RolloutSpec, sampling: Sampling | None) -> RolloutResult:
-        async with self._semaphore:
+        async with self._semaphore:  # held over the retries: a retry takes no other spec's slot
             self.running += 1
             try:
-                return await self.worker.run(spec, sampling)
+                retries: list[dict] = []
+                while True:
+                    result = await self.worker.run(spec, sampling, retries)
+                    if not should_retry(result, len(retries), self.infra_retries):
+                        return result
+                    await asyncio.to_thread(self.worker.control.set_aside, result.rollout_id)
+                    retries.append(attempt_note(result))
             finally:
                 self.running -= 1
 

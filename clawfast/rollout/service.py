@@ -14,7 +14,9 @@ put back together: the `ProxyConfig` reaches `ProxyCore` as given, and the worke
 made once, for this process and every Ray actor alike. A training run maps its `RunConfig` to them in
 `clawfast.train.build.rollout_service`.
 
-`run` returns one `RolloutResult` per spec, in spec order (status contract: `clawfast.rollout.worker`).
+`run` returns one `RolloutResult` per spec, in spec order (status contract: `clawfast.rollout.worker`),
+an attempt that ended in an infrastructure failure run again up to `SchedulingConfig.infra_retries`
+times (`clawfast.rollout.retry`; the failed attempts' records set aside under ``<records_dir>/retried/``).
 `sampling` (temperature, top_p, output cap, call budget) travels with each rollout it opens, so two
 runs with different sampling never touch a shared setting. Records are written by the proxy as calls
 are answered (``<records_dir>/<rollout_id>.cfr``) and reach the caller once, from the registry.
@@ -103,14 +105,18 @@ class HarnessConfig:
 @dataclass(frozen=True)
 class SchedulingConfig:
     """concurrency: rollouts in flight (per actor on Ray). ray: run them on a Ray cluster (None:
-    on one asyncio loop of this process)."""
+    on one asyncio loop of this process). infra_retries: how many times a spec whose attempt ended
+    in an infrastructure failure (sandbox, Ray actor or node) runs again (`clawfast.rollout.retry`)."""
 
     concurrency: int = 4
     ray: OnRay | None = None
+    infra_retries: int = 2
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, got {self.concurrency}")
+        if self.infra_retries < 0:
+            raise ValueError(f"infra_retries must be >= 0, got {self.infra_retries}")
 
 
 @dataclass(frozen=True)
@@ -250,7 +256,8 @@ class RolloutService:
 
         worker = RolloutWorker(self.registry, backend, self.adapters, config=self._rollout_config(),
                                verifier_runner=runner)
-        return stack.enter_context(RolloutScheduler(worker, concurrency=self.scheduling.concurrency))
+        return stack.enter_context(RolloutScheduler(worker, concurrency=self.scheduling.concurrency,
+                                                    infra_retries=self.scheduling.infra_retries))
 
     def _start_ray(self, stack: contextlib.ExitStack):
         import ray
@@ -267,7 +274,8 @@ class RolloutService:
             rollout=self._rollout_config(), concurrency=self.scheduling.concurrency,
             proxy_address=f"{node}:{self.server.port}",
         )  # fmt: skip
-        return stack.enter_context(RayRolloutPool(setup, num_actors=on.num_actors, actor_options=on.actor_options))
+        return stack.enter_context(RayRolloutPool(setup, num_actors=on.num_actors, actor_options=on.actor_options,
+                                                  infra_retries=self.scheduling.infra_retries))
 
     # -- rollouts ----------------------------------------------------------------------------------
 

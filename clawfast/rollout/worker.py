@@ -50,7 +50,7 @@ import time
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Mapping, Protocol, TypeVar
+from typing import Any, Awaitable, Callable, Mapping, Protocol, Sequence, TypeVar
 from urllib.parse import urlsplit
 
 from clawfast.engines.base import Sampling
@@ -74,12 +74,14 @@ FINAL_MESSAGE_BYTES = 65536
 
 class RolloutControl(Protocol):
     """What the worker needs of the proxy: its `clawfast.proxy.rollouts.RolloutRegistry` (or anything
-    of the same `open` / `close` shape). `OpenedRollout.base_url` is ``http://127.0.0.1:PORT``."""
+    of the same `open` / `close` / `set_aside` shape). `OpenedRollout.base_url` is ``http://127.0.0.1:PORT``."""
 
     def open(self, *, task_id: str, harness: str, sample_index: int,
              sampling: Sampling | None = None) -> OpenedRollout: ...
 
     def close(self, rollout_id: str, *, reward: float, status: str, info: dict[str, Any]) -> RolloutResult: ...
+
+    def set_aside(self, rollout_id: str) -> Path: ...
 
 
 @dataclass(frozen=True)
@@ -257,10 +259,12 @@ class RolloutWorker:
             raise ValueError(f"no adapter for harness {spec.harness!r}; have {sorted(self.harnesses)}")
         return harness
 
-    async def run(self, spec: RolloutSpec, sampling: Sampling | None = None) -> RolloutResult:
-        """Open a rollout (every call of it sampled with `sampling`), `execute` it, close it."""
+    async def run(self, spec: RolloutSpec, sampling: Sampling | None = None,
+                  retries: Sequence[dict[str, Any]] = ()) -> RolloutResult:
+        """Open a rollout (every call of it sampled with `sampling`), `execute` it, close it.
+        retries: the notes of this spec's earlier attempts (`clawfast.rollout.retry`), kept in its info."""
         self._harness(spec)
-        info: dict[str, Any] = {"timings": {}}
+        info: dict[str, Any] = {"timings": {}, **({"retries": list(retries)} if retries else {})}
         t0 = time.monotonic()
         try:
             opened = await self._call_owned(

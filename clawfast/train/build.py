@@ -158,6 +158,7 @@ def rollout_service(config: RunConfig, engine: Engine | str, model_dir: Path, re
         engine, model_dir, records_dir=records_dir, proxy=proxy,
         harnesses=HarnessConfig(harness_options(config, max_turns=max_turns), timeout_s=rc.timeout_s,
                                 logs_dir=logs_dir),
-        sandbox=SandboxConfig(rc.sandbox), scheduling=SchedulingConfig(concurrency or rc.concurrency, ray=ray),
+        sandbox=SandboxConfig(rc.sandbox),
+        scheduling=SchedulingConfig(concurrency or rc.concurrency, ray=ray, infra_retries=rc.infra_retries),
         oracle_tasks=oracle_tasks,
     )  # fmt: skip

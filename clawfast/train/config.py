@@ -175,7 +175,10 @@ class RolloutSection(_Section):
     only timeout_s bounds them). mini_instance_template: mini-swe-agent only:
     its ``agent.instance_template`` (the first user message, Jinja, must hold ``{{task}}``), set through
     the harness's own ``-c`` config layers; None keeps the harness default (~1,300 tokens of
-    workflow advice, which dominates the compute of a tiny model on CPU)."""
+    workflow advice, which dominates the compute of a tiny model on CPU). infra_retries: how many
+    times a rollout whose attempt ended in an infrastructure failure (its sandbox, or its Ray actor or
+    node, died or never started) runs again with the same task and sample index, so its group trains
+    whole (`clawfast.rollout.retry`; the failed attempt is never trained)."""
 
     source: Literal["harness", "recorded"] = "harness"
     recorded_dir: str | None = None
@@ -189,6 +192,7 @@ class RolloutSection(_Section):
     max_model_calls: int | None = Field(None, ge=1)
     mini_instance_template: str | None = None
     keep_logs: bool = False
+    infra_retries: int = Field(2, ge=0)
 
     @model_validator(mode="before")
     @classmethod

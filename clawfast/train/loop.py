@@ -63,6 +63,7 @@ import numpy as np
 import torch
 
 from clawfast.records import RolloutResult
+from clawfast.rollout.retry import infra_counts
 from clawfast.train.algorithms import token_lags
 from clawfast.train.build import (
     build_engine,
@@ -393,6 +394,7 @@ class _AsyncFeed(_Feed):
         return results, {
             "time/rollout_s": time.monotonic() - t0,  # what the trainer waited: rollouts ran meanwhile
             "async/dropped_stale_groups": float(dropped),
+            "async/retried_groups": float(sum(g.retried for g in groups)),
             # Per output token: a call continued across a push holds tokens of more than one version.
             "async/staleness_mean": float(lags.mean()) if lags.size else 0.0,
             "async/staleness_max": float(lags.max(initial=0)),
@@ -436,13 +438,16 @@ def _one_step(config: RunConfig, trainer: Trainer, feed, state: TrainState, push
               ref_policy, view: ProgressView | None) -> dict[str, float]:
     rc = config.rollout
     total = rc.tasks_per_step * len(rc.harnesses) * rc.samples_per_task
-    done = [0, 0]
+    done: list[RolloutResult] = []
 
     def on_result(r: RolloutResult) -> None:
-        done[0] += 1
-        done[1] += r.status != "ok"
+        done.append(r)
         if view:
-            view.advance(0, note=f"step {state.step + 1}: rollouts {done[0]}/{total} (not ok {done[1]})")
+            infra = infra_counts(done)
+            retried = (f", retried {infra['retries']}, nodes lost {len(infra['nodes_lost'])}"
+                       if infra["retries"] else "")
+            not_ok = sum(x.status != "ok" for x in done)
+            view.advance(0, note=f"step {state.step + 1}: rollouts {len(done)}/{total} (not ok {not_ok}{retried})")
 
     if view:
         view.advance(0, note=f"step {state.step + 1}: rollouts 0/{total}")

@@ -10,7 +10,11 @@ could not score them), the trainer's metrics (``loss``,
 ``subscore/<name>``, the mean of each named sub-score of a graded verifier (`subscore_means`), per
 suite too (``pass@1_suite/<suite>``), and what its scores rest on (`score_counts`): ``judged``,
 ``not_judged``, ``judge_errors``, ``unscored``, ``rollouts_all``, ``grader_errors_task/<id>``; its
-pass@1 and rewards count only the rollouts whose every part was scored.
+pass@1 and rewards count only the rollouts whose every part was scored. Infrastructure
+(`clawfast.rollout.retry.infra_counts`): ``rollout/retries`` (attempts run again),
+``rollout/infra_failures`` (attempts that an infrastructure failure ended, retried or returned),
+``rollout/retried_rollouts``, ``rollout/nodes_lost`` (Ray nodes whose actor died under an attempt),
+and on Ray ``rollout/node/<node id, 8 characters>`` (rollouts each node ran to the end).
 """
 
 from __future__ import annotations
@@ -19,6 +23,10 @@ from collections import Counter, defaultdict
 from typing import Sequence
 
 from clawfast.records import RolloutResult
+from clawfast.rollout.retry import infra_counts
+
+# A Ray node id's first characters name it in metrics (as Ray's own CLI shortens them).
+NODE_ID_CHARS = 8
 
 
 def rollout_metrics(results: Sequence[RolloutResult], prefix: str = "") -> dict[str, float]:
@@ -41,6 +49,12 @@ def rollout_metrics(results: Sequence[RolloutResult], prefix: str = "") -> dict[
     out[f"{prefix}rollouts"] = float(len(results))
     verdicts = [r.info.get("verifier") for r in results]
     out[f"{prefix}verifier_errors"] = float(sum(v is not None and v.get("status") != "ok" for v in verdicts))
+    infra = infra_counts(list(results))
+    for name in ("retries", "infra_failures", "retried_rollouts"):
+        out[f"{prefix}rollout/{name}"] = float(infra[name])
+    out[f"{prefix}rollout/nodes_lost"] = float(len(infra["nodes_lost"]))
+    for node, n in sorted(Counter(r.info["ray_node_id"] for r in results if r.info.get("ray_node_id")).items()):
+        out[f"{prefix}rollout/node/{node[:NODE_ID_CHARS]}"] = float(n)
     return out
 
 

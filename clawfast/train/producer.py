@@ -21,6 +21,11 @@ faster ones is the case the bound cuts. So no trained token is older than ``curr
 and with ``max_staleness = 0`` exactly the step's groups run, all on the current weights, and
 nothing starts before the previous step's push: the synchronous loop's schedule, rollout for rollout.
 
+A rollout lost to an infrastructure failure (a node gone, a sandbox dead) runs again inside its
+group's ``source.run`` (`clawfast.rollout.retry`), so the group finishes whole, only later; the bound
+is checked on what the group holds when it finishes, its retried rollouts included, and groups with
+a retried rollout are counted (`retried_groups`, over the groups handed out).
+
 Guaranteed: every group handed out has its results in spec order and satisfies the bound; dropped
 groups are counted (`dropped_groups`); `snapshot` lists every position started or queued
 but not handed out (what a checkpoint stores, so a resumed run runs those tasks again). An exception
@@ -50,6 +55,11 @@ class Group:
     results: list[RolloutResult]
     seconds: float
 
+    @property
+    def retried(self) -> bool:
+        """Whether a rollout of it ran again after an infrastructure failure (`clawfast.rollout.retry`):
+        the group is whole, its retried rollout sampled later than the others."""
+        return any(r.info.get("retries") for r in self.results)
 
 
 class RolloutProducer:
@@ -74,6 +84,7 @@ class RolloutProducer:
         self.sampling = sampling
         self.next_position = next_position
         self.dropped_groups = 0
+        self.retried_groups = 0
         self._requeued = deque(requeued)
         self._cond = threading.Condition()
         self._outstanding = 0
@@ -165,6 +176,7 @@ class RolloutProducer:
                     continue
                 out.append(group)
                 self._taken += 1
+                self.retried_groups += group.retried
         return sorted(out, key=lambda g: g.position), dropped
 
     def retire(self, n: int) -> None:

@@ -47,6 +47,9 @@ def step_line(step: int, record: dict[str, float]) -> str:
     left_out = _per_thread(record, "calls_excluded")
     if left_out:
         line += "; side calls not trained: " + ", ".join(left_out)
+    if record.get("rollout/retries") or record.get("rollout/nodes_lost"):
+        line += (f"; infrastructure: {int(record.get('rollout/retries', 0))} rollout(s) retried, "
+                 f"{int(record.get('rollout/nodes_lost', 0))} node(s) lost")
     return line
 
 

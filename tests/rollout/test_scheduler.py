@@ -82,7 +82,11 @@ def test_progress_line_counts():
     stats.record(RolloutResult("r2", "t", "h", status="timeout"))
     stats.running = 1
     line = render_stats(stats).plain
-    assert line.startswith("rollouts 2/3  running 1  failed 1") and "(timeout 1)" in line
+    assert line.startswith("rollouts 2/3  running 1  failed 1") and "(timeout 1)" in line and "retried" not in line
+    # A rollout that ran again after its node died: the line says so, and names the node once.
+    lost = {"rollout_id": "r0", "status": "sandbox_error", "error": "x", "ray_node_id": "n1", "actor_died": True}
+    stats.record(RolloutResult("r3", "t", "h", status="ok", info={"retries": [lost, {**lost, "rollout_id": "r00"}]}))
+    assert render_stats(stats).plain.endswith("retried 2, nodes lost 1")
 
 
 def peak_overlap(results) -> int:

@@ -2,7 +2,8 @@
 
 The rollouts are `clawfast.synthetic` harness-shaped sessions (shared system prompt, retries,
 subagent calls) over a 64-token vocabulary; the model is a 2-layer Qwen3 of that vocabulary. No
-engine, harness or sandbox is involved: the loop reads them through `RecordedRollouts`."""
+engine, harness or sandbox is involved: the loop reads them through `RecordedRollouts`. For the tests
+that run real harnesses, `oracle_engine_factory` stands in for the run's engine."""
 
 from __future__ import annotations
 
@@ -65,3 +66,28 @@ interval = {interval}
 keep = 10
 {extra}
 """.replace("'", '"')
+
+
+def oracle_engine_factory(config, tasks):
+    """A stand-in for `clawfast.train.loop.build_engine` (monkeypatched by the tests that run real
+    harnesses): the scripted engine playing each of `tasks`' oracles through the run's mini-swe-agent,
+    at the weight version the loop asks for."""
+    from transformers import AutoTokenizer
+
+    from clawfast.embedded import ensure_embedded_model
+    from clawfast.engines.scripted import ScriptedEngine
+    from clawfast.harness import get_harness
+    from clawfast.proxy.render import ChatRenderer
+    from clawfast.rollout.oracle import OracleResponder
+    from clawfast.train.build import harness_options
+
+    renderer = ChatRenderer(AutoTokenizer.from_pretrained(ensure_embedded_model()))
+    harness = get_harness("mini-swe-agent", **harness_options(config)["mini-swe-agent"])
+
+    def scripted_engine(engine_config, model_dir, *, weight_version, **_):
+        engine = ScriptedEngine(renderer.encode, renderer.turn_end_id,
+                                responder=OracleResponder(renderer, harness, tasks))
+        engine.weight_version = weight_version
+        return engine
+
+    return scripted_engine

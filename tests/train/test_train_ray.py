@@ -12,8 +12,9 @@ import os
 import shutil
 
 import pytest
-
 import ray
+
+from loop_fixtures import oracle_engine_factory
 
 SANDBOX = "bwrap" if shutil.which("bwrap") and shutil.which("socat") else "local"
 
@@ -21,17 +22,9 @@ SANDBOX = "bwrap" if shutil.which("bwrap") and shutil.which("socat") else "local
 @pytest.mark.harness
 @pytest.mark.slow
 def test_one_step_with_rollouts_on_ray_actors(tmp_path, monkeypatch):
-    from transformers import AutoTokenizer
-
-    from clawfast.embedded import ensure_embedded_model
-    from clawfast.engines.scripted import ScriptedEngine
-    from clawfast.harness import get_harness
-    from clawfast.rollout.oracle import OracleResponder
-    from clawfast.proxy.render import ChatRenderer
     from clawfast.records import read_rollouts
     from clawfast.tasks import clawbench_mini
     from clawfast.train import distributed, loop
-    from clawfast.train.build import harness_options
     from clawfast.train.config_file import config_from_dict
     from clawfast.train.metrics_log import read_metrics
 
@@ -46,14 +39,6 @@ def test_one_step_with_rollouts_on_ray_actors(tmp_path, monkeypatch):
         "distributed": {"rollouts": "ray", "ray_address": "local"},
     })
     tasks = [t for t in clawbench_mini(0) if t.split == "train"]
-    renderer = ChatRenderer(AutoTokenizer.from_pretrained(ensure_embedded_model()))
-    harness = get_harness("mini-swe-agent", **harness_options(config)["mini-swe-agent"])
-
-    def scripted_engine(engine_config, model_dir, *, weight_version, **_):
-        engine = ScriptedEngine(renderer.encode, renderer.turn_end_id,
-                                responder=OracleResponder(renderer, harness, tasks))
-        engine.weight_version = weight_version
-        return engine
 
     seen = {}
     real_step = distributed.train_on_rollouts
@@ -63,7 +48,7 @@ def test_one_step_with_rollouts_on_ray_actors(tmp_path, monkeypatch):
         seen["nodes"] = {n["NodeID"] for n in ray.nodes() if n["Alive"]}  # the cluster is up during the step
         return real_step(policy, optimizer, results, cfg, state, ref_policy)
 
-    monkeypatch.setattr(loop, "build_engine", scripted_engine)
+    monkeypatch.setattr(loop, "build_engine", oracle_engine_factory(config, tasks))
     monkeypatch.setattr(distributed, "train_on_rollouts", spy)
     summary = loop.train(config, progress=False)
 

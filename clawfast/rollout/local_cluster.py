@@ -1,4 +1,5 @@
-"""A multi-node Ray cluster on this machine: a head raylet (no CPUs: no rollout actor lands there) and
+"""A multi-node Ray cluster on one machine, for the tests and `bench/ray_soak.py`: a head raylet (no
+CPUs: no rollout actor lands there) and
 worker raylets, each started with `ray start --block` in its own process group, with its own
 `--num-cpus` and a resource ``clawfast_node_<i>``. Objects, actor placement and node death are Ray's
 real mechanisms; `kill_worker` SIGKILLs a worker's whole process group, as a preemption would. The
@@ -6,9 +7,13 @@ same commands start a cluster of several machines (docs/DESIGN.md).
 
 Every process group is waited for within bounded times and killed if it outlives them, so nothing is
 left running. Token authentication (on by default for `ray start`) is off for this loopback-only
-cluster: ``RAY_AUTH_MODE=disabled``, set for the whole test process by tests/conftest.py (Ray reads the
-mode once per process, so every Ray cluster of the tests must share it); a cluster across machines
-keeps it on.
+cluster: ``RAY_AUTH_MODE=disabled`` must be set for the whole process before Ray is first used (Ray
+reads the mode once per process, so every Ray cluster of a process must share it; tests/conftest.py
+sets it); a cluster across machines keeps it on.
+
+    cluster = LocalRayCluster(Path("ray-logs"), workers=2)   # head + 2 workers; this process connected
+    cluster.kill_worker(0); cluster.start_worker(0)          # preempted, and back as a new node
+    cluster.close()
 """
 
 from __future__ import annotations
@@ -23,7 +28,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import ray
 
 START_TIMEOUT_S = 90.0
 STOP_TIMEOUT_S = 30.0
@@ -36,19 +40,27 @@ def _free_port() -> int:
 
 
 class LocalRayCluster:
-    def __init__(self, log_dir: Path, *, workers: int = 2, cpus_per_worker: int = 1) -> None:
+    """A head raylet of `head_cpus` CPUs (0: it hosts no rollout actor) and `workers` worker raylets
+    of `cpus_per_worker` CPUs each, their logs in `log_dir`; this process is connected to it
+    (``ray.init``) until `close`."""
+
+    def __init__(self, log_dir: Path, *, workers: int = 2, cpus_per_worker: int = 1, head_cpus: int = 0) -> None:
+        import ray  # an optional dependency: imported where used
+
         self.port = _free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         if os.environ.get("RAY_AUTH_MODE") != "disabled":
-            raise RuntimeError("the test cluster runs without token authentication: set RAY_AUTH_MODE=disabled "
-                               "for the whole process (tests/conftest.py does)")
+            raise RuntimeError("the local cluster runs without token authentication: set RAY_AUTH_MODE=disabled "
+                               "for the whole process before Ray is first used (tests/conftest.py does)")
         self.env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
         self.head: subprocess.Popen | None = None
         self.workers: list[subprocess.Popen | None] = []
+        self.node_ids: dict[int, str] = {}
         try:
-            self.head = self._start("head", "--head", f"--port={self.port}", "--num-cpus=0", "--include-dashboard=false")
+            self.head = self._start("head", "--head", f"--port={self.port}", f"--num-cpus={head_cpus}",
+                                    "--include-dashboard=false")
             deadline = time.monotonic() + START_TIMEOUT_S
             while True:
                 try:
@@ -74,17 +86,22 @@ class LocalRayCluster:
         finally:
             log.close()
 
+    def all_nodes(self) -> list[dict]:
+        import ray
+
+        return ray.nodes()
+
     def alive_nodes(self) -> list[dict]:
-        return [n for n in ray.nodes() if n["Alive"]]
+        return [n for n in self.all_nodes() if n["Alive"]]
 
     def node_id(self, i: int) -> str:
-        """The Ray node id of worker `i` (by its resource)."""
-        [node] = [n for n in self.alive_nodes() if f"clawfast_node_{i}" in n["Resources"]]
-        return node["NodeID"]
+        """The Ray node id of worker `i`'s latest raylet (a restarted raylet is a new node; the cluster
+        reports the killed one alive until its health checks fail)."""
+        return self.node_ids[i]
 
     def start_worker(self, i: int, cpus: int = 1) -> None:
         """Start worker raylet `i` (again, after `kill_worker`) and wait until the cluster counts it."""
-        before = len(self.alive_nodes())
+        known = {n["NodeID"] for n in self.all_nodes()}
         proc = self._start(f"worker{i}", f"--address={self.address}", f"--num-cpus={cpus}",
                            f"--resources={json.dumps({f'clawfast_node_{i}': 1})}")
         if i < len(self.workers):
@@ -92,10 +109,14 @@ class LocalRayCluster:
         else:
             self.workers.append(proc)
         deadline = time.monotonic() + START_TIMEOUT_S
-        while len(self.alive_nodes()) <= before:
+        while True:
+            joined = [n["NodeID"] for n in self.alive_nodes() if n["NodeID"] not in known]
+            if joined:
+                break
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"worker raylet {i} did not join (see {self.log_dir / f'worker{i}.log'})")
             time.sleep(0.3)
+        self.node_ids[i] = joined[0]
 
     def kill_worker(self, i: int) -> None:
         """SIGKILL worker `i`'s process group (its raylet, the actors' worker processes, their children)."""
@@ -105,6 +126,8 @@ class LocalRayCluster:
         self.workers[i] = None
 
     def close(self) -> None:
+        import ray
+
         if ray.is_initialized():
             ray.shutdown()
         procs = [p for p in (*self.workers, self.head) if p is not None]

@@ -5,7 +5,8 @@ micro-batch under the tree mask from `kv_end` and position ids = depth; every ta
 must equal the one obtained by running the target's root-to-leaf path on its own as a plain causal
 sequence. The mask is applied two ways: the model's own attention with the dense additive mask (the
 reference form), and `Policy` with every tree-attention backend (no [N, N] tensor). This is the property the trainer relies on: deduplicated, tree-masked
-training computes exactly the per-path log-probs. Micro-batches that split a tree (re-included
+training computes exactly the per-path log-probs; mixture-of-experts decoders (Qwen3-MoE, Mixtral:
+`tiny_moe`) hold it too. Micro-batches that split a tree (re-included
 context rows) are covered by small `micro_batch_tokens`.
 
 Tolerance 1e-4: both sides are fp32 with identical weights and inputs; only the order of the
@@ -27,6 +28,8 @@ from clawfast.train.policy import Policy
 from clawfast.tree import build_tree
 from clawfast.tree_mask import dense_tree_mask
 from clawfast.tree_ref import path_tokens
+
+from tiny_moe import MOE_FAMILIES, tiny_moe
 
 VOCAB = 24
 ATOL = 1e-4
@@ -162,17 +165,27 @@ def test_keystone_split_tree(packer, attn):
     assert assert_keystone(model, trees, batches, lambda b: packed_logprobs(model, b)) > 30
 
 
-@pytest.mark.parametrize("attention", ["auto", "torch", "triton", "flex", "sdpa-dense"])
-def test_keystone_through_policy(attention):
-    # Policy with each attention backend on split trees (context rows) and whole ones; flex compiles
-    # once per micro-batch shape, so this uses a handful of batches rather than random trees
-    model = tiny_qwen3("sdpa")
+def keystone_through_policy(model, attention: str) -> int:
+    """The keystone of `Policy(model, attention)` on split trees (context rows) and whole ones; flex
+    compiles once per micro-batch shape, so a handful of batches rather than random trees."""
     policy = Policy(model, attention=attention)
     checked = 0
     for seed, slack in ((5, 3), (6, 1000)):
         group = random_group(np.random.default_rng(seed), 4, 8, vocab_size=3, max_len=24)
         trees = [build_tree(calls) for calls in group]
         longest = max(lf.depth for t in trees for lf in t.leaves if lf.status == "kept")
-        batches = pack(trees, longest + slack)
-        checked += assert_keystone(model, trees, batches, lambda b: policy_logprobs(policy, b))
-    assert checked > 60
+        checked += assert_keystone(model, trees, pack(trees, longest + slack), lambda b: policy_logprobs(policy, b))
+    return checked
+
+
+@pytest.mark.parametrize("attention", ["auto", "torch", "triton", "flex", "sdpa-dense"])
+def test_keystone_through_policy(attention):
+    assert keystone_through_policy(tiny_qwen3("sdpa"), attention) > 60
+
+
+@pytest.mark.parametrize("attention", ["auto", "torch", "triton", "sdpa-dense"])
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_keystone_through_policy_on_moe_models(family, attention):
+    # Mixture-of-experts decoders: every token is routed by its own hidden state, so a packed row
+    # routes as it does alone, and the keystone holds with the same tolerance.
+    assert keystone_through_policy(tiny_moe(family, vocab_size=VOCAB, seed=3), attention) > 60

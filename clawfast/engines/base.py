@@ -98,6 +98,11 @@ class Engine(abc.ABC):
     # `clawfast.engines.weight_delta.WeightDelta` (only what changed since the version serving);
     # the others get whole pushes (`clawfast.train.push.WeightPusher`).
     takes_deltas: bool = False
+    # True for an engine that loads weights under the names and layout of the model's checkpoint
+    # files (what `save_pretrained` writes: vLLM, a remote server), not of the trainer's modules. They
+    # differ where transformers converts weights on load (from 5.0 it fuses an MoE's experts into one
+    # tensor per layer); the trainer converts what it pushes (`clawfast.train.push.engine_layout`).
+    checkpoint_layout: bool = False
 
     @abc.abstractmethod
     async def generate(self, prompt_ids: np.ndarray, params: SamplingParams) -> Generation:

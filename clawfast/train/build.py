@@ -14,7 +14,7 @@ import torch
 from clawfast.engines.base import Engine, Sampling
 from clawfast.rollout import HarnessConfig, OnRay, ProxyConfig, RolloutService, SandboxConfig, SchedulingConfig
 from clawfast.train.config import EngineConfig, RunConfig
-from clawfast.train.push import WeightPusher
+from clawfast.train.push import WeightPusher, engine_layout
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -119,7 +119,8 @@ def push_weights(engine: Engine | WeightPusher, policy, version: int) -> None:
     """Send a plain policy's weights to the engine (or its `WeightPusher`) under `version` (every
     later call records it); a sharded policy streams them instead
     (`clawfast.train.distributed.ShardedTrainer.push_weights`)."""
-    engine.update_weights({k: v.detach() for k, v in policy.lm.state_dict().items()}, version)
+    pairs = ((k, v.detach()) for k, v in policy.lm.state_dict().items())
+    engine.update_weights(dict(engine_layout(engine, policy.lm, pairs)), version)
 
 
 def harness_options(config: RunConfig, *, max_turns: int | None = None) -> dict[str, dict]:

@@ -52,6 +52,7 @@ from clawfast.records import RolloutResult
 from clawfast.train.build import build_optimizer, build_policy, load_policy, push_weights, resolve_model_dir
 from clawfast.train.checkpoint import TrainState, rng_state, save_checkpoint, set_rng_state
 from clawfast.train.config import RunConfig
+from clawfast.train.push import engine_layout
 from clawfast.train.step import train_on_rollouts
 
 # Followers wait in a broadcast while rank 0 runs a step's rollouts and evaluations, which may take
@@ -132,7 +133,7 @@ class ShardedTrainer:
         self.group.send("stream_weights")
         tensors = _gather_each(self.shard.policy)
         try:
-            engine.update_weights(tensors, version)
+            engine.update_weights(engine_layout(engine, self.shard.policy.lm, tensors), version)
         finally:
             for _ in tensors:
                 pass

@@ -14,6 +14,9 @@ ValueError before the engine changes; its old weights keep serving and the next 
 `last` holds the metrics of the latest push: ``push/delta`` (1 for a delta), ``push/bytes`` (what
 travelled), ``push/full_bytes`` (what a full push moves), ``push/changed_fraction`` and
 ``push/fallback`` (1 when a delta was refused and the full weights went instead).
+
+What travels is in the layout the engine loads (`engine_layout`): the trainer's module names for
+the in-process torch engine, the checkpoint's for vLLM and remote servers.
 """
 
 from __future__ import annotations
@@ -74,6 +77,23 @@ class WeightPusher:
         total = float(sum(sizes))
         self.last = {"push/delta": 0.0, "push/bytes": total, "push/full_bytes": total, "push/changed_fraction": 1.0,
                      "push/fallback": float(fallback)}
+
+
+def engine_layout(sink, lm: torch.nn.Module, pairs: Iterable[tuple[str, Any]]) -> Iterable[tuple[str, Any]]:
+    """The (name, tensor) stream `sink` (an engine, or a `WeightPusher` of one) loads, from the trainer
+    LM's own `pairs`: unchanged for an engine that serves the same modules (the torch engine), in the
+    checkpoint's names and layout for one that reads checkpoints (`Engine.checkpoint_layout`), as
+    `save_pretrained` writes them: transformers' own reverse of the conversion it applied on load
+    (from 5.0: an MoE layer's fused ``experts.gate_up_proj`` becomes ``experts.<e>.gate_proj.weight``
+    and ``experts.<e>.up_proj.weight`` per expert). Tensor by tensor, so a stream stays a stream."""
+    engine = sink.engine if isinstance(sink, WeightPusher) else sink
+    if not engine.checkpoint_layout:
+        return pairs
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # transformers < 5 keeps the checkpoint's layout in memory
+        return pairs
+    return (item for name, tensor in pairs for item in revert_weight_conversion(lm, {name: tensor}).items())
 
 
 def _size(dtype: torch.dtype) -> int:

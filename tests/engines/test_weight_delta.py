@@ -182,3 +182,31 @@ def test_the_pusher_pushes_whole_first_every_n_and_after_a_refusal(embedded_dir)
     assert engine.weight_version == 10 and all(bits_equal(v, before[k]) for k, v in served.items())
     pusher.update_weights(lm.state_dict(), 11)
     assert pusher.last["push/delta"] == 0.0 and engine.weight_version == 11
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["dict", "stream"])
+def test_an_engine_that_reads_checkpoints_gets_the_checkpoints_layout(tmp_path, stream):
+    # transformers (>= 5) fuses an MoE layer's experts into one tensor in memory and writes them per
+    # expert; an engine that loads checkpoint names (vLLM, a remote server) gets what the file holds,
+    # tensor for tensor, also from a stream (a sharded trainer's gathers); the torch engine, serving the
+    # same modules, gets them as they are.
+    from safetensors.torch import load_file
+
+    from clawfast.engines.scripted import ScriptedEngine
+    from clawfast.train.push import engine_layout
+
+    from tiny_moe import tiny_moe
+
+    lm = tiny_moe("qwen3_moe", vocab_size=64, seed=4)
+    lm.save_pretrained(tmp_path)
+    on_disk = load_file(tmp_path / "model.safetensors")
+    own = {k: v.detach() for k, v in lm.state_dict().items()}
+    reader = ScriptedEngine(lambda text: [], 0)
+    reader.checkpoint_layout = True
+    pairs = iter(own.items()) if stream else own.items()
+    got = dict(engine_layout(WeightPusher(reader, torch.float32), lm, pairs))
+    assert sorted(got) == sorted(on_disk) and all(torch.equal(got[k], on_disk[k]) for k in on_disk)
+    if any(k.endswith("mlp.experts.gate_up_proj") for k in own):  # fused in memory (transformers >= 5)
+        assert any(k.endswith(".experts.0.gate_proj.weight") for k in got) and len(got) > len(own)
+    same = TorchEngine(lm)
+    assert dict(engine_layout(same, lm, own.items())).keys() == own.keys()

@@ -91,3 +91,19 @@ def oracle_engine_factory(config, tasks):
         return engine
 
     return scripted_engine
+
+
+def record_trained(monkeypatch) -> list:
+    """The rollouts each step of a run trains on, in step order (a spy on
+    `clawfast.train.distributed.train_on_rollouts`, which every one-process step calls)."""
+    from clawfast.train import distributed
+
+    trained: list = []
+    real_step = distributed.train_on_rollouts
+
+    def spy(policy, optimizer, results, cfg, state, ref_policy=None):
+        trained.append(list(results))
+        return real_step(policy, optimizer, results, cfg, state, ref_policy)
+
+    monkeypatch.setattr(distributed, "train_on_rollouts", spy)
+    return trained

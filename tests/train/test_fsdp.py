@@ -1,5 +1,5 @@
 """FSDP2 over two CPU processes (gloo, loopback) gives the loss, gradients and optimizer step of one process
-(GRPO with an AdamW step; PPO loss and gradients).
+(GRPO with an AdamW step; PPO loss and gradients), for a dense policy and a mixture-of-experts one.
 
 The packed step has an odd number of micro-batches, so one rank repeats a batch with zero loss
 weight to keep the collectives matched. Tolerance 1e-5: fp32, same weights and batches; what
@@ -84,13 +84,14 @@ def _sharded_results(rank: int, policy, ppo_policy, rollouts, config: StepConfig
 
 
 @pytest.mark.slow
-def test_fsdp2_two_cpu_processes_match_one_process(tmp_path):
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])  # dense, and a mixture of experts (fused expert tensors)
+def test_fsdp2_two_cpu_processes_match_one_process(tmp_path, family):
     # The trainer issue requires this check on CPU processes: a torch without gloo is a broken install.
     assert dist.is_gloo_available(), "torch was built without gloo: the FSDP2 CPU check cannot run"
-    policy = tiny_policy(0)
+    policy = tiny_policy(0, family=family)
     rollouts = harness_rollouts(policy, seed=3)
     config = _config(rollouts)
-    ppo_policy = tiny_policy(1, value_head=True)
+    ppo_policy = tiny_policy(1, value_head=True, family=family)
     mp.spawn(_worker, args=(str(tmp_path / "rendezvous"), policy, ppo_policy, rollouts, config, str(tmp_path)), nprocs=WORLD,
              join=True)
     got = torch.load(tmp_path / "fsdp.pt", weights_only=False)

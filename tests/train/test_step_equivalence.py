@@ -40,18 +40,25 @@ from clawfast.threads import reconstruct, with_kinds
 from clawfast.tree import build_tree
 from clawfast.tree_ref import kept_leaf_paths_ref, trainable_mask_ref
 
+from tiny_moe import MOE_FAMILIES, tiny_moe
+
 VOCAB = 64
 ATOL = 1e-4
 
 
-def tiny_policy(seed: int = 0, value_head: bool = False) -> Policy:
+def tiny_policy(seed: int = 0, value_head: bool = False, family: str = "qwen3") -> Policy:
+    """A tiny dense Qwen3, or a tiny mixture-of-experts decoder of `family` (`tiny_moe.MOE_FAMILIES`)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    config = Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=1024,
-                         attn_implementation="sdpa")
-    torch.manual_seed(seed)
-    policy = Policy(Qwen3ForCausalLM(config).float(), value_head=value_head)
+    if family == "qwen3":
+        config = Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=1024,
+                             attn_implementation="sdpa")
+        torch.manual_seed(seed)
+        lm = Qwen3ForCausalLM(config).float()
+    else:
+        lm = tiny_moe(family, vocab_size=VOCAB, hidden=32, seed=seed).train()
+    policy = Policy(lm, value_head=value_head)
     if value_head:  # a random (not zero) head, so value gradients are non-trivial
         torch.nn.init.normal_(policy.value_head.weight, std=0.3)
     return policy
@@ -242,6 +249,16 @@ def test_grpo_step_equals_flat_per_leaf(aggregation):
                         is_mode="truncate", is_cap=1.3, entropy_coef=0.01, kl_coef=0.05)
     metrics = assert_same_step(policy, rollouts, config, ref_policy)
     assert 0 < metrics["is_frac_above"] < 1, "truncation never (or always) happened"
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_grpo_step_equals_flat_per_leaf_on_moe_models(family):
+    # The router's and every expert's gradients too: a packed row routes as its path does alone.
+    policy = tiny_policy(0, family=family)
+    rollouts = harness_rollouts(policy, seed=1)
+    config = StepConfig(name="grpo", micro_batch_tokens=longest_kept(rollouts) + 40, is_mode="truncate", is_cap=1.3,
+                        entropy_coef=0.01, kl_coef=0.05)
+    assert_same_step(policy, rollouts, config, tiny_policy(7, family=family))
 
 
 @pytest.mark.parametrize("seed", [3, 11])

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from loop_fixtures import oracle_engine_factory
+from loop_fixtures import oracle_engine_factory, record_trained
 
 pytestmark = [
     pytest.mark.harness,
@@ -33,7 +33,7 @@ def test_a_run_loses_a_node_and_trains_its_groups_whole(tmp_path, monkeypatch, c
     from clawfast.records import read_rollouts
     from clawfast.rollout.local_cluster import LocalRayCluster
     from clawfast.tasks import clawbench_mini
-    from clawfast.train import distributed, loop
+    from clawfast.train import loop
     from clawfast.train.config_file import config_from_dict
     from clawfast.train.metrics_log import read_metrics
 
@@ -67,15 +67,8 @@ def test_a_run_loses_a_node_and_trains_its_groups_whole(tmp_path, monkeypatch, c
             cluster.kill_worker(0)
             killed.set()
 
-        trained = []
-        real_step = distributed.train_on_rollouts
-
-        def spy(policy, optimizer, results, cfg, state, ref_policy=None):
-            trained.append(list(results))
-            return real_step(policy, optimizer, results, cfg, state, ref_policy)
-
         monkeypatch.setattr(loop, "build_engine", oracle_engine_factory(config, tasks))
-        monkeypatch.setattr(distributed, "train_on_rollouts", spy)
+        trained = record_trained(monkeypatch)
         threading.Thread(target=kill_when_8_opened, daemon=True).start()
         summary = loop.train(config, progress=False)
         assert killed.is_set()
@@ -91,26 +84,31 @@ def test_a_run_loses_a_node_and_trains_its_groups_whole(tmp_path, monkeypatch, c
         assert sorted(r.sample_index for r in rs) == [0, 1, 2, 3] and len({r.task_id for r in rs}) == 1
         assert all((r.status, r.reward) == ("ok", 1.0) for r in rs), [r.info for r in rs]
     retried = [r for rs in trained for r in rs if r.info.get("retries")]
-    assert retried and all(r.info["ray_node_id"] == survivor for r in retried)
+    assert all(r.info["ray_node_id"] == survivor for r in retried)
     assert all(n["ray_node_id"] == doomed and n["actor_died"] for r in retried for n in r.info["retries"])
     assert all(r.info["ray_node_id"] == survivor for r in trained[2])  # the last step ran on the live node
     # The dead attempts were closed and set aside, never trained.
     aside = {a.rollout_id for a in read_rollouts(records / RETRIED_DIR)}
-    assert aside == {n["rollout_id"] for r in retried for n in r.info["retries"]}
-    assert not aside & {r.rollout_id for rs in trained for r in rs}
+    assert aside, "the killed node held no rollout"
+    noted = {n["rollout_id"] for r in retried for n in r.info["retries"]}
+    assert noted <= aside and not aside & {r.rollout_id for rs in trained for r in rs}
 
     steps = [m for m in read_metrics(run_dir) if m["kind"] == "train"]
     assert [m["rollouts_trained"] for m in steps] == [4, 4, 4]
-    assert sum(m["rollout/retries"] for m in steps) == len(retried)
-    assert sum(m["rollout/nodes_lost"] for m in steps) >= 1
+    assert sum(m["rollout/retries"] for m in steps) == len(noted)
     assert sum(m[f"rollout/node/{survivor[:8]}"] for m in steps) >= len(retried)
     if staleness is None:
-        assert [bool(m["rollout/retries"]) for m in steps] == [False, True, False]  # step 2's group
+        # Step 2's group ran again what the node held, and trained whole.
+        assert retried and noted == aside
+        assert [bool(m["rollout/retries"]) for m in steps] == [False, True, False]
         assert steps[1]["rollout/nodes_lost"] == 1
         # The log's step line says it.
         assert "step 2: " in (out := capsys.readouterr().out)
         assert f"infrastructure: {len(retried)} rollout(s) retried, 1 node(s) lost" in out
     else:
+        # The producer counts each retried group it hands out; a group that its retry made later than
+        # the bound allows is dropped (and replaced) rather than trained stale: either way the bound holds.
         groups_retried = sum(any(r.info.get("retries") for r in rs) for rs in trained)
-        assert sum(m["async/retried_groups"] for m in steps) == groups_retried >= 1
+        assert sum(m["async/retried_groups"] for m in steps) == groups_retried
+        assert noted == aside or sum(m["async/dropped_stale_groups"] for m in steps) >= 1
         assert all(m["async/staleness_max"] <= staleness for m in steps)

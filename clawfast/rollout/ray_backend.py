@@ -21,8 +21,9 @@ When a node dies: an actor that dies under a rollout, or whose node dies, makes 
 ``sandbox_error`` (an infrastructure failure: ``info["actor_died"]``, ``info["ray_node_id"]``); the
 pool kills that actor and gives it no more rollouts, and the attempt runs again on a live actor, up to
 `infra_retries` times, with the same task and sample index (`clawfast.rollout.retry`: the failed
-attempt's record is set aside, never trained). While a `run` has work left it looks every `REFRESH_S`
-for capacity: a node that joined (a restarted raylet joins as a new node) gets an actor.
+attempt's record is set aside, never trained). Each `run` looks for capacity as it starts, and every
+`REFRESH_S` while it has work left: a node that joined (a restarted raylet joins as a new node) gets
+an actor.
 
 Guaranteed: the same status contract as the local scheduler (`clawfast.rollout.worker`); every spec
 gets exactly one result, ``sandbox_error`` when its retries are spent or no live actor is left; at
@@ -346,6 +347,7 @@ class RayRolloutPool:
         try:
             if display:
                 display.start()
+            self._grow(now=True)  # a node that joined since the last run takes this run's rollouts too
             while queue or inflight:
                 if queue:
                     self._grow(now=not self._live())

@@ -72,6 +72,10 @@ class PackedBatch:
     num_tokens: int
     micro_batch_tokens: int
     fill: float
+    # MoE routing replay (set by `clawfast.train.routing_rows.RoutingKeys.unkey`, not by `pack`):
+    # the recorded experts of each row ([N, layers, top_k]) and which rows have them ([N] bool).
+    routing: np.ndarray | None = None
+    routing_rows: np.ndarray | None = None
 
 
 def _tree_arrays(tree) -> dict[str, np.ndarray]:

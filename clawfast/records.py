@@ -13,6 +13,16 @@ kinds: ``H`` rollout header (JSON), ``C`` one call (JSON header + raw little-end
 ``R`` the result (JSON: reward, status, info). A file may hold a header and calls without a result:
 that is a rollout still running, or one whose writer died; every call that was appended survives.
 
+A ``C`` payload is ``meta_len:u32le  meta[meta_len]  prompt:i32[n_prompt]  output:i32[n_output]
+logprobs:f32[n_output]  routing?``, all little-endian; ``meta`` is the call's JSON (`_meta_of`,
+``n_prompt`` and ``n_output`` among it). Optional parts are announced in ``meta`` and written only
+when present, so a call without them is byte for byte what older writers wrote:
+``version_runs`` (a call that spans weight versions) is JSON only; ``routing`` (MoE routing, see
+`CallRecord`) is ``{"start": s, "rows": R, "layers": Lr, "top_k": k, "dtype": "u1" | "<u2"}`` in
+``meta`` and ``R * Lr * k`` expert indices (row-major ``[R, Lr, k]``) after the logprobs, inside the
+same frame and checksum. A reader that knows no routing refuses such a call (its body is longer than
+its arrays), never misreads it.
+
 Guaranteed: lossless round trip of every field (arrays bit for bit); a truncated or corrupted file
 raises `RecordFormatError` naming the byte offset, unless the caller asks to keep the complete frames
 before a torn tail (crash recovery). Not guaranteed: concurrent writers to one file (one writer per
@@ -94,6 +104,15 @@ class CallRecord:
         non-decreasing; an array of one version is stored as None). `token_versions` gives the
         array either way. On disk only a call that spans versions stores them (as runs); an older
         file reads back with one version covering the call.
+    routing / routing_start: the experts each MoE layer chose, for routing replay, or None (a dense
+        model, an engine that does not record, or rows an earlier call of the rollout already
+        stored). ``routing[i]`` ([layers, top_k], uint8 or uint16) is row ``routing_start + i`` of
+        the call's path ``prompt_ids + output_ids``: the model's forward at input token ``path[p]``
+        (the one that predicts ``path[p + 1]``). Rows cover ``[routing_start, routing_start + R)``
+        within the path (an engine computes at most ``len(path) - 1`` of them: the last sampled
+        token is never fed back). An empty array is stored as None (and `routing_start` as 0). A
+        call stores only the rows its parent call does not hold alike (`clawfast.routing_store`),
+        so a call that extends an earlier one usually starts its routing where that one's ended.
     """
 
     rollout_id: str
@@ -108,6 +127,8 @@ class CallRecord:
     tags: tuple[str, ...] = ("main",)
     metadata: dict[str, Any] = field(default_factory=dict)
     output_versions: np.ndarray | None = None
+    routing: np.ndarray | None = None
+    routing_start: int = 0
 
     def __post_init__(self) -> None:
         self.prompt_ids = _as_array(self.prompt_ids, np.int32, "prompt_ids")
@@ -115,10 +136,15 @@ class CallRecord:
         self.infer_logprobs = _as_array(self.infer_logprobs, np.float32, "infer_logprobs")
         try:
             self.output_versions = checked_versions(self.output_versions, self.weight_version, len(self.output_ids))
+            self.routing = _native_routing(self.routing)
+            if isinstance(self.routing_start, np.integer):
+                self.routing_start = int(self.routing_start)
         except ValueError as exc:
             raise ValueError(f"call {self.call_index} of rollout {self.rollout_id!r}: {exc}") from None
         self.tags = tuple(self.tags)
         self.validate()
+        if self.routing is None or len(self.routing) == 0:  # checked above: an empty array is no routing
+            self.routing, self.routing_start = None, 0
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError if the record cannot be training data."""
@@ -136,6 +162,9 @@ class CallRecord:
             # Sampling log-probs are <= 0; allow float32 rounding of log(1).
             if lp.max() > 1e-4:
                 raise ValueError(f"call {self.call_index}: positive output logprob {lp.max()}")
+        problem = routing_problem(self.routing, self.routing_start, len(self.prompt_ids) + len(self.output_ids))
+        if problem:
+            raise ValueError(f"call {self.call_index} of rollout {self.rollout_id!r}: {problem}")
         if vocab_size is not None:
             for name, ids in (("prompt_ids", self.prompt_ids), ("output_ids", self.output_ids)):
                 if ids.size and ids.max() >= vocab_size:
@@ -161,7 +190,47 @@ class CallRecord:
             and np.array_equal(self.prompt_ids, other.prompt_ids)
             and np.array_equal(self.output_ids, other.output_ids)
             and self.infer_logprobs.tobytes() == other.infer_logprobs.tobytes()
+            and (self.routing is None) == (other.routing is None)
+            and (self.routing is None or np.array_equal(self.routing, other.routing))
         )
+
+    @property
+    def path(self) -> np.ndarray:
+        """int32: ``prompt_ids + output_ids``, the tokens the routing rows index."""
+        return np.concatenate([self.prompt_ids, self.output_ids])
+
+
+ROUTING_DTYPES = {"u1": np.dtype(np.uint8), "<u2": np.dtype("<u2")}  # on-disk name -> dtype
+
+
+def _native_routing(routing: Any) -> np.ndarray | None:
+    """`routing` as a C-contiguous native-order uint8/uint16 array (an unsigned array of another
+    byte order is converted; any other dtype is refused, never narrowed)."""
+    if routing is None:
+        return None
+    arr = np.asarray(routing)
+    if arr.dtype.kind != "u" or arr.dtype.itemsize not in (1, 2):
+        raise ValueError(f"routing must be a uint8 or uint16 array of expert indices, got dtype {arr.dtype}")
+    return np.ascontiguousarray(arr, dtype=np.uint8 if arr.dtype.itemsize == 1 else np.uint16)
+
+
+def routing_problem(routing: np.ndarray | None, start: int, path_len: int) -> str | None:
+    """Why `routing` starting at path row `start` cannot belong to a path of `path_len` tokens, or None."""
+    if routing is None:
+        return None if start == 0 else f"routing_start {start} without routing"
+    if not isinstance(routing, np.ndarray) or routing.dtype not in (np.dtype(np.uint8), np.dtype(np.uint16)):
+        return f"routing must be a uint8 or uint16 array, got {getattr(routing, 'dtype', type(routing).__name__)}"
+    if routing.ndim != 3:
+        return f"routing must be [rows, layers, top_k], got shape {routing.shape}"
+    rows = routing.shape[0]
+    if rows and (routing.shape[1] == 0 or routing.shape[2] == 0):
+        return f"routing of shape {routing.shape} holds no expert per row"
+    if isinstance(start, bool) or not isinstance(start, int):
+        return f"routing_start must be an int, got {start!r}"
+    if start < 0 or start + rows > path_len:
+        return (f"routing rows [{start}, {start + rows}) do not lie within the call's path of {path_len} "
+                f"tokens (prompt + output)")
+    return None
 
 
 @dataclass
@@ -216,6 +285,10 @@ def _meta_of(call: CallRecord) -> dict[str, Any]:
     }
     if call.output_versions is not None:  # a call on one version stores none: files stay as they were
         meta["version_runs"] = version_runs(call.output_versions)
+    if call.routing is not None:  # likewise: a call without routing is written as before
+        rows, layers, top_k = (int(d) for d in call.routing.shape)
+        meta["routing"] = {"start": int(call.routing_start), "rows": rows, "layers": layers, "top_k": top_k,
+                           "dtype": "u1" if call.routing.dtype.itemsize == 1 else "<u2"}
     return meta
 
 
@@ -264,6 +337,9 @@ def _call_parts(call: CallRecord) -> list:
         memoryview(np.ascontiguousarray(a, dtype=dt)).cast("B")
         for a, dt in ((call.prompt_ids, "<i4"), (call.output_ids, "<i4"), (call.infer_logprobs, "<f4"))
     ]
+    if call.routing is not None:
+        dt = "u1" if call.routing.dtype.itemsize == 1 else "<u2"
+        arrays.append(memoryview(np.ascontiguousarray(call.routing, dtype=dt).reshape(-1)).cast("B"))
     return _frame_parts(_KIND_CALL, [struct.pack("<I", len(meta)), meta, *arrays])
 
 
@@ -293,12 +369,25 @@ def _decode_call(payload: bytes, offset: int) -> CallRecord:
         meta = json.loads(payload[4 : 4 + meta_len])
         n_p, n_o = int(meta["n_prompt"]), int(meta["n_output"])
         body = payload[4 + meta_len :]
-        if len(body) != 4 * (n_p + 2 * n_o):
+        routing_meta = meta.get("routing")
+        shape, dtype = (0, 0, 0), ROUTING_DTYPES["u1"]
+        if routing_meta is not None:
+            shape = tuple(int(routing_meta[k]) for k in ("rows", "layers", "top_k"))
+            if routing_meta["dtype"] not in ROUTING_DTYPES or min(shape) < 1:
+                raise RecordFormatError(f"call frame at byte {offset}: bad routing header {routing_meta}")
+            dtype = ROUTING_DTYPES[routing_meta["dtype"]]
+        n_routing = shape[0] * shape[1] * shape[2]
+        if len(body) != 4 * (n_p + 2 * n_o) + dtype.itemsize * n_routing:
             raise RecordFormatError(
                 f"call frame at byte {offset}: array bytes {len(body)} do not match {n_p} prompt and {n_o} output tokens"
+                + (f" and routing of shape {list(shape)} {routing_meta['dtype']}" if routing_meta is not None else "")
             )
         arrays = np.frombuffer(body, dtype="<i4", count=n_p + n_o)
         logprobs = np.frombuffer(body, dtype="<f4", offset=4 * (n_p + n_o), count=n_o)
+        routing = None
+        if routing_meta is not None:
+            routing = np.frombuffer(body, dtype=dtype, offset=4 * (n_p + 2 * n_o), count=n_routing)
+            routing = routing.reshape(shape).astype(dtype.newbyteorder("="))
         return CallRecord(
             rollout_id=meta["rollout_id"],
             call_index=int(meta["call_index"]),
@@ -312,6 +401,8 @@ def _decode_call(payload: bytes, offset: int) -> CallRecord:
             tags=tuple(meta["tags"]),
             metadata=meta["metadata"],
             output_versions=versions_of_runs(meta["version_runs"], n_o) if "version_runs" in meta else None,
+            routing=routing,
+            routing_start=int(routing_meta["start"]) if routing_meta is not None else 0,
         )
     except RecordFormatError:
         raise

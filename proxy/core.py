@@ -189,6 +189,8 @@ class ProxyCore:
                 infer_logprobs=np.asarray(gen.infer_logprobs, np.float32),
                 weight_version=gen.weight_version,
                 output_versions=gen.output_versions,
+                routing=gen.routing,
+                routing_start=gen.routing_start,
                 finish_reason=gen.finish_reason,
                 timings=timings,
                 tags=(call.tagging.tag,),

@@ -14,7 +14,9 @@ one instance. The API:
 Each rollout has its own key (the harness sends it as ``x-api-key`` or ``Authorization: Bearer``) and
 its own append-only `RolloutLog` file ``<records_dir>/<rollout_id>.cfr``; a call is appended (and
 flushed) when it is answered, so a trainer crash loses nothing that was answered. Call indices are
-allocated in one place (`Rollout.append`), in answer order, without gaps.
+allocated in one place (`Rollout.append`), in answer order, without gaps. A call's MoE routing
+(`CallRecord.routing`) is stored less the leading rows its parent call holds alike
+(`clawfast.routing_store`), so a conversation's shared prefix is stored once.
 
 Refusals: a request whose key resolved to an open rollout and that the proxy then refused (budget
 spent, prompt too long, template or body rejected, engine error, ...) is kept with that rollout
@@ -43,12 +45,13 @@ import asyncio
 import secrets
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from clawfast.engines.base import Sampling
 from clawfast.records import CallRecord, RolloutLog, RolloutResult, rollout_path
+from clawfast.routing_store import RolloutRouting, first_stored_row
 
 MAX_REFUSALS = 100  # refusals kept per rollout; later ones are only counted
 MAX_REFUSAL_MESSAGE = 2000  # characters of a refusal's message kept
@@ -107,6 +110,7 @@ class Rollout:
     # each generation in flight -> the request facts of its refusal should `close` cut it off
     _generations: dict[asyncio.Task, dict[str, Any] | None] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _routing: RolloutRouting | None = None  # what its calls' routing rows hold, from its first call with any
 
     def track(self, generation: asyncio.Task, request: dict[str, Any] | None = None) -> None:
         """Remember a generation in flight for this rollout, so that `close` can cancel it. Call on the
@@ -162,12 +166,30 @@ class Rollout:
                 pass
 
     def append(self, **fields: Any) -> CallRecord:
-        """Build the next CallRecord (call_index and rollout_id filled in), write it, keep it."""
+        """Build the next CallRecord (call_index and rollout_id filled in), write it, keep it. Its
+        `routing` keeps only the rows from the first one its parent call does not hold alike
+        (`clawfast.routing_store.first_stored_row`)."""
         with self._lock:
             record = CallRecord(rollout_id=self.rollout_id, call_index=len(self.calls), harness=self.harness, **fields)
+            if record.routing is not None and self._routing is None:
+                self._routing = RolloutRouting([c.path for c in self.calls])
+            if self._routing is not None:
+                record = self._store_new_rows(record)
             self.log.append(record)
             self.calls.append(record)
             return record
+
+    def _store_new_rows(self, record: CallRecord) -> CallRecord:
+        """`record` with only the routing rows its parent call does not hold alike."""
+        path = record.path
+        if record.routing is not None:
+            start, rows = record.routing_start, len(record.routing)
+            first = first_stored_row(self._routing, path, record.routing, start)
+            if first > start:  # a copy, so the engine's whole array is not kept alive
+                kept = record.routing[first - start:].copy() if first < start + rows else None
+                record = replace(record, routing=kept, routing_start=first if kept is not None else 0)
+        self._routing.add(path, record.routing, record.routing_start)
+        return record
 
 
 class RolloutRegistry:

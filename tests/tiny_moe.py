@@ -31,3 +31,22 @@ def tiny_moe(family: str, *, vocab_size: int, hidden: int = 64, layers: int = 2,
         raise ValueError(f"unknown MoE family {family!r}; known: {MOE_FAMILIES}")
     torch.manual_seed(seed)
     return cls(config).to(torch.float32).eval()
+
+
+def near_tie_routers(model: torch.nn.Module, *, spread: float = 1e-6, seed: int = 0) -> torch.nn.Module:
+    """Make every router score its experts almost alike (one shared row plus `spread` times noise):
+    which experts a token goes to is then decided by float rounding, so two computations of the
+    same logits (the sampler's, the trainer's) choose differently; the experts themselves still
+    differ, so a different choice changes the output. The worst case for routing replay to fix."""
+    from clawfast.moe_routing import moe_blocks
+
+    experts = next(getattr(model.config, n) for n in ("num_experts", "num_local_experts") if hasattr(model.config, n))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for block in moe_blocks(model):
+            for module in block.modules():
+                w = getattr(module, "weight", None)
+                if isinstance(w, torch.Tensor) and tuple(w.shape) == (experts, model.config.hidden_size):
+                    shared = torch.randn(w.shape[1], generator=g) * 0.2
+                    w.copy_(shared + spread * torch.randn(w.shape, generator=g))
+    return model

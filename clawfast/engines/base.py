@@ -80,7 +80,15 @@ class Generation:
     call that went on decoding across a weight push (``on_update="continue"``) holds more than one,
     in non-decreasing order. None: `weight_version` sampled every token. weight_version: the version
     of the oldest token (the one the call started on; a call with no tokens: the version serving it).
-    `clawfast.records.CallRecord` checks and keeps them."""
+    routing ([R, layers, top_k], uint8 when the model has at most 256 experts, else uint16, or None)
+    and routing_start: for MoE routing replay, the experts each MoE layer chose (in the model's
+    layer order; the top-k order the router gave) for rows ``[routing_start, routing_start + R)`` of
+    the call's path ``prompt_ids + output_ids``, row p being the forward at input token ``path[p]``
+    (the one that predicts ``path[p + 1]``). An engine computes at most rows
+    ``[0, len(prompt_ids) + len(output_ids) - 1)`` (the last sampled token is never fed back) and may
+    report fewer, e.g. from the first row past a prefix-cache hit. Engines that do not record routing
+    (and dense models) leave None and 0.
+    `clawfast.records.CallRecord` checks and keeps them (the proxy stores each row once per rollout)."""
 
     output_ids: np.ndarray
     infer_logprobs: np.ndarray
@@ -88,6 +96,8 @@ class Generation:
     weight_version: int
     timings: dict[str, float] = field(default_factory=dict)
     output_versions: np.ndarray | None = None
+    routing: np.ndarray | None = None
+    routing_start: int = 0
 
 
 class Engine(abc.ABC):

@@ -21,9 +21,15 @@ so they cannot be padded to a common length.
 Prompt prefixes are computed once (`_prefix_kv`): a joining group's rows share the longest common
 prefix of their prompts (a harness's system prompt and tool schemas), so that prefix is run once at
 batch size one and its KV cache expanded to the group; the engine also keeps the KV of recent
-prefixes (``prefix_cache_tokens`` tokens in all, least recently used dropped first), so the next
-group with the same system prompt, or the next call of a rollout that extends its previous prompt,
+prefixes and of each answered call (its prompt and every sampled token but the last:
+``prefix_cache_tokens`` tokens in all, least recently used dropped first), so the next group with
+the same system prompt, or the next call of a rollout that extends its previous prompt and answer,
 runs only its new tokens. A weight update empties it.
+
+MoE routing (``record_routing``, for routing replay: `clawfast.moe_routing`): ``"all"`` returns with
+each answer the experts every MoE layer chose for each row the call read (prompt, and each sampled
+token but the last), ``"generated"`` those of its sampled tokens only; a cached prefix keeps the
+routing of the forward that made its KV, so what is returned is what the answer was computed with.
 
 Sampling, per request with its own seeded `torch.Generator` (so a request samples the same tokens
 alone or in a batch, up to float rounding of padded batched matmuls):
@@ -56,6 +62,7 @@ nobody will read.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import inspect
 import random
@@ -68,9 +75,12 @@ from typing import Any, Callable, Iterable, Mapping
 import numpy as np
 import torch
 import torch.nn.functional as F
+from transformers import DynamicCache
 
 from clawfast.engines.base import Engine, Generation, SamplingParams
 from clawfast.engines.weight_delta import WeightDelta, check_delta, write_delta
+from clawfast.moe_routing import ROUTING_REPLAY, ExpertRouting
+from clawfast.routing_store import common_prefix_len
 
 
 def sampling_logprobs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
@@ -97,12 +107,6 @@ def sampling_logprobs(logits: torch.Tensor, temperature: float, top_k: int, top_
 PAD_SLACK = 512
 # A shared prefix shorter than this is run with the rest of the prompt (not worth a separate forward).
 MIN_PREFIX = 16
-
-
-def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
-    n = min(len(a), len(b))
-    differ = np.flatnonzero(a[:n] != b[:n])
-    return int(differ[0]) if differ.size else n
 
 
 def fits(width: int, rows: int, real: int, length: int) -> bool:
@@ -140,6 +144,8 @@ class _Row:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)  # the weight version that sampled each output
     finish: str = "length"
+    # MoE routing of each context row run so far ([rows, layers, top_k] chunks), when recorded
+    routing: list[np.ndarray] = field(default_factory=list)
 
 
 @dataclass
@@ -161,10 +167,16 @@ class TorchEngine(Engine):
     takes_deltas = True
 
     def __init__(self, model: torch.nn.Module, *, max_batch: int = 8, seed: int | None = None,
-                 on_update: str = "continue", prefix_cache_tokens: int = 16384, continuous: bool = True) -> None:
+                 on_update: str = "continue", prefix_cache_tokens: int = 16384, continuous: bool = True,
+                 record_routing: str = "off") -> None:
         if on_update not in ON_UPDATE:
             raise ValueError(f"on_update must be one of {ON_UPDATE}, got {on_update!r}")
+        if record_routing not in ROUTING_REPLAY:
+            raise ValueError(f"record_routing must be one of {ROUTING_REPLAY}, got {record_routing!r}")
         self.model = model.eval()
+        self.record_routing = record_routing
+        # Hooks on the MoE blocks; a dense model with routing asked for is a ValueError here.
+        self._routing = ExpertRouting(self.model) if record_routing != "off" else None
         self.on_update = on_update
         self.continuous = continuous
         self.aborted_calls = 0
@@ -179,7 +191,8 @@ class TorchEngine(Engine):
         self._cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self.max_batch = max_batch
         self.prefix_cache_tokens = prefix_cache_tokens
-        self._prefixes: list[tuple[np.ndarray, Any]] = []  # (tokens, their KV cache), most recent last
+        # (tokens, their KV cache, their MoE routing or None), most recent last
+        self._prefixes: list[tuple[np.ndarray, Any, np.ndarray | None]] = []
         self.prefill_tokens = 0  # prompt tokens run through the model (the rest came from the prefix cache)
         self.prompt_tokens = 0
         self.weight_version = 0
@@ -321,7 +334,7 @@ class TorchEngine(Engine):
         shared = min(len(p) for p in prompts) - 1
         for p in prompts[1:]:
             shared = min(shared, common_prefix_len(prompts[0], p))
-        cache = self._prefix_kv(prompts[0][:shared], device) if shared >= MIN_PREFIX else None
+        cache, prefix_routing = self._prefix_kv(prompts[0][:shared], device) if shared >= MIN_PREFIX else (None, None)
         if cache is None:
             shared = 0
         elif n > 1:
@@ -337,8 +350,14 @@ class TorchEngine(Engine):
         mask = torch.cat([torch.ones((n, shared), dtype=torch.long), suffix_mask], dim=1).to(device)
         positions = (shared + suffix_mask.cumsum(-1) - 1).clamp(min=0).to(device)
         extra = {self._cache_arg: cache} if cache is not None else {}
-        out = self.model(input_ids=input_ids.to(device), attention_mask=mask, position_ids=positions, use_cache=True,
-                         logits_to_keep=1, **extra)
+        with self._recorded():
+            out = self.model(input_ids=input_ids.to(device), attention_mask=mask, position_ids=positions, use_cache=True,
+                             logits_to_keep=1, **extra)
+        if self._routing is not None:
+            chosen = self._routing.take().reshape(n, width, self._routing.layers, self._routing.top_k)
+            for i, (row, prompt) in enumerate(zip(rows, prompts)):  # every context row, run again after an update
+                own = chosen[i, width - len(prompt) + shared:]
+                row.routing = [prefix_routing, own] if shared else [own]
         # Sampled in float32 on the CPU with each request's CPU generator: the same seed samples the
         # same tokens wherever the model runs.
         return _Batch(rows, self._cache_of(out), mask, positions[:, -1:] + 1, out.logits[:, -1, :].float().cpu())
@@ -367,6 +386,7 @@ class TorchEngine(Engine):
             if token in params.stop_token_ids:
                 row.finish = "stop"
             if row.finish == "stop" or len(row.outputs) >= params.max_tokens:
+                self._keep_context(batch, i, row)
                 _settle(row.pending, self._result(row))
                 continue
             tokens[i, 0] = token
@@ -378,8 +398,13 @@ class TorchEngine(Engine):
             tokens = tokens[keep]
         device = batch.mask.device
         batch.mask = torch.cat([batch.mask, torch.ones((len(keep), 1), dtype=torch.long, device=device)], dim=1)
-        out = self.model(input_ids=tokens.to(device), attention_mask=batch.mask, position_ids=batch.positions,
-                         use_cache=True, **{self._cache_arg: batch.cache})
+        with self._recorded():
+            out = self.model(input_ids=tokens.to(device), attention_mask=batch.mask, position_ids=batch.positions,
+                             use_cache=True, **{self._cache_arg: batch.cache})
+        if self._routing is not None:
+            chosen = self._routing.take()
+            for i, row in enumerate(batch.rows):
+                row.routing.append(chosen[i:i + 1])
         batch.cache = self._cache_of(out)
         batch.last = out.logits[:, -1, :].float().cpu()
         batch.positions = batch.positions + 1
@@ -402,7 +427,15 @@ class TorchEngine(Engine):
 
     def _result(self, row: _Row) -> Generation:
         """Each token carries the version that sampled it (the weights lock was held from its row's
-        prefill to its sampling)."""
+        prefill to its sampling). Routing, when recorded: of every row the call ran (its prompt, and
+        each sampled token but the last, which no forward read), from the prompt's first row
+        (``"all"``) or from its first sampled token's (``"generated"``)."""
+        routing, start = None, 0
+        if self._routing is not None:
+            routing = np.concatenate(row.routing)
+            if self.record_routing == "generated":
+                start = len(row.pending.prompt)
+                routing = routing[start:]
         return Generation(
             np.asarray(row.outputs, dtype=np.int32),
             np.asarray(row.logprobs, dtype=np.float32),
@@ -410,7 +443,13 @@ class TorchEngine(Engine):
             row.versions[0] if row.versions else self.weight_version,
             {"batch_seconds": time.monotonic() - row.joined_at, "batch_size": float(row.batch_size)},
             np.asarray(row.versions, dtype=np.int64),
+            routing=routing,
+            routing_start=start,
         )
+
+    def _recorded(self):
+        """Records the MoE routing of the forward run inside, when this engine records any."""
+        return self._routing.recorded() if self._routing is not None else contextlib.nullcontext()
 
     def _seed(self, params: SamplingParams) -> int:
         return params.seed if params.seed is not None else self._seeds.getrandbits(63)
@@ -418,35 +457,59 @@ class TorchEngine(Engine):
     def _cache_of(self, out: Any) -> Any:
         return out["cache"] if "cache" in out else out["past_key_values"]
 
-    def _prefix_kv(self, prefix: np.ndarray, device: torch.device) -> Any:
-        """A fresh KV cache (batch 1) of `prefix`: the longest cached prefix it starts with, cropped
-        and extended by the tokens it lacks; `prefix` is then cached itself. Called under the weights
-        lock."""
+    def _prefix_kv(self, prefix: np.ndarray, device: torch.device) -> tuple[Any, np.ndarray | None]:
+        """A fresh KV cache (batch 1) of `prefix` and the MoE routing of its rows (None unless
+        recorded): the longest cached prefix it starts with, cropped and extended by the tokens it
+        lacks; `prefix` is then cached itself. Called under the weights lock."""
         best, best_len = None, 0
         for i, entry in enumerate(self._prefixes):
             n = common_prefix_len(entry[0], prefix)
             if n > best_len:
                 best, best_len = i, n
+        routing = None
         if best is not None and best_len >= MIN_PREFIX:
             best = self._prefixes.pop(best)  # by position: entries hold arrays, which == cannot compare
             self._prefixes.append(best)  # most recently used
             kv = copy.deepcopy(best[1])
             if best_len < len(best[0]):
                 kv.crop(best_len - len(best[0]))  # a negative count removes tokens in every transformers version
+            routing = best[2][:best_len] if best[2] is not None else None
         else:
             kv, best_len = None, 0
         if best_len < len(prefix):
             rest = torch.from_numpy(prefix[best_len:]).long()[None].to(device)
             positions = torch.arange(best_len, len(prefix), device=device)[None]
             extra = {self._cache_arg: kv} if kv is not None else {}
-            kv = self._cache_of(self.model(input_ids=rest, position_ids=positions, use_cache=True, logits_to_keep=1,
-                                           **extra))
+            with self._recorded():
+                kv = self._cache_of(self.model(input_ids=rest, position_ids=positions, use_cache=True,
+                                               logits_to_keep=1, **extra))
+            if self._routing is not None:
+                own = self._routing.take()
+                routing = own if routing is None else np.concatenate([routing, own])
             self.prefill_tokens += len(prefix) - best_len
-            if len(prefix) <= self.prefix_cache_tokens:
-                self._prefixes.append((prefix.copy(), copy.deepcopy(kv)))
-                while sum(len(t) for t, _ in self._prefixes) > self.prefix_cache_tokens:
-                    self._prefixes.pop(0)
-        return kv
+            self._remember(prefix.copy(), copy.deepcopy(kv), routing)
+        return kv, routing
+
+    def _remember(self, tokens: np.ndarray, kv: Any, routing: np.ndarray | None) -> None:
+        """Cache the KV (and routing) of `tokens`, dropping the least recently used beyond the budget."""
+        if len(tokens) > self.prefix_cache_tokens:
+            return
+        self._prefixes.append((tokens, kv, routing))
+        while sum(len(t) for t, _, _ in self._prefixes) > self.prefix_cache_tokens:
+            self._prefixes.pop(0)
+
+    def _keep_context(self, batch: _Batch, i: int, row: _Row) -> None:
+        """Cache what an answered call ran (its prompt and every sampled token but the last): the
+        harness's next call extends it, and then runs only its new tokens, on the very KV (and MoE
+        routing) that sampled this answer, as an engine with automatic prefix caching (vLLM) does."""
+        ran = len(row.pending.prompt) + len(row.outputs) - 1
+        if len(row.outputs) < 2 or ran > self.prefix_cache_tokens or not _paddable(batch.cache):
+            return
+        kv = DynamicCache()
+        for layer_idx, layer in enumerate(batch.cache.layers):  # a row's columns are the last `ran` (left padding)
+            kv.update(layer.keys[i:i + 1, :, -ran:].clone(), layer.values[i:i + 1, :, -ran:].clone(), layer_idx)
+        tokens = np.concatenate([row.pending.prompt, np.asarray(row.outputs[:-1], dtype=row.pending.prompt.dtype)])
+        self._remember(tokens, kv, np.concatenate(row.routing) if row.routing else None)
 
     def update_weights(self, state_dict: Mapping[str, Any] | Iterable[tuple[str, Any]], version: int) -> None:
         """Load `state_dict` (strict: every parameter, matching shapes) and set the version, once the

@@ -74,11 +74,18 @@ def build_optimizer(config: RunConfig, policy: torch.nn.Module) -> torch.optim.O
 
 
 def build_engine(engine: EngineConfig, model_dir: Path, *, dtype: str = "float32", seed: int = 0, lm=None,
-                 weight_version: int = 0, device: torch.device | None = None) -> Engine:
+                 weight_version: int = 0, device: torch.device | None = None, record_routing: str = "off") -> Engine:
     """The engine `engine.kind` names, serving `lm`'s weights (a module, copied, on its device) at
     `weight_version`, or, with no `lm`, the weights in `model_dir` (a torch engine's on `device`,
-    default the CPU), in ``engine.dtype`` (None: `dtype`, the training dtype)."""
+    default the CPU), in ``engine.dtype`` (None: `dtype`, the training dtype). `record_routing`: the
+    MoE routing the engine records for routing replay (`algorithm.routing_replay`); only the torch
+    engine records any, the others refuse."""
     dtype = engine.dtype or dtype
+    if record_routing != "off" and engine.kind != "torch":
+        raise ValueError(f"algorithm.routing_replay = {record_routing!r} needs an engine that records the experts it "
+                         f"chose: the torch engine does; clawfast's {engine.kind} engine does not collect them "
+                         f"(vLLM 0.32 can return them, not wired here yet). Use engine.kind = \"torch\" or "
+                         f"routing_replay = \"off\".")
     if engine.kind == "torch":
         from clawfast.engines.torch_engine import TorchEngine
 
@@ -88,7 +95,8 @@ def build_engine(engine: EngineConfig, model_dir: Path, *, dtype: str = "float32
             served = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).to(device or "cpu")
         else:  # a copy in the engine's dtype: pushes from a float32 trainer are cast by `load_state_dict`
             served = copy.deepcopy(lm).to(DTYPES[dtype])
-        built = TorchEngine(served.eval(), max_batch=engine.max_batch, seed=seed, on_update=engine.on_update)
+        built = TorchEngine(served.eval(), max_batch=engine.max_batch, seed=seed, on_update=engine.on_update,
+                            record_routing=record_routing)
         built.weight_version = weight_version
         return built
     if engine.kind == "vllm":

@@ -263,7 +263,12 @@ class AlgorithmConfig(_Section):
     groups run up to k steps ahead of the trainer, a step takes the first groups to finish, and a
     group with any call sampled more than k weight versions before the trainer's is dropped and
     counted (``async/dropped_stale_groups``); k = 0 is the synchronous schedule exactly. The step
-    also drops any such rollout (``dropped_stale``)."""
+    also drops any such rollout (``dropped_stale``).
+    routing_replay (mixture-of-experts policies, docs/MODELS.md "Routing replay"): "off" (the
+    trainer's routers choose every token's experts), "generated" (the tokens the engine sampled
+    are routed to the experts the engine chose for them; the prompt's tokens by the trainer) or "all"
+    (every token the engine ran, prompts included). The engine records what is replayed (the torch
+    engine does; others are refused); a dense model with replay on is refused."""
 
     name: Literal["grpo", "ppo"] = "grpo"
     group_by: Literal["auto", "task", "task_harness"] = "auto"
@@ -290,6 +295,7 @@ class AlgorithmConfig(_Section):
     filter_groups: bool = False
     max_staleness: int | None = Field(None, ge=0)
     train_threads: tuple[str, ...] = ("main",)
+    routing_replay: Literal["off", "generated", "all"] = "off"
 
     @field_validator("train_threads")
     @classmethod

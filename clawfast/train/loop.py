@@ -152,7 +152,8 @@ def run_loop(config: RunConfig, *, resume: bool, progress: bool, group=None,
         with contextlib.ExitStack() as stack:
             if make_source is not None:
                 engine = build_engine(config.engine, model_dir, dtype=config.model.dtype, seed=config.seed,
-                                      lm=policy.lm, weight_version=state.weight_version)
+                                      lm=policy.lm, weight_version=state.weight_version,
+                                      record_routing=config.algorithm.routing_replay)
                 source = make_source(engine)
                 stack.callback(source.close)
                 train_ids, eval_tasks = source.task_ids, {}
@@ -166,7 +167,8 @@ def run_loop(config: RunConfig, *, resume: bool, progress: bool, group=None,
                 train_ids = sorted(train_tasks)
                 _warn_if_not_held_out(train_tasks, eval_tasks, config.tasks.suite)
                 engine = build_engine(config.engine, model_dir, dtype=config.model.dtype, seed=config.seed,
-                                      lm=policy.lm, weight_version=state.weight_version)
+                                      lm=policy.lm, weight_version=state.weight_version,
+                                      record_routing=config.algorithm.routing_replay)
                 logs_dir = run_dir / "logs" if config.rollout.keep_logs else None
                 service = stack.enter_context(rollout_service(config, engine, model_dir, run_dir / "records",
                                                               logs_dir=logs_dir))

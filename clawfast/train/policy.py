@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from clawfast.kernels import TreeMask, tree_logprobs
+from clawfast.moe_routing import ExpertRouting
 from clawfast.train.attention import ATTENTION_BACKENDS, TreeAttentionArgs, tree_batch, use_tree_attention
 from clawfast.tree_mask import dense_tree_mask
 
@@ -82,6 +83,7 @@ class Policy(nn.Module):
             raise ValueError(f"attention must be one of {ATTENTION_BACKENDS}, got {attention!r}")
         use_tree_attention(lm)
         self.lm = lm
+        self.expert_routing: ExpertRouting | None = None  # installed by the first batch with recorded routing
         self.attention = attention
         self.temperature = float(temperature)
         hidden = lm.get_output_embeddings().weight.shape[1]
@@ -146,6 +148,22 @@ class Policy(nn.Module):
         return PolicyOutput(logprobs, row_entropy[target_row_index], values)
 
     def run(self, batch) -> PolicyOutput:
-        """``forward`` on a PackedBatch (numpy arrays moved to the policy's device)."""
+        """``forward`` on a PackedBatch (numpy arrays moved to the policy's device), its rows routed
+        to the experts recorded in ``batch.routing`` where ``batch.routing_rows`` holds (an MoE policy
+        under routing replay; the rest by the policy's routers)."""
         bt = BatchTensors.from_batch(batch, self.device)
+        self._route(batch)
         return self(bt.input_ids, bt.position_ids, bt.kv_end, bt.target_rows, bt.target_ids)
+
+    def _route(self, batch) -> None:
+        """Force the batch's recorded routing until the next batch (a recomputation under gradient
+        checkpointing runs during ``backward``, after this forward returned)."""
+        routing = getattr(batch, "routing", None)
+        if routing is None:
+            if self.expert_routing is not None:
+                self.expert_routing.clear()
+            return
+        if self.expert_routing is None:
+            self.expert_routing = ExpertRouting(self.lm)
+        self.expert_routing.force(torch.as_tensor(routing.astype(np.int64), device=self.device),
+                                  torch.as_tensor(batch.routing_rows, device=self.device))

@@ -16,6 +16,7 @@ from clawfast.pack import PackedBatch, pack, pack_stats
 from clawfast.records import RolloutResult
 from clawfast.threads import KINDS, RolloutThreads, fidelity_counts, reconstruct, with_kinds
 from clawfast.train.algorithms import KeptForest, group_ids, grpo_rollout_advantages, stale_rollouts
+from clawfast.train.routing_rows import RoutingKeys, keyed_rollouts
 from clawfast.train.step_config import StepConfig
 from clawfast.tree import PrefixTree, build_tree
 
@@ -88,8 +89,14 @@ def prepare_step(rollouts: Sequence[RolloutResult], groups: Sequence[Hashable] |
     # hints: the kinds of `train_threads` are trained, every other kind is excluded.
     threads = [reconstruct(r.calls) for r in kept]
     excluded = frozenset(KINDS) - frozenset(config.train_threads)
+    # Under routing replay the tree and the packer merge rows by (token, recorded routing) keys,
+    # turned back into token ids once packed (`unkey_step`).
+    keys = None
+    tree_rollouts = kept
+    if config.routing_replay != "off":
+        tree_rollouts, keys = keyed_rollouts(kept, config.routing_replay)
     trees = [build_tree(with_kinds(r.calls, t), max_kept_leaves=config.max_kept_leaves, drop_dead=config.drop_dead,
-                        exclude_tags=excluded) for r, t in zip(kept, threads)]
+                        exclude_tags=excluded) for r, t in zip(tree_rollouts, threads)]
     # A kept path longer than a micro-batch cannot be trained (pack would raise): drop its rollout
     # and count it, rather than lose the whole step to one overlong session.
     branching = np.array([t.dropped for t in trees], dtype=bool)
@@ -127,6 +134,9 @@ def prepare_step(rollouts: Sequence[RolloutResult], groups: Sequence[Hashable] |
     if config.name == "ppo" or config.is_level == "sequence":
         forest = KeptForest.build(trees, [trained_links(r, t, config.train_threads) for r, t in zip(kept, threads)])
         forest_rows = [forest.locate(b) for b in batches]
+    replay = {}
+    if keys is not None:
+        trees, forest, replay = unkey_step(keys, trees, batches, forest)
     kind_tables = [kind_table(t) for t in threads]
     target_kind = [target_kinds(b, kind_tables) for b in batches]
     counts = {
@@ -138,12 +148,29 @@ def prepare_step(rollouts: Sequence[RolloutResult], groups: Sequence[Hashable] |
         "dropped_branching": int(branching.sum()),
         "dropped_too_long": int(too_long.sum()),
         "dropped_uniform_group": int(uniform.sum()),
+        **replay,
         **fidelity_counts(threads),
         **thread_counts([t for t, tree in zip(threads, trees) if not tree.dropped], target_kind,
                         config.train_threads, forest),
     }
     return StepData(kept, trees, rewards, batches, weights, denominator, advantages, forest, forest_rows, counts,
                     target_kind, threads, minibatches, denominators)
+
+
+def unkey_step(keys: RoutingKeys, trees: list[PrefixTree], batches: Sequence[PackedBatch],
+               forest: KeptForest | None) -> tuple[list[PrefixTree], KeptForest | None, dict[str, float]]:
+    """A step packed on routing keys back to token ids (trees, batches, the PPO forest), each
+    batch with its rows' recorded routing (``routing`` / ``routing_rows``); and the counts
+    ``routing/rows_replayed`` and ``routing/rows_own`` (rows the trainer routes: none recorded)."""
+    replayed = rows = 0
+    for b in batches:
+        keys.unkey(b)
+        replayed += int(b.routing_rows.sum()) if b.routing_rows is not None else 0
+        rows += len(b.input_ids)
+    trees = [dataclasses.replace(t, tokens=keys.tokens(t.tokens)) for t in trees]
+    if forest is not None:
+        forest = dataclasses.replace(forest, tokens=keys.tokens(forest.tokens))
+    return trees, forest, {"routing/rows_replayed": replayed, "routing/rows_own": rows - replayed}
 
 
 def trained_links(rollout: RolloutResult, threads: RolloutThreads, train_threads) -> list[tuple[int, int, int]]:

@@ -160,7 +160,8 @@ class EngineRollouts:
             gen = await self.engine.generate(prompt, params)
             calls.append(CallRecord(rollout_id, i, harness, prompt, gen.output_ids, gen.infer_logprobs,
                                     weight_version=gen.weight_version, output_versions=gen.output_versions,
-                                    finish_reason=gen.finish_reason, tags=(tag,)))
+                                    finish_reason=gen.finish_reason, tags=(tag,), routing=gen.routing,
+                                    routing_start=gen.routing_start))
             return np.asarray(gen.output_ids, dtype=np.int32)
 
         def ids(tokens) -> np.ndarray:

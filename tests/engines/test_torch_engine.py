@@ -357,9 +357,9 @@ def test_on_update_is_validated(embedded_dir):
 
 
 def test_shared_and_cached_prefixes_sample_what_a_plain_forward_gives(embedded_dir):
-    """Rows sharing a system prompt run it once; a later call extending an earlier prompt runs only
-    its new tokens; the log-probs are still those of one plain forward, and the tokens those the
-    same seeds sample with the prefix cache off."""
+    """Rows sharing a system prompt run it once; a later call extending an earlier call's prompt and
+    answer runs only its new tokens (the answer's KV was kept); the log-probs are still those of one
+    plain forward, and the tokens those the same seeds sample with the prefix cache off."""
     rng = np.random.default_rng(2)
     system = rng.integers(10, 3000, size=40)
     prompts = [np.concatenate([system, rng.integers(10, 3000, size=n)]) for n in (3, 9, 6)]
@@ -378,7 +378,8 @@ def test_shared_and_cached_prefixes_sample_what_a_plain_forward_gives(embedded_d
     follow = np.concatenate([prompts[1], first[1].output_ids, rng.integers(10, 3000, size=5)])
     before = cached.prefill_tokens
     [second] = run(cached, [follow])
-    assert cached.prefill_tokens - before == len(follow) - 40  # only what the cached system prompt lacks
+    # Only what the first turn did not run: its last sampled token (no forward read it) and the new ones.
+    assert cached.prefill_tokens - before == 1 + 5
     for engine_out, prompt in zip(first + [second], prompts + [follow]):
         np.testing.assert_allclose(engine_out.infer_logprobs,
                                    reference_logprobs(cached.model, prompt, engine_out.output_ids, params), atol=1e-4)

@@ -14,6 +14,7 @@ import torch
 from clawfast.engines.base import Engine, Sampling
 from clawfast.rollout import HarnessConfig, OnRay, ProxyConfig, RolloutService, SandboxConfig, SchedulingConfig
 from clawfast.train.config import EngineConfig, RunConfig
+from clawfast.train.lora import add_lora, has_adapter
 from clawfast.train.push import WeightPusher, engine_layout
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -59,9 +60,12 @@ def resolve_device(name: str) -> torch.device:
 
 
 def build_policy(config: RunConfig, model_dir: Path):
-    """The trained policy (a value head under PPO; gradient checkpointing if configured), on the
-    CPU (a one-process run moves it to ``model.device``, an FSDP run shards it)."""
+    """The trained policy (a value head under PPO; a LoRA adapter and gradient checkpointing if
+    configured), on the CPU (a one-process run moves it to ``model.device``, an FSDP run shards it)."""
     policy = load_policy(config, model_dir, value_head=config.algorithm.name == "ppo")
+    if config.model.lora is not None:
+        lora = config.model.lora
+        add_lora(policy.lm, lora.rank, lora.alpha, lora.dropout, lora.target_modules)
     if config.model.gradient_checkpointing:
         policy.lm.gradient_checkpointing_enable()
     return policy
@@ -125,8 +129,14 @@ def weight_pusher(config: RunConfig, engine: Engine) -> WeightPusher:
 
 def push_weights(engine: Engine | WeightPusher, policy, version: int) -> None:
     """Send a plain policy's weights to the engine (or its `WeightPusher`) under `version` (every
-    later call records it); a sharded policy streams them instead
+    later call records it); a policy with a LoRA adapter sends the adapter alone
+    (`WeightPusher.push_adapter`); a sharded policy streams them instead
     (`clawfast.train.distributed.ShardedTrainer.push_weights`)."""
+    if has_adapter(policy.lm):
+        if not isinstance(engine, WeightPusher):
+            raise TypeError("an adapter push goes through a WeightPusher (it knows the engine's dtype)")
+        engine.push_adapter(policy.lm, version)
+        return
     pairs = ((k, v.detach()) for k, v in policy.lm.state_dict().items())
     engine.update_weights(dict(engine_layout(engine, policy.lm, pairs)), version)
 

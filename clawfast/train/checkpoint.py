@@ -6,6 +6,9 @@ Layout (``<run_dir>/checkpoints/``)::
         model/            the policy LM as a Hugging Face directory (safetensors + config + the
                           tokenizer files of the source model): `clawfast eval`, the engines and
                           `transformers` load it directly
+        adapter.safetensors, adapter.json   instead of model/ when the policy trains a LoRA
+                          adapter (`clawfast.train.lora`): the base is ``model.path``, unchanged;
+                          `clawfast model merge` writes the merged model
         value_head.safetensors   PPO only
         trainer.pt        optimizer state and torch RNG state (loaded with weights_only=True)
         state.json        step, data position, weight version, Python and NumPy RNG states
@@ -37,6 +40,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from clawfast.train.lora import ADAPTER_CONFIG, ADAPTER_FILE, add_lora, has_adapter, load_adapter, merged_copy, save_adapter
 
 CHECKPOINTS = "checkpoints"
 LATEST = "LATEST"
@@ -123,9 +128,12 @@ def save_checkpoint(run_dir: str | Path, policy, optimizer: torch.optim.Optimize
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    policy.lm.save_pretrained(tmp / "model", safe_serialization=True)
-    if tokenizer_dir is not None:
-        copy_tokenizer(Path(tokenizer_dir), tmp / "model")
+    if has_adapter(policy.lm):
+        save_adapter(policy.lm, tmp)
+    else:
+        policy.lm.save_pretrained(tmp / "model", safe_serialization=True)
+        if tokenizer_dir is not None:
+            copy_tokenizer(Path(tokenizer_dir), tmp / "model")
     if getattr(policy, "value_head", None) is not None:
         save_file({k: v.detach().contiguous().cpu() for k, v in policy.value_head.state_dict().items()},
                   str(tmp / "value_head.safetensors"))
@@ -184,14 +192,14 @@ def load_checkpoint(checkpoint: str | Path, policy, optimizer: torch.optim.Optim
     checkpoint = Path(checkpoint)
     if not (checkpoint / COMPLETE).is_file():
         raise ValueError(f"{checkpoint} is not a complete checkpoint (no {COMPLETE} marker)")
-    weights = load_model_weights(checkpoint / "model")
-    missing, unexpected = policy.lm.load_state_dict(weights, strict=False)
-    # Tied weights (the LM head sharing the embedding) are saved once; anything else missing is an error.
-    tied = set(getattr(policy.lm, "_tied_weights_keys", None) or ())
-    missing = [k for k in missing if k not in tied and not _is_tied_copy(policy.lm, k)]
-    if missing or unexpected:
-        raise ValueError(f"{checkpoint}: weights do not match the policy (missing {missing[:5]}, "
-                         f"unexpected {unexpected[:5]})")
+    if (checkpoint / ADAPTER_FILE).is_file() != has_adapter(policy.lm):
+        raise ValueError(f"{checkpoint} holds {'a LoRA adapter' if (checkpoint / ADAPTER_FILE).is_file() else 'full weights'}"
+                         f", the policy {'trains an adapter' if has_adapter(policy.lm) else 'trains every weight'}: "
+                         f"resume with the run's own model.lora")
+    if has_adapter(policy.lm):
+        load_adapter(policy.lm, checkpoint)
+    else:
+        _load_full(checkpoint, policy.lm)
     if getattr(policy, "value_head", None) is not None:
         policy.value_head.load_state_dict(load_file(str(checkpoint / "value_head.safetensors")))
     trainer = torch.load(checkpoint / "trainer.pt", weights_only=True)
@@ -203,6 +211,17 @@ def load_checkpoint(checkpoint: str | Path, policy, optimizer: torch.optim.Optim
         set_rng_state(raw["rng"])
     raw.pop("rng")
     return TrainState(**raw)
+
+
+def _load_full(checkpoint: Path, lm: torch.nn.Module) -> None:
+    weights = load_model_weights(checkpoint / "model")
+    missing, unexpected = lm.load_state_dict(weights, strict=False)
+    # Tied weights (the LM head sharing the embedding) are saved once; anything else missing is an error.
+    tied = set(getattr(lm, "_tied_weights_keys", None) or ())
+    missing = [k for k in missing if k not in tied and not _is_tied_copy(lm, k)]
+    if missing or unexpected:
+        raise ValueError(f"{checkpoint}: weights do not match the policy (missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]})")
 
 
 def _is_tied_copy(lm: torch.nn.Module, key: str) -> bool:
@@ -224,3 +243,24 @@ def load_model_weights(model_dir: str | Path) -> dict[str, torch.Tensor]:
     for f in files:
         weights.update(load_file(str(f)))
     return weights
+
+
+def export_merged(checkpoint: Path, out: Path, base: Path | None = None) -> Path:
+    """Write the merged model of a LoRA checkpoint (its adapter on `base`, default the directory the
+    run's base was loaded from) to `out` as a Hugging Face directory, with the base's tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    checkpoint, out = Path(checkpoint), Path(out)
+    if not (checkpoint / ADAPTER_FILE).is_file():
+        raise ValueError(f"{checkpoint} holds no LoRA adapter ({ADAPTER_FILE}): its model/ is the full model already")
+    saved = json.loads((checkpoint / ADAPTER_CONFIG).read_text())
+    base = Path(base or saved["base"])
+    if not (base / "config.json").is_file():
+        raise ValueError(f"the adapter's base {base} is not a Hugging Face model directory: name it (--base)")
+    lm = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, local_files_only=True)
+    lora = saved["lora"]
+    add_lora(lm, lora["rank"], lora["alpha"], lora["dropout"], lora["target_modules"])
+    load_adapter(lm, checkpoint)
+    merged_copy(lm).save_pretrained(out, safe_serialization=True)
+    copy_tokenizer(base, out)
+    return out

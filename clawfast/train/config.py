@@ -31,6 +31,17 @@ class _Section(BaseModel):
 AttentionBackend = Literal["auto", "torch", "triton", "flex", "sdpa-dense"]
 
 
+class LoraConfig(_Section):
+    """A LoRA adapter (`clawfast.train.lora`, through peft): rank and alpha (the update is scaled by
+    alpha / rank), dropout on the adapter's input, target_modules: "all-linear" (every Linear but
+    the LM head) or a list of module names (peft's matching: a name's last parts, e.g. "q_proj")."""
+
+    rank: int = Field(16, ge=1)
+    alpha: float = Field(32.0, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: str | tuple[str, ...] = "all-linear"
+
+
 class ModelConfig(_Section):
     """path: a Hugging Face model directory (weights + tokenizer), "embedded" for the tiny Qwen3
     built locally by `clawfast.embedded.ensure_embedded_model`, or the name of a packaged pretrained
@@ -45,13 +56,16 @@ class ModelConfig(_Section):
     device: where a one-process run keeps the policy and the torch engine: "auto" (the first GPU
     when torch sees one, else the CPU), "cpu", "cuda" or "cuda:N"; a GPU named where torch sees none
     stops the run with an error. An FSDP run places each rank on ``cuda:LOCAL_RANK`` itself, so it
-    must leave "auto"."""
+    must leave "auto". lora: train a LoRA adapter on frozen base weights (`LoraConfig`; unset: every
+    weight trains): the optimizer holds the adapter alone, a push moves it alone, a checkpoint
+    stores it alone (docs/MODELS.md "LoRA")."""
 
     path: str = "embedded"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     attention: AttentionBackend = "auto"
     gradient_checkpointing: bool = False
     device: str = "auto"
+    lora: LoraConfig | None = None
 
     @field_validator("device")
     @classmethod
@@ -478,6 +492,12 @@ class RunConfig(_Section):
             raise ValueError("distributed.fsdp places each rank on cuda:LOCAL_RANK itself: leave model.device = 'auto'")
         if self.rollout.source == "recorded" and self.coldstart.enabled:
             raise ValueError("coldstart needs rollout.source = 'harness' (demonstrations run through a harness)")
+        if self.model.lora is not None and self.distributed.fsdp:
+            raise ValueError("model.lora does not run under distributed.fsdp yet: train the adapter in one process")
+        if self.model.lora is not None and self.engine.kind != "torch" and self.engine.sync_weights:
+            raise ValueError(f"model.lora pushes the adapter to an engine serving the adapted model: the torch engine; "
+                             f"engine.kind = {self.engine.kind!r} does not take adapter pushes yet (vLLM's LoRA "
+                             f"loading is not wired here)")
         return self
 
     @property

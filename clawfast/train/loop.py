@@ -82,6 +82,7 @@ from clawfast.train.coldstart import run_coldstart
 from clawfast.train.config import RunConfig
 from clawfast.train.data import HarnessRollouts, RecordedRollouts, TaskSampler, check_trainable, load_tasks
 from clawfast.train.distributed import make_trainer, train_sharded
+from clawfast.train.lora import has_adapter, merged_copy
 from clawfast.train.producer import RolloutProducer
 from clawfast.tasks.judge import build_judge
 from clawfast.tasks.scoring import judge_results, write_scores
@@ -299,15 +300,16 @@ def _say(view: ProgressView | None, text: str) -> None:
 
 
 def _reference_policy(config: RunConfig, policy, run_dir: Path, model_dir: Path):
-    """The frozen KL reference (kl_coef > 0): the policy as RL starts (after any cold start), kept
-    in ``<run_dir>/reference`` so a resumed run uses the same one."""
+    """The frozen KL reference (kl_coef > 0): the policy as RL starts (after any cold start; with a
+    LoRA adapter, merged into the base), kept in ``<run_dir>/reference`` so a resumed run uses the
+    same one."""
     if config.algorithm.kl_coef <= 0:
         return None
     ref_dir = run_dir / "reference"
     if not (ref_dir / "config.json").is_file():
         tmp = run_dir / ".tmp-reference"
         shutil.rmtree(tmp, ignore_errors=True)
-        policy.lm.save_pretrained(tmp)
+        (merged_copy(policy.lm) if has_adapter(policy.lm) else policy.lm).save_pretrained(tmp)
         tmp.rename(ref_dir)
     ref = load_policy(config, ref_dir).to(policy.device)
     ref.requires_grad_(False)

@@ -38,6 +38,7 @@ class WeightPusher:
         if full_every is not None and full_every < 1:
             raise ValueError(f"full_every must be >= 1 or None, got {full_every}")
         self.engine = engine
+        self.dtype = dtype
         self.full_every = full_every
         self.encoder = DeltaEncoder(dtype, checksums=checksums) if delta and engine.takes_deltas else None
         self.since_full = 0  # delta pushes since the last full one
@@ -62,6 +63,20 @@ class WeightPusher:
         self.last = {"push/delta": 1.0, "push/bytes": float(delta.nbytes), "push/full_bytes": float(delta.full_nbytes),
                      "push/changed_fraction": delta.changed / max(1, delta.full_nbytes // _size(enc.dtype)),
                      "push/fallback": 0.0}
+
+    def push_adapter(self, lm: torch.nn.Module, version: int) -> None:
+        """Push `lm`'s LoRA adapter alone as `version` (`clawfast.train.lora.adapter_delta`: its
+        tensors whole, a delta on the version the engine serves, which holds the same adapted
+        modules); an engine that takes no deltas, or refuses this one, is an error: the base it
+        serves is the trainer's, so nothing else could go instead."""
+        from clawfast.train.lora import adapter_delta
+
+        if not self.engine.takes_deltas:
+            raise ValueError(f"{type(self.engine).__name__} takes no adapter pushes (model.lora needs the torch engine)")
+        delta = adapter_delta(lm, self.engine.weight_version, version, self.dtype)
+        self.engine.apply_delta(delta)
+        self.last = {"push/delta": 1.0, "push/bytes": float(delta.nbytes), "push/full_bytes": float(delta.full_nbytes),
+                     "push/changed_fraction": delta.nbytes / max(1, delta.full_nbytes), "push/fallback": 0.0}
 
     def _full(self, pairs: Iterable[tuple[str, Any]], version: int, *, fallback: bool = False) -> None:
         sizes: list[int] = []

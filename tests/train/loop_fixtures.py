@@ -17,13 +17,14 @@ from clawfast.synthetic import group_results, task_group
 VOCAB = 64
 
 
-def make_tiny_model(path: Path, seed: int = 0) -> Path:
+def make_tiny_model(path: Path, seed: int = 0, init: float = 0.02) -> Path:
+    """`init`: the weights' initializer range (transformers' default 0.02)."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     config = Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=2048,
-                         tie_word_embeddings=True)
+                         tie_word_embeddings=True, initializer_range=init)
     torch.manual_seed(seed)
     Qwen3ForCausalLM(config).save_pretrained(path)
     return path

@@ -1,0 +1,149 @@
+"""LoRA (`model.lora`, `clawfast.train.lora`): the adapter trains alone on frozen base weights, a push
+moves the adapter alone into the torch engine, a checkpoint holds the adapter alone and resumes,
+`clawfast model merge` exports the merged model, and RL through the whole loop learns with it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from clawfast.train.lora import (
+    ADAPTER_FILE,
+    adapter_names,
+    add_lora,
+    has_adapter,
+    load_adapter,
+    merged_copy,
+    save_adapter,
+)
+
+from loop_fixtures import VOCAB, make_tiny_model
+
+
+def tiny_lm(tmp_path, dtype=torch.float64):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(make_tiny_model(tmp_path / "base", seed=3), dtype=dtype)
+
+
+def test_the_adapter_trains_alone_and_merges_into_the_same_model(tmp_path):
+    """Only the adapter requires grad; after optimizer steps the base is bit-identical, the adapter
+    moved, and the merged plain model computes the adapted model's logits (float64)."""
+    lm = add_lora(tiny_lm(tmp_path), rank=4, alpha=8)
+    base = {k: v.clone() for k, v in lm.state_dict().items() if ".lora_" not in k}
+    trainable = {n for n, p in lm.named_parameters() if p.requires_grad}
+    assert trainable == set(adapter_names(lm)) and len(trainable) == 2 * 14  # q k v o gate up down, 2 layers
+    optimizer = torch.optim.AdamW([p for p in lm.parameters() if p.requires_grad], lr=1e-2)
+    ids = torch.randint(0, VOCAB, (2, 12))
+    for _ in range(3):
+        torch.nn.functional.cross_entropy(lm(ids).logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    for k, v in lm.state_dict().items():
+        if ".lora_" not in k:
+            assert torch.equal(v, base[k]), k
+    assert any(lm.state_dict()[n].abs().sum() > 0 for n in adapter_names(lm) if ".lora_B." in n)
+    merged = merged_copy(lm)
+    assert not has_adapter(merged) and type(merged) is type(lm)
+    assert not any(".lora_" in k or "base_layer" in k for k in merged.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, lm(ids).logits, rtol=0, atol=1e-10)
+        # and it is not the base: the adapter changed the model
+        assert (merged(ids).logits - tiny_lm(tmp_path)(ids).logits).abs().max() > 1e-4
+
+
+def test_an_adapter_saves_loads_and_refuses_another_shape(tmp_path):
+    lm = add_lora(tiny_lm(tmp_path), rank=4, alpha=8)
+    with torch.no_grad():
+        for name, p in lm.named_parameters():
+            if ".lora_" in name:
+                p.normal_()
+    save_adapter(lm, tmp_path)
+    again = add_lora(tiny_lm(tmp_path), rank=4, alpha=8)
+    load_adapter(again, tmp_path)
+    for name in adapter_names(lm):
+        assert torch.equal(dict(again.named_parameters())[name], dict(lm.named_parameters())[name])
+    assert json.loads((tmp_path / "adapter.json").read_text())["base"].endswith("base")
+    with pytest.raises(ValueError, match="saved as"):
+        load_adapter(add_lora(tiny_lm(tmp_path), rank=2, alpha=8), tmp_path)
+    with pytest.raises(ValueError, match="names no Linear"):
+        add_lora(tiny_lm(tmp_path), rank=2, alpha=4, target_modules=("no_such_proj",))
+
+
+def test_lora_refuses_what_it_cannot_do_yet(tmp_path):
+    from clawfast.train.config_file import config_from_dict
+
+    with pytest.raises(ValueError, match="distributed.fsdp"):
+        config_from_dict({"model": {"lora": {"rank": 4}}, "distributed": {"fsdp": True}})
+    with pytest.raises(ValueError, match="does not take adapter pushes"):
+        config_from_dict({"model": {"lora": {"rank": 4}}, "engine": {"kind": "vllm"}})
+    with pytest.raises(ValueError):
+        config_from_dict({"model": {"lora": {"rank": 0}}})
+
+
+@pytest.mark.slow
+def test_a_lora_run_on_the_quickstart_model_trains_and_pushes_the_adapter_alone(tmp_path, smollm2_dir, monkeypatch):
+    """GRPO on SmolLM2-135M with a rank-8 adapter on the attention projections (`clawfast train`, the
+    torch engine, rollouts sampled from it): every push moves under 1 % of the model's bytes, the base weights are
+    bit-identical after the run in the trainer and in the engine, the engine serves exactly the
+    checkpoint's adapter, a resumed run loads it, and `clawfast model merge` exports a model whose
+    logits are the engine's."""
+    from transformers import AutoModelForCausalLM
+
+    from clawfast.train import loop
+    from clawfast.train.checkpoint import latest_checkpoint, load_model_weights
+    from clawfast.train.sampled import EngineRollouts, TokenTask
+    from test_async import sampled_config, train_records
+
+    good = set(range(300, 400))
+    tasks = {f"t{i}": TokenTask(f"t{i}", prompt=(1, 200 + i, 3, 250 + i),
+                                reward=lambda outs: float(np.isin(np.concatenate(outs), list(good)).mean()),
+                                turns=1) for i in range(4)}
+    engines, policies = [], []
+    build_policy = loop.build_policy
+    monkeypatch.setattr(loop, "build_policy", lambda *a, **k: policies.append(build_policy(*a, **k)) or policies[-1])
+
+    def source(engine):
+        engines.append(engine)
+        return EngineRollouts(engine, tasks, max_tokens=4, seed=11)
+
+    config = sampled_config(tmp_path, smollm2_dir, name="lora", steps=2, max_batch=16,
+                            extra='[model.lora]\nrank = 8\nalpha = 16\ntarget_modules = ["q_proj", "k_proj", "v_proj", "o_proj"]\n')
+    loop.train(config, progress=False, make_source=source)
+    records = train_records(config.run_dir)
+    assert len(records) == 2 and all(r["stepped"] == 1 for r in records)
+    for r in records:
+        assert r["push/bytes"] <= 0.01 * r["push/full_bytes"], r
+    original = load_model_weights(smollm2_dir)
+    checkpoint = latest_checkpoint(config.run_dir)
+    assert (checkpoint / ADAPTER_FILE).is_file() and not (checkpoint / "model").exists()
+    for lm in (policies[0].lm, engines[0].model):
+        state = lm.state_dict()
+        for name, tensor in original.items():
+            served = state.get(name) if name in state else state[name.replace(".weight", ".base_layer.weight")]
+            assert torch.equal(served.to(tensor.dtype), tensor), name
+    from safetensors.torch import load_file
+
+    saved = load_file(str(checkpoint / ADAPTER_FILE))
+    served = dict(engines[0].model.named_parameters())
+    assert all(torch.equal(served[name], tensor) for name, tensor in saved.items())  # the last push is the adapter
+    assert any(t.abs().sum() > 0 for name, t in saved.items() if ".lora_B." in name)  # it trained
+
+    out = tmp_path / "merged"
+    subprocess.run([sys.executable, "-m", "clawfast.cli", "model", "merge", str(checkpoint), "--out", str(out)],
+                   check=True, capture_output=True, text=True)
+    merged = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    ids = torch.tensor([[1, 200, 3, 250, 301, 302]])
+    with torch.no_grad():
+        # float32 through 30 layers: W x + B (A x) and (W + B A) x round apart by ~1e-4 (exact in float64:
+        # test_the_adapter_trains_alone_and_merges_into_the_same_model)
+        torch.testing.assert_close(merged(ids).logits, engines[0].model(ids).logits, rtol=1e-3, atol=1e-3)
+
+    resumed = config.model_copy(update={"steps": 3})
+    loop.train(resumed, resume=True, progress=False, make_source=source)
+    assert len(train_records(config.run_dir)) == 3

@@ -442,16 +442,19 @@ def _one_step(config: RunConfig, trainer: Trainer, feed, state: TrainState, push
               ref_policy, view: ProgressView | None) -> dict[str, float]:
     rc = config.rollout
     total = rc.tasks_per_step * len(rc.harnesses) * rc.samples_per_task
-    done: list[RolloutResult] = []
+    done = {"rollouts": 0, "not_ok": 0, "retries": 0}  # counted as results arrive: O(1) per result
+    nodes_lost: set[str] = set()
 
     def on_result(r: RolloutResult) -> None:
-        done.append(r)
+        infra = infra_counts([r])
+        done["rollouts"] += 1
+        done["not_ok"] += r.status != "ok"
+        done["retries"] += infra["retries"]
+        nodes_lost.update(infra["nodes_lost"])
         if view:
-            infra = infra_counts(done)
-            retried = (f", retried {infra['retries']}, nodes lost {len(infra['nodes_lost'])}"
-                       if infra["retries"] else "")
-            not_ok = sum(x.status != "ok" for x in done)
-            view.advance(0, note=f"step {state.step + 1}: rollouts {len(done)}/{total} (not ok {not_ok}{retried})")
+            retried = f", retried {done['retries']}, nodes lost {len(nodes_lost)}" if done["retries"] else ""
+            view.advance(0, note=f"step {state.step + 1}: rollouts {done['rollouts']}/{total} "
+                                 f"(not ok {done['not_ok']}{retried})")
 
     if view:
         view.advance(0, note=f"step {state.step + 1}: rollouts 0/{total}")

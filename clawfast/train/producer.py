@@ -23,8 +23,8 @@ nothing starts before the previous step's push: the synchronous loop's schedule,
 
 A rollout lost to an infrastructure failure (a node gone, a sandbox dead) runs again inside its
 group's ``source.run`` (`clawfast.rollout.retry`), so the group finishes whole, only later; the bound
-is checked on what the group holds when it finishes, its retried rollouts included, and groups with
-a retried rollout are counted (`retried_groups`, over the groups handed out).
+is checked on what the group holds when it finishes, its retried rollouts included, and a group
+says whether it holds one (`Group.retried`; the loop counts them: ``async/retried_groups``).
 
 Guaranteed: every group handed out has its results in spec order and satisfies the bound; dropped
 groups are counted (`dropped_groups`); `snapshot` lists every position started or queued
@@ -84,7 +84,6 @@ class RolloutProducer:
         self.sampling = sampling
         self.next_position = next_position
         self.dropped_groups = 0
-        self.retried_groups = 0
         self._requeued = deque(requeued)
         self._cond = threading.Condition()
         self._outstanding = 0
@@ -176,7 +175,6 @@ class RolloutProducer:
                     continue
                 out.append(group)
                 self._taken += 1
-                self.retried_groups += group.retried
         return sorted(out, key=lambda g: g.position), dropped
 
     def retire(self, n: int) -> None:

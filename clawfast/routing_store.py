@@ -70,8 +70,11 @@ class RolloutRouting:
             src[:lcp] = self.sources[parent][:lcp]
         return src
 
-    def add(self, path: np.ndarray, routing: np.ndarray | None, routing_start: int, first_own: int = 0) -> None:
-        src = self.inherited(path)
+    def add(self, path: np.ndarray, routing: np.ndarray | None, routing_start: int, first_own: int = 0,
+            inherited: np.ndarray | None = None) -> None:
+        """`inherited`: `inherited(path)` if the caller has it already (it compares `path` with every
+        earlier one)."""
+        src = (self.inherited(path) if inherited is None else inherited).copy()
         if routing is not None and len(routing):
             rows = routing_start + np.arange(len(routing))
             own = rows >= first_own
@@ -103,11 +106,10 @@ class RolloutRouting:
         return np.concatenate(self._stored), np.concatenate(self._stored_tokens)
 
 
-def first_stored_row(history: RolloutRouting, path: np.ndarray, routing: np.ndarray, routing_start: int) -> int:
-    """The first row a new call of `path` stores of the engine's `routing` (rows from
-    `routing_start`): past the leading rows whose routing the parent holds alike (module docstring).
-    Returns a row in ``[routing_start, routing_start + len(routing)]``."""
-    inherited = history.inherited(path)
+def first_stored_row(history: RolloutRouting, inherited: np.ndarray, routing: np.ndarray, routing_start: int) -> int:
+    """The first row a new call stores of the engine's `routing` (rows from `routing_start`; its
+    parent's sources `history.inherited(path)`): past the leading rows whose routing the parent
+    holds alike (module docstring). Returns a row in ``[routing_start, routing_start + len(routing)]``."""
     end = routing_start + len(routing)
     same_to = routing_start
     if end > routing_start:

@@ -182,13 +182,14 @@ class Rollout:
     def _store_new_rows(self, record: CallRecord) -> CallRecord:
         """`record` with only the routing rows its parent call does not hold alike."""
         path = record.path
+        inherited = self._routing.inherited(path)
         if record.routing is not None:
             start, rows = record.routing_start, len(record.routing)
-            first = first_stored_row(self._routing, path, record.routing, start)
+            first = first_stored_row(self._routing, inherited, record.routing, start)
             if first > start:  # a copy, so the engine's whole array is not kept alive
                 kept = record.routing[first - start:].copy() if first < start + rows else None
                 record = replace(record, routing=kept, routing_start=first if kept is not None else 0)
-        self._routing.add(path, record.routing, record.routing_start)
+        self._routing.add(path, record.routing, record.routing_start, inherited=inherited)
         return record
 
 

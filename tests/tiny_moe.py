@@ -38,9 +38,9 @@ def near_tie_routers(model: torch.nn.Module, *, spread: float = 1e-6, seed: int 
     which experts a token goes to is then decided by float rounding, so two computations of the
     same logits (the sampler's, the trainer's) choose differently; the experts themselves still
     differ, so a different choice changes the output. The worst case for routing replay to fix."""
-    from clawfast.moe_routing import moe_blocks
+    from clawfast.moe_routing import expert_shape, moe_blocks
 
-    experts = next(getattr(model.config, n) for n in ("num_experts", "num_local_experts") if hasattr(model.config, n))
+    experts, _ = expert_shape(model)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for block in moe_blocks(model):

@@ -64,11 +64,13 @@ def keyed_rollouts(rollouts: Sequence[RolloutResult], mode: str) -> tuple[list[R
         raise ValueError(f"routing replay mode must be 'generated' or 'all', got {mode!r}")
     if not rollouts:
         return [], RoutingKeys(0, np.zeros(0, np.int32), np.zeros((0, 0, 0), np.uint8))
+    ordered = [sorted(r.calls, key=lambda c: int(c.call_index)) for r in rollouts]
+    paths = [[c.path for c in calls] for calls in ordered]
     histories, tables = [], []
-    for rollout in rollouts:
+    for calls, call_paths in zip(ordered, paths):
         history = RolloutRouting()
-        for call in sorted(rollout.calls, key=lambda c: int(c.call_index)):
-            history.add(call.path, call.routing, call.routing_start,
+        for call, path in zip(calls, call_paths):
+            history.add(path, call.routing, call.routing_start,
                         first_own=len(call.prompt_ids) if mode == "generated" else 0)
         histories.append(history)
         tables.append(history.table())
@@ -80,7 +82,7 @@ def keyed_rollouts(rollouts: Sequence[RolloutResult], mode: str) -> tuple[list[R
         raise ValueError(f"routing replay is on ({mode!r}) but no call of the step's {len(rollouts)} rollout(s) "
                          f"recorded routing: their engine did not record it (a run records with the torch engine; "
                          f"recorded files keep what their engine gave) or the model is dense")
-    vocab = 1 + max((int(c.path.max()) for r in rollouts for c in r.calls), default=0)
+    vocab = 1 + max((int(p.max()) for call_paths in paths for p in call_paths), default=0)
     rows = np.concatenate([t[0] for t in present])
     width = rows.shape[1] * rows.shape[2] * rows.dtype.itemsize
     # Distinct routings, exactly: a row's bytes as one opaque value.
@@ -94,14 +96,13 @@ def keyed_rollouts(rollouts: Sequence[RolloutResult], mode: str) -> tuple[list[R
     keys = RoutingKeys(vocab, stored_tokens[first].astype(np.int32), rows[first])
     key_of_row = vocab + key_of_row.reshape(-1)
     out, offset = [], 0
-    for rollout, history, table in zip(rollouts, histories, tables):
-        calls = sorted(rollout.calls, key=lambda c: int(c.call_index))
+    for rollout, calls, call_paths, history, table in zip(rollouts, ordered, paths, histories, tables):
         keyed = []
-        for call, src in zip(calls, history.sources):
+        for call, path, src in zip(calls, call_paths, history.sources):
             if src is None:  # no routed row: its keys are its tokens
                 keyed.append(call)
                 continue
-            path = np.where(src >= 0, key_of_row[offset + np.maximum(src, 0)], call.path).astype(np.int32)
+            path = np.where(src >= 0, key_of_row[offset + np.maximum(src, 0)], path).astype(np.int32)
             keyed.append(replace(call, prompt_ids=path[:len(call.prompt_ids)], output_ids=path[len(call.prompt_ids):]))
         offset += len(table[0]) if table is not None else 0
         out.append(replace(rollout, calls=keyed))

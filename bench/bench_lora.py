@@ -14,6 +14,13 @@ adapted model). The named baseline is full fine-tuning.
 
     python bench/bench_lora.py [--ranks 8 16]
 Writes bench/results/bench_lora.json.
+
+With ``--vllm`` (run with a python that imports vLLM: on the CPU, ``~/.cache/clawfast/venv-vllm``) it
+times instead what a push into a `VLLMEngine` costs, in float32: the full weights (the named
+baseline: `WeightPusher.update_weights` over the broadcast path, as a full-fine-tuning run pushes)
+against the adapter (`WeightPusher.push_adapter`: files in peft's format, `VLLMEngine.load_adapter`);
+the median of `--repeats` pushes after one warm-up, each with freshly moved weights.
+Writes bench/results/bench_lora_vllm.json.
 """
 
 from __future__ import annotations
@@ -80,12 +87,73 @@ def one(rank: int) -> dict:
             "tokens_packed": metrics["tokens_packed"]}
 
 
+def vllm_pushes(ranks: list[int], repeats: int) -> list[dict]:
+    import asyncio
+    import statistics
+
+    import torch
+
+    from clawfast.engines.vllm_engine import VLLMEngine
+    from clawfast.pretrained import prepare_model
+    from clawfast.train.build import build_policy
+    from clawfast.train.config_file import config_from_dict
+    from clawfast.train.lora import adapter_names
+    from clawfast.train.push import WeightPusher, engine_layout
+
+    model_dir = prepare_model("smollm2-135m")
+    rows = []
+    for rank in [0, *ranks]:
+        config = config_from_dict({"model": {"path": str(model_dir), **({"lora": {"rank": rank, "alpha": 2 * rank}}
+                                                                        if rank else {})}})
+        policy = build_policy(config, model_dir)
+        engine = VLLMEngine(str(model_dir), dtype="float32", max_model_len=512, kv_cache_memory_bytes=256 << 20,
+                            weight_sync="broadcast", lora_rank=rank or None)
+        pusher = WeightPusher(engine, torch.float32, delta=False)
+        moved = adapter_names(policy.lm) if rank else [n for n, _ in policy.lm.named_parameters()]
+        params = dict(policy.lm.named_parameters())
+        seconds = []
+        try:
+            for version in range(1, repeats + 2):
+                with torch.no_grad():  # what an optimizer step does: every trained tensor moves
+                    for name in moved:
+                        params[name].add_(torch.randn_like(params[name]) * 1e-4)
+                t0 = time.perf_counter()
+                if rank:
+                    pusher.push_adapter(policy.lm, version)
+                else:
+                    pairs = ((k, v.detach()) for k, v in policy.lm.state_dict().items())
+                    pusher.update_weights(dict(engine_layout(pusher, policy.lm, pairs)), version)
+                seconds.append(time.perf_counter() - t0)
+        finally:
+            asyncio.run(engine.close())
+        rows.append({"variant": f"lora r{rank}" if rank else "full", "push_s": statistics.median(seconds[1:]),
+                     "push_bytes": pusher.last["push/bytes"], "full_bytes": pusher.last["push/full_bytes"]})
+        print(json.dumps(rows[-1]), flush=True)
+    full = rows[0]
+    print(f"{'variant':<10} {'push s':>8} {'push bytes':>12} {'bytes / full':>12} {'full s / push s':>15}")
+    for r in rows:
+        print(f"{r['variant']:<10} {r['push_s']:>8.3f} {r['push_bytes']:>12,.0f} "
+              f"{r['push_bytes'] / full['full_bytes']:>12.4%} {full['push_s'] / r['push_s']:>15.1f}")
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, nargs="*", default=[8, 16])
     parser.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # a variant, in this process
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--vllm", action="store_true", help="time pushes into a VLLMEngine instead")
+    parser.add_argument("--repeats", type=int, default=3, help="--vllm: pushes timed per variant")
+    parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    if args.vllm:
+        rows = vllm_pushes(args.ranks, args.repeats)
+        out = args.out or RESULTS.with_name("bench_lora_vllm.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"machine": platform.machine(), "date": time.strftime("%Y-%m-%d"),
+                                   "rows": rows}, indent=2) + "\n")
+        print(f"wrote {out}")
+        return
+    args.out = args.out or RESULTS
     if args.one is not None:
         print(json.dumps(one(args.one)), flush=True)
         return

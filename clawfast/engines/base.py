@@ -113,6 +113,10 @@ class Engine(abc.ABC):
     # differ where transformers converts weights on load (from 5.0 it fuses an MoE's experts into one
     # tensor per layer); the trainer converts what it pushes (`clawfast.train.push.engine_layout`).
     checkpoint_layout: bool = False
+    # True for an engine that serves a LoRA adapter on its base weights through a `load_adapter(directory,
+    # version)` method reading the adapter in peft's format (`clawfast.train.lora.save_adapter`): vLLM.
+    # The torch engine serves the trainer's adapted modules instead and takes the adapter as a delta.
+    takes_adapters: bool = False
 
     @abc.abstractmethod
     async def generate(self, prompt_ids: np.ndarray, params: SamplingParams) -> Generation:

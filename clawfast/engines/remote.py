@@ -40,6 +40,12 @@ answered, and the previous version directory is deleted then. Not checked: that 
 served model (the server's load decides; a vLLM server fed a wrong name dies); an update must be
 a full state dict unless the server's loader keeps what a partial checkpoint lacks.
 
+With ``adapters=True`` (vLLM, a server started with ``--enable-lora --max-lora-rank R`` and
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`` besides dev mode) the server keeps its base weights and
+`load_adapter` serves a LoRA adapter on them: the adapter's files (peft's format) are copied to
+``reload_dir/a<version>``, loaded with ``POST /v1/load_lora_adapter`` while paused as for a reload,
+the previous adapter is unloaded, and every later call names the adapter as its ``model``.
+
 With ``deltas=True`` (vLLM, a server started with ``--worker-extension-cls
 clawfast.engines.vllm_weight_sync.WeightSyncExtension``) whole pushes load through the extension's
 ``clawfast_load_dir`` (each worker keeps a host copy of the tensors) and `apply_delta` writes a
@@ -57,7 +63,7 @@ import json
 import shutil
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +105,7 @@ class RemoteEngine(Engine):
         model_dir: str | Path | None = None,
         on_update: str = "finish",
         deltas: bool = False,
+        adapters: bool = False,
     ) -> None:
         if api not in APIS:
             raise ValueError(f"api must be one of {APIS}, got {api!r}")
@@ -108,6 +115,10 @@ class RemoteEngine(Engine):
             raise ValueError("deltas=True needs api='vllm', reload_dir and model_dir (the checkpoint's names and "
                              "layers), and a server started with --worker-extension-cls "
                              "clawfast.engines.vllm_weight_sync.WeightSyncExtension")
+        if adapters and (api != "vllm" or reload_dir is None):
+            raise ValueError("adapters=True needs api='vllm' and reload_dir (where adapters are written for the "
+                             "server to load), and a server started with --enable-lora and "
+                             "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1")
         if on_update == "continue" and api != "vllm":
             raise ValueError("on_update='continue' needs api='vllm' (its /pause?mode=abort hands back what an "
                              "aborted request sampled); SGLang finishes calls in flight on the old weights")
@@ -128,6 +139,9 @@ class RemoteEngine(Engine):
         self.weight_version = int(weight_version)
         self.on_update = on_update
         self.takes_deltas = deltas
+        self.takes_adapters = adapters
+        self._adapter: str | None = None  # the served adapter's name, which calls ask for as their model
+        self._adapter_dir: Path | None = None  # its files, which the server may read again while it serves
         self.checkpoint_layout = True  # its loader reads checkpoint names (Engine.checkpoint_layout)
         self._schema: CheckpointSchema | None = None  # deltas: the checkpoint's names and layers, read once
         self._base_dtypes: dict[str, Any] = {}  # deltas: each tensor's dtype in the server's base copy
@@ -216,7 +230,7 @@ class RemoteEngine(Engine):
 
     async def _generate_vllm(self, prompt: list[int], params: SamplingParams) -> tuple[list[int], list[float], str]:
         body = {
-            "model": await self._model_name(),
+            "model": self._adapter or await self._model_name(),
             "prompt": prompt,
             "max_tokens": params.max_tokens,
             "temperature": params.temperature,
@@ -284,16 +298,7 @@ class RemoteEngine(Engine):
             )
         if int(version) < self.weight_version:
             raise ValueError(f"update_weights: version {version} is older than the serving version {self.weight_version}")
-        loop = self._loop if self._client is not None else None
-        if loop is not None and loop.is_running():
-            try:
-                on_loop = asyncio.get_running_loop() is loop
-            except RuntimeError:
-                on_loop = False
-            if on_loop:
-                raise RuntimeError("RemoteEngine.update_weights blocks: call it from another thread than its loop's")
-        else:
-            loop = None  # no call of this engine can be running
+        loop = self._calls_loop("update_weights")
         with self._update_lock:
             written_dtypes: dict[str, Any] = {}
             target = self._write_checkpoint(state_dict, int(version), written_dtypes)
@@ -304,7 +309,7 @@ class RemoteEngine(Engine):
                     if self.api == "vllm":
                         load = ("clawfast_load_dir", {"path": str(target.resolve())}) if self.takes_deltas else \
                             ("reload_weights", {"weights_path": str(target.resolve())})
-                        self._reload_vllm(http, load, int(version))
+                        self._paused_vllm(http, int(version), lambda: _rpc(http, *load))
                     else:
                         self._reload_sglang(http, target, int(version))
                 self.weight_version = int(version)
@@ -367,18 +372,75 @@ class RemoteEngine(Engine):
             raise
         return target
 
-    def _reload_vllm(self, http: httpx.Client, load: tuple[str, dict[str, str]], version: int) -> Any:
-        """Pause the server, run the workers' `load` (method, string kwargs), reset its prefix
-        cache and set its version; resume it whatever happened. Returns the RPC's results."""
+    def _paused_vllm(self, http: httpx.Client, version: int, work: Callable[[], Any]) -> Any:
+        """Pause the server, do `work` (a reload or an adapter load), reset its prefix cache and set
+        its version; resume it whatever happened. Returns what `work` returned."""
         _checked(http.post("/pause", params={"mode": "wait"}), "pause (is VLLM_SERVER_DEV_MODE=1 set?)")
         try:
-            method, kwargs = load
-            answer = _checked(http.post("/collective_rpc", json={"method": method, "kwargs": kwargs}), method)
+            answer = work()
             _checked(http.post("/reset_prefix_cache"), "reset_prefix_cache")
             _checked(http.post("/update_weight_version", json={"new_version": str(version)}), "update_weight_version")
             return answer
         finally:
             _checked(http.post("/resume"), "resume")
+
+    def load_adapter(self, directory: str | Path, version: int) -> None:
+        """``adapters=True``: copy the LoRA adapter in `directory` (peft's format,
+        `clawfast.train.lora.save_adapter`) to ``reload_dir/a<version>``, have the server load it
+        (``POST /v1/load_lora_adapter``) and unload the one it replaces, paused like
+        `update_weights`; every later call asks for it as its model. An adapter the server refuses
+        is a RuntimeError naming the step and the server's message, with the old adapter serving."""
+        if not self.takes_adapters:
+            raise ValueError("this RemoteEngine serves no LoRA adapters: build it with adapters=True")
+        if int(version) < self.weight_version:
+            raise ValueError(f"load_adapter: version {version} is older than the serving version {self.weight_version}")
+        assert self.reload_dir is not None
+        loop = self._calls_loop("load_adapter")
+        with self._update_lock:
+            self.reload_dir.mkdir(parents=True, exist_ok=True)
+            target = self.reload_dir / f"a{version}"
+            shutil.rmtree(target, ignore_errors=True)
+            shutil.copytree(directory, target)
+            name = f"clawfast-v{version}"
+            if loop is not None:
+                asyncio.run_coroutine_threadsafe(self._pause(), loop).result()
+            try:
+                with httpx.Client(base_url=self.base_url, headers=self._headers, timeout=self._timeout) as http:
+                    def swap() -> None:
+                        _checked(http.post("/v1/load_lora_adapter",
+                                           json={"lora_name": name, "lora_path": str(target.resolve())}),
+                                 "load_lora_adapter (is the server started with --enable-lora and "
+                                 "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1?)")
+                        old, self._adapter = self._adapter, name
+                        if old is not None:
+                            _checked(http.post("/v1/unload_lora_adapter", json={"lora_name": old}), "unload_lora_adapter")
+
+                    self._paused_vllm(http, int(version), swap)
+                self.weight_version = int(version)
+            except BaseException:
+                if self._adapter != name:
+                    shutil.rmtree(target, ignore_errors=True)
+                raise
+            finally:
+                if loop is not None:
+                    asyncio.run_coroutine_threadsafe(self._resume(), loop).result()
+            previous, self._adapter_dir = self._adapter_dir, target
+            if previous is not None and previous != target:
+                shutil.rmtree(previous, ignore_errors=True)  # unloaded: the server no longer reads it
+
+    def _calls_loop(self, what: str) -> asyncio.AbstractEventLoop | None:
+        """The loop this engine's calls run on, if it runs (an update pauses them there), else None;
+        a blocking update called from that loop is a RuntimeError."""
+        loop = self._loop if self._client is not None else None
+        if loop is None or not loop.is_running():
+            return None  # no call of this engine can be running
+        try:
+            on_loop = asyncio.get_running_loop() is loop
+        except RuntimeError:
+            on_loop = False
+        if on_loop:
+            raise RuntimeError(f"RemoteEngine.{what} blocks: call it from another thread than its loop's")
+        return loop
 
     def apply_delta(self, delta: WeightDelta) -> None:
         """``deltas=True``: write `delta` as a file in ``reload_dir`` and have the server's workers
@@ -399,7 +461,7 @@ class RemoteEngine(Engine):
         check_delta(delta, self.weight_version, {name: torch.empty(schema.shapes[name], dtype=dtype, device="meta")
                                                  for name, dtype in self._base_dtypes.items()})
         reload = sorted({m for t in delta.tensors for m in schema.groups[t.name]})  # whole layers
-        loop = self._loop if self._client is not None and self._loop is not None and self._loop.is_running() else None
+        loop = self._calls_loop("apply_delta")
         with self._update_lock:
             path = write_delta_file(delta, self.reload_dir / f"d{delta.version}.safetensors")
             if loop is not None:
@@ -407,7 +469,7 @@ class RemoteEngine(Engine):
             try:
                 with httpx.Client(base_url=self.base_url, headers=self._headers, timeout=self._timeout) as http:
                     load = ("clawfast_apply_delta_file", {"path": str(path.resolve()), "reload": json.dumps(reload)})
-                    answer = self._reload_vllm(http, load, delta.version) if reload else None
+                    answer = self._paused_vllm(http, delta.version, lambda: _rpc(http, *load)) if reload else None
                 bad = sorted({n for names in (answer or {}).get("results", []) for n in names})
                 if bad:
                     raise DeltaMismatch(f"{len(bad)} tensors differ from the trainer's after the delta, e.g. {bad[:3]}")
@@ -468,11 +530,22 @@ def _finish(reason: Any) -> str:
     return reason
 
 
+def _rpc(http: httpx.Client, method: str, kwargs: dict[str, str]) -> Any:
+    """The workers' `method` through the server's ``/collective_rpc`` (dev mode)."""
+    return _checked(http.post("/collective_rpc", json={"method": method, "kwargs": kwargs}), method)
+
+
 def _checked(response: httpx.Response, what: str) -> Any:
-    """The JSON of a 200 answer (None if it has no body), else RuntimeError naming the step."""
+    """The JSON of a 200 answer (its text if it is not JSON, None if it has no body), else
+    RuntimeError naming the step."""
     if response.status_code != 200:
-        raise RuntimeError(f"weight reload: {what} answered {response.status_code}: {_message(response)}")
-    return response.json() if response.content else None
+        raise RuntimeError(f"weight update: {what} answered {response.status_code}: {_message(response)}")
+    if not response.content:
+        return None
+    try:
+        return response.json()
+    except ValueError:  # vLLM's LoRA routes answer in plain text
+        return response.text
 
 
 def _message(response: httpx.Response) -> str:

@@ -13,7 +13,9 @@ the plain log-softmax of the logits; under greedy decoding no temperature is app
 
 Weight updates go to vLLM's workers through `clawfast.engines.vllm_weight_sync` (a process group with
 the workers, or one RPC carrying bytes: ``weight_sync``), after `clawfast.engines.vllm_checkpoint`
-checked them against the model's checkpoint.
+checked them against the model's checkpoint. An engine built with ``lora_rank`` serves a LoRA adapter
+on the unchanged base instead (vLLM's own LoRA layers): `load_adapter` loads each pushed adapter
+under a new id and every later request runs with it.
 
 Guaranteed: every `Generation` carries the weight version that sampled each of its tokens. An update
 first stops new requests from starting; the running ones finish on the old weights
@@ -41,9 +43,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import shutil
+import tempfile
 import threading
 import time
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any, Coroutine, Iterable, Iterator, Mapping, TypeVar
 
 import numpy as np
@@ -86,6 +91,8 @@ class VLLMEngine(Engine):
     deltas: each worker keeps a CPU copy of the checkpoint tensors pushed to it, so that
     `apply_delta` can take a `WeightDelta` (only what changed crosses to the workers;
     `clawfast.engines.vllm_weight_sync`). Costs one copy of the model in host memory per worker.
+    lora_rank: serve LoRA adapters of rank up to this (vLLM's ``enable_lora``; its ``max_lora_rank``
+    is the next rank it supports), pushed with `load_adapter`; until the first one, the base serves.
     """
 
     def __init__(
@@ -100,6 +107,7 @@ class VLLMEngine(Engine):
         weight_sync: str = "broadcast",
         on_update: str = "finish",
         deltas: bool = False,
+        lora_rank: int | None = None,
         **engine_kwargs: Any,
     ) -> None:
         try:
@@ -111,9 +119,12 @@ class VLLMEngine(Engine):
             raise ValueError(f"weight_sync must be one of {WEIGHT_SYNCS}, got {weight_sync!r}")
         if on_update not in ON_UPDATE:
             raise ValueError(f"on_update must be one of {ON_UPDATE}, got {on_update!r}")
-        for fixed in ("skip_tokenizer_init", "logprobs_mode", "worker_extension_cls", "model"):
+        for fixed in ("skip_tokenizer_init", "logprobs_mode", "worker_extension_cls", "model", "enable_lora",
+                      "max_lora_rank", "max_loras"):
             if fixed in engine_kwargs:
                 raise ValueError(f"VLLMEngine sets {fixed!r} itself; do not pass it")
+        if lora_rank is not None:
+            engine_kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=_vllm_lora_rank(lora_rank))
         args = AsyncEngineArgs(
             model=model,
             dtype=dtype,
@@ -132,6 +143,11 @@ class VLLMEngine(Engine):
         self._running: set[str] = set()  # request ids in vLLM now
         self._interrupted: set[str] = set()  # those an update aborted, to continue after it
         self._request_ids = itertools.count()
+        self.takes_adapters = lora_rank is not None
+        self._adapter: Any = None  # the LoRARequest every request runs with (None: the base alone)
+        self._adapter_ids = itertools.count(1)
+        # Where the served adapter's files stay while it serves (made by the first `load_adapter`).
+        self._adapters_dir: Path | None = None
         self._closed = False
         # Why the engine refuses to serve (a streamed update cut after tensors were loaded), or None.
         self._broken: str | None = None
@@ -306,7 +322,8 @@ class VLLMEngine(Engine):
             try:
                 final = None
                 async for out in self._llm.generate(TokensPrompt(prompt_token_ids=call.prompt),
-                                                    self._vllm_params(call.params), request_id):
+                                                    self._vllm_params(call.params), request_id,
+                                                    lora_request=self._adapter):
                     final = out
             finally:
                 self._running.discard(request_id)
@@ -383,6 +400,44 @@ class VLLMEngine(Engine):
             except BaseException:
                 self._base_dtypes.clear()  # the workers' base copies may hold part of this update
                 raise
+            finally:
+                self._call(self._resume())
+
+    def load_adapter(self, directory: str | Path, version: int) -> None:
+        """Serve the LoRA adapter saved in `directory` (peft's format, `clawfast.train.lora.save_adapter`)
+        on the base as `version`, paused like `update_weights`; the adapter it replaces is removed.
+        The files are copied into the engine's own directory first (vLLM may read an adapter's path
+        again later), so `directory` may go once this returns. An adapter vLLM refuses (rank above
+        ``lora_rank``, modules it cannot adapt, unreadable files) is a ValueError and the previous
+        adapter keeps serving."""
+        from vllm.lora.request import LoRARequest
+
+        if not self.takes_adapters:
+            raise ValueError("this VLLMEngine serves no LoRA adapters: build it with lora_rank")
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("blocking VLLMEngine call from its own loop thread")
+        if int(version) < self.weight_version:
+            raise ValueError(f"load_adapter: version {version} is older than the serving version {self.weight_version}")
+        if self._adapters_dir is None:
+            self._adapters_dir = Path(tempfile.mkdtemp(prefix="clawfast-vllm-adapters-"))
+        lora_id = next(self._adapter_ids)
+        served = self._adapters_dir / str(lora_id)
+        shutil.copytree(directory, served)
+        adapter = LoRARequest(f"clawfast-v{version}", lora_id, str(served))
+        with self._update_lock:
+            self._call(self._pause())
+            try:
+                try:
+                    self._call(self._llm.add_lora(adapter))
+                except Exception as exc:  # vLLM reports a bad adapter as whatever its loader raised
+                    shutil.rmtree(served, ignore_errors=True)
+                    raise ValueError(f"vLLM refused the adapter in {directory}: {exc}") from exc
+                old, self._adapter = self._adapter, adapter
+                if old is not None:
+                    self._call(self._llm.remove_lora(old.lora_int_id))
+                    shutil.rmtree(old.lora_path, ignore_errors=True)
+                self._call(self._llm.reset_prefix_cache())
+                self.weight_version = int(version)
             finally:
                 self._call(self._resume())
 
@@ -488,6 +543,8 @@ class VLLMEngine(Engine):
         await asyncio.to_thread(self._shutdown_on_loop, llm)
 
     def _shutdown_on_loop(self, llm: Any) -> None:
+        if self._adapters_dir is not None:
+            shutil.rmtree(self._adapters_dir, ignore_errors=True)
         if self._group is not None:  # this side only: the workers' end goes with their processes
             group, self._group = self._group, None
             group.close()
@@ -497,6 +554,18 @@ class VLLMEngine(Engine):
 
         asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(timeout=60)
         self._stop_loop()
+
+
+def _vllm_lora_rank(rank: int) -> int:
+    """The smallest ``max_lora_rank`` vLLM takes that holds `rank` (it takes a fixed set of values)."""
+    from typing import get_args
+
+    from vllm.config.lora import MaxLoRARanks
+
+    fits = [r for r in get_args(MaxLoRARanks) if r >= rank]
+    if rank < 1 or not fits:
+        raise ValueError(f"lora_rank must be in [1, {max(get_args(MaxLoRARanks))}] for vLLM, got {rank}")
+    return min(fits)
 
 
 def _cpu_moe_refusal(schema: CheckpointSchema) -> str | None:

@@ -14,7 +14,7 @@ import torch
 from clawfast.engines.base import Engine, Sampling
 from clawfast.rollout import HarnessConfig, OnRay, ProxyConfig, RolloutService, SandboxConfig, SchedulingConfig
 from clawfast.train.config import EngineConfig, RunConfig
-from clawfast.train.lora import add_lora, has_adapter
+from clawfast.train.lora import PEFT_ADAPTER, add_lora, has_adapter
 from clawfast.train.push import WeightPusher, engine_layout
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -81,7 +81,8 @@ def build_engine(engine: EngineConfig, model_dir: Path, *, dtype: str = "float32
                  weight_version: int = 0, device: torch.device | None = None, record_routing: str = "off") -> Engine:
     """The engine `engine.kind` names, serving `lm`'s weights (a module, copied, on its device) at
     `weight_version`, or, with no `lm`, the weights in `model_dir` (a torch engine's on `device`,
-    default the CPU), in ``engine.dtype`` (None: `dtype`, the training dtype). `record_routing`: the
+    default the CPU), in ``engine.dtype`` (None: `dtype`, the training dtype). An `lm` with a LoRA
+    adapter: vLLM and remote servers serve the base from `model_dir` and take its adapter. `record_routing`: the
     MoE routing the engine records for routing replay (`algorithm.routing_replay`); only the torch
     engine records any, the others refuse."""
     dtype = engine.dtype or dtype
@@ -106,17 +107,26 @@ def build_engine(engine: EngineConfig, model_dir: Path, *, dtype: str = "float32
     if engine.kind == "vllm":
         from clawfast.engines.vllm_engine import VLLMEngine
 
+        # A LoRA policy's base never changes: vLLM serves it from model_dir with the adapter on top.
+        lora_rank = lm.peft_config[PEFT_ADAPTER].r if lm is not None and has_adapter(lm) else None
         built = VLLMEngine(str(model_dir), dtype=dtype, max_model_len=engine.max_model_len, seed=seed,
                            weight_sync=engine.weight_sync or "broadcast", on_update=engine.on_update,
-                           deltas=engine.delta_pushes and engine.sync_weights)
-        if lm is not None:
+                           deltas=engine.delta_pushes and engine.sync_weights and lora_rank is None,
+                           lora_rank=lora_rank)
+        if lora_rank is not None:
+            WeightPusher(built, DTYPES[dtype]).push_adapter(lm, weight_version)
+        elif lm is not None:
             built.update_weights(lm.state_dict(), weight_version)
         return built
     from clawfast.engines.remote import RemoteEngine
 
-    return RemoteEngine(engine.url, weight_version=weight_version, reload_dir=engine.reload_dir,
-                        model_dir=model_dir if engine.reload_dir else None, on_update=engine.on_update,
-                        deltas=engine.delta_pushes and engine.sync_weights)
+    adapter = lm is not None and has_adapter(lm) and engine.sync_weights
+    built = RemoteEngine(engine.url, weight_version=weight_version, reload_dir=engine.reload_dir,
+                         model_dir=model_dir if engine.reload_dir else None, on_update=engine.on_update,
+                         deltas=engine.delta_pushes and engine.sync_weights and not adapter, adapters=adapter)
+    if adapter:
+        WeightPusher(built, DTYPES[dtype]).push_adapter(lm, weight_version)
+    return built
 
 
 def weight_pusher(config: RunConfig, engine: Engine) -> WeightPusher:

@@ -6,8 +6,9 @@ Layout (``<run_dir>/checkpoints/``)::
         model/            the policy LM as a Hugging Face directory (safetensors + config + the
                           tokenizer files of the source model): `clawfast eval`, the engines and
                           `transformers` load it directly
-        adapter.safetensors, adapter.json   instead of model/ when the policy trains a LoRA
-                          adapter (`clawfast.train.lora`): the base is ``model.path``, unchanged;
+        adapter_model.safetensors, adapter_config.json   instead of model/ when the policy
+                          trains a LoRA adapter (`clawfast.train.lora`), in peft's format (peft and
+                          vLLM load it as it is): the base is ``model.path``, unchanged;
                           `clawfast model merge` writes the merged model
         value_head.safetensors   PPO only
         trainer.pt        optimizer state and torch RNG state (loaded with weights_only=True)
@@ -41,7 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from clawfast.train.lora import ADAPTER_CONFIG, ADAPTER_FILE, add_lora, has_adapter, load_adapter, merged_copy, save_adapter
+from clawfast.train.lora import ADAPTER_FILE, add_saved_lora, has_adapter, load_adapter, merged_copy, save_adapter, saved_adapter_config
 
 CHECKPOINTS = "checkpoints"
 LATEST = "LATEST"
@@ -251,16 +252,12 @@ def export_merged(checkpoint: Path, out: Path, base: Path | None = None) -> Path
     from transformers import AutoModelForCausalLM
 
     checkpoint, out = Path(checkpoint), Path(out)
-    if not (checkpoint / ADAPTER_FILE).is_file():
-        raise ValueError(f"{checkpoint} holds no LoRA adapter ({ADAPTER_FILE}): its model/ is the full model already")
-    saved = json.loads((checkpoint / ADAPTER_CONFIG).read_text())
-    base = Path(base or saved["base"])
+    saved = saved_adapter_config(checkpoint)  # ValueError for a checkpoint of full weights
+    base = Path(base or saved.base_model_name_or_path or "")
     if not (base / "config.json").is_file():
         raise ValueError(f"the adapter's base {base} is not a Hugging Face model directory: name it (--base)")
     lm = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, local_files_only=True)
-    lora = saved["lora"]
-    add_lora(lm, lora["rank"], lora["alpha"], lora["dropout"], lora["target_modules"])
-    load_adapter(lm, checkpoint)
+    add_saved_lora(lm, checkpoint)
     merged_copy(lm).save_pretrained(out, safe_serialization=True)
     copy_tokenizer(base, out)
     return out

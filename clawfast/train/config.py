@@ -492,12 +492,6 @@ class RunConfig(_Section):
             raise ValueError("distributed.fsdp places each rank on cuda:LOCAL_RANK itself: leave model.device = 'auto'")
         if self.rollout.source == "recorded" and self.coldstart.enabled:
             raise ValueError("coldstart needs rollout.source = 'harness' (demonstrations run through a harness)")
-        if self.model.lora is not None and self.distributed.fsdp:
-            raise ValueError("model.lora does not run under distributed.fsdp yet: train the adapter in one process")
-        if self.model.lora is not None and self.engine.kind != "torch" and self.engine.sync_weights:
-            raise ValueError(f"model.lora pushes the adapter to an engine serving the adapted model: the torch engine; "
-                             f"engine.kind = {self.engine.kind!r} does not take adapter pushes yet (vLLM's LoRA "
-                             f"loading is not wired here)")
         return self
 
     @property

@@ -20,6 +20,8 @@ CPU, not in an NCCL collective, while rank 0 runs rollouts:
 - ``stream_weights``: each step's weight push, one gathered tensor at a time (`_gather_each`), rank 0
   handing each to ``Engine.update_weights`` as it arrives (the vLLM engine's broadcast path sends it
   on and drops it), so no full copy is built for a push.
+- ``gather_adapter``: the push of a LoRA policy (``model.lora``): its adapter's tensors alone are
+  gathered into rank 0's copy, which pushes the adapter as a one-process run does.
 - ``weights`` / ``optimizer``: the collectives that gather full weights (`full_state_dict`) and full
   optimizer state (`gather_full_optimizer_state`) for a checkpoint; rank 0 alone keeps them: in a
   plain CPU copy of the policy (`ShardedTrainer.view`), from which it writes checkpoints in the
@@ -52,6 +54,7 @@ from clawfast.records import RolloutResult
 from clawfast.train.build import build_optimizer, build_policy, load_policy, push_weights, resolve_model_dir
 from clawfast.train.checkpoint import TrainState, rng_state, save_checkpoint, set_rng_state
 from clawfast.train.config import RunConfig
+from clawfast.train.lora import adapter_names, has_adapter
 from clawfast.train.push import engine_layout
 from clawfast.train.step import train_on_rollouts
 
@@ -129,7 +132,17 @@ class ShardedTrainer:
     def push_weights(self, engine, version: int) -> None:
         """Stream the weights to the engine one gathered tensor at a time (no full copy on rank 0:
         `view` is refreshed only for checkpoints). Every rank runs each gather; whatever the engine
-        does with them, rank 0 finishes the gathers so that no follower is left in a collective."""
+        does with them, rank 0 finishes the gathers so that no follower is left in a collective.
+        A LoRA policy gathers its adapter alone into `view` (its base never changes) and pushes it
+        from there, as one process does (`push_weights`)."""
+        if has_adapter(self.view.lm):
+            self.group.send("gather_adapter")
+            params = dict(self.view.lm.named_parameters())
+            with torch.no_grad():
+                for name, tensor in _gather_each(self.shard.policy, adapter_names(self.view.lm)):
+                    params[name].copy_(tensor)
+            push_weights(engine, self.view, version)
+            return
         self.group.send("stream_weights")
         tensors = _gather_each(self.shard.policy)
         try:
@@ -263,12 +276,15 @@ class _Shard:
         return ref.eval()
 
 
-def _gather_each(policy):
-    """(name, full tensor) of each parameter of the sharded policy's LM, in name order, gathered one
-    at a time (a collective per tensor: every rank iterates it to the end; only rank 0 keeps them)."""
+def _gather_each(policy, names: list[str] | None = None):
+    """(name, full tensor) of each parameter of the sharded policy's LM (or of those in `names`), in
+    name order, gathered one at a time (a collective per tensor: every rank iterates it to the end;
+    only rank 0 keeps them)."""
     from torch.distributed.tensor import DTensor
 
-    for name, tensor in sorted(policy.lm.state_dict().items()):
+    state = policy.lm.state_dict()
+    for name in sorted(state if names is None else names):
+        tensor = state[name]
         full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
         yield name, full.detach()
 
@@ -379,6 +395,9 @@ def follow(group: FsdpGroup, config: RunConfig) -> dict[str, object]:
             shard.full_weights()
         elif kind == "stream_weights":
             for _ in _gather_each(shard.policy):
+                pass
+        elif kind == "gather_adapter":
+            for _ in _gather_each(shard.policy, adapter_names(shard.policy.lm)):
                 pass
         elif kind == "optimizer":
             gather_full_optimizer_state(shard.optimizer, group)

@@ -22,6 +22,8 @@ the in-process torch engine, the checkpoint's for vLLM and remote servers.
 from __future__ import annotations
 
 import logging
+import tempfile
+from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 import torch
@@ -65,18 +67,28 @@ class WeightPusher:
                      "push/fallback": 0.0}
 
     def push_adapter(self, lm: torch.nn.Module, version: int) -> None:
-        """Push `lm`'s LoRA adapter alone as `version` (`clawfast.train.lora.adapter_delta`: its
-        tensors whole, a delta on the version the engine serves, which holds the same adapted
-        modules); an engine that takes no deltas, or refuses this one, is an error: the base it
-        serves is the trainer's, so nothing else could go instead."""
-        from clawfast.train.lora import adapter_delta
+        """Push `lm`'s LoRA adapter alone as `version`, in the engine's dtype: as files to an engine
+        with LoRA layers of its own (``Engine.takes_adapters``: vLLM loads peft's format), else as a
+        `WeightDelta` of its tensors whole (`clawfast.train.lora.adapter_delta`) to an engine serving
+        the trainer's adapted modules (the torch engine). An engine that takes neither, or refuses the
+        adapter, is an error: the base it serves is the trainer's, so nothing else could go instead."""
+        from clawfast.train.lora import ADAPTER_FILE, adapter_delta, base_nbytes, save_adapter
 
-        if not self.engine.takes_deltas:
-            raise ValueError(f"{type(self.engine).__name__} takes no adapter pushes (model.lora needs the torch engine)")
-        delta = adapter_delta(lm, self.engine.weight_version, version, self.dtype)
-        self.engine.apply_delta(delta)
-        self.last = {"push/delta": 1.0, "push/bytes": float(delta.nbytes), "push/full_bytes": float(delta.full_nbytes),
-                     "push/changed_fraction": delta.nbytes / max(1, delta.full_nbytes), "push/fallback": 0.0}
+        if self.engine.takes_adapters:
+            with tempfile.TemporaryDirectory(prefix="clawfast-adapter-") as directory:
+                save_adapter(lm, Path(directory), dtype=self.dtype)
+                nbytes = (Path(directory) / ADAPTER_FILE).stat().st_size
+                self.engine.load_adapter(directory, version)
+            full_nbytes = base_nbytes(lm, self.dtype)
+        elif self.engine.takes_deltas:
+            delta = adapter_delta(lm, self.engine.weight_version, version, self.dtype)
+            self.engine.apply_delta(delta)
+            nbytes, full_nbytes = delta.nbytes, delta.full_nbytes
+        else:
+            raise ValueError(f"{type(self.engine).__name__} takes no adapter pushes (model.lora needs the torch "
+                             f"engine, or vLLM built with lora_rank)")
+        self.last = {"push/delta": 1.0, "push/bytes": float(nbytes), "push/full_bytes": float(full_nbytes),
+                     "push/changed_fraction": nbytes / max(1, full_nbytes), "push/fallback": 0.0}
 
     def _full(self, pairs: Iterable[tuple[str, Any]], version: int, *, fallback: bool = False) -> None:
         sizes: list[int] = []

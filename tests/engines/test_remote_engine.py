@@ -21,6 +21,7 @@ log-probs the model's log-softmax at those ids.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import subprocess
@@ -44,7 +45,7 @@ from clawfast.engines.base import SamplingParams  # noqa: E402
 from clawfast.engines.remote import RemoteEngine  # noqa: E402
 
 from .continued_calls import check_sampled_pieces  # noqa: E402
-from .tiny_qwen3 import EOS, MAX_LEN, VOCAB, tiny_qwen3  # noqa: E402
+from .tiny_qwen3 import EOS, MAX_LEN, VOCAB, adapted, tiny_qwen3  # noqa: E402
 # fp32 transformers on both sides of the stand-in (exact up to summation order); the real vLLM
 # differs by kernels: measured <= 4e-6 (tests/engines/test_vllm_engine.py). A wrong token is off by > 0.1.
 ATOL = 5e-5
@@ -363,21 +364,20 @@ except Exception as exc:
     _VLLM_ERROR = f"{type(exc).__name__}: {exc}"
 
 
-@pytest.fixture(scope="module")
-def vllm_server(model_dir):
+@contextlib.contextmanager
+def _vllm_server(model_dir, log_name: str, *extra_args: str, env: dict[str, str] | None = None):
+    """A real vLLM server on `model_dir` in a subprocess (its output in ``model_dir/log_name``): its URL."""
     port = _free_port()
     cmd = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
         "--served-model-name", "tiny", "--skip-tokenizer-init", "--dtype", "float32",
         "--max-model-len", str(MAX_LEN), "--enforce-eager", "--host", "127.0.0.1", "--port", str(port),
         # Log-probs of the distribution it sampled from (the default is raw logits).
-        "--logprobs-mode", "processed_logprobs", "--kv-cache-memory-bytes", str(64 << 20),
-        # The project's worker extension: what delta files are applied by.
-        "--worker-extension-cls", "clawfast.engines.vllm_weight_sync.WeightSyncExtension",
+        "--logprobs-mode", "processed_logprobs", "--kv-cache-memory-bytes", str(64 << 20), *extra_args,
     ]
-    log = open(model_dir / "vllm-server.log", "w")
+    log = open(model_dir / log_name, "w")
     # Dev mode mounts /pause, /collective_rpc, /reset_prefix_cache, ...: what a reload from disk needs.
-    env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "VLLM_SERVER_DEV_MODE": "1"}
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "VLLM_SERVER_DEV_MODE": "1", **(env or {})}
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -402,6 +402,14 @@ def vllm_server(model_dir):
             proc.kill()
             proc.wait()
         log.close()
+
+
+@pytest.fixture(scope="module")
+def vllm_server(model_dir):
+    # The project's worker extension: what delta files are applied by.
+    with _vllm_server(model_dir, "vllm-server.log", "--worker-extension-cls",
+                      "clawfast.engines.vllm_weight_sync.WeightSyncExtension") as url:
+        yield url
 
 
 @pytest.mark.slow
@@ -519,3 +527,61 @@ def test_real_vllm_server_takes_delta_files(vllm_server, model, model_dir, tmp_p
         assert not list((tmp_path / "reload").glob("d*.safetensors"))
     finally:
         engine.update_weights(model.state_dict(), engine.weight_version + 1)
+
+
+@pytest.fixture(scope="module")
+def lora_server(model_dir):
+    """A vLLM server that serves LoRA adapters loaded at run time (rank up to 8)."""
+    with _vllm_server(model_dir, "vllm-lora-server.log", "--enable-lora", "--max-lora-rank", "8",
+                      env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}) as url:
+        yield url
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.skipif(_VLLM_ERROR is not None, reason=f"vllm does not import: {_VLLM_ERROR}")
+def test_real_vllm_server_serves_each_pushed_adapter(lora_server, model, model_dir, tmp_path):
+    """``adapters=True``: after each `load_adapter` the server samples with that adapter (log-probs
+    of peft's fp32 reference, not the base's), the calls and the server record the version, the
+    replaced adapter's files go; an adapter the server refuses leaves the last one serving."""
+    from clawfast.train.lora import save_adapter
+
+    engine = RemoteEngine(lora_server, model="tiny", reload_dir=tmp_path / "reload", adapters=True)
+    prompt = np.random.default_rng(23).integers(0, VOCAB - 3, size=15).astype(np.int32)
+    params = SamplingParams(max_tokens=10, temperature=1.0, seed=3)
+    for version, seed in ((1, 40), (2, 41)):
+        lm = adapted(model_dir, seed)
+        save_adapter(lm, tmp_path / f"push-{version}")
+        engine.load_adapter(tmp_path / f"push-{version}", version)
+        (gen,) = _generate_all(engine, [prompt], params)
+        assert gen.weight_version == version
+        np.testing.assert_allclose(gen.infer_logprobs, _reference_logprobs(lm, prompt, gen.output_ids), atol=ATOL)
+        assert np.abs(gen.infer_logprobs - _reference_logprobs(model, prompt, gen.output_ids)).max() > 0.05
+        assert httpx.get(f"{lora_server}/weight_info", timeout=10).json()["weight_version"] == str(version)
+    assert sorted(p.name for p in (tmp_path / "reload").iterdir()) == ["a2"]
+    save_adapter(adapted(model_dir, 42, rank=16), tmp_path / "too-wide")  # above the server's max rank
+    with pytest.raises(RuntimeError, match="load_lora_adapter"):
+        engine.load_adapter(tmp_path / "too-wide", 3)
+    (gen,) = _generate_all(engine, [prompt], params)
+    assert gen.weight_version == 2
+    np.testing.assert_allclose(gen.infer_logprobs, _reference_logprobs(lm, prompt, gen.output_ids), atol=ATOL)
+    assert sorted(p.name for p in (tmp_path / "reload").iterdir()) == ["a2"]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.skipif(_VLLM_ERROR is not None, reason=f"vllm does not import: {_VLLM_ERROR}")
+def test_a_lora_run_builds_a_remote_engine_serving_its_adapter(lora_server, model_dir, tmp_path):
+    """What `clawfast train` builds for ``model.lora`` with ``engine.kind = "remote"``: an engine that
+    takes adapter pushes (no deltas) and already serves the policy's adapter at the run's version."""
+    from clawfast.train.build import build_engine
+    from clawfast.train.config import EngineConfig
+
+    lm = adapted(model_dir, seed=44)
+    config = EngineConfig(kind="remote", url=lora_server, reload_dir=str(tmp_path / "reload"))
+    engine = build_engine(config, model_dir, lm=lm, weight_version=7)
+    assert engine.takes_adapters and not engine.takes_deltas and engine.weight_version == 7
+    prompt = np.arange(3, 20, dtype=np.int32)
+    (gen,) = _generate_all(engine, [prompt], SamplingParams(max_tokens=10, temperature=1.0, seed=4))
+    assert gen.weight_version == 7
+    np.testing.assert_allclose(gen.infer_logprobs, _reference_logprobs(lm, prompt, gen.output_ids), atol=ATOL)

@@ -16,18 +16,9 @@ import time
 import numpy as np
 import pytest
 
-try:
-    import vllm  # noqa: F401
+from .vllm_marks import VLLM_MODULE
 
-    _VLLM_ERROR = None
-except Exception as exc:  # ImportError, or a broken binary build raising something else
-    _VLLM_ERROR = f"{type(exc).__name__}: {exc}"
-
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.slow,
-    pytest.mark.skipif(_VLLM_ERROR is not None, reason=f"vllm does not import: {_VLLM_ERROR}"),
-]
+pytestmark = VLLM_MODULE
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

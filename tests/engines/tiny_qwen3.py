@@ -30,3 +30,18 @@ def tiny_qwen3(seed: int = 1) -> transformers.Qwen3ForCausalLM:
         pad_token_id=VOCAB - 3,
     )
     return transformers.Qwen3ForCausalLM(config).eval()
+
+
+def adapted(model_dir, seed: int, rank: int = 4, targets="all-linear") -> transformers.Qwen3ForCausalLM:
+    """The model saved in `model_dir`, in fp32, with a peft LoRA adapter (`clawfast.train.lora.add_lora`)
+    of random weights, big enough to move every log-prob."""
+    from clawfast.train.lora import add_lora
+
+    lm = transformers.Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    add_lora(lm, rank=rank, alpha=2 * rank, target_modules=targets)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in lm.named_parameters():
+            if ".lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return lm

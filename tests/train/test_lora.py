@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from clawfast.train.lora import (
+    ADAPTER_CONFIG,
     ADAPTER_FILE,
     adapter_names,
     add_lora,
@@ -20,6 +21,7 @@ from clawfast.train.lora import (
     load_adapter,
     merged_copy,
     save_adapter,
+    unpeft_key,
 )
 
 from loop_fixtures import VOCAB, make_tiny_model
@@ -68,22 +70,65 @@ def test_an_adapter_saves_loads_and_refuses_another_shape(tmp_path):
     load_adapter(again, tmp_path)
     for name in adapter_names(lm):
         assert torch.equal(dict(again.named_parameters())[name], dict(lm.named_parameters())[name])
-    assert json.loads((tmp_path / "adapter.json").read_text())["base"].endswith("base")
-    with pytest.raises(ValueError, match="saved as"):
+    assert json.loads((tmp_path / ADAPTER_CONFIG).read_text())["base_model_name_or_path"].endswith("base")
+    # peft's own format: peft loads the directory onto the base and computes the same model
+    from peft import PeftModel
+
+    peft_lm = PeftModel.from_pretrained(tiny_lm(tmp_path), str(tmp_path))
+    ids = torch.tensor([[1, 5, 9, 2, 7]])
+    with torch.no_grad():
+        torch.testing.assert_close(peft_lm(ids).logits, lm(ids).logits, rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="saved with rank 4"):
         load_adapter(add_lora(tiny_lm(tmp_path), rank=2, alpha=8), tmp_path)
     with pytest.raises(ValueError, match="names no Linear"):
         add_lora(tiny_lm(tmp_path), rank=2, alpha=4, target_modules=("no_such_proj",))
 
 
-def test_lora_refuses_what_it_cannot_do_yet(tmp_path):
+def test_lora_config_refuses_a_rank_below_one():
     from clawfast.train.config_file import config_from_dict
 
-    with pytest.raises(ValueError, match="distributed.fsdp"):
-        config_from_dict({"model": {"lora": {"rank": 4}}, "distributed": {"fsdp": True}})
-    with pytest.raises(ValueError, match="does not take adapter pushes"):
-        config_from_dict({"model": {"lora": {"rank": 4}}, "engine": {"kind": "vllm"}})
     with pytest.raises(ValueError):
         config_from_dict({"model": {"lora": {"rank": 0}}})
+
+
+def vllm_servable_model(path):
+    """A tiny Qwen3 over the token tasks' vocabulary that vLLM's CPU attention takes (head_dim 64)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(4)
+    Qwen3ForCausalLM(Qwen3Config(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                 num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                                 max_position_embeddings=256, tie_word_embeddings=False)).save_pretrained(path)
+    return path
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_a_lora_run_pushes_each_adapter_into_vllm(tmp_path):
+    """`clawfast train` with engine.kind = "vllm" and an adapter, synchronous (each step samples from
+    the adapter the last step pushed): vLLM serves every pushed adapter, so the trainer's log-probs of
+    what it sampled are vLLM's (mismatch_k3 at fp32 rounding, step after step, while the adapter
+    moves the model); a push is the adapter's file alone."""
+    pytest.importorskip("vllm")
+    from safetensors.torch import load_file
+    from test_async import sampled_config, source_of, token_tasks, train_records
+
+    from clawfast.train.checkpoint import latest_checkpoint
+    from clawfast.train.loop import train
+
+    model_dir = vllm_servable_model(tmp_path / "base")
+    config = sampled_config(tmp_path, model_dir, name="lora-vllm", steps=3, staleness=0,
+                            extra="[model.lora]\nrank = 4\nalpha = 8\n")
+    config = config.model_copy(update={"engine": config.engine.model_copy(update={"kind": "vllm", "max_model_len": 64})})
+    train(config, progress=False, make_source=source_of(token_tasks(turns=2)))
+    records = train_records(config.run_dir)
+    assert len(records) == 3 and all(r["stepped"] == 1 for r in records)
+    k3 = [r["mismatch_k3"] for r in records]
+    assert max(k3) < 1e-8, k3
+    for r in records:
+        assert r["push/delta"] == 1 and r["push/bytes"] < 0.1 * r["push/full_bytes"], r
+    saved = load_file(str(latest_checkpoint(config.run_dir) / ADAPTER_FILE))
+    assert all(t.abs().max() > 1e-3 for name, t in saved.items() if ".lora_B." in name)  # the adapter moved
 
 
 @pytest.mark.slow
@@ -129,7 +174,7 @@ def test_a_lora_run_on_the_quickstart_model_trains_and_pushes_the_adapter_alone(
             assert torch.equal(served.to(tensor.dtype), tensor), name
     from safetensors.torch import load_file
 
-    saved = load_file(str(checkpoint / ADAPTER_FILE))
+    saved = {unpeft_key(k): v for k, v in load_file(str(checkpoint / ADAPTER_FILE)).items()}
     served = dict(engines[0].model.named_parameters())
     assert all(torch.equal(served[name], tensor) for name, tensor in saved.items())  # the last push is the adapter
     assert any(t.abs().sum() > 0 for name, t in saved.items() if ".lora_B." in name)  # it trained

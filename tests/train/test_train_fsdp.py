@@ -21,6 +21,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from clawfast.train.checkpoint import list_checkpoints
+from clawfast.train.lora import ADAPTER_FILE, unpeft_key
 from clawfast.train.metrics_log import read_metrics
 
 from loop_fixtures import make_recorded, make_tiny_model, recorded_config_text
@@ -50,9 +51,12 @@ def _train(config: Path, *extra: str, procs: int = 1) -> subprocess.CompletedPro
     return done
 
 
-def _config(tmp: Path, name: str, *, fsdp: bool, steps: int = STEPS) -> Path:
+LORA = "[model.lora]\nrank = 4\nalpha = 8\n"
+
+
+def _config(tmp: Path, name: str, *, fsdp: bool, steps: int = STEPS, extra: str = "") -> Path:
     # A KL term: the frozen reference policy is broadcast to every rank (and reloaded on resume).
-    extra = f"[algorithm]\nkl_coef = 0.5\n[distributed]\nfsdp = {'true' if fsdp else 'false'}\n"
+    extra = f"[algorithm]\nkl_coef = 0.5\n[distributed]\nfsdp = {'true' if fsdp else 'false'}\n{extra}"
     path = tmp / f"{name}.toml"
     path.write_text(recorded_config_text(tmp / "model", tmp / "recorded", tmp / name, steps=steps, interval=2,
                                          extra=extra))
@@ -66,7 +70,7 @@ def _losses(run_dir: Path) -> dict[int, dict]:
 def _max_checkpoint_diff(a: Path, b: Path) -> float:
     """Largest absolute difference over the model weights and the AdamW state of two checkpoints;
     asserts that they hold the same tensors, step counts and hyperparameters."""
-    wa, wb = load_file(str(a / "model" / "model.safetensors")), load_file(str(b / "model" / "model.safetensors"))
+    wa, wb = _weights(a), _weights(b)
     assert wa.keys() == wb.keys()
     diff = max(float((wa[k] - wb[k]).abs().max()) for k in wa)
     ta = torch.load(a / "trainer.pt", weights_only=True)["optimizer"]
@@ -80,6 +84,12 @@ def _max_checkpoint_diff(a: Path, b: Path) -> float:
             assert entry[key].shape == tb["state"][i][key].shape
             diff = max(diff, float((entry[key] - tb["state"][i][key]).abs().max()))
     return diff
+
+
+def _weights(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """A checkpoint's trained tensors: the model's, or a LoRA run's adapter."""
+    adapter = checkpoint / ADAPTER_FILE
+    return load_file(str(adapter if adapter.is_file() else checkpoint / "model" / "model.safetensors"))
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +130,16 @@ def test_two_gloo_processes_train_like_one(single):
     _compare(single / "single", single / "sharded")
 
 
+def test_two_gloo_processes_train_an_adapter_like_one(single):
+    """``model.lora`` under FSDP: the adapter's losses, checkpoints (adapter and AdamW state) and
+    KL to the merged reference are the one-process run's; the base is never touched."""
+    _train(_config(single, "lora-single", fsdp=False, extra=LORA))
+    _train(_config(single, "lora-sharded", fsdp=True, extra=LORA), procs=2)
+    _compare(single / "lora-single", single / "lora-sharded")
+    last = list_checkpoints(single / "lora-sharded")[-1]
+    assert not (last / "model").exists() and any(t.abs().max() > 0 for t in _weights(last).values())
+
+
 def test_sharded_run_resumes_from_its_checkpoint(single):
     """Two processes run 2 steps; two new processes resume to step 4 (weights from the checkpoint,
     AdamW moments scattered to the shards): the same as the uninterrupted one-process run."""
@@ -152,13 +172,16 @@ def test_a_failure_on_rank_0_stops_every_rank(single):
     assert "already holds checkpoints" in done.stderr and "rank 0 stopped" in done.stderr
 
 
-def test_sharded_async_run_streams_its_weights_to_the_engine(single):
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_sharded_async_run_streams_its_weights_to_the_engine(single, lora):
     """FSDP, the torch engine and the asynchronous loop (max_staleness 1): each step's push streams
     one gathered tensor at a time to the engine, which ends up serving exactly the weights of the
-    run's last checkpoint (and not the initial ones)."""
-    path = single / "streamed.toml"
+    run's last checkpoint (and not the initial ones). With ``model.lora`` the pushes are the
+    adapter's (gathered alone): the engine serves the last checkpoint's adapter on the initial base."""
+    name = "streamed-lora" if lora else "streamed"
+    path = single / f"{name}.toml"
     path.write_text(f"""
-run_dir = "{single / 'streamed'}"
+run_dir = "{single / name}"
 seed = 1
 steps = 3
 [model]
@@ -181,20 +204,29 @@ after = false
 interval = 3
 [distributed]
 fsdp = true
-""")
-    served = single / "served.safetensors"
+{LORA if lora else ""}""")
+    served = single / f"{name}-served.safetensors"
     script = Path(__file__).with_name("fsdp_sampled_run.py")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script),
            str(path), str(served)]
     done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     got = load_file(str(served))
-    final = load_file(str(list_checkpoints(single / "streamed")[-1] / "model" / "model.safetensors"))
     initial = load_file(str(single / "model" / "model.safetensors"))
+    records = list(_losses(single / name).values())
+    assert [r["fsdp_world_size"] for r in records] == [2.0, 2.0, 2.0]
+    if lora:
+        final = {unpeft_key(k): v for k, v in _weights(list_checkpoints(single / name)[-1]).items()}
+        assert all(torch.equal(got[k], final[k]) for k in final)
+        assert any(t.abs().max() > 0 for k, t in final.items() if ".lora_B." in k)
+        base = {k.replace(".base_layer.", "."): v for k, v in got.items() if ".lora_" not in k}
+        assert all(torch.equal(base[k], initial[k]) for k in initial)
+        assert all(r["push/bytes"] < 0.2 * r["push/full_bytes"] for r in records)
+        return
+    final = load_file(str(list_checkpoints(single / name)[-1] / "model" / "model.safetensors"))
     assert set(final) <= set(got)
     assert all(torch.equal(got[k], final[k]) for k in final)
     assert any(not torch.equal(got[k], initial[k]) for k in initial)
-    assert [r["fsdp_world_size"] for r in _losses(single / "streamed").values()] == [2.0, 2.0, 2.0]
 
 
 def test_fsdp_without_torchrun_is_refused(tmp_path):

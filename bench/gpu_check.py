@@ -92,7 +92,7 @@ class Section:
 
 PLAN: tuple[Section, ...] = (
     Section("correctness", "bench/gpu_correctness.py", 150, 240),
-    Section("train", "bench/gpu_check.py", 90, 300),
+    Section("train", "bench/gpu_check.py", 120, 300),
     Section("kernels", "bench/gpu_kernels.py", 100, 240, budget=True),
     Section("step", "bench/gpu_step.py", 120, 240, budget=True),
     Section("vllm", "bench/gpu_check.py", 60, 300, vllm=True),
@@ -473,15 +473,41 @@ def _logprobs(model, prompt, output, device: str):
 
 def train_section(smoke: bool, rows_path: Path) -> int:
     """Three steps of the asynchronous loop (``max_staleness = 1``) on ``model.device = "auto"``:
-    the policy, its tree-attention forward and the torch engine on the GPU (bfloat16 there)."""
+    the policy, its tree-attention forward and the torch engine on the GPU (bfloat16 there); then the
+    same with a rank-8 LoRA adapter on every Linear (``model.lora``: pushes of the adapter alone)."""
     import numpy as np
     import torch
+
+    cuda = torch.cuda.is_available()
+    device = torch.cuda.get_device_name() if cuda else "cpu"
+    rows = Rows(rows_path)
+    ok = True
+    for variant, extra in (("embedded model", ""), ("LoRA r8", "[model.lora]\nrank = 8\nalpha = 16\n")):
+        steps, total_ms, dtype = _train_run(smoke, cuda, extra)
+        for r in steps:
+            rows.add(op="train", case=f"{variant}, step {r['step']}", ms=r["time/train_s"] * 1e3,
+                     note=f"train time; rollouts {r['time/rollout_s']:.2f} s, reward {r['reward/mean']:.3f}, "
+                          f"loss {r['loss']:.4g}, grad norm {r['grad_norm']:.3g}, staleness max "
+                          f"{r['async/staleness_max']:g}, {r['tokens_packed']:g} tokens packed; push "
+                          f"{'delta' if r['push/delta'] else 'whole'} {r['push/bytes'] / 1e6:.2f} of "
+                          f"{r['push/full_bytes'] / 1e6:.2f} MB in {r['time/sync_s']:.3f} s, "
+                          f"{r['async/calls_spanning_pushes']:g} calls continued across it")
+        good = (len(steps) == 3 and max(r["async/staleness_max"] for r in steps) == 1
+                and all(np.isfinite(r["loss"]) and np.isfinite(r["grad_norm"]) for r in steps))
+        rows.add(op="train", case=f"3 async steps, {variant}", ms=total_ms, shape=f"{dtype} on {device}",
+                 ok=bool(good), note=f"{len(steps)} steps, staleness max "
+                                     f"{max((r['async/staleness_max'] for r in steps), default=0):g} (must be 3 and 1)")
+        ok = ok and good
+    return 0 if ok else 1
+
+
+def _train_run(smoke: bool, cuda: bool, extra: str) -> tuple[list[dict], float, str]:
+    """One `train_section` run (`extra`: config lines appended): its train records, wall ms, dtype."""
+    import numpy as np
 
     from clawfast.train.config_file import load_config
     from clawfast.train.loop import train
     from clawfast.train.sampled import EngineRollouts, TokenTask
-
-    cuda = torch.cuda.is_available()
 
     def reward(outputs) -> float:  # about half of the tokens: every group has advantages to train on
         tokens = np.concatenate(outputs)
@@ -518,30 +544,14 @@ before = false
 after = false
 [checkpoint]
 interval = 3
-""")
+{extra}""")
     config = load_config(config_path)
     t0 = time.perf_counter()
     train(config, progress=False, make_source=lambda engine: EngineRollouts(engine, tasks, max_tokens=config.engine.max_tokens,
                                                                             seed=0))
     total_ms = (time.perf_counter() - t0) * 1e3
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in records if r.get("kind") == "train"]
-    rows = Rows(rows_path)
-    for r in steps:
-        rows.add(op="train", case=f"step {r['step']}", ms=r["time/train_s"] * 1e3,
-                 note=f"train time; rollouts {r['time/rollout_s']:.2f} s, reward {r['reward/mean']:.3f}, "
-                      f"loss {r['loss']:.4g}, grad norm {r['grad_norm']:.3g}, staleness max "
-                      f"{r['async/staleness_max']:g}, {r['tokens_packed']:g} tokens packed; push "
-                      f"{'delta' if r['push/delta'] else 'whole'} {r['push/bytes'] / 1e6:.2f} of "
-                      f"{r['push/full_bytes'] / 1e6:.2f} MB in {r['time/sync_s']:.3f} s, "
-                      f"{r['async/calls_spanning_pushes']:g} calls continued across it")
-    device = torch.cuda.get_device_name() if cuda else "cpu"
-    ok = (len(steps) == 3 and max(r["async/staleness_max"] for r in steps) == 1
-          and all(np.isfinite(r["loss"]) and np.isfinite(r["grad_norm"]) for r in steps))
-    rows.add(op="train", case="3 async steps, embedded model", ms=total_ms, shape=f"{config.model.dtype} on {device}",
-             ok=bool(ok), note=f"{len(steps)} steps, staleness max "
-                               f"{max((r['async/staleness_max'] for r in steps), default=0):g} (must be 3 and 1)")
-    return 0 if ok else 1
+    return [r for r in records if r.get("kind") == "train"], total_ms, config.model.dtype
 
 
 if __name__ == "__main__":  # vLLM spawns its engine process: the guard is required

@@ -54,19 +54,29 @@ def routing_dtype(experts: int) -> np.dtype:
 
 
 def moe_blocks(model: nn.Module) -> list[nn.Module]:
-    """The model's MoE blocks in module order: the parents of the modules owning an
-    ``[experts, hidden]`` router weight. ValueError for a dense model or one with no such weight."""
+    """The model's MoE blocks in module order: the parents of the routers, the modules owning an
+    ``[experts, hidden]`` weight (or wrapping one that does, as a LoRA adapter's layer does: its
+    ``base_layer``). ValueError for a dense model or one with no such weight."""
     shape = expert_shape(model)
     if shape is None:
         raise ValueError(f"{type(model).__name__} is not a mixture-of-experts model (its config names no "
                          f"num_experts_per_tok with one of {_EXPERT_COUNT_NAMES})")
     experts = shape[0]
     hidden = model.config.hidden_size
-    names = [name for name, module in model.named_modules()
-             if isinstance(getattr(module, "weight", None), torch.Tensor)
-             and tuple(module.weight.shape) == (experts, hidden) and name]
     modules = dict(model.named_modules())
-    blocks = [modules[name.rpartition(".")[0]] for name in names]
+    owners = [name for name, module in modules.items()
+              if isinstance(getattr(module, "weight", None), torch.Tensor)
+              and tuple(module.weight.shape) == (experts, hidden) and name]
+    routers = []
+    for name in owners:
+        # A wrapper around the router (a LoRA adapter's: the wrapped module is its ``base_layer``)
+        # is the router as its block sees it.
+        parent = name.rpartition(".")[0]
+        while parent and getattr(modules[parent], "base_layer", None) is modules[name]:
+            name, parent = parent, parent.rpartition(".")[0]
+        if name not in routers:
+            routers.append(name)
+    blocks = [modules[name.rpartition(".")[0]] for name in routers]
     if not blocks:
         raise ValueError(f"{type(model).__name__}: no router weight of shape [{experts}, {hidden}] found")
     return blocks

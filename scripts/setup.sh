@@ -54,7 +54,7 @@ fi
 # dependencies at the main environment's versions plus the build tools; every transformers and
 # hub-kernels release is a directory of its own that the test puts first on PYTHONPATH. Rebuilt
 # when these pins change. CLAWFAST_SKIP_VERSIONS=1 opts out (that test then fails; CI runs it).
-VERSIONS_SPEC="v2 transformers 4.57.1 5.17.0 5.25.0 kernels 0.9.0 0.16.2 0.19.1"
+VERSIONS_SPEC="v3 transformers 4.57.1 5.17.0 5.25.0 kernels 0.9.0 0.16.2 0.19.1"
 VERSIONS="$CACHE/versions"
 if [ "${CLAWFAST_SKIP_VERSIONS:-0}" != 1 ] && [ "$(cat "$VERSIONS/.complete" 2>/dev/null)" != "$VERSIONS_SPEC" ]; then
   rm -rf "$VERSIONS"
@@ -62,12 +62,15 @@ if [ "${CLAWFAST_SKIP_VERSIONS:-0}" != 1 ] && [ "$(cat "$VERSIONS/.complete" 2>/
   VPY="$VERSIONS/venv/bin/python"
   python3 -m pip freeze --exclude-editable | grep -v ' @ ' \
     | grep -viE '^(transformers|kernels|huggingface[-_.]hub|tokenizers)==' >"$VERSIONS/constraints.txt"
-  mapfile -t DEPS < <(python3 -c 'import tomllib; print("\n".join(d for d in tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"] if not d.startswith("transformers")))')
+  mapfile -t DEPS < <(python3 -c 'import tomllib; print("\n".join(d for d in tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"] if not d.startswith(("transformers", "peft"))))')
   # the project's dependencies but transformers, transformers' but huggingface-hub and tokenizers
-  # (which differ by version: in the overlays), and what builds the package
+  # (which differ by version: in the overlays), and what builds the package; peft without its
+  # dependencies (it requires transformers, whose latest release requires hub kernels: either one
+  # in site-packages would shadow what the overlays test, "without kernels" included)
   "$VPY" -m pip install -q -c "$VERSIONS/constraints.txt" torch==2.13.0 "${DEPS[@]}" \
     filelock packaging pyyaml regex requests tqdm typer \
     scikit-build-core==1.1.2 pybind11==3.1.0 cmake==4.4.5 ninja==1.13.2
+  "$VPY" -m pip install -q -c "$VERSIONS/constraints.txt" --no-deps peft
   overlay() { local dir="$VERSIONS/$1"; shift; "$VPY" -m pip install -q -c "$VERSIONS/constraints.txt" --target "$dir" "$@"; }
   overlay transformers-4.57.1 --no-deps transformers==4.57.1 huggingface-hub==0.36.2 tokenizers==0.22.2
   overlay transformers-5.17.0 --no-deps transformers==5.17.0 huggingface-hub==1.33.0 tokenizers==0.23.3

@@ -55,8 +55,11 @@ def test_smoke_run_checks_trains_and_times_in_the_plans_order(tmp_path):
     for row in rows:  # printed as one line each, as it finished
         assert f"[correctness] {row['op']} | {row['case']} |" in proc.stdout
 
-    steps = [row for row in sections["train"]["rows"] if row["case"].startswith("step ")]
-    assert len(steps) == 3 and "staleness max 1" in steps[-1]["note"]
+    for variant in ("embedded model", "LoRA r8"):  # full weights, then an adapter
+        steps = [row for row in sections["train"]["rows"] if row["case"].startswith(f"{variant}, step ")]
+        assert len(steps) == 3 and "staleness max 1" in steps[-1]["note"], variant
+        (run,) = [row for row in sections["train"]["rows"] if row["case"] == f"3 async steps, {variant}"]
+        assert run["ok"], run
     ops = {row["op"] for row in sections["kernels"]["rows"]}
     assert {"tree_logprobs", "tree_attention", "tree_gae", "importance_weights", "policy_loss"} <= ops
     assert sections["step"]["rows"] and all(row.get("ok") is not False for row in sections["step"]["rows"])

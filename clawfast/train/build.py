@@ -89,8 +89,8 @@ def build_engine(engine: EngineConfig, model_dir: Path, *, dtype: str = "float32
     if record_routing != "off" and engine.kind != "torch":
         raise ValueError(f"algorithm.routing_replay = {record_routing!r} needs an engine that records the experts it "
                          f"chose: the torch engine does; clawfast's {engine.kind} engine does not collect them "
-                         f"(vLLM 0.32 can return them, not wired here yet). Use engine.kind = \"torch\" or "
-                         f"routing_replay = \"off\".")
+                         f"(vLLM 0.32 returns them from its GPU model runner only, enable_return_routed_experts: "
+                         f"not wired here until a GPU checks it). Use engine.kind = \"torch\" or routing_replay = \"off\".")
     if engine.kind == "torch":
         from clawfast.engines.torch_engine import TorchEngine
 

@@ -91,11 +91,17 @@ def base_nbytes(lm: nn.Module, dtype: torch.dtype) -> int:
 
 def merged_copy(lm: nn.Module) -> nn.Module:
     """A plain copy of `lm` with each adapter merged into its base weight (W + scale * B A) and the
-    adapted layers replaced by their base Linear: the base's class and names, for ``save_pretrained``."""
+    adapted layers replaced by their base module: the base's class and names, for ``save_pretrained``.
+    peft nests wrappers where it adapts several parameters of one module (an MoE's fused experts):
+    every wrapper merges, then the outermost ones give way to the module they wrap."""
     merged = copy.deepcopy(lm)
-    for name, layer in lora_layers(merged).items():
+    layers = lora_layers(merged)
+    for layer in layers.values():
         layer.merge()
+    for name, layer in layers.items():
         parent, _, child = name.rpartition(".")
+        if parent in layers:  # inside another wrapper: unwrapped with it
+            continue
         setattr(merged.get_submodule(parent) if parent else merged, child, layer.get_base_layer())
     del merged.peft_config
     return merged

@@ -19,6 +19,7 @@ from clawfast.train.lora import (
     add_lora,
     has_adapter,
     load_adapter,
+    lora_layers,
     merged_copy,
     save_adapter,
     unpeft_key,
@@ -33,13 +34,9 @@ def tiny_lm(tmp_path, dtype=torch.float64):
     return AutoModelForCausalLM.from_pretrained(make_tiny_model(tmp_path / "base", seed=3), dtype=dtype)
 
 
-def test_the_adapter_trains_alone_and_merges_into_the_same_model(tmp_path):
-    """Only the adapter requires grad; after optimizer steps the base is bit-identical, the adapter
-    moved, and the merged plain model computes the adapted model's logits (float64)."""
-    lm = add_lora(tiny_lm(tmp_path), rank=4, alpha=8)
+def train_a_few_steps(lm) -> torch.Tensor:
+    """Three AdamW steps of next-token loss on random ids (returned); asserts the base did not move."""
     base = {k: v.clone() for k, v in lm.state_dict().items() if ".lora_" not in k}
-    trainable = {n for n, p in lm.named_parameters() if p.requires_grad}
-    assert trainable == set(adapter_names(lm)) and len(trainable) == 2 * 14  # q k v o gate up down, 2 layers
     optimizer = torch.optim.AdamW([p for p in lm.parameters() if p.requires_grad], lr=1e-2)
     ids = torch.randint(0, VOCAB, (2, 12))
     for _ in range(3):
@@ -49,6 +46,16 @@ def test_the_adapter_trains_alone_and_merges_into_the_same_model(tmp_path):
     for k, v in lm.state_dict().items():
         if ".lora_" not in k:
             assert torch.equal(v, base[k]), k
+    return ids
+
+
+def test_the_adapter_trains_alone_and_merges_into_the_same_model(tmp_path):
+    """Only the adapter requires grad; after optimizer steps the base is bit-identical, the adapter
+    moved, and the merged plain model computes the adapted model's logits (float64)."""
+    lm = add_lora(tiny_lm(tmp_path), rank=4, alpha=8)
+    trainable = {n for n, p in lm.named_parameters() if p.requires_grad}
+    assert trainable == set(adapter_names(lm)) and len(trainable) == 2 * 14  # q k v o gate up down, 2 layers
+    ids = train_a_few_steps(lm)
     assert any(lm.state_dict()[n].abs().sum() > 0 for n in adapter_names(lm) if ".lora_B." in n)
     merged = merged_copy(lm)
     assert not has_adapter(merged) and type(merged) is type(lm)
@@ -57,6 +64,34 @@ def test_the_adapter_trains_alone_and_merges_into_the_same_model(tmp_path):
         torch.testing.assert_close(merged(ids).logits, lm(ids).logits, rtol=0, atol=1e-10)
         # and it is not the base: the adapter changed the model
         assert (merged(ids).logits - tiny_lm(tmp_path)(ids).logits).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_an_moe_adapter_covers_router_and_experts_and_merges(tmp_path, family):
+    """"all-linear" on an MoE decoder: peft adapts the attention, the router and the fused experts
+    (nested wrappers for the experts' two parameters); routing replay finds the layers' MoE blocks
+    as without an adapter; the base stays bit-identical under training,
+    the merged plain model computes the adapted logits, and peft loads the saved adapter as it is."""
+    from peft import PeftModel
+    from tiny_moe import tiny_moe
+
+    lm = add_lora(tiny_moe(family, vocab_size=VOCAB, hidden=32, seed=2), rank=4, alpha=8)
+    adapted = {name.split(".")[-1] for name in lora_layers(lm)}
+    assert {"q_proj", "gate", "experts"} <= adapted, adapted
+    # routing replay sees one MoE block per layer, not the router's wrapper as another
+    from clawfast.moe_routing import moe_blocks
+
+    assert [type(b).__name__ for b in moe_blocks(lm)] == [type(layer.mlp).__name__ for layer in lm.model.layers]
+    ids = train_a_few_steps(lm)
+    merged = merged_copy(lm)
+    assert type(merged) is type(lm) and not any(".lora_" in k or "base_layer" in k for k in merged.state_dict())
+    save_adapter(lm, tmp_path)
+    loaded = PeftModel.from_pretrained(tiny_moe(family, vocab_size=VOCAB, hidden=32, seed=2), str(tmp_path))
+    with torch.no_grad():
+        expected = lm(ids).logits
+        assert (expected - tiny_moe(family, vocab_size=VOCAB, hidden=32, seed=2)(ids).logits).abs().max() > 1e-3
+        torch.testing.assert_close(merged(ids).logits, expected, rtol=0, atol=1e-4)  # float32 through fused experts
+        torch.testing.assert_close(loaded(ids).logits, expected, rtol=0, atol=1e-6)
 
 
 def test_an_adapter_saves_loads_and_refuses_another_shape(tmp_path):

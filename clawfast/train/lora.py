@@ -132,10 +132,13 @@ def saved_adapter_config(directory: Path):
 
 
 def add_saved_lora(lm: nn.Module, directory: Path) -> nn.Module:
-    """Inject into `lm` an adapter shaped as the one saved in `directory` (its rank, alpha, dropout,
-    adapted modules) and load its tensors."""
-    config = saved_adapter_config(directory)
-    add_lora(lm, config.r, config.lora_alpha, config.lora_dropout, tuple(sorted(config.target_modules)))
+    """Inject into `lm` an adapter shaped as the one saved in `directory` (peft's config: rank, alpha,
+    dropout, adapted modules and parameters) and load its tensors."""
+    from peft import inject_adapter_in_model
+
+    # peft's own config, as saved: it names the adapted parameters too (an MoE's router and
+    # experts), which rank, alpha and module names alone would not reproduce
+    inject_adapter_in_model(saved_adapter_config(directory), lm)
     load_adapter(lm, directory)
     return lm
 

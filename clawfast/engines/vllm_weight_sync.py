@@ -128,6 +128,13 @@ class WeightSyncExtension:
         """The model's fused modules (``{"qkv_proj": ["q_proj", "k_proj", "v_proj"], ...}``)."""
         return dict(getattr(type(self.model_runner.get_model()), "packed_modules_mapping", {}))  # type: ignore[attr-defined]
 
+    def clawfast_moe_layers(self) -> int:
+        """How many fused mixture-of-experts layers the model has (vLLM's `MoERunner`, the layers its
+        MoE kernels and MoE LoRA run)."""
+        from vllm.model_executor.layers.fused_moe import MoERunner
+
+        return sum(isinstance(m, MoERunner) for m in self.model_runner.get_model().modules())  # type: ignore[attr-defined]
+
     def clawfast_load_weights(self, packed: list) -> int:
         """The bytes path: load ``[(hf_name, dtype, shape, raw bytes), ...]`` (see `pack_tensor`) into
         the running model; return how many tensors it was given."""

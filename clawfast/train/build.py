@@ -14,7 +14,7 @@ import torch
 from clawfast.engines.base import Engine, Sampling
 from clawfast.rollout import HarnessConfig, OnRay, ProxyConfig, RolloutService, SandboxConfig, SchedulingConfig
 from clawfast.train.config import EngineConfig, RunConfig
-from clawfast.train.lora import PEFT_ADAPTER, add_lora, has_adapter
+from clawfast.train.lora import adapter_rank, add_lora, has_adapter
 from clawfast.train.push import WeightPusher, engine_layout
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -108,7 +108,7 @@ def build_engine(engine: EngineConfig, model_dir: Path, *, dtype: str = "float32
         from clawfast.engines.vllm_engine import VLLMEngine
 
         # A LoRA policy's base never changes: vLLM serves it from model_dir with the adapter on top.
-        lora_rank = lm.peft_config[PEFT_ADAPTER].r if lm is not None and has_adapter(lm) else None
+        lora_rank = adapter_rank(lm) if lm is not None and has_adapter(lm) else None
         built = VLLMEngine(str(model_dir), dtype=dtype, max_model_len=engine.max_model_len, seed=seed,
                            weight_sync=engine.weight_sync or "broadcast", on_update=engine.on_update,
                            deltas=engine.delta_pushes and engine.sync_weights and lora_rank is None,

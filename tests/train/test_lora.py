@@ -13,10 +13,12 @@ import numpy as np
 import pytest
 import torch
 
+from clawfast.engines.vllm_checkpoint import adapter_is_3d
 from clawfast.train.lora import (
     ADAPTER_CONFIG,
     ADAPTER_FILE,
     adapter_names,
+    adapter_rank,
     add_lora,
     add_saved_lora,
     has_adapter,
@@ -88,6 +90,9 @@ def test_an_moe_adapter_covers_router_and_experts_and_merges(tmp_path, family):
     merged = merged_copy(lm)
     assert type(merged) is type(lm) and not any(".lora_" in k or "base_layer" in k for k in merged.state_dict())
     save_adapter(lm, tmp_path)
+    # what an engine is told: peft gives the fused gate_up_proj twice the rank (a half each), and saves
+    # the experts' adapter flattened across them (vLLM's "3D" layout)
+    assert adapter_rank(lm) == 8 and adapter_is_3d(tmp_path)
     loaded = PeftModel.from_pretrained(tiny_moe(family, vocab_size=VOCAB, hidden=32, seed=2), str(tmp_path))
     with torch.no_grad():
         expected = lm(ids).logits
@@ -106,6 +111,7 @@ def test_an_adapter_saves_loads_and_refuses_another_shape(tmp_path):
             if ".lora_" in name:
                 p.normal_()
     save_adapter(lm, tmp_path)
+    assert adapter_rank(lm) == 4 and not adapter_is_3d(tmp_path)
     again = add_lora(tiny_lm(tmp_path), rank=4, alpha=8)
     load_adapter(again, tmp_path)
     for name in adapter_names(lm):

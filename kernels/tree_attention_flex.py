@@ -29,12 +29,9 @@ def forward_flex(q, k, v, sinks, mask: TreeMask, rule: Scores) -> torch.Tensor:
     # the CPU path is for checking, not training (no backward). On GPUs torch.compile's default: the
     # second row count recompiles with a dynamic N, later ones reuse it.
     global _compiled_flex
-    if q.device.type == "cpu":
-        compiled = flex_attention
-    else:
-        if _compiled_flex is None:
-            _compiled_flex = torch.compile(flex_attention)
-        compiled = _compiled_flex
+    if q.device.type != "cpu" and _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention)
+    attend = flex_attention if q.device.type == "cpu" else _compiled_flex
     n = q.shape[0]
     cap = rule.softcap
     if sinks is not None:
@@ -53,7 +50,7 @@ def forward_flex(q, k, v, sinks, mask: TreeMask, rule: Scores) -> torch.Tensor:
 
     # flex takes [B, H, N, D]; enable_gqa maps query head h to key head h // G as the other paths do
     args = (q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None])
-    out = compiled(*args, score_mod=score_mod if cap is not None or sinks is not None else None,
-                         block_mask=mask.flex_block_mask(rule.window, sink_key=sinks is not None),
-                         scale=rule.scale, enable_gqa=k.shape[1] != q.shape[1])
+    out = attend(*args, score_mod=score_mod if cap is not None or sinks is not None else None,
+                 block_mask=mask.flex_block_mask(rule.window, sink_key=sinks is not None),
+                 scale=rule.scale, enable_gqa=k.shape[1] != q.shape[1])
     return out[0].transpose(0, 1)

@@ -59,11 +59,12 @@ is synchronous and must be called from another thread.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import shutil
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -302,26 +303,22 @@ class RemoteEngine(Engine):
         with self._update_lock:
             written_dtypes: dict[str, Any] = {}
             target = self._write_checkpoint(state_dict, int(version), written_dtypes)
-            if loop is not None:
-                asyncio.run_coroutine_threadsafe(self._pause(), loop).result()
-            try:
-                with httpx.Client(base_url=self.base_url, headers=self._headers, timeout=self._timeout) as http:
-                    if self.api == "vllm":
-                        load = ("clawfast_load_dir", {"path": str(target.resolve())}) if self.takes_deltas else \
-                            ("reload_weights", {"weights_path": str(target.resolve())})
-                        self._paused_vllm(http, int(version), lambda: _rpc(http, *load))
-                    else:
-                        self._reload_sglang(http, target, int(version))
-                self.weight_version = int(version)
-                self._base_dtypes.update(written_dtypes)
-            except BaseException:
-                self._base_dtypes.clear()  # the server's base copy may hold part of this update
-                if target != self._written:
-                    shutil.rmtree(target, ignore_errors=True)
-                raise
-            finally:
-                if loop is not None:
-                    asyncio.run_coroutine_threadsafe(self._resume(), loop).result()
+            with self._calls_paused(loop):
+                try:
+                    with httpx.Client(base_url=self.base_url, headers=self._headers, timeout=self._timeout) as http:
+                        if self.api == "vllm":
+                            load = ("clawfast_load_dir", {"path": str(target.resolve())}) if self.takes_deltas else \
+                                ("reload_weights", {"weights_path": str(target.resolve())})
+                            self._paused_vllm(http, int(version), lambda: _rpc(http, *load))
+                        else:
+                            self._reload_sglang(http, target, int(version))
+                    self.weight_version = int(version)
+                    self._base_dtypes.update(written_dtypes)
+                except BaseException:
+                    self._base_dtypes.clear()  # the server's base copy may hold part of this update
+                    if target != self._written:
+                        shutil.rmtree(target, ignore_errors=True)
+                    raise
             previous, self._written = self._written, target
             if previous is not None and previous != target:
                 shutil.rmtree(previous, ignore_errors=True)  # the server no longer reads it
@@ -403,32 +400,41 @@ class RemoteEngine(Engine):
             shutil.rmtree(target, ignore_errors=True)
             shutil.copytree(directory, target)
             name = f"clawfast-v{version}"
-            if loop is not None:
-                asyncio.run_coroutine_threadsafe(self._pause(), loop).result()
-            try:
-                with httpx.Client(base_url=self.base_url, headers=self._headers, timeout=self._timeout) as http:
-                    def swap() -> None:
-                        _checked(http.post("/v1/load_lora_adapter",
-                                           json={"lora_name": name, "lora_path": str(target.resolve()),
-                                                 "is_3d_lora_weight": is_3d}),
-                                 "load_lora_adapter (is the server started with --enable-lora and "
-                                 "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1?)")
-                        old, self._adapter = self._adapter, name
-                        if old is not None:
-                            _checked(http.post("/v1/unload_lora_adapter", json={"lora_name": old}), "unload_lora_adapter")
+            with self._calls_paused(loop):
+                try:
+                    with httpx.Client(base_url=self.base_url, headers=self._headers, timeout=self._timeout) as http:
+                        def swap() -> None:
+                            _checked(http.post("/v1/load_lora_adapter",
+                                               json={"lora_name": name, "lora_path": str(target.resolve()),
+                                                     "is_3d_lora_weight": is_3d}),
+                                     "load_lora_adapter (is the server started with --enable-lora and "
+                                     "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1?)")
+                            old, self._adapter = self._adapter, name
+                            if old is not None:
+                                _checked(http.post("/v1/unload_lora_adapter", json={"lora_name": old}), "unload_lora_adapter")
 
-                    self._paused_vllm(http, int(version), swap)
-                self.weight_version = int(version)
-            except BaseException:
-                if self._adapter != name:
-                    shutil.rmtree(target, ignore_errors=True)
-                raise
-            finally:
-                if loop is not None:
-                    asyncio.run_coroutine_threadsafe(self._resume(), loop).result()
+                        self._paused_vllm(http, int(version), swap)
+                    self.weight_version = int(version)
+                except BaseException:
+                    if self._adapter != name:
+                        shutil.rmtree(target, ignore_errors=True)
+                    raise
             previous, self._adapter_dir = self._adapter_dir, target
             if previous is not None and previous != target:
                 shutil.rmtree(previous, ignore_errors=True)  # unloaded: the server no longer reads it
+
+    @contextlib.contextmanager
+    def _calls_paused(self, loop: asyncio.AbstractEventLoop | None) -> Iterator[None]:
+        """Within the block this engine's calls are paused on `loop` (`_pause`: new calls wait, running
+        ones finish or stop to continue, `on_update`); None: no call can be running."""
+        if loop is None:
+            yield
+            return
+        asyncio.run_coroutine_threadsafe(self._pause(), loop).result()
+        try:
+            yield
+        finally:
+            asyncio.run_coroutine_threadsafe(self._resume(), loop).result()
 
     def _calls_loop(self, what: str) -> asyncio.AbstractEventLoop | None:
         """The loop this engine's calls run on, if it runs (an update pauses them there), else None;
@@ -466,23 +472,20 @@ class RemoteEngine(Engine):
         loop = self._calls_loop("apply_delta")
         with self._update_lock:
             path = write_delta_file(delta, self.reload_dir / f"d{delta.version}.safetensors")
-            if loop is not None:
-                asyncio.run_coroutine_threadsafe(self._pause(), loop).result()
-            try:
-                with httpx.Client(base_url=self.base_url, headers=self._headers, timeout=self._timeout) as http:
-                    load = ("clawfast_apply_delta_file", {"path": str(path.resolve()), "reload": json.dumps(reload)})
-                    answer = self._paused_vllm(http, delta.version, lambda: _rpc(http, *load)) if reload else None
-                bad = sorted({n for names in (answer or {}).get("results", []) for n in names})
-                if bad:
-                    raise DeltaMismatch(f"{len(bad)} tensors differ from the trainer's after the delta, e.g. {bad[:3]}")
-                self.weight_version = int(delta.version)
-            except BaseException:
-                self._base_dtypes.clear()  # what the server's copies hold is no longer known: push whole
-                raise
-            finally:
-                path.unlink(missing_ok=True)
-                if loop is not None:
-                    asyncio.run_coroutine_threadsafe(self._resume(), loop).result()
+            with self._calls_paused(loop):
+                try:
+                    with httpx.Client(base_url=self.base_url, headers=self._headers, timeout=self._timeout) as http:
+                        load = ("clawfast_apply_delta_file", {"path": str(path.resolve()), "reload": json.dumps(reload)})
+                        answer = self._paused_vllm(http, delta.version, lambda: _rpc(http, *load)) if reload else None
+                    bad = sorted({n for names in (answer or {}).get("results", []) for n in names})
+                    if bad:
+                        raise DeltaMismatch(f"{len(bad)} tensors differ from the trainer's after the delta, e.g. {bad[:3]}")
+                    self.weight_version = int(delta.version)
+                except BaseException:
+                    self._base_dtypes.clear()  # what the server's copies hold is no longer known: push whole
+                    raise
+                finally:
+                    path.unlink(missing_ok=True)
 
     def _checkpoint_schema(self) -> CheckpointSchema:
         if self._schema is None:

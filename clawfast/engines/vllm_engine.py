@@ -41,6 +41,7 @@ vLLM spawns its engine process: a script that builds a `VLLMEngine` needs the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import shutil
@@ -391,8 +392,7 @@ class VLLMEngine(Engine):
             pairs = iter(whole)
         if self.weight_sync_path == "bytes":  # packed before pausing: requests run meanwhile
             packed = [pack_tensor(name, value) for name, value in pairs]
-        with self._update_lock:
-            self._call(self._pause())
+        with self._paused():
             try:
                 if self.weight_sync_path == "bytes":
                     # One call with every tensor: vLLM's in-place reload processes a layer once
@@ -407,8 +407,6 @@ class VLLMEngine(Engine):
             except BaseException:
                 self._base_dtypes.clear()  # the workers' base copies may hold part of this update
                 raise
-            finally:
-                self._call(self._resume())
 
     def load_adapter(self, directory: str | Path, version: int) -> None:
         """Serve the LoRA adapter saved in `directory` (peft's format, `clawfast.train.lora.save_adapter`)
@@ -432,22 +430,18 @@ class VLLMEngine(Engine):
         served = self._adapters_dir / str(lora_id)
         shutil.copytree(directory, served)
         adapter = LoRARequest(f"clawfast-v{version}", lora_id, str(served), is_3d_lora_weight=is_3d)
-        with self._update_lock:
-            self._call(self._pause())
+        with self._paused():
             try:
-                try:
-                    self._call(self._llm.add_lora(adapter))
-                except Exception as exc:  # vLLM reports a bad adapter as whatever its loader raised
-                    shutil.rmtree(served, ignore_errors=True)
-                    raise ValueError(f"vLLM refused the adapter in {directory}: {exc}") from exc
-                old, self._adapter = self._adapter, adapter
-                if old is not None:
-                    self._call(self._llm.remove_lora(old.lora_int_id))
-                    shutil.rmtree(old.lora_path, ignore_errors=True)
-                self._call(self._llm.reset_prefix_cache())
-                self.weight_version = int(version)
-            finally:
-                self._call(self._resume())
+                self._call(self._llm.add_lora(adapter))
+            except Exception as exc:  # vLLM reports a bad adapter as whatever its loader raised
+                shutil.rmtree(served, ignore_errors=True)
+                raise ValueError(f"vLLM refused the adapter in {directory}: {exc}") from exc
+            old, self._adapter = self._adapter, adapter
+            if old is not None:
+                self._call(self._llm.remove_lora(old.lora_int_id))
+                shutil.rmtree(old.lora_path, ignore_errors=True)
+            self._call(self._llm.reset_prefix_cache())
+            self.weight_version = int(version)
 
     def apply_delta(self, delta: WeightDelta) -> None:
         """Apply a `WeightDelta` (built in the dtype of the last full push) through the workers'
@@ -472,8 +466,7 @@ class VLLMEngine(Engine):
         check_delta(delta, self.weight_version, shapes)
         reload = sorted({m for t in delta.tensors for m in self._schema.groups[t.name]})  # whole layers
         packed = pack_delta(delta.tensors)
-        with self._update_lock:
-            self._call(self._pause())
+        with self._paused():
             try:
                 if reload:
                     results = self._call(self._llm.collective_rpc("clawfast_apply_delta", args=(packed, reload)))
@@ -487,6 +480,15 @@ class VLLMEngine(Engine):
                 self._broken = f"a delta push failed after it reached the workers: {exc}"
                 self._base_dtypes.clear()
                 raise
+
+    @contextlib.contextmanager
+    def _paused(self) -> Iterator[None]:
+        """One update at a time, from any thread; within the block no request starts and the running
+        ones finish or stop to continue (`on_update`), and after it they go on."""
+        with self._update_lock:
+            self._call(self._pause())
+            try:
+                yield
             finally:
                 self._call(self._resume())
 

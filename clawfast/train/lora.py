@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
+
 import torch
 from torch import nn
 

@@ -86,7 +86,7 @@ class WeightPusher:
             nbytes, full_nbytes = delta.nbytes, delta.full_nbytes
         else:
             raise ValueError(f"{type(self.engine).__name__} takes no adapter pushes (model.lora needs the torch "
-                             f"engine, or vLLM built with lora_rank)")
+                             f"engine, vLLM built with lora_rank, or a vLLM server with adapters=True)")
         self.last = {"push/delta": 1.0, "push/bytes": float(nbytes), "push/full_bytes": float(full_nbytes),
                      "push/changed_fraction": nbytes / max(1, full_nbytes), "push/fallback": 0.0}
 

@@ -30,13 +30,6 @@ from .tiny_qwen3 import MAX_LEN, VOCAB, tiny_qwen3  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-qwen3")
-    tiny_qwen3(seed=1).save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="module")
 def engine(model_dir):
     from clawfast.engines.vllm_engine import VLLMEngine
 

@@ -25,16 +25,9 @@ from clawfast.train.lora import save_adapter  # noqa: E402
 
 from .continued_calls import check_sampled_pieces  # noqa: E402
 from .test_vllm_engine import LOGPROB_ATOL, _reference_logprobs  # noqa: E402
-from .tiny_qwen3 import MAX_LEN, VOCAB, adapted, tiny_qwen3  # noqa: E402
+from .tiny_qwen3 import MAX_LEN, VOCAB, adapted  # noqa: E402
 
 RANK = 4  # tiny_qwen3.adapted's default
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-qwen3-lora")
-    tiny_qwen3(seed=1).save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -18,13 +18,14 @@ nothing into a running batch (static batching; the batching bench's baseline). A
 has sliding-window layers is batched statically too: its layers keep a window, not every column,
 so they cannot be padded to a common length.
 
-Prompt prefixes are computed once (`_prefix_kv`): a joining group's rows share the longest common
-prefix of their prompts (a harness's system prompt and tool schemas), so that prefix is run once at
-batch size one and its KV cache expanded to the group; the engine also keeps the KV of recent
-prefixes and of each answered call (its prompt and every sampled token but the last:
-``prefix_cache_tokens`` tokens in all, least recently used dropped first), so the next group with
-the same system prompt, or the next call of a rollout that extends its previous prompt and answer,
-runs only its new tokens. A weight update empties it.
+Prompt prefixes are computed once (`_prefix_kv`). The engine keeps the KV of recent prefixes and
+of each answered call (its prompt and every sampled token but the last: ``prefix_cache_tokens``
+tokens in all, least recently used dropped first); a joining group is split by the cached prefix
+each call extends furthest (`_cache_groups`) and each part prefilled from it, so the next call of a
+rollout, which extends its previous prompt and answer, runs only its new tokens whichever calls it
+joins with. Within a part the rows' longest common prefix (a harness's system prompt and tool
+schemas) is run once at batch size one and its KV cache expanded to the part. A weight update
+empties the cache.
 
 MoE routing (``record_routing``, for routing replay: `clawfast.moe_routing`): ``"all"`` returns with
 each answer the experts every MoE layer chose for each row the call read (prompt, and each sampled
@@ -318,34 +319,60 @@ class TorchEngine(Engine):
 
     def _prefill(self, taken: list[_Pending]) -> _Batch:
         """Run the contexts of `taken` (prompts, and the tokens a call set aside by an update had
-        sampled; left-padded, their shared prefix once) up to each one's last token; a call asking
-        for no token is answered at once."""
+        sampled) up to each one's last token, in groups by the cached prefix each extends furthest
+        (`_cache_groups`), stacked into one batch; a call asking for no token is answered at once."""
         self.batches_run += 1
         now = time.monotonic()
         rows = [p.row or _Row(p, torch.Generator().manual_seed(self._seed(p.params)), now) for p in taken]
+        contexts = [p.context() for p in taken]
         for p in taken:
             p.row = None
+        self.replayed_tokens += sum(len(c) for c, row in zip(contexts, rows) if row.outputs)
+        batch = None
+        for group, cached in self._cache_groups(contexts):
+            part = self._prefill_group([rows[i] for i in group], [contexts[i] for i in group], cached)
+            batch = part if batch is None else _stack(batch, part)
+        return batch
+
+    def _cache_groups(self, contexts: list[np.ndarray]) -> list[tuple[list[int], int]]:
+        """Indices of `contexts` grouped by the cached prefix each extends furthest (those extending
+        none together, with 0), and how many tokens of it the group's first row reuses, so that every
+        call runs only what no cached KV holds, as with per-request prefix caching (vLLM's). One group
+        when cached KV cannot be padded to stack (sliding window)."""
+        if not self._prefixes or not _paddable(self._prefixes[0][1]):
+            return [(list(range(len(contexts))), 0)]
+        groups: dict[int, tuple[list[int], int]] = {}
+        for i, context in enumerate(contexts):
+            best, best_len = -1, 0
+            for j, (tokens, _, _) in enumerate(self._prefixes):
+                n = min(common_prefix_len(tokens, context), len(context) - 1)
+                if n >= MIN_PREFIX and n > best_len:
+                    best, best_len = j, n
+            groups.setdefault(best, ([], best_len))[0].append(i)
+        return list(groups.values())
+
+    def _prefill_group(self, rows: list[_Row], contexts: list[np.ndarray], cached: int) -> _Batch:
+        """One forward of `contexts` (left-padded) from their longest shared prefix's KV, taken from
+        the prefix cache (`cached`: tokens of the first context it holds) and extended there."""
         n = len(rows)
         device = self.model.get_output_embeddings().weight.device
-        prompts = [np.concatenate([row.pending.prompt, np.asarray(row.outputs, dtype=row.pending.prompt.dtype)])
-                   if row.outputs else row.pending.prompt for row in rows]
-        self.replayed_tokens += sum(len(p) for p, row in zip(prompts, rows) if row.outputs)
-        # The longest prefix every row shares, leaving each row at least one token to run.
-        shared = min(len(p) for p in prompts) - 1
-        for p in prompts[1:]:
-            shared = min(shared, common_prefix_len(prompts[0], p))
-        cache, prefix_routing = self._prefix_kv(prompts[0][:shared], device) if shared >= MIN_PREFIX else (None, None)
+        # The longest prefix every row shares, leaving each row at least one token to run. A lone row
+        # with a cache hit runs on from it: extending the cache there would serve no other row.
+        shared = min(len(c) for c in contexts) - 1 if n > 1 or not cached else cached
+        for c in contexts[1:]:
+            shared = min(shared, common_prefix_len(contexts[0], c))
+        cache, prefix_routing = self._prefix_kv(contexts[0][:shared], device) if shared >= MIN_PREFIX else (None, None)
         if cache is None:
             shared = 0
         elif n > 1:
             cache.batch_repeat_interleave(n)
-        width = max(len(p) for p in prompts) - shared
+        width = max(len(c) for c in contexts) - shared
         input_ids = torch.zeros((n, width), dtype=torch.long)
         suffix_mask = torch.zeros((n, width), dtype=torch.long)
-        for i, prompt in enumerate(prompts):  # left padding keeps every row's last token at -1
-            input_ids[i, width - len(prompt) + shared :] = torch.from_numpy(prompt[shared:])
-            suffix_mask[i, width - len(prompt) + shared :] = 1
-        self.prompt_tokens += sum(len(p) for p in prompts)
+        for i, context in enumerate(contexts):  # left padding keeps every row's last token at -1
+            input_ids[i, width - len(context) + shared :] = torch.from_numpy(context[shared:])
+            suffix_mask[i, width - len(context) + shared :] = 1
+        self.prompt_tokens += sum(len(c) for c in contexts)
         self.prefill_tokens += int(suffix_mask.sum())
         mask = torch.cat([torch.ones((n, shared), dtype=torch.long), suffix_mask], dim=1).to(device)
         positions = (shared + suffix_mask.cumsum(-1) - 1).clamp(min=0).to(device)
@@ -355,8 +382,8 @@ class TorchEngine(Engine):
                              logits_to_keep=1, **extra)
         if self._routing is not None:
             chosen = self._routing.take().reshape(n, width, self._routing.layers, self._routing.top_k)
-            for i, (row, prompt) in enumerate(zip(rows, prompts)):  # every context row, run again after an update
-                own = chosen[i, width - len(prompt) + shared:]
+            for i, (row, context) in enumerate(zip(rows, contexts)):  # every context row, run again after an update
+                own = chosen[i, width - len(context) + shared:]
                 row.routing = [prefix_routing, own] if shared else [own]
         # Sampled in float32 on the CPU with each request's CPU generator: the same seed samples the
         # same tokens wherever the model runs.

@@ -387,6 +387,36 @@ def test_shared_and_cached_prefixes_sample_what_a_plain_forward_gives(embedded_d
         np.testing.assert_array_equal(a.output_ids, b.output_ids)
 
 
+def test_calls_prefilled_together_each_start_from_their_own_cached_prefix(embedded_dir):
+    """Two next turns, each extending a different earlier call's prompt and answer, prefilled in one
+    batch: each runs only its new tokens (its own cached KV, though the two share nothing), with the
+    log-probs of one plain forward and the tokens the same seeds sample with the prefix cache off."""
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(10, 3000, size=n) for n in (30, 45)]
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=5)
+
+    def run(engine, prompts):
+        async def go():
+            return await asyncio.gather(*[engine.generate(p, params) for p in prompts])
+        return asyncio.run(go())
+
+    cached = TorchEngine.from_pretrained(embedded_dir, seed=0, max_batch=4)
+    plain = TorchEngine.from_pretrained(embedded_dir, seed=0, max_batch=4, prefix_cache_tokens=0)
+    first = run(cached, prompts)
+    follows = [np.concatenate([p, out.output_ids, rng.integers(10, 3000, size=k)])
+               for p, out, k in zip(prompts, first, (4, 7))]
+    before = cached.prefill_tokens
+    second = run(cached, follows)
+    assert [out.timings["batch_size"] for out in second] == [2.0, 2.0]  # one prefill, one batch
+    # Each ran its first turn's last sampled token (no forward read it) and its new tokens.
+    assert cached.prefill_tokens - before == (1 + 4) + (1 + 7)
+    for engine_out, prompt in zip(first + second, prompts + follows):
+        np.testing.assert_allclose(engine_out.infer_logprobs,
+                                   reference_logprobs(cached.model, prompt, engine_out.output_ids, params), atol=1e-4)
+    for a, b in zip(first + second, run(plain, prompts) + run(plain, follows)):
+        np.testing.assert_array_equal(a.output_ids, b.output_ids)
+
+
 def test_the_prefix_cache_serves_many_prompts_in_turn(embedded_dir):
     """Several cached prefixes at once: each new call starts from the one it shares most with."""
     rng = np.random.default_rng(3)

@@ -169,6 +169,13 @@ def test_a_call_behind_the_proxy_goes_on_across_a_push(embedded_dir, renderer, t
     assert reply.usage.completion_tokens == len(call.output_ids) and engine.continued_calls == 1
 
 
+def generate_all(engine, params, prompts):
+    """Every prompt's answer, the calls made together (so they are prefilled as one group)."""
+    async def go():
+        return await asyncio.gather(*[engine.generate(p, params) for p in prompts])
+    return asyncio.run(go())
+
+
 def test_batches_group_prompts_of_similar_length(engine):
     """Rows are padded to the longest prompt, so a long prompt is not batched with short ones; the
     oldest request always goes first and nothing is lost or reordered within a length group."""
@@ -177,11 +184,8 @@ def test_batches_group_prompts_of_similar_length(engine):
     prompts = [rng.integers(10, 3000, size=n) for n in lengths]
     params = SamplingParams(max_tokens=2, temperature=0.0, seed=0)
 
-    async def run():
-        return await asyncio.gather(*[engine.generate(p, params) for p in prompts])
-
     before = engine.batches_run
-    out = asyncio.run(run())
+    out = generate_all(engine, params, prompts)
     assert engine.batches_run - before == 2
     sizes = sorted(o.timings["batch_size"] for o in out)
     assert sizes == [2.0, 2.0, 3.0, 3.0, 3.0]
@@ -365,25 +369,20 @@ def test_shared_and_cached_prefixes_sample_what_a_plain_forward_gives(embedded_d
     prompts = [np.concatenate([system, rng.integers(10, 3000, size=n)]) for n in (3, 9, 6)]
     params = SamplingParams(max_tokens=6, temperature=1.0, seed=5)
 
-    def run(engine, prompts):
-        async def go():
-            return await asyncio.gather(*[engine.generate(p, params) for p in prompts])
-        return asyncio.run(go())
-
     cached = TorchEngine.from_pretrained(embedded_dir, seed=0, max_batch=4)
     plain = TorchEngine.from_pretrained(embedded_dir, seed=0, max_batch=4, prefix_cache_tokens=0)
-    first = run(cached, prompts)
+    first = generate_all(cached, params, prompts)
     assert cached.prefill_tokens == 40 + 3 + 9 + 6  # the shared 40 tokens ran once
     # The next turn of the second row: its prompt extends its first prompt and output.
     follow = np.concatenate([prompts[1], first[1].output_ids, rng.integers(10, 3000, size=5)])
     before = cached.prefill_tokens
-    [second] = run(cached, [follow])
+    [second] = generate_all(cached, params, [follow])
     # Only what the first turn did not run: its last sampled token (no forward read it) and the new ones.
     assert cached.prefill_tokens - before == 1 + 5
     for engine_out, prompt in zip(first + [second], prompts + [follow]):
         np.testing.assert_allclose(engine_out.infer_logprobs,
                                    reference_logprobs(cached.model, prompt, engine_out.output_ids, params), atol=1e-4)
-    for a, b in zip(first + [second], run(plain, prompts) + run(plain, [follow])):
+    for a, b in zip(first + [second], generate_all(plain, params, prompts) + generate_all(plain, params, [follow])):
         np.testing.assert_array_equal(a.output_ids, b.output_ids)
 
 
@@ -395,25 +394,20 @@ def test_calls_prefilled_together_each_start_from_their_own_cached_prefix(embedd
     prompts = [rng.integers(10, 3000, size=n) for n in (30, 45)]
     params = SamplingParams(max_tokens=6, temperature=1.0, seed=5)
 
-    def run(engine, prompts):
-        async def go():
-            return await asyncio.gather(*[engine.generate(p, params) for p in prompts])
-        return asyncio.run(go())
-
     cached = TorchEngine.from_pretrained(embedded_dir, seed=0, max_batch=4)
     plain = TorchEngine.from_pretrained(embedded_dir, seed=0, max_batch=4, prefix_cache_tokens=0)
-    first = run(cached, prompts)
+    first = generate_all(cached, params, prompts)
     follows = [np.concatenate([p, out.output_ids, rng.integers(10, 3000, size=k)])
                for p, out, k in zip(prompts, first, (4, 7))]
     before = cached.prefill_tokens
-    second = run(cached, follows)
+    second = generate_all(cached, params, follows)
     assert [out.timings["batch_size"] for out in second] == [2.0, 2.0]  # one prefill, one batch
     # Each ran its first turn's last sampled token (no forward read it) and its new tokens.
     assert cached.prefill_tokens - before == (1 + 4) + (1 + 7)
     for engine_out, prompt in zip(first + second, prompts + follows):
         np.testing.assert_allclose(engine_out.infer_logprobs,
                                    reference_logprobs(cached.model, prompt, engine_out.output_ids, params), atol=1e-4)
-    for a, b in zip(first + second, run(plain, prompts) + run(plain, follows)):
+    for a, b in zip(first + second, generate_all(plain, params, prompts) + generate_all(plain, params, follows)):
         np.testing.assert_array_equal(a.output_ids, b.output_ids)
 
 

@@ -25,7 +25,8 @@ from the script's start) is a row saying it was skipped. In order:
 2. ``tree_attention`` on an agent-shaped forest of 16K rows (32 query / 8 key-value heads, head_dim
    128, bf16), forward+backward: Triton vs SDPA with the dense [N, N] tree mask; then on one plain
    causal chain of the same rows, Triton vs SDPA's causal kernel (torch's flash backend: the kernel a
-   flat trainer runs, so the ratio prices the tree kernel per attention pair).
+   flat trainer runs, so the ratio prices the tree kernel per attention pair), forward+backward and
+   the forward alone.
 3. ``tree_gae`` (path and tree modes) on 16K rows vs the torch path and vs the per-step loop on the
    host; ``importance_weights`` (token, sequence level) and ``policy_loss`` (forward+backward), Triton
    vs the torch path.

@@ -27,8 +27,8 @@ class AttentionInputs:
         self.shape = (f"N={n} Hq={self.hq} Hkv={self.hkv} D={self.d} {str(self.dtype)[6:]}, agent forest, "
                       f"pairs/causal={pairs / (n * (n + 1) / 2):.2f}")
 
-    def flops(self, pairs):
-        return 3.5 * 4.0 * self.hq * self.d * pairs  # forward 2 matmuls per pair, backward 2.5x
+    def flops(self, pairs, backward: bool = True):
+        return (3.5 if backward else 1.0) * 4.0 * self.hq * self.d * pairs  # forward 2 matmuls per pair, backward 2.5x
 
 
 def tree_step(K, torch, x: AttentionInputs, backend, mask=None):
@@ -100,6 +100,29 @@ def bench_attention(K, torch, bench, cases, rows, x: AttentionInputs, with_chain
         f"triton {x.flops(causal_pairs) / mine.ms / 1e9:.0f} TFLOP/s" if bench.cuda else "",
         f"SDPA {x.flops(causal_pairs) / base.ms / 1e9:.0f} TFLOP/s" if bench.cuda and isinstance(base, Timing)
         else "")))
+    # The forward alone, so that the forward+backward gap splits into the forward kernel's and the
+    # backward kernels' (dQ, dK / dV) shares.
+    row = dict(row, case="forward triton, one causal chain")
+
+    def tree_forward():
+        with torch.no_grad():
+            K.tree_attention(x.q, x.k, x.v, chain, backend="triton")
+
+    def causal_forward():
+        with torch.no_grad():
+            F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in (x.q, x.k, x.v)), is_causal=True,
+                                           enable_gqa=True)
+
+    try:
+        mine = bench.measure(tree_forward)
+    except Exception as exc:  # noqa: BLE001
+        cases.error(exc, ours=True, **row)
+        return ours
+    base = try_time(bench, causal_forward)
+    rows.add(**versus(mine, base, **row, baseline="SDPA is_causal, forward", note=note(
+        f"triton {x.flops(causal_pairs, backward=False) / mine.ms / 1e9:.0f} TFLOP/s" if bench.cuda else "",
+        f"SDPA {x.flops(causal_pairs, backward=False) / base.ms / 1e9:.0f} TFLOP/s"
+        if bench.cuda and isinstance(base, Timing) else "")))
     return ours
 
 

@@ -19,7 +19,11 @@ tensors' device, so without ``TRITON_INTERPRET`` the recorded variants are the G
 
 Checks of each (variant, target) (`check`): it compiles to a cubin; its shared memory fits the
 target's per-block limit (`TARGETS`); it spills no registers (local memory, from the cubin's
-resource usage). Coverage (`coverage`): every ``@triton.jit`` function of the package is launched by
+resource usage). Reported beside them: the tensor-core work its warps repeat (`dot_replication`,
+from the TTGIR: a dot whose tile is smaller than the area its warps' layout covers is computed once
+per covering; e.g. a 64-row tile on 8 warps, which Triton stacks along the rows for a dot feeding
+another dot, runs every product and the softmax after it twice). A tile that must choose between
+repeating work and spilling registers keeps the former, so this is a figure, not a failure. Coverage (`coverage`): every ``@triton.jit`` function of the package is launched by
 the grid or called from a launched kernel, so a kernel nobody added to the grid fails the run the
 day it is written.
 
@@ -370,6 +374,7 @@ class Result:
     registers: int | None = None
     spill_bytes: int | None = None
     shared_bytes: int | None = None
+    replicated: list[str] = field(default_factory=list)
     seconds: float = 0.0
     error: str | None = None
     calls: list[str] = field(default_factory=list)
@@ -405,6 +410,29 @@ def _resources(cubin: bytes) -> tuple[int, int, int]:
     return reg, stack + local, shared
 
 
+# A tensor-core (MMA) layout, `#mma = #ttg.nvidia_mma<{versionMajor = 3, ..., warpsPerCTA = [8, 1], ...,
+# instrShape = [16, 32, 16]}>`, and a dot's result type, `-> tensor<64x64xf32, #mma>`.
+_MMA_LAYOUT = re.compile(r"^#(mma\d*) = #ttg\.nvidia_mma<\{[^}]*?warpsPerCTA = \[([\d, ]+)\][^}]*?"
+                         r"instrShape = \[([\d, ]+)\]", re.M)
+_DOT_RESULT = re.compile(r"= (?:tt\.dot|ttng\.warp_group_dot) .*-> tensor<(\d+)x(\d+)x\w+, #(mma\d*)>")
+
+
+def dot_replication(ttgir: str) -> list[str]:
+    """The dots whose [M, N] tile is smaller than the area their MMA layout's warps cover (each warp
+    16 rows by the instruction's N, ``warpsPerCTA`` of them): the layout wraps around the tile, so
+    the warps past it compute the same products again, as does every elementwise op on the result."""
+    layouts = {m[1]: ([int(x) for x in m[2].split(",")], [int(x) for x in m[3].split(",")])
+               for m in _MMA_LAYOUT.finditer(ttgir)}
+    found = set()
+    for m in _DOT_RESULT.finditer(ttgir):
+        rows, cols, (warps, instr) = int(m[1]), int(m[2]), layouts[m[3]]
+        cover = (warps[0] * 16, warps[1] * instr[1])
+        factor = max(1, cover[0] // rows) * max(1, cover[1] // cols)
+        if factor > 1:
+            found.add(f"a {rows}x{cols} dot on {warps[0]}x{warps[1]} warps covering {cover[0]}x{cover[1]} runs {factor}x")
+    return sorted(found)
+
+
 _WORK: list[tuple[Variant, object]] = []
 
 
@@ -422,6 +450,7 @@ def _compile(index: int) -> Result:
         compiled = triton.compile(src, target=GPUTarget("cuda", variant.arch, 32), options=options)
         result.registers, result.spill_bytes, static_shared = _resources(compiled.asm["cubin"])
         result.shared_bytes = compiled.metadata.shared + static_shared
+        result.replicated = dot_replication(compiled.asm["ttgir"])
     except Exception as e:  # noqa: BLE001 - every failure is a finding, reported with its kernel
         lines = [line for line in str(e).splitlines() if line.strip()]
         result.error = f"{type(e).__name__}: {lines[-1] if lines else ''}"[:400]
@@ -454,21 +483,22 @@ def check(variants: list[Variant], kernels: dict[str, object], jobs: int, progre
 
 def table(results: list[Result]) -> str:
     """Markdown: one row per (kernel, variant, target)."""
-    lines = ["| kernel | variant | target | registers | spills (B) | shared (KiB) | limit (KiB) | compile (s) | status |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| kernel | variant | target | registers | spills (B) | shared (KiB) | limit (KiB) | repeated tensor-core work "
+             "| compile (s) | status |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in sorted(results, key=lambda r: (r.kernel, r.variant, r.arch)):
         shared = "" if r.shared_bytes is None else f"{r.shared_bytes / 1024:.1f}"
         status = "; ".join(r.problems) or "ok"
         lines.append(f"| {r.kernel} | {r.variant} | sm_{r.arch} | {r.registers or ''} | "
                      f"{'' if r.spill_bytes is None else r.spill_bytes} | {shared} | {TARGETS.get(r.arch, 0) / 1024:.0f} | "
-                     f"{r.seconds:.1f} | {status} |")
+                     f"{'; '.join(r.replicated)} | {r.seconds:.1f} | {status} |")
     return "\n".join(lines) + "\n"
 
 
 def summary(results: list[Result]) -> str:
     """Markdown: per (kernel, target), the variant count and the largest registers / shared memory."""
-    lines = ["| kernel | target | variants | max registers | max shared (KiB) | spilling | failing |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| kernel | target | variants | max registers | max shared (KiB) | spilling | repeating work | failing |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     groups: dict[tuple[str, int], list[Result]] = {}
     for r in results:
         groups.setdefault((r.kernel, r.arch), []).append(r)
@@ -476,7 +506,8 @@ def summary(results: list[Result]) -> str:
         ok = [r for r in rs if r.registers is not None]
         lines.append(f"| {kernel} | sm_{arch} | {len(rs)} | {max((r.registers for r in ok), default='')} | "
                      f"{max((r.shared_bytes for r in ok), default=0) / 1024:.1f} | "
-                     f"{sum(1 for r in rs if r.spill_bytes)} | {sum(1 for r in rs if r.problems)} |")
+                     f"{sum(1 for r in rs if r.spill_bytes)} | {sum(1 for r in rs if r.replicated)} | "
+                f"{sum(1 for r in rs if r.problems)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -510,8 +541,8 @@ def main(argv=None) -> int:
     def progress(r: Result, done: int, total: int):
         if r.problems or not args.quiet:
             print(f"[{done}/{total}] {r.kernel} sm_{r.arch} {r.variant}: "
-                  f"{'; '.join(r.problems) or f'{r.registers} regs, {r.shared_bytes} B shared'} ({r.seconds:.1f} s)",
-                  flush=True)
+                  f"{'; '.join(r.problems) or f'{r.registers} regs, {r.shared_bytes} B shared'}"
+                  f"{''.join(f'; {x}' for x in r.replicated)} ({r.seconds:.1f} s)", flush=True)
 
     results = check(variants, kernels, args.jobs, progress)
     bad = [r for r in results if r.problems]

@@ -1,10 +1,10 @@
 """Tree attention's Triton kernels, their launchers, and the table of their launch tiles.
 
 ``_tree_attn_fwd_kernel``: one program per (query block, head) walking its key-block list with an
-online softmax. ``_tree_attn_dq_kernel``: the same walk in tiles of ``TritonTiles.dq_cols`` keys.
-``_tree_attn_dkdv_kernel``: one program per (key block, kv head) walking its pairs by key block in
-query tiles of ``TritonTiles.dkdv_rows`` rows, computed transposed (no atomics: dK / dV sum the
-group's query heads in one program). The backward recomputes the scores from the saved log-sum-exp.
+online softmax, ``walk`` keys at a time. ``_tree_attn_dq_kernel``: the same walk. ``_tree_attn_dkdv_kernel``:
+one program per (key block, kv head) walking its pairs by key block ``walk`` query rows at a time,
+computed transposed (no atomics: dK / dV sum the group's query heads in one program). Each kernel
+has its own `KernelTiles` and walks the schedule of its own block size. The backward recomputes the scores from the saved log-sum-exp.
 Launch tiles per (dtype, head dim): ``_GPU_TILES``, every variant compiled for sm_80 and sm_90 by
 ``clawfast.kernels.aot``; `triton_refuses` names the inputs no tile takes (the torch path runs them).
 """
@@ -24,35 +24,54 @@ if HAS_TRITON:
 
 
 @dataclass(frozen=True)
-class TritonTiles:
-    """How the three Triton kernels are launched for one (dtype, head dim): the block size B of the
-    schedule (query and key blocks alike), the head-dim tile, (num_warps, num_stages) per kernel, the
-    keys the dQ kernel and the query rows the dK / dV kernel take at a time (divisors of B)."""
+class KernelTiles:
+    """How one kernel is launched: each program owns a ``block`` of rows (query rows for the forward
+    and dQ, key rows for dK / dV; the block size of the schedule it walks) and walks its listed partner
+    blocks ``walk`` rows at a time (a divisor of ``block``), on ``warps`` warps with ``stages``
+    software-pipeline stages."""
 
     block: int
+    walk: int
+    warps: int
+    stages: int
+
+
+@dataclass(frozen=True)
+class TritonTiles:
+    """How the three Triton kernels are launched for one (dtype, head dim): the head-dim tile and each
+    kernel's `KernelTiles` (each kernel walks the schedule of its own block size)."""
+
     block_d: int
-    fwd: tuple[int, int]
-    dq: tuple[int, int]
-    dkdv: tuple[int, int]
-    dq_cols: int
-    dkdv_rows: int
+    fwd: KernelTiles
+    dq: KernelTiles
+    dkdv: KernelTiles
+
+
+def _tiles(block_d: int, fwd: tuple, dq: tuple, dkdv: tuple) -> TritonTiles:
+    return TritonTiles(block_d, KernelTiles(*fwd), KernelTiles(*dq), KernelTiles(*dkdv))
 
 
 # GPU launches by (bytes per element, head-dim tile): the head dim rounded up to a power of two,
-# at least 64 (a smaller head pads its lanes). Chosen so that no variant spills registers or
-# exceeds sm_80's 163 KiB of shared memory per block, the smaller of the two targets, with the latest
-# Triton and with the GPU image's (3.6): `clawfast.kernels.aot` compiles every variant (its tables:
-# bench/results/kernel_compile*.md). Register allocation differs between Triton releases, so a
-# config at the edge in one spills in the other. dQ keeps q, dO and its accumulator live across its
-# walk and dK / dV two accumulators and k, v: both walk their partner blocks in half-block tiles.
-# float32 operands run as three TF32 products, which hold twice the operand registers: smaller
-# blocks, and at head dim 256 every tile spills (such inputs take the torch path, `triton_refuses`).
+# at least 64 (a smaller head pads its lanes); per kernel (block, walk, warps, stages). Chosen so
+# that, with the latest Triton and with the GPU image's (3.6), for sm_80 and sm_90
+# (`clawfast.kernels.aot` compiles every variant; its tables: bench/results/kernel_compile*.md):
+# - no variant spills registers or exceeds sm_80's 163 KiB of shared memory per block;
+# - in half precision up to head dim 128, no warp repeats another's tensor-core work: each kernel's
+#   first product (q.k^T, or k.q^T for dK / dV) feeds a second, and Triton then stacks every warp
+#   along the block's rows, 16 rows each, so a block of fewer than 16 x warps rows is computed
+#   several times over (`aot.dot_replication`). float32 and head dim 256 are register-bound: there
+#   every tile that repeats nothing spills, and these repeat their first product 2-4x.
+# Register allocation differs between Triton releases, so a config at the edge in one spills in the
+# other. dQ keeps q, dO and its accumulator live across its walk and dK / dV two accumulators and k,
+# v: their walk tiles are small. float32 operands run as three TF32 products, which hold twice the
+# operand registers: smaller blocks, and at head dim 256 every tile spills (such inputs take the
+# torch path, `triton_refuses`).
 _GPU_TILES = {
-    (2, 64): TritonTiles(64, 64, (4, 3), (4, 3), (8, 3), 32, 32),
-    (2, 128): TritonTiles(64, 128, (8, 3), (8, 3), (8, 3), 32, 32),
-    (2, 256): TritonTiles(32, 256, (4, 3), (4, 4), (8, 2), 16, 16),
-    (4, 64): TritonTiles(32, 64, (8, 2), (8, 2), (8, 2), 16, 16),
-    (4, 128): TritonTiles(16, 128, (8, 2), (8, 1), (8, 2), 16, 16),
+    (2, 64): _tiles(64, (128, 64, 8, 3), (128, 32, 8, 3), (128, 16, 8, 3)),
+    (2, 128): _tiles(128, (128, 64, 8, 3), (128, 32, 8, 3), (128, 16, 8, 3)),
+    (2, 256): _tiles(256, (32, 32, 4, 3), (32, 16, 4, 4), (32, 16, 8, 2)),
+    (4, 64): _tiles(64, (32, 32, 8, 2), (32, 16, 8, 2), (32, 16, 8, 2)),
+    (4, 128): _tiles(128, (16, 16, 2, 2), (16, 16, 8, 1), (16, 16, 8, 2)),
 }
 
 
@@ -65,9 +84,9 @@ def triton_tiles(dtype: torch.dtype, head_dim: int) -> TritonTiles:
     """How the kernels are launched for this dtype and head dim (by whether Triton interprets, never by
     the device: `clawfast.kernels.aot` records a GPU's launches on a CPU)."""
     if triton_interpret():
-        # the interpreter runs every program in Python: small tiles keep its per-element cost low,
-        # and dQ / dK / dV walk each block in two halves, as on a GPU
-        return TritonTiles(16, max(16, triton.next_power_of_2(head_dim)), (1, 1), (1, 1), (1, 1), 8, 8)
+        # the interpreter runs every program in Python: small tiles keep its per-element cost low;
+        # the kernels' blocks differ and each walks its partner blocks in parts, as on a GPU
+        return _tiles(max(16, triton.next_power_of_2(head_dim)), (32, 16, 1, 1), (16, 8, 1, 1), (32, 8, 1, 1))
     return _GPU_TILES[_gpu_tiles_key(dtype, head_dim)]
 
 
@@ -233,9 +252,11 @@ if HAS_TRITON:
     @triton.jit(do_not_specialize=['N', 'G', 'window', 'seed', 'threshold'])
     def _tree_attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, kv_end_ptr, depth_ptr, sink_ptr, kv_ptr_ptr,
                               kv_idx_ptr, N, D, G, window, seed, threshold, scale, cap, inv_keep, sqn, sqh, skn, skh, svn, svh,
-                              son, soh, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
+                              son, soh, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
                               TF32X3: tl.constexpr, UPCAST: tl.constexpr, WINDOW: tl.constexpr,
                               SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, SINKS: tl.constexpr):
+        """One query block, one head: its listed key blocks walked BLOCK_K keys at a time with an online
+        softmax."""
         qb = tl.program_id(0)
         h = tl.program_id(1)
         rows, row_ok, ds, d_ok, drow, q = _query_block(depth_ptr, q_ptr, qb, h, N, D, sqn, sqh, BLOCK, BLOCK_D,
@@ -243,9 +264,11 @@ if HAS_TRITON:
         m = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
         l = tl.zeros([BLOCK], dtype=tl.float32)
         acc = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
-        for t in range(tl.load(kv_ptr_ptr + qb), tl.load(kv_ptr_ptr + qb + 1)):
-            cols, k, v, kve, dcol = _key_block(k_ptr, v_ptr, kv_end_ptr, depth_ptr, tl.load(kv_idx_ptr + t), h // G,
-                                               ds, d_ok, N, skn, skh, svn, svh, BLOCK, UPCAST, WINDOW)
+        SUBS: tl.constexpr = BLOCK // BLOCK_K
+        for u in range(tl.load(kv_ptr_ptr + qb) * SUBS, tl.load(kv_ptr_ptr + qb + 1) * SUBS):
+            cols, k, v, kve, dcol = _key_block(k_ptr, v_ptr, kv_end_ptr, depth_ptr,
+                                               tl.load(kv_idx_ptr + u // SUBS) * SUBS + u % SUBS, h // G, ds, d_ok, N,
+                                               skn, skh, svn, svh, BLOCK_K, UPCAST, WINDOW)
             s, _ = _logits(q, k, scale, cap, TF32X3, SOFTCAP)
             s = tl.where(_visible(rows, cols, kve, drow, dcol, window, WINDOW), s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
@@ -336,10 +359,12 @@ if HAS_TRITON:
         _store_rows(dv_ptr + hk * sdvh, cols, col_ok, ds, d_ok, sdvn, dv)
 
 
-def _triton_flags(q: torch.Tensor, rule: Scores, tiles: TritonTiles) -> dict:
+def _triton_flags(q: torch.Tensor, rule: Scores, tiles: TritonTiles, kernel: KernelTiles) -> dict:
+    """The constexprs and launch options of one kernel (its walk tile goes by the kernel's own name)."""
     upcast = triton_interpret() and q.dtype in (torch.float16, torch.bfloat16)
-    return dict(BLOCK=tiles.block, BLOCK_D=tiles.block_d, TF32X3=q.dtype == torch.float32, UPCAST=upcast,
-                WINDOW=rule.window is not None, SOFTCAP=rule.softcap is not None, DROPOUT=rule.dropout_p > 0)
+    return dict(BLOCK=kernel.block, BLOCK_D=tiles.block_d, TF32X3=q.dtype == torch.float32, UPCAST=upcast,
+                WINDOW=rule.window is not None, SOFTCAP=rule.softcap is not None, DROPOUT=rule.dropout_p > 0,
+                num_warps=kernel.warps, num_stages=kernel.stages)
 
 
 def _triton_scalars(mask: TreeMask, rule: Scores):
@@ -359,7 +384,7 @@ def forward_triton(q, k, v, sinks, mask: TreeMask, rule: Scores, tiles: TritonTi
     """(out [N, Hq, D] in q's dtype, log-sum-exp [Hq, N] in the accumulation dtype)."""
     q, k, v = (_unit_last_stride(t) for t in (q, k, v))
     n, hq, d = q.shape
-    s = mask.schedule(tiles.block, rule.window)
+    s = mask.schedule(tiles.fwd.block, rule.window)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty(hq, n, dtype=acc_dtype(q.dtype), device=q.device)
     depth, scalars = _triton_scalars(mask, rule)
@@ -367,8 +392,8 @@ def forward_triton(q, k, v, sinks, mask: TreeMask, rule: Scores, tiles: TritonTi
         # the sinks in the accumulation dtype: one variant per kernel, whatever dtype the caller's are
         q, k, v, out, lse, mask.kv_end, depth, sinks.to(lse.dtype) if sinks is not None else lse, s.kv_ptr,
         s.kv_idx, n, d, hq // k.shape[1], *scalars, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        v.stride(0), v.stride(1), out.stride(0), out.stride(1), SINKS=sinks is not None, num_warps=tiles.fwd[0],
-        num_stages=tiles.fwd[1], **_triton_flags(q, rule, tiles))
+        v.stride(0), v.stride(1), out.stride(0), out.stride(1), SINKS=sinks is not None, BLOCK_K=tiles.fwd.walk,
+        **_triton_flags(q, rule, tiles, tiles.fwd))
     return out, lse
 
 
@@ -376,20 +401,19 @@ def backward_triton(q, k, v, lse, delta, dout, mask: TreeMask, rule: Scores, til
     """(dq, dk, dv) from the saved log-sum-exp and ``delta`` = rowsum(dO * O) [Hq, N]."""
     n, hq, d = q.shape
     hkv = k.shape[1]
-    s = mask.schedule(tiles.block, rule.window)
+    by_query = mask.schedule(tiles.dq.block, rule.window)
+    by_key = mask.schedule(tiles.dkdv.block, rule.window)
     q, k, v, dout = (_unit_last_stride(t) for t in (q, k, v, dout))
     dq = torch.empty(n, hq, d, dtype=q.dtype, device=q.device)
     dk = torch.empty(n, hkv, d, dtype=k.dtype, device=q.device)
     dv = torch.empty(n, hkv, d, dtype=v.dtype, device=q.device)
-    flags = _triton_flags(q, rule, tiles)
     depth, scalars = _triton_scalars(mask, rule)
     common = (n, d, hq // hkv, *scalars, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
               v.stride(1), dout.stride(0), dout.stride(1))
-    _tree_attn_dq_kernel[(s.num_blocks, hq)](
-        q, k, v, dout, dq, lse, delta, mask.kv_end, depth, s.kv_ptr, s.kv_idx, *common, dq.stride(0), dq.stride(1),
-        BLOCK_K=tiles.dq_cols, num_warps=tiles.dq[0], num_stages=tiles.dq[1], **flags)
-    _tree_attn_dkdv_kernel[(s.num_blocks, hkv)](
-        q, k, v, dout, dk, dv, lse, delta, mask.kv_end, depth, s.q_ptr, s.q_idx, *common, dk.stride(0),
-        dk.stride(1), dv.stride(0), dv.stride(1), BLOCK_Q=tiles.dkdv_rows, num_warps=tiles.dkdv[0],
-        num_stages=tiles.dkdv[1], **flags)
+    _tree_attn_dq_kernel[(by_query.num_blocks, hq)](
+        q, k, v, dout, dq, lse, delta, mask.kv_end, depth, by_query.kv_ptr, by_query.kv_idx, *common, dq.stride(0),
+        dq.stride(1), BLOCK_K=tiles.dq.walk, **_triton_flags(q, rule, tiles, tiles.dq))
+    _tree_attn_dkdv_kernel[(by_key.num_blocks, hkv)](
+        q, k, v, dout, dk, dv, lse, delta, mask.kv_end, depth, by_key.q_ptr, by_key.q_idx, *common, dk.stride(0),
+        dk.stride(1), dv.stride(0), dv.stride(1), BLOCK_Q=tiles.dkdv.walk, **_triton_flags(q, rule, tiles, tiles.dkdv))
     return dq, dk, dv

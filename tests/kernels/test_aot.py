@@ -63,6 +63,12 @@ def test_every_kernel_variant_compiles_for_sm80_and_sm90(aot_reports, triton_bui
         assert any(v.startswith(dtype) for v in fwd), dtype
     for block_d in (64, 128, 256):
         assert any(f"BLOCK_D={block_d}" in v for v in fwd), block_d
+    # the tiles models train with (half precision, head dims up to 128) repeat no tensor-core work;
+    # float32 and head dim 256 are register-bound: there a tile repeats work or spills
+    half = [r for r in results if r["kernel"].startswith("tree_attention_triton.") and r["variant"][:4] in ("bf16", "fp16")
+            and any(f"BLOCK_D={d}" in r["variant"].split() for d in (64, 128))]
+    assert half and [r for r in half if r["replicated"]] == [], [(r["kernel"], r["arch"], r["variant"], r["replicated"])
+                                                                 for r in half if r["replicated"]][:10]
     assert returncode == 0, tail
 
 
@@ -140,6 +146,34 @@ def test_a_tile_too_big_for_the_target_is_reported(tmp_path):
     assert out["fine"]["problems"] == [] and out["fine"]["registers"] > 0, out["fine"]
 
 
+def test_warps_that_repeat_a_chained_dot_are_reported(tmp_path):
+    """Flash attention's shape: a q.k^T tile feeding p.v. Triton stacks the warps of a dot that feeds
+    another along its rows, 16 each: 64 rows on 8 warps are computed twice, on 4 warps once, and 128
+    rows on 8 warps once."""
+    out = _run_aot_snippet(tmp_path, PROBE_HEADER.replace('"shared": r.shared_bytes}', '"shared": r.shared_bytes, '
+                                                          '"replicated": r.replicated}') + """
+    @triton.jit
+    def chained(q_ptr, k_ptr, v_ptr, o_ptr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
+        rm, rn, rd = tl.arange(0, BM), tl.arange(0, BN), tl.arange(0, D)
+        q = tl.load(q_ptr + rm[:, None] * D + rd[None, :])
+        k = tl.load(k_ptr + rn[:, None] * D + rd[None, :])
+        v = tl.load(v_ptr + rn[:, None] * D + rd[None, :])
+        p = tl.exp(tl.dot(q, tl.trans(k)))
+        tl.store(o_ptr + rm[:, None] * D + rd[None, :], tl.dot(p.to(tl.float16), v))
+
+    def launch(bm, warps):
+        q = torch.zeros(bm, 128, dtype=torch.float16)
+        kv = torch.zeros(64, 128, dtype=torch.float16)
+        return compile_launch(chained, (q, kv, kv, q), dict(BM=bm, BN=64, D=128, num_warps=warps), arch=90)
+
+    print(json.dumps({"64 on 8": launch(64, 8), "64 on 4": launch(64, 4), "128 on 8": launch(128, 8)}))
+    """)
+    (twice,) = out["64 on 8"]["replicated"]
+    assert twice.startswith("a 64x64 dot on 8x1 warps") and twice.endswith("runs 2x"), out
+    assert out["64 on 4"]["replicated"] == [] and out["128 on 8"]["replicated"] == [], out
+    assert all(o["problems"] == [] for o in out.values()), out  # a figure, not a failure
+
+
 def test_a_kernel_no_grid_case_reaches_is_reported(tmp_path):
     """Coverage: a @triton.jit function that is neither launched nor called from a launched kernel."""
     out = _run_aot_snippet(tmp_path, PROBE_HEADER + """
@@ -162,7 +196,7 @@ def test_a_kernel_no_grid_case_reaches_is_reported(tmp_path):
 
 
 def test_the_recorder_sees_the_gpu_launch_not_the_interpreters(tmp_path):
-    """Without TRITON_INTERPRET the launchers pick GPU tiles (autotune configs, 64-row attention
+    """Without TRITON_INTERPRET the launchers pick GPU tiles (autotune configs, 128-row attention
     blocks), which is what the grid must compile."""
     out = _run_aot_snippet(tmp_path, """
     import json
@@ -175,7 +209,7 @@ def test_the_recorder_sees_the_gpu_launch_not_the_interpreters(tmp_path):
                      "tree_attention_triton._tree_attn_dkdv_kernel", "tree_logprobs._tree_logprobs_fwd_kernel",
                      "tree_logprobs._tree_logprobs_target_kernel", "tree_logprobs._tree_logprobs_bwd_kernel"}
     attention = [v for k, v in out if k == "tree_attention_triton._tree_attn_fwd_kernel"]
-    assert attention and all("BLOCK=64" in v and "UPCAST" not in v.split() for v in attention), attention
+    assert attention and all("BLOCK=128" in v and "UPCAST" not in v.split() for v in attention), attention
     fwd_configs = [v for k, v in out if k == "tree_logprobs._tree_logprobs_fwd_kernel"]
     assert len(fwd_configs) >= 2, fwd_configs  # every autotune config of the precision is compiled
 

@@ -273,10 +273,13 @@ if HAS_TRITON:
     # autotuner at the first call (the benchmark's warm-up) from the list of the operands' precision;
     # every config computes the same values, only the speed differs. Each list holds only configs
     # that neither spill registers nor exceed sm_80's shared memory (`clawfast.kernels.aot` compiles
-    # them all for sm_80 and sm_90): float32 operands take three TF32 products, twice the bytes.
+    # them all for sm_80 and sm_90): float32 operands take three TF32 products, twice the bytes. The
+    # three products feed one another, so for sm_90 Triton stacks the warps along BLOCK_N, 16 rows
+    # each: a float32 config has at least 16 x num_warps rows, or its warps repeat the products
+    # (`aot.dot_replication`).
     _GPU_CONFIGS = {
         "half": ((64, 128, 64, 8, 3), (128, 128, 64, 8, 3), (64, 256, 64, 8, 4)),
-        "float32": ((64, 64, 32, 4, 3), (128, 64, 32, 8, 3), (64, 128, 16, 8, 3)),
+        "float32": ((64, 64, 32, 4, 3), (128, 64, 32, 8, 3), (64, 128, 16, 4, 3)),
     }
 
     def _tuned(kernel, key, precision):

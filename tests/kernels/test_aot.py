@@ -63,12 +63,16 @@ def test_every_kernel_variant_compiles_for_sm80_and_sm90(aot_reports, triton_bui
         assert any(v.startswith(dtype) for v in fwd), dtype
     for block_d in (64, 128, 256):
         assert any(f"BLOCK_D={block_d}" in v for v in fwd), block_d
-    # the tiles models train with (half precision, head dims up to 128) repeat no tensor-core work;
-    # float32 and head dim 256 are register-bound: there a tile repeats work or spills
-    half = [r for r in results if r["kernel"].startswith("tree_attention_triton.") and r["variant"][:4] in ("bf16", "fp16")
-            and any(f"BLOCK_D={d}" in r["variant"].split() for d in (64, 128))]
-    assert half and [r for r in half if r["replicated"]] == [], [(r["kernel"], r["arch"], r["variant"], r["replicated"])
-                                                                 for r in half if r["replicated"]][:10]
+    # No warp repeats another's tensor-core work, but in the register-bound tree-attention tiles
+    # (float32, and head dim 256), where every tile that repeats nothing spills. So the tiles models
+    # train with (half precision, head dims up to 128) and every log-prob config repeat nothing.
+    def register_bound(r):
+        return r["kernel"].startswith("tree_attention_triton.") and (
+            r["variant"].startswith("fp32") or "BLOCK_D=256" in r["variant"].split())
+
+    repeating = [r for r in results if r["replicated"] and not register_bound(r)]
+    assert repeating == [], [(r["kernel"], r["arch"], r["variant"], r["replicated"]) for r in repeating[:10]]
+    assert any(r["replicated"] for r in results if register_bound(r))  # the check sees the ones it lets pass
     assert returncode == 0, tail
 
 

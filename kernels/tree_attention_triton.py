@@ -1,10 +1,11 @@
 """Tree attention's Triton kernels, their launchers, and the table of their launch tiles.
 
 ``_tree_attn_fwd_kernel``: one program per (query block, head) walking its key-block list with an
-online softmax, ``walk`` keys at a time. ``_tree_attn_dq_kernel``: the same walk. ``_tree_attn_dkdv_kernel``:
-one program per (key block, kv head) walking its pairs by key block ``walk`` query rows at a time,
-computed transposed (no atomics: dK / dV sum the group's query heads in one program). Each kernel
-has its own `KernelTiles` and walks the schedule of its own block size. The backward recomputes the scores from the saved log-sum-exp.
+online softmax, ``walk`` keys at a time. ``_tree_attn_dq_kernel``: the same walk.
+``_tree_attn_dkdv_kernel``: one program per (key block, kv head) walking its pairs by key block
+``walk`` query rows at a time, computed transposed (no atomics: dK / dV sum the group's query heads in
+one program). Each kernel has its own `KernelTiles` and walks the schedule of its own block size.
+The backward recomputes the scores from the saved log-sum-exp.
 Launch tiles per (dtype, head dim): ``_GPU_TILES``, every variant compiled for sm_80 and sm_90 by
 ``clawfast.kernels.aot``; `triton_refuses` names the inputs no tile takes (the torch path runs them).
 """

@@ -28,7 +28,8 @@ class AttentionInputs:
                       f"pairs/causal={pairs / (n * (n + 1) / 2):.2f}")
 
     def flops(self, pairs, backward: bool = True):
-        return (3.5 if backward else 1.0) * 4.0 * self.hq * self.d * pairs  # forward 2 matmuls per pair, backward 2.5x
+        # the forward: 2 matmuls per pair; the backward 2.5x the forward
+        return (3.5 if backward else 1.0) * 4.0 * self.hq * self.d * pairs
 
 
 def tree_step(K, torch, x: AttentionInputs, backend, mask=None):
@@ -77,53 +78,51 @@ def bench_attention(K, torch, bench, cases, rows, x: AttentionInputs, with_chain
         return ours
     cases.free()
     # One plain causal chain of N rows: the same kernel on a flat sample, against the kernel a flat
-    # trainer runs (SDPA is_causal: torch's flash backend on a GPU).
-    row = dict(op=op, case="fwd+bwd triton, one causal chain", shape=f"N={x.n} Hq={x.hq} Hkv={x.hkv} D={x.d} "
-               f"{str(x.dtype)[6:]}, one sequence")
-    if not cases.fits("chain", **row):
-        return ours
-    try:
-        chain = K.TreeMask(torch.full_like(x.kv_end, x.n - 1))
-        mine = bench.measure(tree_step(K, torch, x, "triton", chain))
-    except Exception as exc:  # noqa: BLE001
-        cases.error(exc, ours=True, **row)
-        return ours
+    # trainer runs (SDPA is_causal: torch's flash backend on a GPU); forward+backward, then the
+    # forward alone, so that the gap splits into the forward kernel's and the backward kernels' shares.
+    chain = K.TreeMask(torch.full_like(x.kv_end, x.n - 1))
+    shape = f"N={x.n} Hq={x.hq} Hkv={x.hkv} D={x.d} {str(x.dtype)[6:]}, one sequence"
+    if cases.fits("chain", op=op, case="one causal chain", shape=shape):
+        for backward in (True, False):
+            if not _chain_row(K, torch, bench, cases, rows, x, chain, shape, backward):
+                break
+    return ours
+
+
+def _chain_row(K, torch, bench, cases, rows, x: AttentionInputs, chain, shape: str, backward: bool) -> bool:
+    """Triton vs SDPA is_causal on one causal chain, forward+backward or forward only (False: ours raised)."""
+    import torch.nn.functional as F
+
+    row = dict(op="tree_attention", case=f"{'fwd+bwd' if backward else 'forward'} triton, one causal chain",
+               shape=shape)
+
+    def sdpa(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
     def causal():
-        q, k, v = (t.detach().transpose(0, 1)[None].requires_grad_() for t in (x.q, x.k, x.v))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        out.backward(x.g.transpose(0, 1)[None])
-
-    base = try_time(bench, causal)
-    causal_pairs = x.n * (x.n + 1) // 2
-    rows.add(**versus(mine, base, **row, baseline="SDPA is_causal (torch's flash backend on a GPU)", note=note(
-        f"triton {x.flops(causal_pairs) / mine.ms / 1e9:.0f} TFLOP/s" if bench.cuda else "",
-        f"SDPA {x.flops(causal_pairs) / base.ms / 1e9:.0f} TFLOP/s" if bench.cuda and isinstance(base, Timing)
-        else "")))
-    # The forward alone, so that the forward+backward gap splits into the forward kernel's and the
-    # backward kernels' (dQ, dK / dV) shares.
-    row = dict(row, case="forward triton, one causal chain")
+        q, k, v = (t.detach().transpose(0, 1)[None].requires_grad_(backward) for t in (x.q, x.k, x.v))
+        if backward:
+            sdpa(q, k, v).backward(x.g.transpose(0, 1)[None])
+        else:
+            with torch.no_grad():
+                sdpa(q, k, v)
 
     def tree_forward():
         with torch.no_grad():
             K.tree_attention(x.q, x.k, x.v, chain, backend="triton")
 
-    def causal_forward():
-        with torch.no_grad():
-            F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in (x.q, x.k, x.v)), is_causal=True,
-                                           enable_gqa=True)
-
     try:
-        mine = bench.measure(tree_forward)
+        mine = bench.measure(tree_step(K, torch, x, "triton", chain) if backward else tree_forward)
     except Exception as exc:  # noqa: BLE001
         cases.error(exc, ours=True, **row)
-        return ours
-    base = try_time(bench, causal_forward)
-    rows.add(**versus(mine, base, **row, baseline="SDPA is_causal, forward", note=note(
-        f"triton {x.flops(causal_pairs, backward=False) / mine.ms / 1e9:.0f} TFLOP/s" if bench.cuda else "",
-        f"SDPA {x.flops(causal_pairs, backward=False) / base.ms / 1e9:.0f} TFLOP/s"
-        if bench.cuda and isinstance(base, Timing) else "")))
-    return ours
+        return False
+    base = try_time(bench, causal)
+    flops = x.flops(x.n * (x.n + 1) // 2, backward)
+    rows.add(**versus(mine, base, **row, baseline="SDPA is_causal (torch's flash backend on a GPU)"
+                      + ("" if backward else ", forward"), note=note(
+        f"triton {flops / mine.ms / 1e9:.0f} TFLOP/s" if bench.cuda else "",
+        f"SDPA {flops / base.ms / 1e9:.0f} TFLOP/s" if bench.cuda and isinstance(base, Timing) else "")))
+    return True
 
 
 def bench_flex(K, torch, bench, cases, rows, x: AttentionInputs, ours: Timing | None):

@@ -23,9 +23,10 @@ resource usage). Reported beside them: the tensor-core work its warps repeat (`d
 from the TTGIR: a dot whose tile is smaller than the area its warps' layout covers is computed once
 per covering; e.g. a 64-row tile on 8 warps, which Triton stacks along the rows for a dot feeding
 another dot, runs every product and the softmax after it twice). A tile that must choose between
-repeating work and spilling registers keeps the former, so this is a figure, not a failure. Coverage (`coverage`): every ``@triton.jit`` function of the package is launched by
-the grid or called from a launched kernel, so a kernel nobody added to the grid fails the run the
-day it is written.
+repeating work and spilling registers keeps the former, so this is a figure, not a failure.
+Coverage (`coverage`): every ``@triton.jit`` function of the package is launched by the grid or
+called from a launched kernel, so a kernel nobody added to the grid fails the run the day it is
+written.
 
 The grid crosses dtypes, head dims, GQA, every combination of tree attention's options, tile
 configs and targets.
@@ -429,7 +430,8 @@ def dot_replication(ttgir: str) -> list[str]:
         cover = (warps[0] * 16, warps[1] * instr[1])
         factor = max(1, cover[0] // rows) * max(1, cover[1] // cols)
         if factor > 1:
-            found.add(f"a {rows}x{cols} dot on {warps[0]}x{warps[1]} warps covering {cover[0]}x{cover[1]} runs {factor}x")
+            found.add(f"a {rows}x{cols} dot on {warps[0]}x{warps[1]} warps covering {cover[0]}x{cover[1]} "
+                      f"runs {factor}x")
     return sorted(found)
 
 
@@ -507,7 +509,7 @@ def summary(results: list[Result]) -> str:
         lines.append(f"| {kernel} | sm_{arch} | {len(rs)} | {max((r.registers for r in ok), default='')} | "
                      f"{max((r.shared_bytes for r in ok), default=0) / 1024:.1f} | "
                      f"{sum(1 for r in rs if r.spill_bytes)} | {sum(1 for r in rs if r.replicated)} | "
-                f"{sum(1 for r in rs if r.problems)} |")
+                     f"{sum(1 for r in rs if r.problems)} |")
     return "\n".join(lines) + "\n"
 
 

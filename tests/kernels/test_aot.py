@@ -102,7 +102,7 @@ PROBE_HEADER = """
         aot._WORK = [(variant, fn)]
         r = aot._compile(0)
         return {"problems": r.problems, "registers": r.registers, "spills": r.spill_bytes,
-                "shared": r.shared_bytes}
+                "shared": r.shared_bytes, "replicated": r.replicated}
 """
 
 
@@ -154,8 +154,7 @@ def test_warps_that_repeat_a_chained_dot_are_reported(tmp_path):
     """Flash attention's shape: a q.k^T tile feeding p.v. Triton stacks the warps of a dot that feeds
     another along its rows, 16 each: 64 rows on 8 warps are computed twice, on 4 warps once, and 128
     rows on 8 warps once."""
-    out = _run_aot_snippet(tmp_path, PROBE_HEADER.replace('"shared": r.shared_bytes}', '"shared": r.shared_bytes, '
-                                                          '"replicated": r.replicated}') + """
+    out = _run_aot_snippet(tmp_path, PROBE_HEADER + """
     @triton.jit
     def chained(q_ptr, k_ptr, v_ptr, o_ptr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
         rm, rn, rd = tl.arange(0, BM), tl.arange(0, BN), tl.arange(0, D)

@@ -26,6 +26,17 @@ def triton_interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def target_arch(device: torch.device) -> int:
+    """The compute capability Triton compiles for on ``device`` (major * 10 + minor: 80 for an A100,
+    90 for an H100 / H200), or 0 where Triton interprets or the device is not CUDA. Launch tiles may
+    depend on it (the register file's use differs between GPU generations); `clawfast.kernels.aot`
+    substitutes each target it records for."""
+    if triton_interpret() or device.type != "cuda":
+        return 0
+    major, minor = torch.cuda.get_device_capability(device)
+    return major * 10 + minor
+
+
 # The dtypes the Triton matmul kernels (tree attention, log-probs) take: float64 has no tensor-core
 # tile that fits their registers; it is a reference precision, served by the torch path.
 TRITON_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -46,8 +57,9 @@ def pick_backend(backend: str, *tensors: torch.Tensor, backends: tuple[str, ...]
     then runs the torch path, and "triton" raises with that reason.
 
     Which backend runs depends on the tensors' device; how a Triton kernel is launched (its tiles and
-    warps) depends only on whether Triton interprets (`triton_interpret`), never on the device, so
-    ``clawfast.kernels.aot`` can record a GPU's launches on a CPU.
+    warps) depends only on whether Triton interprets (`triton_interpret`) and on the target's compute
+    capability (`target_arch`), which ``clawfast.kernels.aot`` substitutes, so it records a GPU's
+    launches on a CPU.
     """
     if backend not in backends:
         raise ValueError(f"backend must be one of {backends}, got {backend!r}")

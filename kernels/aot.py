@@ -14,8 +14,10 @@ between launches runs on defined values); its arguments are specialised by Trito
 the target, exactly as the JIT does at a real launch (argument types, constexprs, integer and
 alignment specialisation, options such as ``num_warps``), and each distinct specialisation is one
 variant. An autotuned kernel contributes every config its pruning keeps: on a GPU the autotuner
-compiles them all. The launchers choose their tiles by whether Triton interprets, never by the
-tensors' device, so without ``TRITON_INTERPRET`` the recorded variants are the GPU's.
+compiles them all. The launchers choose their tiles by whether Triton interprets and by the
+target's compute capability (`_common.target_arch`), never by the tensors' device: the grid runs
+once per target with that capability substituted, so without ``TRITON_INTERPRET`` the recorded
+variants are each GPU's.
 
 Checks of each (variant, target) (`check`): it compiles to a cubin; its shared memory fits the
 target's per-block limit (`TARGETS`); it spills no registers (local memory, from the cubin's
@@ -165,7 +167,8 @@ class Refused(Exception):
 
 
 class Recorder:
-    """Intercepts Triton launches (JITFunction.run, Autotuner.run) and turns each into variants."""
+    """Intercepts Triton launches (JITFunction.run, Autotuner.run) and turns each into variants of
+    the target it records for (``arch``: the launchers choose their tiles by it, `_common.target_arch`)."""
 
     def __init__(self, kernels: dict[str, object], archs: list[int]):
         import triton
@@ -184,21 +187,22 @@ class Recorder:
         self._bind = jit.create_function_from_signature
         self.variants: dict[str, Variant] = {}
         self.case = ""
+        self.arch = archs[0]
 
     def launch(self, fn, args, kwargs) -> None:
         """Record the launch ``fn[grid](*args, **kwargs)`` (kwargs: constexprs and options)."""
-        for arch, backend in self.backends.items():
-            key = (fn, arch)
-            if key not in self._binders:
-                self._binders[key] = self._bind(fn.signature, fn.params, backend)
-            bound, specialization, options = self._binders[key](*args, **kwargs)
-            options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
-            variant = Variant(self.names[fn], arch, signature, constexprs, attrs,
-                              {"num_warps": options.num_warps, "num_stages": options.num_stages,
-                               "num_ctas": options.num_ctas, "maxnreg": options.maxnreg})
-            variant = self.variants.setdefault(variant.key, variant)
-            if self.case not in variant.calls:
-                variant.calls.append(self.case)
+        arch, backend = self.arch, self.backends[self.arch]
+        key = (fn, arch)
+        if key not in self._binders:
+            self._binders[key] = self._bind(fn.signature, fn.params, backend)
+        bound, specialization, options = self._binders[key](*args, **kwargs)
+        options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
+        variant = Variant(self.names[fn], arch, signature, constexprs, attrs,
+                          {"num_warps": options.num_warps, "num_stages": options.num_stages,
+                           "num_ctas": options.num_ctas, "maxnreg": options.maxnreg})
+        variant = self.variants.setdefault(variant.key, variant)
+        if self.case not in variant.calls:
+            variant.calls.append(self.case)
 
     def autotuned(self, tuner, args, kwargs) -> None:
         kwargs = {k: v for k, v in kwargs.items() if k not in ("grid", "warmup")}  # Autotuner.run gets them too
@@ -208,15 +212,18 @@ class Recorder:
         tuner.nargs = None
 
     @contextlib.contextmanager
-    def active(self):
-        """Launches recorded instead of run; ``torch.empty`` zero-filled; the public ops' device
-        check (Triton needs CUDA tensors) lifted, since nothing runs."""
+    def active(self, arch: int):
+        """Launches recorded for target ``arch`` instead of run; ``torch.empty`` zero-filled; the public
+        ops' device check (Triton needs CUDA tensors) lifted, since nothing runs, and their target
+        (`_common.target_arch`) is ``arch``."""
         from triton.runtime.autotuner import Autotuner
         from triton.runtime.jit import JITFunction
 
         common = importlib.import_module(f"{PACKAGE}._common")
         real = (JITFunction.run, Autotuner.run, torch.empty, torch.empty_like)
         picks = [(m, m.pick_backend) for m in _modules() if getattr(m, "pick_backend", None) is common.pick_backend]
+        targets = [m for m in _modules() if getattr(m, "target_arch", None) is common.target_arch]
+        self.arch = arch
 
         def pick_triton(backend, *tensors, triton_refuses=None, **kw):
             if triton_refuses is not None:  # the public op would not launch Triton here
@@ -229,12 +236,16 @@ class Recorder:
         torch.empty_like = lambda *a, **k: real[3](*a, **k).zero_()
         for module, _ in picks:
             module.pick_backend = pick_triton
+        for module in targets:
+            module.target_arch = lambda device: arch
         try:
             yield self
         finally:
             JITFunction.run, Autotuner.run, torch.empty, torch.empty_like = real
             for module, pick in picks:
                 module.pick_backend = pick
+            for module in targets:
+                module.target_arch = common.target_arch
 
 
 # ---------------------------------------------------------------------------------------- the grid
@@ -352,15 +363,16 @@ def record(archs: list[int], only: str | None = None):
     kernels = discover()
     recorder = Recorder(kernels, archs)
     refused = {}
-    with recorder.active():
-        for name, thunk in grid():
-            if only is not None and not re.search(only, name):
-                continue
-            recorder.case = name
-            try:
-                thunk()
-            except Refused as e:
-                refused[name] = str(e)
+    for arch in archs:  # one pass per target: the launchers' tiles may differ between them
+        with recorder.active(arch):
+            for name, thunk in grid():
+                if only is not None and not re.search(only, name):
+                    continue
+                recorder.case = name
+                try:
+                    thunk()
+                except Refused as e:
+                    refused[name] = str(e)
     return kernels, list(recorder.variants.values()), refused
 
 

@@ -35,7 +35,7 @@ import math
 
 import torch
 
-from ._common import pick_backend
+from ._common import pick_backend, target_arch
 from .tree_attention_flex import forward_flex
 from .tree_attention_schedule import Scores, TreeMask
 from .tree_attention_torch import CPU_BLOCK, backward_torch, forward_torch
@@ -48,7 +48,7 @@ class TreeAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, mask: TreeMask, rule: Scores, backend: str):
         if backend == "triton":
-            launch = triton_tiles(q.dtype, q.shape[2])
+            launch = triton_tiles(q.dtype, q.shape[2], target_arch(q.device))
             out, lse = forward_triton(q, k, v, sinks, mask, rule, launch)
         else:
             launch = CPU_BLOCK  # the torch path's query block

@@ -36,10 +36,13 @@ class BlockSchedule:
     device; indices int32).
 
     kv_ptr[QB + 1], kv_idx[P], kv_full[P] (bool): for query block qb, the key blocks
-    ``kv_idx[kv_ptr[qb]:kv_ptr[qb+1]]`` (ascending, the diagonal block last) that may hold a key
-    visible to one of its rows, and whether the pair is *full* (every row sees every key: the CPU
-    path and flex run it without a mask).
-    q_ptr[KB + 1], q_idx[P]: the same pairs by key block (query blocks ascending), for dK / dV.
+    ``kv_idx[kv_ptr[qb]:kv_ptr[qb+1]]`` that may hold a key visible to one of its rows, and whether
+    the pair is *full* (every row sees every key: every backend runs it without a mask). The full
+    pairs come first, ``kv_ptr[qb]:kv_partial_ptr[qb]``, then the partial ones (each part ascending,
+    so the diagonal block is last): a kernel walks the two parts as two loops, the first without
+    the mask's per-entry arithmetic.
+    q_ptr[KB + 1], q_idx[P], q_partial_ptr[KB]: the same pairs by key block (full, then partial,
+    query blocks ascending in each), for dK / dV.
     Without a window the listed pairs are exactly those with a visible key. A window drops the
     pairs where the depth ranges (of the key block, and of the query rows that can see it) keep
     every key out of every row's window; a listed pair may then still hide all its keys (the
@@ -50,9 +53,11 @@ class BlockSchedule:
     window: int | None
     num_blocks: int
     kv_ptr: torch.Tensor
+    kv_partial_ptr: torch.Tensor
     kv_idx: torch.Tensor
     kv_full: torch.Tensor
     q_ptr: torch.Tensor
+    q_partial_ptr: torch.Tensor
     q_idx: torch.Tensor
 
     @property
@@ -102,10 +107,17 @@ def _block_schedule(kv_end: torch.Tensor, depth: torch.Tensor | None, block: int
         keep = prefix_min[last_seeing] - d_max[key_block] < window
         full &= d_max[query_block] - d_min[key_block] < window
         key_block, query_block, full = key_block[keep], query_block[keep], full[keep]
-    order = torch.argsort(query_block, stable=True)  # key blocks stay ascending within a query block
+    # the pairs are key-major with query blocks ascending: a stable sort on (block, partial) keeps
+    # each part ascending
+    partial = (~full).long()
+    by_query = torch.argsort(query_block * 2 + partial, stable=True)
+    by_key = torch.argsort(key_block * 2 + partial, stable=True)
+    kv_ptr, q_ptr = _ptr(query_block, nb), _ptr(key_block, nb)
+    kv_partial_ptr = kv_ptr[:-1] + torch.bincount(query_block[full], minlength=nb)
+    q_partial_ptr = q_ptr[:-1] + torch.bincount(key_block[full], minlength=nb)
     i32 = torch.int32
-    return BlockSchedule(block, window, nb, _ptr(query_block, nb), key_block[order].to(i32), full[order],
-                         _ptr(key_block, nb), query_block.to(i32))
+    return BlockSchedule(block, window, nb, kv_ptr, kv_partial_ptr.to(i32), key_block[by_query].to(i32),
+                         full[by_query], q_ptr, q_partial_ptr.to(i32), query_block[by_key].to(i32))
 
 
 class TreeMask:

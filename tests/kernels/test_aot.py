@@ -200,13 +200,23 @@ def test_a_kernel_no_grid_case_reaches_is_reported(tmp_path):
 
 def test_the_recorder_sees_the_gpu_launch_not_the_interpreters(tmp_path):
     """Without TRITON_INTERPRET the launchers pick GPU tiles (autotune configs, 128-row attention
-    blocks), which is what the grid must compile."""
+    blocks), which is what the grid must compile; each target gets its own table's tiles."""
     out = _run_aot_snippet(tmp_path, """
     import json
+    import torch
     from clawfast.kernels import aot
-    _, variants, _ = aot.record([90], only="^(tree_attention bfloat16 d128 g2 plain|tree_logprobs bfloat16 V4096)$")
-    print(json.dumps(sorted({(v.kernel, v.describe(aot.discover()[v.kernel])) for v in variants})))
+    from clawfast.kernels.tree_attention_triton import triton_tiles
+    _, variants, _ = aot.record([80, 90], only="^(tree_attention bfloat16 d128 g2 plain|tree_logprobs bfloat16 V4096)$")
+    described = [(v.kernel, v.arch, v.describe(aot.discover()[v.kernel])) for v in variants]
+    print(json.dumps({
+        "forward": {arch: [d, triton_tiles(torch.bfloat16, 128, arch).fwd.walk] for k, arch, d in described
+                    if k.endswith("_tree_attn_fwd_kernel")},
+        "variants": sorted({(k, d) for k, arch, d in described if arch == 90})}))
     """)
+    for arch, (variant, walk) in out["forward"].items():  # each target's forward has its table's tile
+        assert f"BLOCK_K={walk}" in variant.split(), (arch, variant)
+    assert out["forward"]["80"][1] != out["forward"]["90"][1]  # the tables differ there
+    out = out["variants"]
     kinds = {kernel for kernel, _ in out}
     assert kinds == {"tree_attention_triton._tree_attn_fwd_kernel", "tree_attention_triton._tree_attn_dq_kernel",
                      "tree_attention_triton._tree_attn_dkdv_kernel", "tree_logprobs._tree_logprobs_fwd_kernel",
@@ -216,3 +226,16 @@ def test_the_recorder_sees_the_gpu_launch_not_the_interpreters(tmp_path):
     fwd_configs = [v for k, v in out if k == "tree_logprobs._tree_logprobs_fwd_kernel"]
     assert len(fwd_configs) >= 2, fwd_configs  # every autotune config of the precision is compiled
 
+
+
+def test_the_instruction_count_finds_each_kernels_two_walk_loops():
+    """bench/kernel_instructions.py reads the full-pair and partial-pair loops of every tree-attention
+    kernel from its sm_90 machine code (it raises where a kernel has not exactly these two)."""
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "kernel_instructions.py"), "--case",
+                           "bfloat16 d64 g2 window"], cwd=ROOT, env=aot_environment(), capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [line.split("|")[1:4] for line in proc.stdout.splitlines() if line.startswith("| _tree_attn")]
+    kernels = ("_tree_attn_fwd_kernel", "_tree_attn_dq_kernel", "_tree_attn_dkdv_kernel")
+    assert sorted((k.strip(), part.strip()) for k, _, part in rows) == sorted(
+        (k, part) for k in kernels for part in ("full pairs", "partial pairs")), proc.stdout

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from kernel_testing import LargestTensor, chains, random_forest, segment_forest
 
 TA = importlib.import_module("clawfast.kernels.tree_attention")  # the package's attribute is the function
+TAT = importlib.import_module("clawfast.kernels.tree_attention_triton")
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 
 
@@ -183,6 +184,31 @@ def test_triton_matches_reference(triton_device, seed, n, shape, kind, options):
     assert max(errs) <= TOL[dtype], errs
 
 
+# A trunk of 100 rows forking into branches of 40 and 41: at every kernel's interpreter block size
+# (16 and 32 rows) its schedule holds full pairs (the trunk under either branch), partial ones (the
+# diagonal, the fork, the window's edge) and full pairs of the last query block, which holds padding
+# rows; so each kernel runs both of its loops on it.
+FORK = torch.tensor([180] * 100 + [139] * 40 + [180] * 41, dtype=torch.int32)
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("options", [{}, {"window": 120}, {"softcap": 0.9, "dropout_p": 0.3, "seed": 5, "sinks": True}])
+def test_triton_walks_full_and_partial_pairs(triton_device, options):
+    tiles = TAT.triton_tiles(torch.float32, 16, 0)
+    n = FORK.shape[0]
+    for kernel in (tiles.fwd, tiles.dq, tiles.dkdv):
+        s = TreeMask(FORK).schedule(kernel.block, options.get("window"))
+        last = s.num_blocks - 1
+        full, partial = s.kv_partial_ptr - s.kv_ptr[:-1], s.kv_ptr[1:] - s.kv_partial_ptr
+        assert n % kernel.block and int(full.sum()) > 0 and int(partial.sum()) > 0 and int(full[last]) > 0
+    gen = torch.Generator().manual_seed(11)
+    q, k, v = qkv(n, 4, 2, 16, torch.float32, gen, device=triton_device)
+    options = dict(options)
+    sinks = sink_logits(4, torch.float32, gen, device=triton_device) if options.pop("sinks", False) else None
+    errs = compare(q, k, v, FORK, sinks=sinks, backend="triton", **options)
+    assert max(errs) <= TOL[torch.float32], errs
+
+
 @pytest.mark.triton
 def test_triton_refuses_what_it_has_no_kernel_for_and_auto_gives_it_to_the_torch_path(triton_device):
     gen = torch.Generator().manual_seed(5)
@@ -213,8 +239,9 @@ def test_triton_half_precision(triton_device):
        window=st.sampled_from([None, 1, 4, 40]))
 def test_schedule_lists_the_visible_blocks(seed, n, kind, block, window):
     """Without a window the listed pairs are exactly the block pairs with a visible key; with one,
-    a superset of them (pruned by depth ranges; exact at block size 1). Full pairs are exact in both,
-    and the key-major lists hold the same pairs."""
+    a superset of them (pruned by depth ranges; exact at block size 1). Full pairs are exact in both
+    and listed first (each part ascending), and the key-major lists hold the same pairs, in the same
+    two parts."""
     kv_end = make_kv_end(kind, n, torch.Generator().manual_seed(seed))
     s = TreeMask(kv_end).schedule(block, window)
     nb = (n + block - 1) // block
@@ -228,23 +255,26 @@ def test_schedule_lists_the_visible_blocks(seed, n, kind, block, window):
     all_visible = (blocks | ~(rows_ok[:, :, None, None] & rows_ok[None, None, :, :])).all(3).all(1)
     listed = torch.zeros(nb, nb, dtype=torch.bool)
     full = torch.zeros(nb, nb, dtype=torch.bool)
-    ptr, idx, kv_full = s.kv_ptr.tolist(), s.kv_idx.tolist(), s.kv_full.tolist()
+    ptr, part, idx, kv_full = s.kv_ptr.tolist(), s.kv_partial_ptr.tolist(), s.kv_idx.tolist(), s.kv_full.tolist()
     for qb in range(nb):
         kbs = idx[ptr[qb] : ptr[qb + 1]]
-        assert kbs == sorted(kbs) and kbs[-1] == qb  # ascending, the diagonal block last
+        full_kbs, partial_kbs = idx[ptr[qb] : part[qb]], idx[part[qb] : ptr[qb + 1]]
+        assert full_kbs == sorted(full_kbs) and partial_kbs == sorted(partial_kbs) and kbs[-1] == qb
+        assert kv_full[ptr[qb] : ptr[qb + 1]] == [True] * len(full_kbs) + [False] * len(partial_kbs)
         listed[qb, kbs] = True
-        full[qb, kbs] = torch.tensor(kv_full[ptr[qb] : ptr[qb + 1]])
+        full[qb, full_kbs] = True
     if window is None or block == 1:
         assert torch.equal(listed, any_visible)
     else:
         assert not bool((any_visible & ~listed).any())  # nothing visible is left out
     assert torch.equal(full, all_visible & listed & ~torch.eye(nb, dtype=torch.bool))
     by_key = torch.zeros(nb, nb, dtype=torch.bool)
-    qptr, qidx = s.q_ptr.tolist(), s.q_idx.tolist()
+    qptr, qpart, qidx = s.q_ptr.tolist(), s.q_partial_ptr.tolist(), s.q_idx.tolist()
     for kb in range(nb):
-        qbs = qidx[qptr[kb] : qptr[kb + 1]]
-        assert qbs == sorted(qbs)
-        by_key[qbs, kb] = True
+        full_qbs, partial_qbs = qidx[qptr[kb] : qpart[kb]], qidx[qpart[kb] : qptr[kb + 1]]
+        assert full_qbs == sorted(full_qbs) and partial_qbs == sorted(partial_qbs)
+        assert bool(full[full_qbs, kb].all()) and not bool(full[partial_qbs, kb].any())
+        by_key[full_qbs + partial_qbs, kb] = True
     assert torch.equal(by_key, listed)
 
 

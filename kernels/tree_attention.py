@@ -32,6 +32,7 @@ Not guaranteed: bitwise determinism across block sizes (summation order).
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -95,7 +96,11 @@ def _check(q, k, v, mask: TreeMask) -> None:
                          f"{v.device}, {mask.device}")
 
 
-def _check_options(q, window, softcap, sinks, dropout_p, seed, backend) -> None:
+def _check_options(q, scale, window, softcap, sinks, dropout_p, seed, backend) -> None:
+    # positive: the Triton kernels take the row maximum of the raw products, then scale it
+    if scale is not None and not (isinstance(scale, numbers.Real) and not isinstance(scale, bool)
+                                  and math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a positive finite number or None (1 / sqrt(D)), got {scale!r}")
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ValueError(f"window must be a positive int (keys fewer than window rows up the path) or None, "
                          f"got {window!r}")
@@ -125,7 +130,7 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_end: to
 
     q ``[N, Hq, D]``, k and v ``[N, Hkv, D]`` (Hq a multiple of Hkv), kv_end ``[N]`` integers or a
     `TreeMask` built from them (reuse one across layers); returns ``[N, Hq, D]`` in q's dtype,
-    differentiable w.r.t. q, k, v and sinks. ``scale`` defaults to ``1 / sqrt(D)``.
+    differentiable w.r.t. q, k, v and sinks. ``scale`` (positive) defaults to ``1 / sqrt(D)``.
     The options of HF decoders, with their semantics along each path:
     ``window``: sliding window, query i keeps key j only if ``depth[i] - depth[j] < window``
     (Mistral, Qwen2, Gemma 2/3 local layers); ``softcap``: logits ``softcap * tanh(x / softcap)``
@@ -140,7 +145,7 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_end: to
     """
     mask = kv_end if isinstance(kv_end, TreeMask) else TreeMask(kv_end)
     _check(q, k, v, mask)
-    _check_options(q, window, softcap, sinks, dropout_p, seed, backend)
+    _check_options(q, scale, window, softcap, sinks, dropout_p, seed, backend)
     backend = pick_backend(backend, q, backends=BACKENDS, triton_refuses=triton_refuses(q.dtype, q.shape[2]))
     if dropout_p and seed is None:
         seed = int(torch.randint(0, 2**31 - 1, (1,)))

@@ -387,6 +387,9 @@ def test_bad_inputs():
     for softcap in (0.0, -1.0, float("inf"), "50"):
         with pytest.raises(ValueError, match="softcap must be a positive finite number"):
             tree_attention(q, k, v, kv_end, softcap=softcap)
+    for scale in (0.0, -0.5, float("nan"), True):
+        with pytest.raises(ValueError, match="scale must be a positive finite number"):
+            tree_attention(q, k, v, kv_end, scale=scale)
     with pytest.raises(ValueError, match=r"sinks must be a floating-point tensor \[Hq\] = \[4\].*\(2,\)"):
         tree_attention(q, k, v, kv_end, sinks=torch.zeros(2))
     with pytest.raises(ValueError, match="sinks must be a floating-point"):

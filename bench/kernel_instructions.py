@@ -3,7 +3,7 @@
 adds or removes, beside the GPU check's timings.
 
     python bench/kernel_instructions.py                      # bf16, head dim 128, sm_90
-    python bench/kernel_instructions.py --case "float16 d64" --arch 80
+    python bench/kernel_instructions.py --case "float16 d64 g2 plain" --arch 80
 
 What it does: records the variants the public op launches for one grid case of
 `clawfast.kernels.aot` (the same recording the compile check uses), compiles each for the target
@@ -23,9 +23,7 @@ from __future__ import annotations
 import argparse
 import collections
 import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -35,16 +33,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 SHOWN = ("HGMMA", "HMMA", "MUFU", "ISETP", "FSEL", "SEL")
 _INSTRUCTION = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)[^;]*;")
 _TARGET = re.compile(r"0x([0-9a-f]+)")
-
-
-def sass(cubin: bytes) -> str:
-    from triton import knobs
-
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        return subprocess.run([knobs.nvidia.cuobjdump.path, "-sass", f.name], capture_output=True, text=True,
-                              check=True).stdout
 
 
 def innermost_loops(text: str) -> list[list[str]]:
@@ -63,10 +51,6 @@ def innermost_loops(text: str) -> list[list[str]]:
 
 
 def measure(case: str, arch: int) -> list[dict]:
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from clawfast.kernels import aot
 
     kernels, variants, refused = aot.record([arch], f"^tree_attention {case}$")
@@ -76,20 +60,18 @@ def measure(case: str, arch: int) -> list[dict]:
     rows = []
     for v in sorted(variants, key=lambda v: v.kernel):
         fn = kernels[v.kernel]
-        options = {k: x for k, x in v.options.items() if x is not None}
-        compiled = triton.compile(ASTSource(fn, v.signature, v.constexprs, v.attrs),
-                                  target=GPUTarget("cuda", arch, 32), options=options)
+        compiled = aot.compile_variant(v, fn)
         constexprs = {fn.arg_names[path[0]]: value for path, value in v.constexprs.items()}
         walk = constexprs.get("BLOCK_K", constexprs.get("BLOCK_Q"))
         scores = constexprs["BLOCK"] * walk
-        threads = 32 * options["num_warps"]
-        loops = innermost_loops(sass(compiled.asm["cubin"]))
+        threads = 32 * v.options["num_warps"]
+        loops = innermost_loops(aot.cuobjdump(compiled.asm["cubin"], "-sass"))
         if len(loops) != 2:
             raise RuntimeError(f"{v.kernel}: {len(loops)} innermost loops, expected 2 (full pairs, partial pairs)")
         name = v.kernel.rsplit(".", 1)[1]
         for part, body in zip(("full pairs", "partial pairs"), loops):
             counts = collections.Counter(body)
-            rows.append(dict(kernel=name, tile=f"{constexprs['BLOCK']}x{walk} w{options['num_warps']}", part=part,
+            rows.append(dict(kernel=name, tile=f"{constexprs['BLOCK']}x{walk} w{v.options['num_warps']}", part=part,
                              per_step=len(body), per_score=len(body) * threads / scores,
                              shown={op: counts[op] * threads / scores for op in SHOWN if counts[op]}))
     return rows

@@ -407,15 +407,20 @@ class Result:
 _RESOURCES = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
 
 
-def _resources(cubin: bytes) -> tuple[int, int, int]:
-    """(registers, local-memory bytes per thread, static shared bytes) from ``cuobjdump``."""
+def cuobjdump(cubin: bytes, *flags: str) -> str:
+    """The output of the ``cuobjdump`` Triton ships, run with ``flags`` on ``cubin``."""
     from triton import knobs
 
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        out = subprocess.run([knobs.nvidia.cuobjdump.path, "--dump-resource-usage", f.name],
-                             capture_output=True, text=True, check=True).stdout
+        return subprocess.run([knobs.nvidia.cuobjdump.path, *flags, f.name], capture_output=True, text=True,
+                              check=True).stdout
+
+
+def _resources(cubin: bytes) -> tuple[int, int, int]:
+    """(registers, local-memory bytes per thread, static shared bytes) from ``cuobjdump``."""
+    out = cuobjdump(cubin, "--dump-resource-usage")
     match = _RESOURCES.search(out)
     if match is None:
         raise RuntimeError(f"no resource usage in cuobjdump's output: {out[:500]}")
@@ -450,18 +455,23 @@ def dot_replication(ttgir: str) -> list[str]:
 _WORK: list[tuple[Variant, object]] = []
 
 
-def _compile(index: int) -> Result:
+def compile_variant(variant: Variant, fn):
+    """``fn`` compiled for ``variant``'s target: Triton's CompiledKernel, whose ``asm`` holds each stage."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    src = ASTSource(fn, variant.signature, variant.constexprs, variant.attrs)
+    options = {k: v for k, v in variant.options.items() if v is not None}
+    return triton.compile(src, target=GPUTarget("cuda", variant.arch, 32), options=options)
+
+
+def _compile(index: int) -> Result:
     variant, fn = _WORK[index]
     result = Result(variant.kernel, variant.describe(fn), variant.arch, calls=variant.calls[:3])
     start = time.perf_counter()
     try:
-        src = ASTSource(fn, variant.signature, variant.constexprs, variant.attrs)
-        options = {k: v for k, v in variant.options.items() if v is not None}
-        compiled = triton.compile(src, target=GPUTarget("cuda", variant.arch, 32), options=options)
+        compiled = compile_variant(variant, fn)
         result.registers, result.spill_bytes, static_shared = _resources(compiled.asm["cubin"])
         result.shared_bytes = compiled.metadata.shared + static_shared
         result.replicated = dot_replication(compiled.asm["ttgir"])

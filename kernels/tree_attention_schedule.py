@@ -35,18 +35,18 @@ class BlockSchedule:
     """The block pairs of a tree mask at one block size B and sliding window (tensors on kv_end's
     device; indices int32).
 
-    kv_ptr[QB + 1], kv_idx[P], kv_full[P] (bool): for query block qb, the key blocks
-    ``kv_idx[kv_ptr[qb]:kv_ptr[qb+1]]`` that may hold a key visible to one of its rows, and whether
-    the pair is *full* (every row sees every key: every backend runs it without a mask). The full
-    pairs come first, ``kv_ptr[qb]:kv_partial_ptr[qb]``, then the partial ones (each part ascending,
-    so the diagonal block is last): a kernel walks the two parts as two loops, the first without
-    the mask's per-entry arithmetic.
+    kv_ptr[QB + 1], kv_partial_ptr[QB], kv_idx[P]: for query block qb, the key blocks
+    ``kv_idx[kv_ptr[qb]:kv_ptr[qb+1]]`` that may hold a key visible to one of its rows. The *full*
+    pairs (every row sees every key: every backend runs them without a mask) come first,
+    ``kv_ptr[qb]:kv_partial_ptr[qb]``, then the partial ones (each part ascending, so the diagonal
+    block is last): a kernel walks the two parts as two loops, the first without the mask's
+    per-entry arithmetic.
     q_ptr[KB + 1], q_idx[P], q_partial_ptr[KB]: the same pairs by key block (full, then partial,
     query blocks ascending in each), for dK / dV.
     Without a window the listed pairs are exactly those with a visible key. A window drops the
     pairs where the depth ranges (of the key block, and of the query rows that can see it) keep
     every key out of every row's window; a listed pair may then still hide all its keys (the
-    kernels allow that), and `kv_full` stays exact.
+    kernels allow that), and the full / partial split stays exact.
     """
 
     block: int
@@ -55,7 +55,6 @@ class BlockSchedule:
     kv_ptr: torch.Tensor
     kv_partial_ptr: torch.Tensor
     kv_idx: torch.Tensor
-    kv_full: torch.Tensor
     q_ptr: torch.Tensor
     q_partial_ptr: torch.Tensor
     q_idx: torch.Tensor
@@ -117,7 +116,7 @@ def _block_schedule(kv_end: torch.Tensor, depth: torch.Tensor | None, block: int
     q_partial_ptr = q_ptr[:-1] + torch.bincount(key_block[full], minlength=nb)
     i32 = torch.int32
     return BlockSchedule(block, window, nb, kv_ptr, kv_partial_ptr.to(i32), key_block[by_query].to(i32),
-                         full[by_query], q_ptr, q_partial_ptr.to(i32), query_block[by_key].to(i32))
+                         q_ptr, q_partial_ptr.to(i32), query_block[by_key].to(i32))
 
 
 class TreeMask:
@@ -177,13 +176,13 @@ class TreeMask:
             self._schedules[key] = _block_schedule(self.kv_end, depth, block, window)
         return self._schedules[key]
 
-    def host_lists(self, block: int, window: int | None = None) -> tuple[list[int], list[int], list[bool]]:
-        """(kv_ptr, kv_idx, kv_full) of ``schedule(block, window)`` as Python lists (the CPU path
-        loops over them)."""
+    def host_lists(self, block: int, window: int | None = None) -> tuple[list[int], list[int], list[int]]:
+        """(kv_ptr, kv_partial_ptr, kv_idx) of ``schedule(block, window)`` as Python lists (the CPU
+        path loops over them)."""
         key = (block, window)
         if key not in self._host:
             s = self.schedule(block, window)
-            self._host[key] = (s.kv_ptr.tolist(), s.kv_idx.tolist(), s.kv_full.tolist())
+            self._host[key] = (s.kv_ptr.tolist(), s.kv_partial_ptr.tolist(), s.kv_idx.tolist())
         return self._host[key]
 
     def visible_pairs(self) -> int:
@@ -227,7 +226,7 @@ class TreeMask:
             num_keys = self.num_rows + sink_key
             key_blocks = -(-num_keys // _FLEX_BLOCK)
             qb, kb = _pairs(s)
-            full = s.kv_full
+            full = torch.arange(s.num_pairs, device=self.device) < s.kv_partial_ptr[qb]
             if sink_key:
                 sink_block = self.num_rows // _FLEX_BLOCK
                 listed = torch.zeros(nb, key_blocks, dtype=torch.bool, device=self.device)

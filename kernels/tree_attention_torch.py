@@ -70,15 +70,13 @@ def _query_blocks(mask: TreeMask, block: int, heads: int, window: int | None, de
     n = mask.num_rows
     kv_end = mask.kv_end.long()
     depth = None if window is None else mask.depth().long()
-    ptr, idx, kv_full = mask.host_lists(block, window)
+    ptr, part, idx = mask.host_lists(block, window)
     per_chunk = max(1, _CPU_CHUNK_ELEMS // (heads * block * block))
 
     def chunks(qb: int, rows_i: torch.Tensor):
-        pairs = range(ptr[qb], ptr[qb + 1])
-        for rows_j, take in _key_chunks([idx[t] for t in pairs if kv_full[t]], block, n, per_chunk, device):
+        for rows_j, take in _key_chunks(idx[ptr[qb] : part[qb]], block, n, per_chunk, device):
             yield rows_j, take, None
-        partial = [idx[t] for t in pairs if not kv_full[t]]
-        for rows_j, take in _key_chunks(partial, block, n, per_chunk, device):
+        for rows_j, take in _key_chunks(idx[part[qb] : ptr[qb + 1]], block, n, per_chunk, device):
             hidden = (rows_j[None, :] > rows_i[:, None]) | (kv_end[rows_j][None, :] < rows_i[:, None])
             if depth is not None:
                 hidden |= depth[rows_i][:, None] - depth[rows_j][None, :] >= window

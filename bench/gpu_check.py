@@ -16,6 +16,8 @@
 - ``kernels``: ``bench/gpu_kernels.py``: timings of the Triton kernels against their baselines and
   peers (Liger-Kernel, Cut Cross-Entropy, SDPA, FlexAttention).
 - ``step``: ``bench/gpu_step.py``: timings of a whole training step.
+- ``tiles``: ``bench/gpu_tiles.py``: each tree-attention kernel alone at every candidate launch tile
+  (compiled for the device in parallel first) against the tile its table holds: which to keep.
 - ``vllm``: vLLM on the GPU serving the embedded model behind the proxy: OpenAI chat calls through
   HTTP, their recorded log-probs against the HF model's, a weight push and the next call on the new
   weights. Skipped, with the reason, where ``--vllm-python`` cannot import vLLM.
@@ -95,6 +97,7 @@ PLAN: tuple[Section, ...] = (
     Section("train", "bench/gpu_check.py", 120, 300),
     Section("kernels", "bench/gpu_kernels.py", 100, 240, budget=True),
     Section("step", "bench/gpu_step.py", 120, 240, budget=True),
+    Section("tiles", "bench/gpu_tiles.py", 60, 240, budget=True),
     Section("vllm", "bench/gpu_check.py", 60, 300, vllm=True),
     Section("weight-sync", "bench/bench_weight_sync.py", 60, 300, full_args=("--repeats", "1", "--no-remote"),
             smoke_args=("--quick", "--no-remote"), vllm=True, out=True),

@@ -478,23 +478,40 @@ def forward_triton(q, k, v, sinks, mask: TreeMask, rule: Scores, tiles: TritonTi
 
 def backward_triton(q, k, v, lse, delta, dout, mask: TreeMask, rule: Scores, tiles: TritonTiles):
     """(dq, dk, dv) from the saved log-sum-exp and ``delta`` = rowsum(dO * O) [Hq, N]."""
-    n, hq, d = q.shape
-    hkv = k.shape[1]
-    by_query = mask.schedule(tiles.dq.block, rule.window)
-    by_key = mask.schedule(tiles.dkdv.block, rule.window)
     q, k, v, dout = (_unit_last_stride(t) for t in (q, k, v, dout))
-    dq = torch.empty(n, hq, d, dtype=q.dtype, device=q.device)
-    dk = torch.empty(n, hkv, d, dtype=k.dtype, device=q.device)
-    dv = torch.empty(n, hkv, d, dtype=v.dtype, device=q.device)
+    dq = dq_triton(q, k, v, lse, delta, dout, mask, rule, tiles)
+    dk, dv = dkdv_triton(q, k, v, lse, delta, dout, mask, rule, tiles)
+    return dq, dk, dv
+
+
+def _backward_scalars(q, k, v, dout, mask: TreeMask, rule: Scores) -> tuple:
+    """(depth, the arguments both backward kernels take after their schedule)."""
+    n, hq, d = q.shape
     depth, scalars = _triton_scalars(mask, rule)
-    common = (n, d, hq // hkv, *scalars, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
-              v.stride(1), dout.stride(0), dout.stride(1))
-    _tree_attn_dq_kernel[(by_query.num_blocks, hq)](
+    return depth, (n, d, hq // k.shape[1], *scalars, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+                   v.stride(0), v.stride(1), dout.stride(0), dout.stride(1))
+
+
+def dq_triton(q, k, v, lse, delta, dout, mask: TreeMask, rule: Scores, tiles: TritonTiles):
+    """dq [N, Hq, D] (q, k, v and dout with unit last strides): the dQ kernel alone."""
+    by_query = mask.schedule(tiles.dq.block, rule.window)
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    depth, common = _backward_scalars(q, k, v, dout, mask, rule)
+    _tree_attn_dq_kernel[(by_query.num_blocks, q.shape[1])](
         q, k, v, dout, dq, lse, delta, mask.kv_end, depth, by_query.kv_ptr, by_query.kv_partial_ptr,
         by_query.kv_idx, *common, dq.stride(0), dq.stride(1), BLOCK_K=tiles.dq.walk,
         **_triton_flags(q, rule, tiles, tiles.dq))
-    _tree_attn_dkdv_kernel[(by_key.num_blocks, hkv)](
+    return dq
+
+
+def dkdv_triton(q, k, v, lse, delta, dout, mask: TreeMask, rule: Scores, tiles: TritonTiles):
+    """(dk, dv) [N, Hkv, D] (inputs as `dq_triton`'s): the dK / dV kernel alone."""
+    by_key = mask.schedule(tiles.dkdv.block, rule.window)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=q.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=q.device)
+    depth, common = _backward_scalars(q, k, v, dout, mask, rule)
+    _tree_attn_dkdv_kernel[(by_key.num_blocks, k.shape[1])](
         q, k, v, dout, dk, dv, lse, delta, mask.kv_end, depth, by_key.q_ptr, by_key.q_partial_ptr, by_key.q_idx,
         *common, dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), BLOCK_Q=tiles.dkdv.walk,
         **_triton_flags(q, rule, tiles, tiles.dkdv))
-    return dq, dk, dv
+    return dk, dv

@@ -37,11 +37,11 @@ def test_smoke_run_checks_trains_and_times_in_the_plans_order(tmp_path):
     out = tmp_path / "gpu_check.json"
     env = dict(os.environ, PYTHON=sys.executable)
     proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--smoke", "--sections", "correctness", "train", "kernels",
-                           "step", "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+                           "step", "tiles", "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     sections = report["sections"]
-    assert list(sections) == ["correctness", "train", "kernels", "step"] and report["complete"]
+    assert list(sections) == ["correctness", "train", "kernels", "step", "tiles"] and report["complete"]
     assert {name: s["status"] for name, s in sections.items()} == dict.fromkeys(sections, "ok")
     # the install steps' time stamps (the first may fall a second boundary after the script's start)
     assert re.search(r"^\[gpu_check\.sh \d\d:\d\d:\d\d \+[01]s\] start ", proc.stdout, re.M)
@@ -63,6 +63,12 @@ def test_smoke_run_checks_trains_and_times_in_the_plans_order(tmp_path):
     ops = {row["op"] for row in sections["kernels"]["rows"]}
     assert {"tree_logprobs", "tree_attention", "tree_gae", "importance_weights", "policy_loss"} <= ops
     assert sections["step"]["rows"] and all(row.get("ok") is not False for row in sections["step"]["rows"])
+    tiles = sections["tiles"]["rows"]  # every kernel on both layouts, its table's tile first
+    for layout in ("agent forest", "causal chain"):
+        for kernel in ("fwd", "dq", "dkdv"):
+            timed = [r for r in tiles if r["shape"].startswith(layout) and r["case"].startswith(kernel + " ")]
+            assert timed[0]["case"].endswith("(table)") and timed[0]["ratio"] == 1 and len(timed) >= 2, timed
+            assert all(r["ms"] > 0 and "TFLOP/s" in r["note"] for r in timed)
     assert (tmp_path / "gpu_check.log").is_file()
     assert "no section failed" in proc.stdout and "tree_gae" in proc.stdout  # the one table
 
@@ -73,7 +79,7 @@ def test_smoke_and_full_runs_share_one_plan():
     follows."""
     gpu_check = _module()
     names = [s.name for s in gpu_check.PLAN]
-    assert names == ["correctness", "train", "kernels", "step", "vllm", "weight-sync"]
+    assert names == ["correctness", "train", "kernels", "step", "tiles", "vllm", "weight-sync"]
     rows, out = Path("/r/rows.jsonl"), Path("/r/out.json")
     for sec in gpu_check.PLAN:
         full = gpu_check.section_command(sec, gpu_check.parse_args([]), rows, out, sec.limit(False))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -239,3 +240,19 @@ def test_the_instruction_count_finds_each_kernels_two_walk_loops():
     kernels = ("_tree_attn_fwd_kernel", "_tree_attn_dq_kernel", "_tree_attn_dkdv_kernel")
     assert sorted((k.strip(), part.strip()) for k, _, part in rows) == sorted(
         (k, part) for k in kernels for part in ("full pairs", "partial pairs")), proc.stdout
+
+
+def test_the_tile_sweep_compiles_its_candidates_for_the_gpu_first():
+    """bench/gpu_tiles.py --compile-only: each kernel's launch at each candidate tile, compiled for
+    sm_90 as the GPU run does before it times them; a tile that spills is reported as spilling."""
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_tiles.py"), "--compile-only", "90", "--tokens",
+                           "200", "--tiles", "128,16,8,2", "64,64,4,2", "--jobs", "2"], cwd=ROOT,
+                          env=aot_environment(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    notes = {line.split(" | ")[1]: line.split(" | ")[-1] for line in proc.stdout.splitlines()
+             if line.startswith("tree_attention tiles | ")}
+    assert sorted(notes) == sorted(f"{k} {t}" for k in ("fwd", "dq", "dkdv") for t in ("128x16 w8 s2", "64x64 w4 s2"))
+    for note in notes.values():  # e.g. "224 registers, 0 B spilled, 83072 B shared; ok"
+        spilled = int(re.search(r"(\d+) B spilled", note)[1])
+        assert ("spills" in note) == (spilled > 0) and ("; ok" in note) == (spilled == 0), notes
+    assert any("spills" in note for note in notes.values())  # 64x64 dK / dV on 4 warps: two 64x128 accumulators

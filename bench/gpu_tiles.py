@@ -1,0 +1,231 @@
+"""Tree attention's launch tiles timed on the GPU: each Triton kernel alone (forward, dQ, dK / dV) at
+every tile of a small grid, against the tile its table holds now, each case streamed through
+bench/rows.py the moment it finishes. One GPU run says which tile to keep and which kernel holds
+the gap to a flash kernel, where the CPU can only count instructions (bench/kernel_instructions.py).
+
+    python bench/gpu_tiles.py --rows ROWS.jsonl           # CUDA, bf16, head dim 128 (~60 s on an H200)
+    python bench/gpu_tiles.py --smoke --rows ROWS.jsonl   # tiny sizes; CPU + TRITON_INTERPRET=1 without a GPU
+    python bench/gpu_tiles.py --compile-only 90           # any machine: what each candidate costs on sm_90
+
+Inputs: bench/gpu_kernels.py's attention case (an agent-shaped forest of 16K rows, 32 query / 8
+key-value heads, head dim 128, bf16), then one causal chain of as many rows. Candidates
+(`candidates`): every `KernelTiles` with a block of 64 or 128 rows, a walk of 16 to 128 rows (at most
+the block), 4 or 8 warps, 2 or 3 pipeline stages; each kernel is varied alone, the other two keep
+their table's tile. Before anything runs on the GPU, every candidate's launch is recorded and
+compiled for the device's target in parallel (`clawfast.kernels.aot`: the same specialisation the
+JIT compiles, so its cache then holds them); one that spills registers, needs more shared memory
+than the target has or repeats tensor-core work (`aot.dot_replication`) is a row saying so and is
+not timed (the table's own tile always is). Then each kernel is timed at each remaining
+candidate (CUDA events, the median of ``--repeats`` after one warm-up call, whose time, ``warmup_ms``,
+says whether the JIT found the compiled kernel in its cache), the table's tile first:
+``baseline_ms`` is that tile's time and ``ratio`` = candidate / table (below 1: the candidate is
+faster). The note gives TFLOP/s over the visible (query, key) pairs (the forward's two products per
+pair; dQ's three, the scores recomputed; dK / dV's four) and the registers. A candidate that no
+longer fits ``--budget`` is a row saying it was skipped.
+
+``--smoke`` runs the same cases tiny under Triton's interpreter (interpreter-sized candidates, no
+compile step: the interpreter compiles nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import os
+import sys
+import time
+from pathlib import Path
+
+T_START = time.monotonic()
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: rows.py, gpu_kernels_*.py
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+KERNELS = ("fwd", "dq", "dkdv")
+# products per visible (query, key) pair and query head, 2 x head dim FLOPs each
+PRODUCTS = {"fwd": 2, "dq": 3, "dkdv": 4}
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes; CPU + TRITON_INTERPRET=1 if no GPU")
+    ap.add_argument("--rows", type=Path, default=None, help="JSON lines, one per finished case (bench/rows.py)")
+    ap.add_argument("--budget", type=float, default=None,
+                    help="seconds from the script's start; a case that no longer fits is reported as skipped "
+                         "(default 60 on a GPU, none in smoke)")
+    ap.add_argument("--tokens", type=int, default=16384, help="rows of the forest and of the chain")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="processes compiling the candidates")
+    ap.add_argument("--tiles", nargs="+", type=_tile, default=None, metavar="BLOCK,WALK,WARPS,STAGES",
+                    help="the candidates (default: the grid above)")
+    ap.add_argument("--compile-only", type=int, default=None, metavar="ARCH",
+                    help="no GPU needed: compile the candidates for sm_ARCH (80, 90) and print what each uses")
+    args = ap.parse_args(argv)
+    if args.budget is None and not args.smoke:
+        args.budget = 60.0
+    return args
+
+
+def _tile(text: str):
+    from clawfast.kernels.tree_attention_triton import KernelTiles
+
+    try:
+        block, walk, warps, stages = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected BLOCK,WALK,WARPS,STAGES (four integers), got {text!r}") from None
+    if walk < 1 or block % walk or warps < 1 or stages < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: the walk must divide the block; warps and stages >= 1")
+    return KernelTiles(block, walk, warps, stages)
+
+
+def candidates(smoke: bool) -> list:
+    """The tiles tried for every kernel: (block, walk, warps, stages), walk dividing block."""
+    from clawfast.kernels.tree_attention_triton import KernelTiles
+
+    if smoke:  # what the interpreter runs in seconds
+        grid = [(16, 8, 1, 1), (32, 16, 1, 1)]
+    else:
+        grid = itertools.product((64, 128), (16, 32, 64, 128), (4, 8), (2, 3))
+    return [KernelTiles(*t) for t in grid if t[1] <= t[0]]
+
+
+def label(kernel: str, tile) -> str:
+    return f"{kernel} {tile.block}x{tile.walk} w{tile.warps} s{tile.stages}"
+
+
+class Layout:
+    """One packed batch's attention inputs and the gradients of its output (the backward's inputs)."""
+
+    def __init__(self, K, torch, name: str, kv_end, hq: int, hkv: int, d: int, dtype, device, gen):
+        from clawfast.kernels.tree_attention_schedule import Scores
+
+        self.name, self.n = name, kv_end.shape[0]
+        self.mask = K.TreeMask(kv_end.to(device))
+        self.rule = Scores(scale=d ** -0.5)
+        self.q, self.k, self.v, self.dout = (torch.randn(self.n, h, d, generator=gen, device=device).to(dtype)
+                                             for h in (hq, hkv, hkv, hq))
+        self.lse = self.delta = None
+        self.pairs = self.mask.visible_pairs()
+        self.shape = f"{name}, N={self.n} Hq={hq} Hkv={hkv} D={d} {str(dtype)[6:]}"
+
+    def run(self, T, kernel: str, tiles):
+        """A thunk launching one kernel with ``tiles`` (the backward ones on the table's forward)."""
+        args = (self.q, self.k, self.v)
+        if kernel == "fwd":
+            return lambda: T.forward_triton(*args, None, self.mask, self.rule, tiles)
+        fn = T.dq_triton if kernel == "dq" else T.dkdv_triton
+        return lambda: fn(*args, self.lse, self.delta, self.dout, self.mask, self.rule, tiles)
+
+    def prepare_backward(self, T, tiles) -> None:
+        out, self.lse = T.forward_triton(self.q, self.k, self.v, None, self.mask, self.rule, tiles)
+        self.delta = (self.dout.to(self.lse.dtype) * out.to(self.lse.dtype)).sum(-1).t().contiguous()
+
+
+def with_tile(table, kernel: str, tile):
+    return dataclasses.replace(table, **{kernel: tile})
+
+
+def compile_candidates(T, torch, layout: Layout, table, tiles: list, arch: int, jobs: int) -> dict:
+    """{label: aot.Result} of every candidate's launch on ``layout``, compiled for sm_``arch`` in
+    ``jobs`` processes (the launches recorded on CPU copies of the inputs before anything runs on the
+    GPU; the forked compiling processes never touch it)."""
+    from clawfast.kernels import aot
+
+    kernels = aot.discover()
+    recorder = aot.Recorder(kernels, [arch])
+    with recorder.active(arch):
+        layout.lse = torch.zeros(layout.q.shape[1], layout.n)
+        layout.delta = torch.zeros_like(layout.lse)
+        for kernel in KERNELS:
+            for tile in tiles:
+                recorder.case = label(kernel, tile)
+                layout.run(T, kernel, with_tile(table, kernel, tile))()
+    layout.lse = layout.delta = None
+    results = aot.check(list(recorder.variants.values()), kernels, jobs)
+    return {case: r for r in results for case in r.calls}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.smoke:
+        import torch
+
+        if not torch.cuda.is_available():
+            os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: interpreted kernels
+    import torch
+
+    import clawfast.kernels as K
+    from clawfast.kernels import tree_attention_triton as T
+    from clawfast.kernels._common import target_arch
+    from gpu_forests import agent_parent, subtree_ends
+    from gpu_kernels_timing import Bench, Cases
+    from rows import Rows
+
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.smoke and not args.compile_only:
+        print("no CUDA device: run with --smoke (TRITON_INTERPRET=1 on the CPU) or --compile-only ARCH")
+        return 2
+    rows = Rows(args.rows)
+    n, hq, hkv, d, dtype = ((args.tokens, 32, 8, 128, torch.bfloat16) if not args.smoke
+                            else (96, 4, 2, 16, torch.float32))
+    tiles = args.tiles or candidates(args.smoke)
+    arch = args.compile_only or (target_arch(torch.device("cuda")) if cuda else 0)
+    table = T.triton_tiles(dtype, d, arch)
+    parent = agent_parent(torch, n, torch.Generator().manual_seed(n)).tolist()
+    forest = torch.tensor(subtree_ends(parent), dtype=torch.int32)
+    chain = torch.full_like(forest, forest.shape[0] - 1)
+
+    compiled = {}
+    if arch:
+        host = Layout(K, torch, "agent forest", forest, hq, hkv, d, dtype, torch.device("cpu"), torch.Generator())
+        start = time.monotonic()
+        compiled = compile_candidates(T, torch, host, table, tiles, arch, args.jobs)
+        print(f"compiled {len(compiled)} launches for sm_{arch} in {time.monotonic() - start:.0f} s "
+              f"({args.jobs} processes)", flush=True)
+    if args.compile_only:
+        for case, r in sorted(compiled.items()):
+            rows.add(op="tree_attention tiles", case=case, shape=f"sm_{arch}, {host.shape}",
+                     note=f"{r.registers} registers, {r.spill_bytes} B spilled, {r.shared_bytes} B shared; "
+                          + ("; ".join(r.problems + r.replicated) or "ok"))
+        return 0
+
+    device = torch.device("cuda" if cuda else "cpu")
+    gen = torch.Generator(device=device).manual_seed(0)
+    bench = Bench(torch, device, 1, args.repeats if not args.smoke else 1)
+    cases = Cases(torch, rows, args.budget, cuda, T_START)
+    for name, kv_end in (("agent forest", forest), ("causal chain", chain)):
+        layout = Layout(K, torch, name, kv_end, hq, hkv, d, dtype, device, gen)
+        layout.prepare_backward(T, table)
+        for kernel in KERNELS:
+            current = getattr(table, kernel)
+            ordered = [current] + [t for t in tiles if t != current]
+            base_ms = None
+            for tile in ordered:
+                row = dict(op="tree_attention tiles", case=label(kernel, tile) + (" (table)" if tile == current else ""),
+                           shape=layout.shape, baseline=f"table tile {label(kernel, current)}")
+                result = compiled.get(label(kernel, tile))
+                if result is not None and (result.problems or result.replicated) and tile != current:
+                    rows.add(**row, note=f"not timed: {'; '.join(result.problems + result.replicated)}")
+                    continue
+                if not cases.fits("tile", **row):
+                    continue
+                try:
+                    timing = bench.measure(layout.run(T, kernel, with_tile(table, kernel, tile)))
+                except Exception as exc:  # noqa: BLE001 - a tile that fails to launch is a finding
+                    cases.error(exc, ours=tile == current, **row)
+                    continue
+                if tile == current:
+                    base_ms = timing.ms
+                flops = PRODUCTS[kernel] * 2 * d * hq * layout.pairs
+                regs = "" if result is None else f"; {result.registers} registers" + "".join(
+                    f"; {r}" for r in result.replicated)
+                rows.add(**row, ms=timing.ms, warmup_ms=timing.first_ms, baseline_ms=base_ms,
+                         ratio=timing.ms / base_ms if base_ms else None,
+                         note=f"{flops / timing.ms / 1e9:.3g} TFLOP/s{regs}")
+        del layout
+        cases.free()
+    return 1 if cases.failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

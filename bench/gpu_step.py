@@ -159,6 +159,7 @@ class Cost:
     pairs: int
     head_rows: int
     flops: float
+    largest: int  # rows of the largest micro-batch: activation memory grows with the rows of one forward
 
 
 def step_cost(batches, policy) -> Cost:
@@ -176,7 +177,7 @@ def step_cost(batches, policy) -> Cost:
     head_rows = sum(len(np.unique(b.target_rows)) for b in batches)
     flops = (6.0 * layer_params * rows + 3.5 * 4.0 * cfg.num_attention_heads * cfg.head_dim
              * cfg.num_hidden_layers * pairs + 8.0 * cfg.vocab_size * cfg.hidden_size * head_rows)
-    return Cost(rows, pairs, head_rows, flops)
+    return Cost(rows, pairs, head_rows, flops, max((int(b.num_tokens) for b in batches), default=0))
 
 
 # --------------------------------------------------------------------------------------------- the ways
@@ -380,7 +381,7 @@ def main(argv=None) -> int:
         opt = statistics.median(s["optimizer_s"] for s in steps)
         prep_s = statistics.median(s["prepare_s"] for s in steps)
         sec = ms / 1e3
-        r = dict(ms=ms, rows=cost.rows, pairs=cost.pairs, tokens_per_s=cost.rows / sec,
+        r = dict(ms=ms, rows=cost.rows, pairs=cost.pairs, largest=cost.largest, tokens_per_s=cost.rows / sec,
                  unique_tokens_per_s=unique / sec, peak_mib=extra.get("peak_mib", float("nan")),
                  fwd_bwd_s=fwd_bwd)
         results[way] = r
@@ -389,7 +390,8 @@ def main(argv=None) -> int:
                  attention_pairs=cost.pairs, model_tflops=cost.flops / 1e12,
                  achieved_tflops=cost.flops / fwd_bwd / 1e12 if fwd_bwd > 0 else None, repeats=len(steps),
                  note=(f"{cost.rows} rows ({cost.rows / unique:.2f}x the {unique} unique kept tokens), "
-                       f"{cost.pairs / 1e9:.3g}G attention pairs, {extra['batches']} micro-batches; "
+                       f"{cost.pairs / 1e9:.3g}G attention pairs, {extra['batches']} micro-batches (the largest "
+                       f"{cost.largest} rows); "
                        f"{cost.rows / sec:,.0f} rows/s, {unique / sec:,.0f} unique tokens/s; fwd+bwd {fmt_s(fwd_bwd)} "
                        f"({fmt_flop(cost.flops)} by the cost model: {fmt_flop(cost.flops / max(fwd_bwd, 1e-9), True)}), "
                        f"optimizer {fmt_s(opt)}, host prep {fmt_s(prep_s)}; median of {len(steps)}; {note}"))
@@ -470,7 +472,9 @@ def main(argv=None) -> int:
             row["mem_ratio"] = tree["peak_mib"] / base["peak_mib"]
         row["note"] = (f"tree {base['ms'] / tree['ms']:.2f}x faster (goal >= {goal:g}x); "
                        f"{base['rows'] / tree['rows']:.2f}x the tree's rows, "
-                       f"{base['pairs'] / max(tree['pairs'], 1):.2f}x its attention pairs; unique tokens/s "
+                       f"{base['pairs'] / max(tree['pairs'], 1):.2f}x its attention pairs; activations are held for one "
+                       f"micro-batch at a time, the largest {tree['largest']} rows in the tree and {base['largest']} in "
+                       f"{way}; unique tokens/s "
                        f"{tree['unique_tokens_per_s']:,.0f} vs {base['unique_tokens_per_s']:,.0f}")
         rows.add(**row)
 

@@ -8,19 +8,22 @@ the gap to a flash kernel, where the CPU can only count instructions (bench/kern
     python bench/gpu_tiles.py --compile-only 90           # any machine: what each candidate costs on sm_90
 
 Inputs: bench/gpu_kernels.py's attention case (an agent-shaped forest of 16K rows, 32 query / 8
-key-value heads, head dim 128, bf16), then one causal chain of as many rows. Candidates
-(`candidates`): every `KernelTiles` with a block of 64 or 128 rows, a walk of 16 to 128 rows (at most
-the block), 4 or 8 warps, 2 or 3 pipeline stages; each kernel is varied alone, the other two keep
-their table's tile. Before anything runs on the GPU, every candidate's launch is recorded and
-compiled for the device's target in parallel (`clawfast.kernels.aot`: the same specialisation the
-JIT compiles, so its cache then holds them); one that spills registers, needs more shared memory
-than the target has or repeats tensor-core work (`aot.dot_replication`) is a row saying so and is
-not timed (the table's own tile always is). Then each kernel is timed at each remaining
-candidate (CUDA events, the median of ``--repeats`` after one warm-up call, whose time, ``warmup_ms``,
-says whether the JIT found the compiled kernel in its cache), the table's tile first:
-``baseline_ms`` is that tile's time and ``ratio`` = candidate / table (below 1: the candidate is
-faster). The note gives TFLOP/s over the visible (query, key) pairs (the forward's two products per
-pair; dQ's three, the scores recomputed; dK / dV's four) and the registers. A candidate that no
+key-value heads, head dim 128, bf16) and one causal chain of as many rows. Candidates (`candidates`):
+every `KernelTiles` with a block of 64 or 128 rows, a walk of 16 to 128 rows (at most the block), 4 or
+8 warps, 2 or 3 pipeline stages. Each case launches one kernel; dQ and dK / dV read the log-sum-exp
+of a forward run once at its table's tile. Before anything runs on the GPU, every candidate's launch
+is recorded (on a small CPU copy of the inputs: the row count is not specialised) and compiled for
+the device's target in parallel (`clawfast.kernels.aot`: the specialisation the JIT compiles, so its
+cache then holds them); one that spills registers, needs more shared memory than the target has or
+repeats tensor-core work (`aot.dot_replication`) is a row saying so and is not timed (the table's
+own tile always is). With too little of ``--budget`` left for that compile, only the table tiles are
+timed. Then, kernel by kernel and tile by tile (the table's first), each remaining candidate is
+timed on both layouts (CUDA events, the median of ``--repeats`` after one warm-up call, whose time,
+``warmup_ms``, says whether the JIT found the kernel in its cache): ``baseline_ms`` is the table
+tile's time and ``ratio`` = candidate / table (below 1: the candidate is faster). The note gives the
+registers and TFLOP/s over the visible (query, key) pairs, counting the products each kernel runs:
+the forward's two per pair, dQ's three and dK / dV's four (both recompute the scores; 9 in all,
+where bench/gpu_kernels.py's forward+backward figures count flash attention's 7). A case that no
 longer fits ``--budget`` is a row saying it was skipped.
 
 ``--smoke`` runs the same cases tiny under Triton's interpreter (interpreter-sized candidates, no
@@ -35,6 +38,7 @@ import itertools
 import os
 import sys
 import time
+import traceback
 from pathlib import Path
 
 T_START = time.monotonic()
@@ -44,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 KERNELS = ("fwd", "dq", "dkdv")
 # products per visible (query, key) pair and query head, 2 x head dim FLOPs each
 PRODUCTS = {"fwd": 2, "dq": 3, "dkdv": 4}
+COMPILE_S = 25  # seconds the candidates' compile needs on a 16-core GPU machine (~126 CPU-seconds)
 
 
 def parse_args(argv=None):
@@ -55,7 +60,8 @@ def parse_args(argv=None):
                          "(default 60 on a GPU, none in smoke)")
     ap.add_argument("--tokens", type=int, default=16384, help="rows of the forest and of the chain")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="processes compiling the candidates")
+    ap.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)),
+                    help="processes compiling the candidates (default: the CPUs this process may use)")
     ap.add_argument("--tiles", nargs="+", type=_tile, default=None, metavar="BLOCK,WALK,WARPS,STAGES",
                     help="the candidates (default: the grid above)")
     ap.add_argument("--compile-only", type=int, default=None, metavar="ARCH",
@@ -66,27 +72,23 @@ def parse_args(argv=None):
     return args
 
 
-def _tile(text: str):
-    from clawfast.kernels.tree_attention_triton import KernelTiles
-
+def _tile(text: str) -> tuple[int, int, int, int]:
+    """(block, walk, warps, stages) from "B,W,WARPS,STAGES" (a tuple: Triton is not imported before
+    main has chosen compiled or interpreted kernels)."""
     try:
         block, walk, warps, stages = (int(x) for x in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected BLOCK,WALK,WARPS,STAGES (four integers), got {text!r}") from None
     if walk < 1 or block % walk or warps < 1 or stages < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: the walk must divide the block; warps and stages >= 1")
-    return KernelTiles(block, walk, warps, stages)
+    return block, walk, warps, stages
 
 
-def candidates(smoke: bool) -> list:
+def candidates(smoke: bool) -> list[tuple[int, int, int, int]]:
     """The tiles tried for every kernel: (block, walk, warps, stages), walk dividing block."""
-    from clawfast.kernels.tree_attention_triton import KernelTiles
-
     if smoke:  # what the interpreter runs in seconds
-        grid = [(16, 8, 1, 1), (32, 16, 1, 1)]
-    else:
-        grid = itertools.product((64, 128), (16, 32, 64, 128), (4, 8), (2, 3))
-    return [KernelTiles(*t) for t in grid if t[1] <= t[0]]
+        return [(16, 8, 1, 1), (32, 16, 1, 1)]
+    return [t for t in itertools.product((64, 128), (16, 32, 64, 128), (4, 8), (2, 3)) if t[1] <= t[0]]
 
 
 def label(kernel: str, tile) -> str:
@@ -117,6 +119,7 @@ class Layout:
         return lambda: fn(*args, self.lse, self.delta, self.dout, self.mask, self.rule, tiles)
 
     def prepare_backward(self, T, tiles) -> None:
+        """The backward kernels' inputs: the log-sum-exp and rowsum(dO * O) of a forward at ``tiles``."""
         out, self.lse = T.forward_triton(self.q, self.k, self.v, None, self.mask, self.rule, tiles)
         self.delta = (self.dout.to(self.lse.dtype) * out.to(self.lse.dtype)).sum(-1).t().contiguous()
 
@@ -125,22 +128,22 @@ def with_tile(table, kernel: str, tile):
     return dataclasses.replace(table, **{kernel: tile})
 
 
-def compile_candidates(T, torch, layout: Layout, table, tiles: list, arch: int, jobs: int) -> dict:
-    """{label: aot.Result} of every candidate's launch on ``layout``, compiled for sm_``arch`` in
-    ``jobs`` processes (the launches recorded on CPU copies of the inputs before anything runs on the
-    GPU; the forked compiling processes never touch it)."""
+def compile_candidates(T, layout: Layout, table, tiles: list, arch: int, jobs: int) -> dict:
+    """{label: aot.Result} of every candidate's launch on ``layout`` (CPU tensors: nothing runs, the
+    launches are recorded), compiled for sm_``arch`` in ``jobs`` forked processes, which never touch
+    the GPU."""
     from clawfast.kernels import aot
 
     kernels = aot.discover()
     recorder = aot.Recorder(kernels, [arch])
+    # the backward kernels' inputs as a forward would leave them (float32 [Hq, N]), its launch unrecorded
+    layout.lse = layout.q.new_zeros(layout.q.shape[1], layout.n).float()
+    layout.delta = layout.lse.clone()
     with recorder.active(arch):
-        layout.lse = torch.zeros(layout.q.shape[1], layout.n)
-        layout.delta = torch.zeros_like(layout.lse)
         for kernel in KERNELS:
             for tile in tiles:
                 recorder.case = label(kernel, tile)
                 layout.run(T, kernel, with_tile(table, kernel, tile))()
-    layout.lse = layout.delta = None
     results = aot.check(list(recorder.variants.values()), kernels, jobs)
     return {case: r for r in results for case in r.calls}
 
@@ -158,28 +161,38 @@ def main(argv=None) -> int:
     from clawfast.kernels import tree_attention_triton as T
     from clawfast.kernels._common import target_arch
     from gpu_forests import agent_parent, subtree_ends
-    from gpu_kernels_timing import Bench, Cases
+    from gpu_kernels_timing import Bench, Cases, describe
     from rows import Rows
 
     cuda = torch.cuda.is_available()
     if not cuda and not args.smoke and not args.compile_only:
         print("no CUDA device: run with --smoke (TRITON_INTERPRET=1 on the CPU) or --compile-only ARCH")
         return 2
+    if args.compile_only and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        print("--compile-only compiles for a GPU: run it without TRITON_INTERPRET")
+        return 2
     rows = Rows(args.rows)
     n, hq, hkv, d, dtype = ((args.tokens, 32, 8, 128, torch.bfloat16) if not args.smoke
                             else (96, 4, 2, 16, torch.float32))
-    tiles = args.tiles or candidates(args.smoke)
+    tiles = [T.KernelTiles(*t) for t in (args.tiles or candidates(args.smoke))]
     arch = args.compile_only or (target_arch(torch.device("cuda")) if cuda else 0)
     table = T.triton_tiles(dtype, d, arch)
-    parent = agent_parent(torch, n, torch.Generator().manual_seed(n)).tolist()
-    forest = torch.tensor(subtree_ends(parent), dtype=torch.int32)
-    chain = torch.full_like(forest, forest.shape[0] - 1)
+    cases = Cases(torch, rows, args.budget, cuda, T_START)
+
+    def agent_forest(rows: int):
+        parent = agent_parent(torch, rows, torch.Generator().manual_seed(rows)).tolist()
+        return torch.tensor(subtree_ends(parent), dtype=torch.int32)
 
     compiled = {}
-    if arch:
-        host = Layout(K, torch, "agent forest", forest, hq, hkv, d, dtype, torch.device("cpu"), torch.Generator())
+    if arch and not args.compile_only and cases.left() < COMPILE_S:
+        print(f"{max(cases.left(), 0):.0f} s of the budget left, under the ~{COMPILE_S} s the candidates' "
+              "compile needs: only the table tiles are timed", flush=True)
+        tiles = []
+    elif arch:
+        host = Layout(K, torch, "agent forest", agent_forest(min(n, 256)), hq, hkv, d, dtype, torch.device("cpu"),
+                      torch.Generator())
         start = time.monotonic()
-        compiled = compile_candidates(T, torch, host, table, tiles, arch, args.jobs)
+        compiled = compile_candidates(T, host, table, tiles, arch, args.jobs)
         print(f"compiled {len(compiled)} launches for sm_{arch} in {time.monotonic() - start:.0f} s "
               f"({args.jobs} processes)", flush=True)
     if args.compile_only:
@@ -192,18 +205,19 @@ def main(argv=None) -> int:
     device = torch.device("cuda" if cuda else "cpu")
     gen = torch.Generator(device=device).manual_seed(0)
     bench = Bench(torch, device, 1, args.repeats if not args.smoke else 1)
-    cases = Cases(torch, rows, args.budget, cuda, T_START)
-    for name, kv_end in (("agent forest", forest), ("causal chain", chain)):
-        layout = Layout(K, torch, name, kv_end, hq, hkv, d, dtype, device, gen)
+    forest = agent_forest(n)
+    layouts = [Layout(K, torch, name, kv_end, hq, hkv, d, dtype, device, gen)
+               for name, kv_end in (("agent forest", forest), ("causal chain", torch.full_like(forest, len(forest) - 1)))]
+    for layout in layouts:
         layout.prepare_backward(T, table)
-        for kernel in KERNELS:
-            current = getattr(table, kernel)
-            ordered = [current] + [t for t in tiles if t != current]
-            base_ms = None
-            for tile in ordered:
+    for kernel in KERNELS:
+        current = getattr(table, kernel)
+        base_ms = {}
+        for tile in [current] + [t for t in tiles if t != current]:
+            result = compiled.get(label(kernel, tile))
+            for layout in layouts:
                 row = dict(op="tree_attention tiles", case=label(kernel, tile) + (" (table)" if tile == current else ""),
                            shape=layout.shape, baseline=f"table tile {label(kernel, current)}")
-                result = compiled.get(label(kernel, tile))
                 if result is not None and (result.problems or result.replicated) and tile != current:
                     rows.add(**row, note=f"not timed: {'; '.join(result.problems + result.replicated)}")
                     continue
@@ -212,20 +226,22 @@ def main(argv=None) -> int:
                 try:
                     timing = bench.measure(layout.run(T, kernel, with_tile(table, kernel, tile)))
                 except Exception as exc:  # noqa: BLE001 - a tile that fails to launch is a finding
-                    cases.error(exc, ours=tile == current, **row)
+                    if tile == current:
+                        cases.error(exc, ours=True, **row)
+                    else:
+                        traceback.print_exc()
+                        rows.add(**row, note=f"candidate failed: {describe(exc)}")
+                        cases.free()
                     continue
                 if tile == current:
-                    base_ms = timing.ms
+                    base_ms[layout.name] = timing.ms
+                base = base_ms.get(layout.name)
                 flops = PRODUCTS[kernel] * 2 * d * hq * layout.pairs
                 regs = "" if result is None else f"; {result.registers} registers" + "".join(
                     f"; {r}" for r in result.replicated)
-                rows.add(**row, ms=timing.ms, warmup_ms=timing.first_ms, baseline_ms=base_ms,
-                         ratio=timing.ms / base_ms if base_ms else None,
-                         note=f"{flops / timing.ms / 1e9:.3g} TFLOP/s{regs}")
-        del layout
-        cases.free()
+                rows.add(**row, ms=timing.ms, warmup_ms=timing.first_ms, baseline_ms=base,
+                         ratio=timing.ms / base if base else None, note=f"{flops / timing.ms / 1e9:.3g} TFLOP/s{regs}")
     return 1 if cases.failures else 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -254,5 +254,5 @@ def test_the_tile_sweep_compiles_its_candidates_for_the_gpu_first():
     assert sorted(notes) == sorted(f"{k} {t}" for k in ("fwd", "dq", "dkdv") for t in ("128x16 w8 s2", "64x64 w4 s2"))
     for note in notes.values():  # e.g. "224 registers, 0 B spilled, 83072 B shared; ok"
         spilled = int(re.search(r"(\d+) B spilled", note)[1])
-        assert ("spills" in note) == (spilled > 0) and ("; ok" in note) == (spilled == 0), notes
+        assert ("spills" in note) == (spilled > 0) and not ("; ok" in note and spilled), notes
     assert any("spills" in note for note in notes.values())  # 64x64 dK / dV on 4 warps: two 64x128 accumulators

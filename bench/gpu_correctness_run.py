@@ -68,7 +68,7 @@ def _setup(smoke: bool):
         if not smoke:
             raise SystemExit("gpu_correctness: no CUDA device (use --smoke on a CPU)")
         os.environ["TRITON_INTERPRET"] = "1"
-    torch.backends.cuda.matmul.allow_tf32 = False  # float32 cuBLAS in the log-prob backward: IEEE
+    torch.backends.cuda.matmul.allow_tf32 = False  # float32 cuBLAS in the log-prob matmuls: IEEE
     torch.backends.cudnn.allow_tf32 = False
     import clawfast.kernels  # noqa: F401 - after TRITON_INTERPRET
 

@@ -5,7 +5,7 @@ streamed through bench/rows.py the moment it finishes (most valuable first).
     python bench/gpu_kernels.py --smoke --rows ROWS.jsonl   # tiny sizes; CPU + TRITON_INTERPRET=1 without a GPU
 
 Timings only: correctness is bench/gpu_correctness.py's. Each timed function runs once on its own
-first (Triton compiles and autotunes there: reported as ``warmup_ms`` and in the note), then
+first (Triton compiles there: reported as ``warmup_ms`` and in the note), then
 ``--warmup - 1`` more untimed calls, then ``--repeats`` timed calls (CUDA events; the median).
 Peak memory is the allocator's high-water mark over the timed calls above what was allocated before
 them. ``ratio`` = our ms / the baseline's ms (below 1: ours faster); ``mem_ratio`` likewise for peak
@@ -31,7 +31,7 @@ from the script's start) is a row saying it was skipped. In order:
    host; ``importance_weights`` (token, sequence level) and ``policy_loss`` (forward+backward), Triton
    vs the torch path.
 4. ``tree_logprobs`` forward+backward with the entropy's gradient too (the trainer with an entropy
-   bonus; one more autotune) vs three matmuls.
+   bonus; one more compiled variant) vs three matmuls.
 5. ``tree_attention`` Triton vs FlexAttention (compiled; its compile reported), then the larger
    forests of ``--attention-tokens`` (64K) vs dense SDPA, as the budget allows.
 
@@ -76,7 +76,7 @@ def parse_args(argv=None):
                     help="rows of the attention forests: the first in section 2, the others last")
     ap.add_argument("--gae-tokens", type=int, default=16384, help="rows of the GAE / IS / loss cases")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--warmup", type=int, default=1, help="untimed calls, the first (compile, autotune) included")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed calls, the first (compile) included")
     args = ap.parse_args(argv)
     if args.budget is None and not args.smoke:
         args.budget = 85.0

@@ -56,8 +56,8 @@ def bench_logprobs(K, torch, bench, cases, rows, device, n, d, v, gen, backend):
     out = {}
     # (key, case, ours, its matmul baseline, how many matmuls, bar, what the first call compiles)
     for key, case, fn, base_fn, mms, bar, first in (
-            ("nograd", "no-grad forward", ours_nograd, one_mm, 1, "<= 1.2", "Triton compile + autotune"),
-            ("fb", "fwd+bwd (log-likelihood)", ours_fwd_bwd(), three_mm, 3, "<= 1.5", "backward compile + autotune")):
+            ("nograd", "no-grad forward", ours_nograd, one_mm, 1, "<= 1.2", "Triton compile"),
+            ("fb", "fwd+bwd (log-likelihood)", ours_fwd_bwd(), three_mm, 3, "<= 1.5", "backward compile")):
         row = dict(op=op, case=case, shape=shape)
         if not cases.fits("logprobs", **row):
             continue
@@ -155,7 +155,7 @@ def bench_logprobs(K, torch, bench, cases, rows, device, n, d, v, gen, backend):
 
 
 def bench_logprobs_entropy(bench, cases, rows, lp):
-    """Section 4: the trainer's form with an entropy bonus (the entropy's gradient: one more autotune)."""
+    """Section 4: the trainer's form with an entropy bonus (the entropy's gradient: one more compiled variant)."""
     if "run_entropy" not in lp:
         return
     row = dict(op="tree_logprobs", case="fwd+bwd (log-likelihood + entropy)", shape=lp["shape"])
@@ -166,6 +166,6 @@ def bench_logprobs_entropy(bench, cases, rows, lp):
         mm3 = bench.measure(lp["three_mm"])
         extra = f"{ours.ms / lp['fb'].ms:.2f}x the log-likelihood-only time" if "fb" in lp else ""
         rows.add(**versus(ours, mm3, **row, baseline="3 bf16 matmuls (logits, dh, dW)", bar="<= 1.5", note=note(
-            f"first call {secs(ours.first_ms)} (the entropy-gradient variant's compile + autotune)", extra)))
+            f"first call {secs(ours.first_ms)} (the entropy-gradient variant's compile)", extra)))
     except Exception as exc:  # noqa: BLE001
         cases.error(exc, ours=True, **row)

@@ -31,7 +31,7 @@ per micro-batch. One step = forward + backward over every micro-batch, gradient 
   stratified subset of its samples (every m-th by length) is timed and its forward+backward time
   scaled by the cost-model ratio (full / subset), which the row says.
 
-Timing: the tree runs one full warm-up step (Triton compiles and autotunes; reported), then
+Timing: the tree runs one full warm-up step (Triton compiles; reported), then
 ``--repeats`` timed steps (median); per-leaf warms up on one micro-batch; per-call shares that
 warm-up (the same kernels). Times are wall clock with the device synchronised. Peak memory: the
 allocator's high-water mark during the timed steps above what was allocated before them (weights
@@ -444,7 +444,7 @@ def main(argv=None) -> int:
     try:
         run.cleanup()
         t0 = time.perf_counter()
-        run.tree_step(rollouts)  # warm-up: Triton compiles + autotunes, AdamW state, cuBLAS handles
+        run.tree_step(rollouts)  # warm-up: Triton compiles, AdamW state, cuBLAS handles
         warm = time.perf_counter() - t0
         before = run.reset_peak()
         steps = []
@@ -454,7 +454,7 @@ def main(argv=None) -> int:
             steps.append(run.tree_step(rollouts))
         peak = run.peak_mib(before)
         report("tree", tree_case, steps, tree_cost, dict(peak_mib=peak, batches=len(prep.batches)),
-               f"warm-up step {warm:.1f} s (compiles, autotune); "
+               f"warm-up step {warm:.1f} s (compiles); "
                + (f"static (weights, AdamW state) {before / 2**20:,.0f} MiB; " if cuda else "") +
                f"loss {steps[-1]['loss']:.4g}")
     except Exception as exc:  # noqa: BLE001 - reported as this way's row; the next way still runs

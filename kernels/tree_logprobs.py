@@ -7,27 +7,32 @@ of its targets. Returned: ``logprobs[M]`` (float32; float64 for float64 inputs) 
 every row's next-token distribution ``entropy[N]``.
 
 Layers (one op, one name):
-- ``_tree_logprobs_fwd_kernel``: Triton, one program per block of rows, tiles over the vocabulary
-  with an online log-sum-exp; writes the log-normaliser ``lse[N]`` and ``entropy[N]``.
+- The algorithm, on every path: the rows are taken a chunk at a time; a chunk's float32 logits
+  [C, V] are one matmul, and a pass over them gives each row's log-normaliser ``lse[N]`` and entropy
+  ``entropy[N]`` (online max, so logits of any finite size are safe); the backward recomputes a
+  chunk's logits, turns them into their gradient and multiplies that by ``weight`` / ``hidden``.
+- ``_logits``: the chunk matmul, torch's (cuBLAS on a GPU, writing float32 from half-precision
+  operands). A fused Triton matmul ran this at 1.64x one bf16 matmul on an H200 (2026-12-04),
+  cuBLAS's own speed being the point of the split.
+- ``_tree_logprobs_fwd_kernel``: Triton, the pass over a forward chunk (lse, entropy).
 - ``_tree_logprobs_target_kernel``: Triton, one dot product per target minus its row's ``lse``.
-- ``_tree_logprobs_bwd_kernel``: Triton, recomputes one [rows, vocab] logits tile and writes the
-  gradient of the logits (dense softmax part, entropy part, and each row's own targets) for one
-  chunk of rows; the host then multiplies that chunk by ``weight`` / ``hidden`` with cuBLAS.
-  On a GPU the tile shapes of both tile kernels are picked by ``triton.autotune`` per (V, d,
-  dtype); in the interpreter they are fixed 16 x 16 x 16.
-- ``_forward_torch`` / ``_grad_chunk_torch``: the CPU fast path, the same algorithm chunked over rows
-  in plain torch (a chunk of logits [C, V] lives at a time, never [N, V]).
+- ``_tree_logprobs_bwd_kernel``: Triton, the gradient of a chunk's logits (dense softmax part,
+  entropy part, and each row's own targets), in the inputs' dtype for the two cuBLAS products.
+- ``_forward_torch`` / ``_grad_chunk_torch``: the CPU fast path, the same algorithm in plain torch.
 - ``TreeLogprobsFunction`` (autograd), ``tree_logprobs`` and ``linear_logprobs`` (entry points).
 
 Guaranteed: accumulation in float32 (float64 for float64 inputs on the torch path) whatever the
-input dtype; the forward does no gradient work (the backward recomputes the logits), so a no-grad
-pass costs one matmul pass; NaN/inf in ``hidden`` or ``weight`` raises ValueError (detected through
-the N log-normalisers, one host sync). Logits of any finite size are safe (online max shift).
+input dtype (float32 inputs follow torch's float32 matmul precision, ``torch.backends.cuda.matmul``);
+the forward does no gradient work (the backward recomputes the logits), so a no-grad pass costs one
+matmul pass; NaN/inf in ``hidden`` or ``weight`` raises ValueError (detected through the N
+log-normalisers, one host sync).
 Not guaranteed: bitwise equality with the reference (summation order differs); determinism of the
 weight gradient across chunk sizes (it is summed chunk by chunk in float32).
 
-Memory: the forward keeps two [C, V] buffers (CPU) or none (Triton); the backward keeps one [C, V]
-gradient chunk plus a float32 [V, d] weight-gradient accumulator when the weight is not float32.
+Memory, never [N, V]: the forward keeps one chunk of float32 logits (GPU: 2**26 = 256 MiB; CPU: two
+[C, V] buffers of 2**24); the backward one float32 chunk (GPU: 2**28 = 1 GiB) and its gradient in
+the inputs' dtype (written over the chunk for float32), plus a float32 [V, d] weight-gradient
+accumulator when the weight is not float32.
 """
 
 from __future__ import annotations
@@ -56,18 +61,29 @@ if HAS_TRITON:
 #                     1024 rows: fwd+bwd 0.78 / 0.147, no-grad 1.54 / 0.188   (misses the 1/8 bar)
 # The memory ratios are deterministic; the time ratios carry the noise of a loaded machine.
 _CPU_CHUNK_ELEMS = 1 << 24
-# GPU backward chunk: 2**28 logits (512 MiB in bf16), i.e. ~1.7K rows at V=152K, big enough for
-# cuBLAS to run at full speed on the two gradient matmuls of each chunk.
-_GPU_CHUNK_ELEMS = 1 << 28
+# GPU chunks of float32 logits. The forward's 2**26 (256 MiB; 512 rows at V=128K) keep cuBLAS at full
+# speed while a no-grad pass holds little memory. The backward's 2**28 (1 GiB, plus the gradient in
+# the inputs' dtype; 2K rows at V=128K) are larger because its float32 weight-gradient accumulator
+# ([V, d], 2 GiB at V=128K, d=4096) is read and written once per chunk.
+_GPU_FWD_CHUNK_ELEMS = 1 << 26
+_GPU_BWD_CHUNK_ELEMS = 1 << 28
+# GPU chunks hold a multiple of 256 rows, a whole number of cuBLAS's row tiles (128 or 256 rows on
+# large matrices): 523 rows would compute 640 or 768.
+_GPU_ROW_ALIGN = 256
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def _chunk_rows(n: int, v: int, chunk_rows: int | None, elems: int) -> int:
+def _chunk_rows(n: int, v: int, chunk_rows: int | None, elems: int, align: int = 1) -> int:
+    """Rows per [rows, V] chunk: ``chunk_rows`` if given, else as many as ``elems`` logits hold,
+    rounded down to a multiple of ``align`` where they hold at least that many."""
     if chunk_rows is not None:
         if chunk_rows < 1:
             raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
         return chunk_rows
-    return max(1, min(max(n, 1), elems // max(v, 1)))
+    rows = elems // max(v, 1)
+    if rows >= align:
+        rows -= rows % align
+    return max(1, min(max(n, 1), rows))
 
 
 def _sort_targets(target_rows: torch.Tensor, n: int):
@@ -155,46 +171,26 @@ def _grad_chunk_torch(h_chunk, w, s, lse, ent, gsum, gent, s_rows, s_ids, s_glp,
 
 if HAS_TRITON:
 
-    @triton.jit
-    def _logits_tile(h_ptr, w_ptr, rows, cols, row_ok, col_ok, D, stride_h, stride_w,
-                     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
-                     TF32X3: tl.constexpr, UPCAST: tl.constexpr):
-        """hidden[rows] @ weight[cols].T as a float32 [BLOCK_N, BLOCK_V] tile."""
-        acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
-        h_base = h_ptr + rows.to(tl.int64)[:, None] * stride_h
-        w_base = w_ptr + cols.to(tl.int64)[:, None] * stride_w
-        for k0 in range(0, D, BLOCK_D):
-            ks = k0 + tl.arange(0, BLOCK_D)
-            k_ok = ks < D
-            h = tl.load(h_base + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_base + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-            if UPCAST:  # Triton 3.9's interpreter returns garbage for bf16 tl.dot; GPUs never take this
-                h = h.to(tl.float32)
-                w = w.to(tl.float32)
-            if TF32X3:  # float32 operands: three TF32 products keep float32 accuracy on tensor cores
-                acc = tl.dot(h, tl.trans(w), acc, input_precision="tf32x3")
-            else:
-                acc = tl.dot(h, tl.trans(w), acc)
-        return acc
-
-    # Sizes and offsets vary from launch to launch: specialising them (== 1, divisible by 16) would only
-    # compile more variants for nothing: they bound masks and loops, they are never strides.
-    @triton.jit(do_not_specialize=['N', 'V'])
-    def _tree_logprobs_fwd_kernel(h_ptr, w_ptr, lse_ptr, ent_ptr, N, V, D, stride_h, stride_w,
-                                  inv_temp, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
-                                  BLOCK_D: tl.constexpr, TF32X3: tl.constexpr,
-                                  UPCAST: tl.constexpr):
+    # Row counts and offsets vary from launch to launch: specialising them (== 1, divisible by 16) would
+    # only compile more variants. The vocabulary V is specialised: it is fixed for a model, and V
+    # divisible by 16 (128,256; 151,936) makes the column mask constant over 16 entries, so the chunk
+    # is read (and the gradient written) in 16-byte vectors, not 4-byte words.
+    @triton.jit(do_not_specialize=['n_rows'])
+    def _tree_logprobs_fwd_kernel(z_ptr, lse_ptr, ent_ptr, n_rows, V, stride_z, inv_temp,
+                                  BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
+        """Per row of a float32 logits chunk: the log-normaliser and the entropy of softmax(z / T),
+        one pass over the vocabulary with an online max."""
         pid = tl.program_id(0)
         rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_ok = rows < N
+        row_ok = rows < n_rows
+        z_rows = z_ptr + rows.to(tl.int64)[:, None] * stride_z
         m = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)  # running max
         s = tl.zeros([BLOCK_N], dtype=tl.float32)  # sum exp(z - m)
         a = tl.zeros([BLOCK_N], dtype=tl.float32)  # sum exp(z - m) * (z - m)
         for v0 in range(0, V, BLOCK_V):
             cols = v0 + tl.arange(0, BLOCK_V)
             col_ok = cols < V
-            z = _logits_tile(h_ptr, w_ptr, rows, cols, row_ok, col_ok, D, stride_h, stride_w,
-                             BLOCK_N, BLOCK_V, BLOCK_D, TF32X3, UPCAST) * inv_temp
+            z = tl.load(z_rows + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0) * inv_temp
             z = tl.where(col_ok[None, :], z, float("-inf"))
             m_new = tl.maximum(m, tl.max(z, 1))
             # rescale to the new max: sum e^{z-m}(z-m) -> e^{m-m_new} (a + s (m - m_new));
@@ -231,13 +227,12 @@ if HAS_TRITON:
         lse = tl.load(lse_ptr + r, mask=ok, other=0.0)
         tl.store(out_ptr + offs, acc * inv_temp - lse, mask=ok)
 
-    @triton.jit(do_not_specialize=['row0', 'n_rows', 'V', 'max_targets'])
-    def _tree_logprobs_bwd_kernel(h_ptr, w_ptr, lse_ptr, ent_ptr, gsum_ptr, gent_ptr, ptr_ptr,
-                                  tid_ptr, tg_ptr, gz_ptr, row0, n_rows, V, D, stride_h, stride_w,
-                                  stride_gz, inv_temp, max_targets, HAS_GENT: tl.constexpr,
-                                  BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
-                                  BLOCK_D: tl.constexpr, TF32X3: tl.constexpr,
-                                  UPCAST: tl.constexpr):
+    @triton.jit(do_not_specialize=['row0', 'n_rows', 'max_targets'])
+    def _tree_logprobs_bwd_kernel(z_ptr, lse_ptr, ent_ptr, gsum_ptr, gent_ptr, ptr_ptr, tid_ptr, tg_ptr,
+                                  gz_ptr, row0, n_rows, V, stride_z, stride_gz, inv_temp, max_targets,
+                                  HAS_GENT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
+        """The gradient of the loss w.r.t. one tile of a logits chunk (rows row0 + local), written in the
+        inputs' dtype; ``gz`` may be ``z`` itself (each program reads its tile before writing it)."""
         pid_n = tl.program_id(0)
         pid_v = tl.program_id(1)
         local = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -245,8 +240,9 @@ if HAS_TRITON:
         rows = row0 + local
         cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
         col_ok = cols < V
-        z = _logits_tile(h_ptr, w_ptr, rows, cols, row_ok, col_ok, D, stride_h, stride_w,
-                         BLOCK_N, BLOCK_V, BLOCK_D, TF32X3, UPCAST) * inv_temp
+        tile_ok = row_ok[:, None] & col_ok[None, :]
+        z = tl.load(z_ptr + local.to(tl.int64)[:, None] * stride_z + cols[None, :], mask=tile_ok,
+                    other=0.0) * inv_temp
         lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
         logp = z - lse[:, None]
         p = tl.exp(logp)
@@ -266,54 +262,50 @@ if HAS_TRITON:
             g += tl.where(cols[None, :] == tid[:, None], tg[:, None], 0.0)
         g = g * inv_temp
         out = gz_ptr + local.to(tl.int64)[:, None] * stride_gz + cols[None, :]
-        tl.store(out, g.to(gz_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+        tl.store(out, g.to(gz_ptr.dtype.element_ty), mask=tile_ok)
 
 
-    # GPU tile shapes (BLOCK_N, BLOCK_V, BLOCK_D, num_warps, num_stages), picked per (V, D) by Triton's
-    # autotuner at the first call (the benchmark's warm-up) from the list of the operands' precision;
-    # every config computes the same values, only the speed differs. Each list holds only configs
-    # that neither spill registers nor exceed sm_80's shared memory (`clawfast.kernels.aot` compiles
-    # them all for sm_80 and sm_90): float32 operands take three TF32 products, twice the bytes. The
-    # three products feed one another, so for sm_90 Triton stacks the warps along BLOCK_N, 16 rows
-    # each: a float32 config has at least 16 x num_warps rows, or its warps repeat the products
-    # (`aot.dot_replication`).
-    _GPU_CONFIGS = {
-        "half": ((64, 128, 64, 8, 3), (128, 128, 64, 8, 3), (64, 256, 64, 8, 4)),
-        "float32": ((64, 64, 32, 4, 3), (128, 64, 32, 8, 3), (64, 128, 16, 4, 3)),
-    }
-
-    def _tuned(kernel, key, precision):
-        configs = [triton.Config({"BLOCK_N": bn, "BLOCK_V": bv, "BLOCK_D": bd}, num_warps=w, num_stages=st)
-                   for bn, bv, bd, w, st in _GPU_CONFIGS[precision]]
-        return triton.autotune(configs, key=key)(kernel)
-
-    _FWD_TUNED = {p: _tuned(_tree_logprobs_fwd_kernel, ["V", "D"], p) for p in _GPU_CONFIGS}
-    _BWD_TUNED = {p: _tuned(_tree_logprobs_bwd_kernel, ["V", "D", "HAS_GENT"], p) for p in _GPU_CONFIGS}
-
-# the interpreter runs every program in Python: smallest tiles tl.dot accepts
-_INTERPRETER_TILES = dict(BLOCK_N=16, BLOCK_V=16, BLOCK_D=16, num_warps=1, num_stages=1)
+# Tiles of the two chunk kernels (BLOCK_N rows x BLOCK_V vocabulary entries, warps). Both stream a
+# float32 chunk from memory once (no tensor-core work), so they are memory-bound: the tiles keep 16
+# entries per thread in flight (4 vector loads) in few registers (sm_80 / sm_90: the forward 48-51,
+# the backward 72, `python -m clawfast.kernels.aot --only logprobs`), and the forward's one row per
+# program gives a 512-row chunk 512 programs, about 4 per SM. The interpreter runs every program in
+# Python; its tiles are small so that the tests' vocabularies take several tiles (the online max's
+# rescaling).
+_FWD_TILES = dict(BLOCK_N=1, BLOCK_V=4096, num_warps=8)
+_BWD_TILES = dict(BLOCK_N=4, BLOCK_V=512, num_warps=4)
+_INTERPRETER_TILES = dict(BLOCK_N=16, BLOCK_V=16, num_warps=1)
 
 
-def _precision(hidden: torch.Tensor) -> str:
-    return "float32" if hidden.dtype == torch.float32 else "half"
+def _matmul_weight(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The weight as the chunk matmuls (`_logits`) take it: as it is on CUDA, where cuBLAS writes
+    float32 logits from half-precision operands; upcast once elsewhere (the interpreter's CPU
+    tensors: torch has no such CPU matmul)."""
+    return weight if hidden.is_cuda else weight.float()
 
 
-def _upcast(hidden: torch.Tensor) -> bool:
-    return hidden.dtype == torch.bfloat16 and triton_interpret()
+def _logits(h_rows: torch.Tensor, w_mm: torch.Tensor) -> torch.Tensor:
+    """``h_rows @ w_mm.T`` as float32 [C, V]: products of half-precision values are exact in float32
+    and cuBLAS accumulates in float32, so these are the logits a fused kernel would compute, at
+    cuBLAS's speed. float32 operands follow torch's float32 matmul precision."""
+    if h_rows.dtype == w_mm.dtype != torch.float32:  # half precision on CUDA
+        return torch.mm(h_rows, w_mm.t(), out_dtype=torch.float32)
+    return torch.mm(h_rows.float(), w_mm.t())
 
 
-def _forward_triton(hidden, weight, rows, ids, inv_temp):
+def _forward_triton(hidden, weight, rows, ids, inv_temp, chunk):
     n, d = hidden.shape
     v, m = weight.shape[0], rows.shape[0]
     hidden, weight = hidden.contiguous(), weight.contiguous()
     lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
     ent = torch.empty(n, dtype=torch.float32, device=hidden.device)
-    if n:
-        kernel, tiles = ((_tree_logprobs_fwd_kernel, _INTERPRETER_TILES) if triton_interpret()
-                         else (_FWD_TUNED[_precision(hidden)], {}))
-        kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](
-            hidden, weight, lse, ent, n, v, d, hidden.stride(0), weight.stride(0), inv_temp,
-            TF32X3=hidden.dtype == torch.float32, UPCAST=_upcast(hidden), **tiles)
+    tiles = _INTERPRETER_TILES if triton_interpret() else _FWD_TILES
+    w_mm = _matmul_weight(hidden, weight)
+    for s in range(0, n, chunk):
+        e = min(s + chunk, n)
+        z = _logits(hidden[s:e], w_mm)
+        _tree_logprobs_fwd_kernel[(triton.cdiv(e - s, tiles["BLOCK_N"]),)](
+            z, lse[s:e], ent[s:e], e - s, v, z.stride(0), inv_temp, **tiles)
     lp = torch.empty(m, dtype=torch.float32, device=hidden.device)
     if m:
         bm, bd = (16, 16) if triton_interpret() else (64, 64)
@@ -323,17 +315,16 @@ def _forward_triton(hidden, weight, rows, ids, inv_temp):
     return lp, ent, lse
 
 
-def _grad_chunk_triton(hidden, weight, s, e, lse, ent, gsum, gent, row_ptr, s_ids, s_glp,
-                       max_targets, inv_temp):
-    v, d = weight.shape
-    gz = torch.empty(e - s, v, dtype=hidden.dtype, device=hidden.device)
-    kernel, tiles = ((_tree_logprobs_bwd_kernel, _INTERPRETER_TILES) if triton_interpret()
-                     else (_BWD_TUNED[_precision(hidden)], {}))
-    kernel[lambda meta: (triton.cdiv(e - s, meta["BLOCK_N"]), triton.cdiv(v, meta["BLOCK_V"]))](
-        hidden, weight, lse, ent, gsum, gent if gent is not None else gsum, row_ptr, s_ids, s_glp,
-        gz, s, e - s, v, d, hidden.stride(0), weight.stride(0), gz.stride(0), inv_temp,
-        max_targets, HAS_GENT=gent is not None, TF32X3=hidden.dtype == torch.float32,
-        UPCAST=_upcast(hidden), **tiles)
+def _grad_chunk_triton(h_rows, w_mm, s, lse, ent, gsum, gent, row_ptr, s_ids, s_glp, max_targets, inv_temp):
+    """Gradient of the loss w.r.t. the logits of rows [s, s + C), in ``h_rows``' dtype: written over
+    the float32 logits chunk itself for float32 inputs."""
+    z = _logits(h_rows, w_mm)
+    c, v = z.shape
+    gz = z if h_rows.dtype == torch.float32 else torch.empty(c, v, dtype=h_rows.dtype, device=z.device)
+    tiles = _INTERPRETER_TILES if triton_interpret() else _BWD_TILES
+    _tree_logprobs_bwd_kernel[(triton.cdiv(c, tiles["BLOCK_N"]), triton.cdiv(v, tiles["BLOCK_V"]))](
+        z, lse, ent, gsum, gent if gent is not None else gsum, row_ptr, s_ids, s_glp, gz, s, c, v,
+        z.stride(0), gz.stride(0), inv_temp, max_targets, HAS_GENT=gent is not None, **tiles)
     return gz
 
 
@@ -374,14 +365,14 @@ def _backward(hidden, weight, rows, ids, lse, ent, g_lp, g_ent, inv_temp, backen
     if backend == "triton":
         hidden, weight = hidden.contiguous(), weight.contiguous()
         max_targets = int(counts.max()) if m else 0
-        w_mm = weight
+        w_logits, w_mm = _matmul_weight(hidden, weight), weight
     else:
         ptr = row_ptr.tolist()
         w_mm = weight.to(dt)
     for s in range(0, n, chunk):
         e = min(s + chunk, n)
         if backend == "triton":
-            gz = _grad_chunk_triton(hidden, weight, s, e, lse, ent, gsum, gent, row_ptr, s_ids,
+            gz = _grad_chunk_triton(hidden[s:e], w_logits, s, lse, ent, gsum, gent, row_ptr, s_ids,
                                     s_glp, max_targets, inv_temp)
             h_mm = hidden[s:e]
         else:
@@ -403,7 +394,8 @@ class TreeLogprobsFunction(torch.autograd.Function):
     def forward(ctx, hidden, weight, target_rows, target_ids, temperature, backend, chunk_rows):
         inv_temp = 1.0 / temperature
         if backend == "triton":
-            lp, ent, lse = _forward_triton(hidden, weight, target_rows, target_ids, inv_temp)
+            chunk = _chunk_rows(hidden.shape[0], weight.shape[0], chunk_rows, _GPU_FWD_CHUNK_ELEMS, _GPU_ROW_ALIGN)
+            lp, ent, lse = _forward_triton(hidden, weight, target_rows, target_ids, inv_temp, chunk)
         else:
             chunk = _chunk_rows(hidden.shape[0], weight.shape[0], chunk_rows, _CPU_CHUNK_ELEMS)
             lp, ent, lse = _forward_torch(hidden, weight, target_rows, target_ids, inv_temp, chunk)
@@ -419,8 +411,8 @@ class TreeLogprobsFunction(torch.autograd.Function):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if (g_lp is None and g_ent is None) or not (need_h or need_w):
             return None, None, None, None, None, None, None
-        elems = _GPU_CHUNK_ELEMS if ctx.backend == "triton" else _CPU_CHUNK_ELEMS
-        chunk = _chunk_rows(hidden.shape[0], weight.shape[0], ctx.chunk_rows, elems)
+        elems, align = (_GPU_BWD_CHUNK_ELEMS, _GPU_ROW_ALIGN) if ctx.backend == "triton" else (_CPU_CHUNK_ELEMS, 1)
+        chunk = _chunk_rows(hidden.shape[0], weight.shape[0], ctx.chunk_rows, elems, align)
         g_h, g_w = _backward(hidden, weight, rows, ids, lse, ent, g_lp, g_ent, ctx.inv_temp,
                              ctx.backend, chunk, need_h, need_w)
         return g_h, g_w, None, None, None, None, None
@@ -458,7 +450,7 @@ def tree_logprobs(hidden: torch.Tensor, weight: torch.Tensor, target_rows: torch
     Returns ``(logprobs[M], entropy[N])`` in float32 (float64 for float64 inputs), differentiable
     w.r.t. ``hidden`` and ``weight``. ``backend``: "auto" (Triton on CUDA, torch otherwise),
     "torch" or "triton" (CPU tensors need TRITON_INTERPRET=1). ``chunk_rows`` overrides the number
-    of rows per [rows, V] chunk (torch forward and both backward paths).
+    of rows per [rows, V] chunk of logits (every path).
     """
     _check_inputs(hidden, weight, target_rows, target_ids, temperature)
     backend = pick_backend(backend, hidden, weight, triton_refuses=refuses_dtype(hidden.dtype))

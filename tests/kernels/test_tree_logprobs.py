@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 from clawfast.kernels import linear_logprobs, linear_logprobs_ref, tree_logprobs, tree_logprobs_ref
 from kernel_testing import TOL_FWD, TOL_GRAD, rel_err
 from torch.utils._python_dispatch import TorchDispatchMode
+
+tree_logprobs_module = importlib.import_module("clawfast.kernels.tree_logprobs")
 
 
 def _problem(n, d, v, m, dtype, device="cpu", scale=1.0, seed=0):
@@ -167,13 +171,27 @@ class _CountMatmuls(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("grad", [False, True])
-def test_forward_is_one_matmul_pass(grad):
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.triton)])
+def test_forward_is_one_matmul_pass(grad, backend, request):
     """No-grad or not, the forward multiplies hidden by weight exactly once (N x V products)."""
-    h, w, rows, ids = _problem(130, 24, 300, 90, torch.float32)
+    device = request.getfixturevalue("triton_device") if backend == "triton" else "cpu"
+    h, w, rows, ids = _problem(130, 24, 300, 90, torch.float32, device=device)
     h.requires_grad_(grad)
     with _CountMatmuls() as count, torch.set_grad_enabled(grad):
-        tree_logprobs(h, w, rows, ids, backend="torch", chunk_rows=29)
+        tree_logprobs(h, w, rows, ids, backend=backend, chunk_rows=29)
     assert count.rows == 130 * 300
+
+
+@pytest.mark.parametrize("n, v", [(32768, 128256), (100, 151936), (5000, 4096), (70, 1 << 22), (0, 10)])
+def test_gpu_chunks_are_whole_row_tiles(n, v):
+    """A GPU chunk holds at most its budget of logits, in a multiple of 256 rows where the budget
+    holds 256 rows, and never more rows than there are."""
+    for elems in (tree_logprobs_module._GPU_FWD_CHUNK_ELEMS, tree_logprobs_module._GPU_BWD_CHUNK_ELEMS):
+        rows = tree_logprobs_module._chunk_rows(n, v, None, elems, tree_logprobs_module._GPU_ROW_ALIGN)
+        assert 1 <= rows <= max(n, 1) and (rows * v <= elems or rows == 1)
+        if n >= elems // v >= 256:
+            assert rows % 256 == 0 and rows > elems // v - 256, rows
+    assert tree_logprobs_module._chunk_rows(32768, 128256, None, 1 << 26, 256) == 512
 
 
 def test_linear_logprobs_matches_naive():

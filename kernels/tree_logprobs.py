@@ -329,19 +329,19 @@ def _grad_chunk_triton(h_rows, w_mm, s, lse, ent, gsum, gent, row_ptr, s_ids, s_
 
 
 def _accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """acc += a @ b, with acc float32 and a, b possibly half precision."""
+    """acc += a @ b, with acc float32 and a, b possibly half precision: their products are summed in
+    float32, never rounded to the operands' dtype first."""
     if acc.dtype == a.dtype:
         acc.addmm_(a, b)
-        return
-    if acc.is_cuda:
-        # cuBLAS writes the float32 sum directly (no [V, d] half-precision temporary); older
-        # torch builds lack the out_dtype overload and take the plain route below, same values
-        try:
+    elif not acc.is_cuda:  # torch has no half x half -> float32 matmul on a CPU (the interpreter's tensors)
+        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
+    else:
+        try:  # one cuBLAS pass that reads and writes the float32 sum
             torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
-            return
-        except (RuntimeError, TypeError):
-            pass
-    acc += torch.mm(a, b)
+        except RuntimeError:
+            # releases whose addmm takes its float32 ``self`` only in the operands' dtype (2.8: "self
+            # and mat2 must have the same dtype"): the same sum through a float32 temporary
+            acc.add_(torch.mm(a, b, out_dtype=acc.dtype))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ class Bench:
             self.torch.cuda.synchronize()
 
     def measure(self, fn, repeats: int | None = None) -> Timing:
-        """The first call alone (compile / autotune), warm-up calls, then timed calls; the peak memory
+        """The first call alone (compile), warm-up calls, then timed calls; the peak memory
         of the timed calls above what was allocated before them (NaN on a CPU)."""
         torch = self.torch
         self.sync()

@@ -32,7 +32,8 @@ weight gradient across chunk sizes (it is summed chunk by chunk in float32).
 Memory, never [N, V]: the forward keeps one chunk of float32 logits (GPU: 2**26 = 256 MiB; CPU: two
 [C, V] buffers of 2**24); the backward one float32 chunk (GPU: 2**28 = 1 GiB) and its gradient in
 the inputs' dtype (written over the chunk for float32), plus a float32 [V, d] weight-gradient
-accumulator when the weight is not float32.
+accumulator when the weight is not float32 (and, on torch releases whose addmm refuses it, a float32
+[V, d] temporary per chunk).
 """
 
 from __future__ import annotations
@@ -267,8 +268,8 @@ if HAS_TRITON:
 
 # Tiles of the two chunk kernels (BLOCK_N rows x BLOCK_V vocabulary entries, warps). Both stream a
 # float32 chunk from memory once (no tensor-core work), so they are memory-bound: the tiles keep 16
-# entries per thread in flight (4 vector loads) in few registers (sm_80 / sm_90: the forward 48-51,
-# the backward 72, `python -m clawfast.kernels.aot --only logprobs`), and the forward's one row per
+# entries per thread in flight (4 vector loads) in few registers (sm_80 / sm_90: the forward 48-56,
+# the backward 48-72, `python -m clawfast.kernels.aot --only logprobs`), and the forward's one row per
 # program gives a 512-row chunk 512 programs, about 4 per SM. The interpreter runs every program in
 # Python; its tiles are small so that the tests' vocabularies take several tiles (the online max's
 # rescaling).
@@ -338,6 +339,8 @@ def _accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     else:
         try:  # one cuBLAS pass that reads and writes the float32 sum
             torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+        except torch.OutOfMemoryError:
+            raise
         except RuntimeError:
             # releases whose addmm takes its float32 ``self`` only in the operands' dtype (2.8: "self
             # and mat2 must have the same dtype"): the same sum through a float32 temporary
@@ -390,15 +393,19 @@ def _backward(hidden, weight, rows, ids, lse, ent, g_lp, g_ent, inv_temp, backen
 class TreeLogprobsFunction(torch.autograd.Function):
     """autograd for tree_logprobs; saves only hidden, weight, the targets and two [N] vectors."""
 
+    # Both passes run with autocast off: under it torch.mm would multiply float32 inputs in half
+    # precision, and the logits must be float32 whatever the caller's autocast (the backward, usually
+    # outside it, recomputes them and needs the forward's log-normalisers to match).
     @staticmethod
     def forward(ctx, hidden, weight, target_rows, target_ids, temperature, backend, chunk_rows):
         inv_temp = 1.0 / temperature
-        if backend == "triton":
-            chunk = _chunk_rows(hidden.shape[0], weight.shape[0], chunk_rows, _GPU_FWD_CHUNK_ELEMS, _GPU_ROW_ALIGN)
-            lp, ent, lse = _forward_triton(hidden, weight, target_rows, target_ids, inv_temp, chunk)
-        else:
-            chunk = _chunk_rows(hidden.shape[0], weight.shape[0], chunk_rows, _CPU_CHUNK_ELEMS)
-            lp, ent, lse = _forward_torch(hidden, weight, target_rows, target_ids, inv_temp, chunk)
+        with torch.autocast(hidden.device.type, enabled=False):
+            if backend == "triton":
+                chunk = _chunk_rows(hidden.shape[0], weight.shape[0], chunk_rows, _GPU_FWD_CHUNK_ELEMS, _GPU_ROW_ALIGN)
+                lp, ent, lse = _forward_triton(hidden, weight, target_rows, target_ids, inv_temp, chunk)
+            else:
+                chunk = _chunk_rows(hidden.shape[0], weight.shape[0], chunk_rows, _CPU_CHUNK_ELEMS)
+                lp, ent, lse = _forward_torch(hidden, weight, target_rows, target_ids, inv_temp, chunk)
         _check_lse(lse)
         ctx.save_for_backward(hidden, weight, target_rows, target_ids, lse, ent)
         ctx.inv_temp, ctx.backend, ctx.chunk_rows = inv_temp, backend, chunk_rows
@@ -413,8 +420,9 @@ class TreeLogprobsFunction(torch.autograd.Function):
             return None, None, None, None, None, None, None
         elems, align = (_GPU_BWD_CHUNK_ELEMS, _GPU_ROW_ALIGN) if ctx.backend == "triton" else (_CPU_CHUNK_ELEMS, 1)
         chunk = _chunk_rows(hidden.shape[0], weight.shape[0], ctx.chunk_rows, elems, align)
-        g_h, g_w = _backward(hidden, weight, rows, ids, lse, ent, g_lp, g_ent, ctx.inv_temp,
-                             ctx.backend, chunk, need_h, need_w)
+        with torch.autocast(hidden.device.type, enabled=False):
+            g_h, g_w = _backward(hidden, weight, rows, ids, lse, ent, g_lp, g_ent, ctx.inv_temp,
+                                 ctx.backend, chunk, need_h, need_w)
         return g_h, g_w, None, None, None, None, None
 
 

@@ -246,8 +246,9 @@ def test_the_recorder_sees_the_gpu_launch_not_the_interpreters(tmp_path):
                      "tree_logprobs._tree_logprobs_target_kernel", "tree_logprobs._tree_logprobs_bwd_kernel"}
     attention = [v for k, v in out if k == "tree_attention_triton._tree_attn_fwd_kernel"]
     assert attention and all("BLOCK=128" in v and "UPCAST" not in v.split() for v in attention), attention
-    logprob_fwd = [v for k, v in out if k == "tree_logprobs._tree_logprobs_fwd_kernel"]
-    assert logprob_fwd and all("BLOCK_V=4096" in v.split() for v in logprob_fwd), logprob_fwd  # not the interpreter's
+    for kernel, tile in (("_tree_logprobs_fwd_kernel", "BLOCK_V=4096"), ("_tree_logprobs_bwd_kernel", "BLOCK_V=512")):
+        chunk = [v for k, v in out if k == f"tree_logprobs.{kernel}"]
+        assert chunk and all(tile in v.split() for v in chunk), chunk  # the GPU tiles, not the interpreter's
 
 
 

@@ -117,6 +117,17 @@ def test_tree_of_one_token(backend, request):
 
 
 @pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.triton)])
+def test_float32_inputs_stay_float32_under_autocast(backend, request):
+    """A caller's autocast does not make the logits half precision: float32 inputs give the same
+    accuracy, forward and gradients, inside torch.autocast as outside it."""
+    device = request.getfixturevalue("triton_device") if backend == "triton" else "cpu"
+    h, w, rows, ids = _problem(40, 32, 90, 50, torch.float32, device=device, seed=11)
+    with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
+        errs = _compare(h, w, rows, ids, temperature=0.9, backend=backend, chunk_rows=16)
+    assert max(errs) <= 1e-5, errs
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.triton)])
 def test_huge_logits_do_not_overflow(backend, request):
     device = request.getfixturevalue("triton_device") if backend == "triton" else "cpu"
     h, w, rows, ids = _problem(40, 32, 90, 50, torch.float32, device=device, scale=1e4)
@@ -165,7 +176,7 @@ class _CountMatmuls(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.mm.dtype, torch.ops.aten.addmm.default):
             self.rows += out.shape[0] * out.shape[1]
         return out
 

@@ -22,7 +22,8 @@ Layers (one op, one name):
 - ``TreeLogprobsFunction`` (autograd), ``tree_logprobs`` and ``linear_logprobs`` (entry points).
 
 Guaranteed: accumulation in float32 (float64 for float64 inputs on the torch path) whatever the
-input dtype (float32 inputs follow torch's float32 matmul precision, ``torch.backends.cuda.matmul``);
+input dtype and the caller's autocast (float32 inputs follow torch's float32 matmul precision,
+``torch.backends.cuda.matmul``);
 the forward does no gradient work (the backward recomputes the logits), so a no-grad pass costs one
 matmul pass; NaN/inf in ``hidden`` or ``weight`` raises ValueError (detected through the N
 log-normalisers, one host sync).

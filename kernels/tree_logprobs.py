@@ -173,42 +173,58 @@ def _grad_chunk_torch(h_chunk, w, s, lse, ent, gsum, gent, s_rows, s_ids, s_glp,
 
 if HAS_TRITON:
 
+    @triton.jit
+    def _lse_step(z_rows, cols, row_ok, V, scale, m, s, a, MASKED: tl.constexpr):
+        """One vocabulary tile into the running (max m, sum s, sum a) of a row, all in base 2: with
+        y = z * scale (scale = log2(e) / T), s = sum 2^(y - m) and a = sum 2^(y - m) (y - m).
+        MASKED: the tile runs past V (the last one), its extra entries count for nothing."""
+        if MASKED:
+            col_ok = cols < V
+            y = tl.load(z_rows + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0) * scale
+            y = tl.where(col_ok[None, :], y, float("-inf"))
+        else:
+            y = tl.load(z_rows + cols[None, :], mask=row_ok[:, None], other=0.0) * scale
+        m_new = tl.maximum(m, tl.max(y, 1))
+        # rescale to the new max: sum 2^{y-m}(y-m) -> 2^{m-m_new} (a + s (m - m_new)); the where()
+        # keeps -inf * 0 out of the first tile
+        alpha = tl.exp2(m - m_new)
+        a = alpha * (a + s * tl.where(s > 0, m - m_new, 0.0))
+        s = alpha * s
+        yc = y - m_new[:, None]
+        e = tl.exp2(yc)
+        s += tl.sum(e, 1)
+        if MASKED:
+            yc = tl.where(col_ok[None, :], yc, 0.0)
+        a += tl.sum(e * yc, 1)
+        return m_new, s, a
+
     # Row counts and offsets vary from launch to launch: specialising them (== 1, divisible by 16) would
     # only compile more variants. The vocabulary V is specialised: it is fixed for a model, and V
-    # divisible by 16 (128,256; 151,936) makes the column mask constant over 16 entries, so the chunk
-    # is read (and the gradient written) in 16-byte vectors, not 4-byte words.
+    # divisible by 16 (128,256; 151,936) makes the last tile's column mask constant over 16 entries,
+    # so the chunk is read (and the gradient written) in 16-byte vectors, not 4-byte words.
     @triton.jit(do_not_specialize=['n_rows'])
     def _tree_logprobs_fwd_kernel(z_ptr, lse_ptr, ent_ptr, n_rows, V, stride_z, inv_temp,
                                   BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
         """Per row of a float32 logits chunk: the log-normaliser and the entropy of softmax(z / T),
-        one pass over the vocabulary with an online max."""
+        one pass over the vocabulary with an online max, in base 2 (one ``exp2`` instruction per
+        logit), the whole tiles without a column mask and the last, partial one with it."""
         pid = tl.program_id(0)
         rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < n_rows
         z_rows = z_ptr + rows.to(tl.int64)[:, None] * stride_z
-        m = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)  # running max
-        s = tl.zeros([BLOCK_N], dtype=tl.float32)  # sum exp(z - m)
-        a = tl.zeros([BLOCK_N], dtype=tl.float32)  # sum exp(z - m) * (z - m)
-        for v0 in range(0, V, BLOCK_V):
-            cols = v0 + tl.arange(0, BLOCK_V)
-            col_ok = cols < V
-            z = tl.load(z_rows + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0) * inv_temp
-            z = tl.where(col_ok[None, :], z, float("-inf"))
-            m_new = tl.maximum(m, tl.max(z, 1))
-            # rescale to the new max: sum e^{z-m}(z-m) -> e^{m-m_new} (a + s (m - m_new));
-            # the where() keeps -inf * 0 out of the first tile
-            alpha = tl.exp(m - m_new)
-            shift = tl.where(s > 0, m - m_new, 0.0)
-            a = alpha * (a + s * shift)
-            s = alpha * s
-            zc = z - m_new[:, None]
-            e = tl.exp(zc)
-            s += tl.sum(e, 1)
-            a += tl.sum(e * tl.where(col_ok[None, :], zc, 0.0), 1)
-            m = m_new
-        log_s = tl.log(s)
-        tl.store(lse_ptr + rows, m + log_s, mask=row_ok)
-        tl.store(ent_ptr + rows, log_s - a / s, mask=row_ok)
+        scale = inv_temp * 1.4426950408889634  # log2(e) / T
+        m = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
+        s = tl.zeros([BLOCK_N], dtype=tl.float32)
+        a = tl.zeros([BLOCK_N], dtype=tl.float32)
+        v_whole = V - V % BLOCK_V
+        for v0 in range(0, v_whole, BLOCK_V):
+            m, s, a = _lse_step(z_rows, v0 + tl.arange(0, BLOCK_V), row_ok, V, scale, m, s, a, MASKED=False)
+        if v_whole < V:
+            m, s, a = _lse_step(z_rows, v_whole + tl.arange(0, BLOCK_V), row_ok, V, scale, m, s, a, MASKED=True)
+        # back to base e: lse = ln 2 (m + log2 s), entropy = ln s - sum p (z/T - lse) = ln 2 (log2 s - a / s)
+        log2_s = tl.log2(s)
+        tl.store(lse_ptr + rows, (m + log2_s) * 0.6931471805599453, mask=row_ok)
+        tl.store(ent_ptr + rows, (log2_s - a / s) * 0.6931471805599453, mask=row_ok)
 
     @triton.jit(do_not_specialize=['M'])
     def _tree_logprobs_target_kernel(h_ptr, w_ptr, rows_ptr, ids_ptr, lse_ptr, out_ptr, M, D,
@@ -269,8 +285,8 @@ if HAS_TRITON:
 
 # Tiles of the two chunk kernels (BLOCK_N rows x BLOCK_V vocabulary entries, warps). Both stream a
 # float32 chunk from memory once (no tensor-core work), so they are memory-bound: the tiles keep 16
-# entries per thread in flight (4 vector loads) in few registers (sm_80 / sm_90: the forward 48-56,
-# the backward 48-72, `python -m clawfast.kernels.aot --only logprobs`), and the forward's one row per
+# entries per thread in flight (4 vector loads) in few registers (sm_80 / sm_90: the forward at most 63,
+# the backward 72, `python -m clawfast.kernels.aot --only logprobs`), and the forward's one row per
 # program gives a 512-row chunk 512 programs, about 4 per SM. The interpreter runs every program in
 # Python; its tiles are small so that the tests' vocabularies take several tiles (the online max's
 # rescaling).

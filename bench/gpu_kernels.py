@@ -15,7 +15,8 @@ from the script's start) is a row saying it was skipped. In order:
 
 1. ``tree_logprobs`` at Liger-Kernel's published shape (N = 32,768 rows, d = 4,096, V = 128,256, bf16,
    one target per row as the peers take them): no-grad forward vs ONE bf16 matmul of the same shape
-   (bar <= 1.2), forward+backward of the log-likelihood vs THREE (bar <= 1.5), vs the naive
+   (bar <= 1.2) and vs the same matmul writing float32 (its chunks' own product: the rest is their
+   passes), forward+backward of the log-likelihood vs THREE (bar <= 1.5), vs the naive
    ``log_softmax(h @ W.T).gather`` (peak memory bar <= 0.02), vs Liger-Kernel's fused linear
    cross-entropy (``LigerFusedLinearCrossEntropyLoss``, its own code; forward+backward and no-grad)
    and vs Cut Cross-Entropy (``cut_cross_entropy.linear_cross_entropy``, its own Triton kernels:

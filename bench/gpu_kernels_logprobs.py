@@ -21,6 +21,9 @@ def bench_logprobs(K, torch, bench, cases, rows, device, n, d, v, gen, backend):
     def one_mm():
         h @ w.t()
 
+    def one_mm_float32():  # the chunks' own product: float32 logits from bf16 operands (a CPU has no such matmul)
+        torch.mm(h, w.t(), out_dtype=torch.float32) if h.is_cuda else torch.mm(h.float(), w.float().t())
+
     def three_mm():
         z = h @ w.t()
         z @ w
@@ -73,6 +76,14 @@ def bench_logprobs(K, torch, bench, cases, rows, device, n, d, v, gen, backend):
         except Exception as exc:  # noqa: BLE001
             cases.error(exc, ours=True, **row)
     fb, ng = out.get("fb"), out.get("nograd")
+    # the no-grad pass against its own matmul (float32 logits, which the bf16 matmul above does not
+    # write): the rest of the ratio is the passes over the chunks and the targets' dot products
+    row = dict(op=op, case="no-grad forward", shape=shape,
+               baseline="1 bf16 matmul writing float32 (torch.mm out_dtype: the chunks' own product)")
+    if ng is not None and cases.fits("matmul", **row):
+        base = try_time(bench, one_mm_float32)
+        rows.add(**versus(ng, base, **row, note=note(
+            f"{mm_flops / base.ms / 1e9:.0f} TFLOP/s" if isinstance(base, Timing) and bench.cuda else "")))
     if fb is None:
         return out
 

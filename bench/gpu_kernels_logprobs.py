@@ -4,6 +4,8 @@ cross-entropy and Cut Cross-Entropy; then with the entropy's gradient."""
 
 from __future__ import annotations
 
+from importlib import import_module
+
 from gpu_kernels_timing import Timing, describe, note, secs, try_time, versus
 
 
@@ -21,8 +23,11 @@ def bench_logprobs(K, torch, bench, cases, rows, device, n, d, v, gen, backend):
     def one_mm():
         h @ w.t()
 
-    def one_mm_float32():  # the chunks' own product: float32 logits from bf16 operands (a CPU has no such matmul)
-        torch.mm(h, w.t(), out_dtype=torch.float32) if h.is_cuda else torch.mm(h.float(), w.float().t())
+    chunk_product = import_module("clawfast.kernels.tree_logprobs")
+    w_logits = chunk_product._matmul_weight(h, w)
+
+    def one_mm_float32():  # the chunks' own product (`_logits`): float32 logits from bf16 operands
+        chunk_product._logits(h, w_logits)
 
     def three_mm():
         z = h @ w.t()

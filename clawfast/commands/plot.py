@@ -1,7 +1,7 @@
 """`clawfast plot RUN_DIR [--out PNG]`: the run's curves (train and eval metrics) as a PNG.
 
 Reads ``RUN_DIR/metrics.jsonl``; writes ``RUN_DIR/curves.png`` unless ``--out`` says otherwise.
-Exit status: 0 on success, 2 when there is nothing to plot.
+Exit status: 0 on success, 2 when there is nothing to plot or matplotlib is not installed.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         path = plot_run(args.run_dir, args.out)
-    except (FileNotFoundError, ValueError) as exc:
+    except (FileNotFoundError, ValueError, ImportError) as exc:
         print(f"clawfast plot: {exc}", file=sys.stderr)
         return 2
     print(path)

@@ -226,11 +226,20 @@ def run_loop(config: RunConfig, *, resume: bool, progress: bool, group=None,
             view.stop()
         logger.close()
     summary["steps"] = state.step
-    try:
-        summary["curves"] = str(plot_run(run_dir))
-    except (ValueError, FileNotFoundError):
-        summary["curves"] = None
+    summary["curves"] = _draw_curves(run_dir)
     return summary
+
+
+def _draw_curves(run_dir: Path) -> str | None:
+    """The run's curves.png, or None where there is nothing to plot or no matplotlib (said on stderr:
+    a finished run does not fail for want of its picture)."""
+    try:
+        return str(plot_run(run_dir))
+    except (ValueError, FileNotFoundError):
+        return None
+    except ImportError as exc:
+        print(f"clawfast: {exc}", file=sys.stderr)
+        return None
 
 
 EVAL_TAGS = ("suite", "difficulty", "category", "task")

@@ -42,9 +42,14 @@ def _match(name: str, patterns: tuple[str, ...]) -> bool:
 
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     """Write the run's curves (train and eval metrics against step) to a PNG; returns its path
-    (default ``<run_dir>/curves.png``). Raises FileNotFoundError without a metrics file and
-    ValueError when it holds nothing to plot."""
-    import matplotlib
+    (default ``<run_dir>/curves.png``). Raises FileNotFoundError without a metrics file,
+    ValueError when it holds nothing to plot and ImportError without matplotlib (an optional
+    dependency: the ``train`` extra)."""
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise ImportError("matplotlib is not installed (pip install 'clawfast[train]'), so no curves "
+                          "are drawn; the metrics are in metrics.jsonl") from exc
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -63,6 +64,21 @@ def test_plot_cli(tmp_path, capsys):
     assert "no metrics file" in capsys.readouterr().err
     (empty / "metrics.jsonl").write_text(json.dumps({"kind": "coldstart", "step": 0, "nll": 1.0}) + "\n")
     assert main(["plot", str(empty)]) == 2
+
+
+def test_without_matplotlib_a_run_ends_with_its_metrics_and_says_why(tmp_path, capsys, monkeypatch):
+    """matplotlib is the ``train`` extra's: a run's end and `clawfast plot` say it is missing, and
+    the run does not fail for want of its picture."""
+    from clawfast.train.loop import _draw_curves
+
+    _fill(tmp_path)
+    before = (tmp_path / "metrics.jsonl").read_bytes()
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what `import matplotlib` meets where it is not installed
+    assert _draw_curves(tmp_path) is None
+    assert "matplotlib is not installed" in capsys.readouterr().err
+    assert main(["plot", str(tmp_path)]) == 2
+    assert "pip install 'clawfast[train]'" in capsys.readouterr().err
+    assert (tmp_path / "metrics.jsonl").read_bytes() == before and not (tmp_path / "curves.png").exists()
 
 
 def test_rollout_metrics_per_harness():

@@ -33,7 +33,10 @@ per micro-batch. One step = forward + backward over every micro-batch, gradient 
 
 Timing: the tree runs one full warm-up step (Triton compiles; reported), then
 ``--repeats`` timed steps (median); per-leaf warms up on one micro-batch; per-call shares that
-warm-up (the same kernels). Times are wall clock with the device synchronised. Peak memory: the
+warm-up (the same kernels). Times are wall clock with the device synchronised. The first timed step of
+the tree and of per-leaf runs under torch.profiler's kernel trace (`device_time.py`: about a
+microsecond per launch on the host), and a row per way gives that step's device time by kernel and how
+busy the device was, so that a slow way says which kernels made it slow. Peak memory: the
 allocator's high-water mark during the timed steps above what was allocated before them (weights
 and optimizer state: ``static`` in the note). Tokens: the rows each way runs through the model, and
 the group's unique kept tokens (the same useful work for every way). A way that fails (out of
@@ -337,6 +340,7 @@ def main(argv=None) -> int:
 
     import bench_train_step as bt
     from clawfast.train.prepare import prepare_step, token_counts
+    from device_time import device_breakdown, device_profile
     from clawfast.train.step_config import StepConfig
     from rows import Rows
 
@@ -413,6 +417,18 @@ def main(argv=None) -> int:
                  note=f"skipped: {max(clock.left(), 0):.0f} s of the {args.budget or 0:.0f} s budget left, "
                       f"~{need:.0f} s needed")
 
+    def time_row(way: str, prof, step: dict):
+        """Where the way's first timed step spent its device time (`device_time`); its forward and
+        backward are the stretch the other ways are compared on."""
+        case = f"{way}: device time by kernel"
+        try:
+            summary = device_breakdown(prof, cuda, step["total_s"])
+        except Exception as exc:  # noqa: BLE001 - the step's own rows stand; this one says why it is missing
+            error_row(case, exc, ours=True)
+            return
+        rows.add(op="train_step", case=case, shape=shape, busy_s=summary["busy_s"], wall_s=summary["wall_s"],
+                 kernels=summary["kernels"][:24], note=summary["note"] + " (this step ran under the profiler)")
+
     flash, why = flash_available()
     attn_desc = ("flash-attention 2 varlen over position-id-packed samples (first-fit into micro_batch_tokens rows)"
                  if flash else f"SDPA causal, one sample per forward ({why})")
@@ -447,9 +463,10 @@ def main(argv=None) -> int:
         run.tree_step(rollouts)  # warm-up: Triton compiles, AdamW state, cuBLAS handles
         warm = time.perf_counter() - t0
         before = run.reset_peak()
-        steps = []
-        for i in range(args.repeats):
-            if i and clock.left() < 1.2 * steps[-1]["total_s"] + 60:  # keep room for the baselines
+        with device_profile(cuda) as prof:  # the first timed step: where its device time goes
+            steps = [run.tree_step(rollouts)]
+        for i in range(1, args.repeats):
+            if clock.left() < 1.2 * steps[-1]["total_s"] + 60:  # keep room for the baselines
                 break
             steps.append(run.tree_step(rollouts))
         peak = run.peak_mib(before)
@@ -457,6 +474,7 @@ def main(argv=None) -> int:
                f"warm-up step {warm:.1f} s (compiles); "
                + (f"static (weights, AdamW state) {before / 2**20:,.0f} MiB; " if cuda else "") +
                f"loss {steps[-1]['loss']:.4g}")
+        time_row("tree", prof, steps[0])
     except Exception as exc:  # noqa: BLE001 - reported as this way's row; the next way still runs
         error_row(tree_case, exc, ours=True)
 
@@ -493,15 +511,17 @@ def main(argv=None) -> int:
                 run.flat_step(subset(data, warm_idx), 0.0)  # warm-up on the smallest micro-batch
                 warm = time.perf_counter() - t0
                 before = run.reset_peak()
-                steps = []
-                for i in range(args.repeats):
-                    if i and clock.left() < 1.2 * steps[-1]["total_s"] + 30:  # keep room for per-call
+                with device_profile(cuda) as prof:
+                    steps = [run.flat_step(data, prep_s)]
+                for i in range(1, args.repeats):
+                    if clock.left() < 1.2 * steps[-1]["total_s"] + 30:  # keep room for per-call
                         break
                     steps.append(run.flat_step(data, prep_s))
                 peak = run.peak_mib(before)
             leaf_rate = statistics.median(s["fwd_bwd_s"] for s in steps) / cost.flops
             report("per-leaf", leaf_case, steps, cost, dict(peak_mib=peak, batches=len(data.batches)),
                    f"warm-up on one micro-batch {warm:.1f} s; loss {steps[-1]['loss']:.4g} (the tree's loss)")
+            time_row("per-leaf", prof, steps[0])
             ratio_row("per-leaf", leaf_case, "<= 0.77 (tree >= 1.3x faster)", 1.3)
     except Exception as exc:  # noqa: BLE001
         error_row(leaf_case, exc, ours=False)

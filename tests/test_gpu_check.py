@@ -62,7 +62,12 @@ def test_smoke_run_checks_trains_and_times_in_the_plans_order(tmp_path):
         assert run["ok"], run
     ops = {row["op"] for row in sections["kernels"]["rows"]}
     assert {"tree_logprobs", "tree_attention", "tree_gae", "importance_weights", "policy_loss"} <= ops
-    assert sections["step"]["rows"] and all(row.get("ok") is not False for row in sections["step"]["rows"])
+    step = sections["step"]["rows"]
+    assert step and all(row.get("ok") is not False for row in step)
+    for way in ("tree", "per-leaf"):  # where each way's timed step spent its time, largest first
+        (times,) = [row for row in step if row["case"] == f"{way}: device time by kernel"]
+        seconds = [k["s"] for k in times["kernels"]]
+        assert seconds == sorted(seconds, reverse=True) and 0 < times["busy_s"], times
     tiles = sections["tiles"]["rows"]  # every kernel on both layouts, its table's tile first
     for layout in ("agent forest", "causal chain"):
         for kernel in ("fwd", "dq", "dkdv"):

@@ -1,0 +1,91 @@
+"""Where a stretch of work spends its device's time: time per kernel, from torch.profiler.
+
+    with device_profile(cuda) as prof:
+        step()
+    summary = device_breakdown(prof, cuda, wall_s)
+
+On CUDA the profiler records only the kernels' own device time (CUPTI activity: no CPU operators,
+stacks or shapes, so the host pays about a microsecond per launch); the kernels are summed by name,
+the project's own Triton kernels (`clawfast.kernels.aot.discover`) by their function name. ``busy_s`` is the
+union of the kernels' intervals: against the wall time it says whether the device waited on the host.
+On a CPU (smoke runs) the same summary holds the operators' self time, ``busy_s`` their sum.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+
+_TOP = 8  # kernels named in the note; the rest are summed
+
+
+def device_profile(cuda: bool):
+    from torch.profiler import ProfilerActivity, profile
+
+    return profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU])
+
+
+def own_kernels() -> set[str]:
+    """The function names of the project's Triton kernels (what a CUDA trace calls their launches)."""
+    from clawfast.kernels.aot import discover
+
+    return {qualified.rsplit(".", 1)[1] for qualified in discover()}
+
+
+def _short(name: str) -> str:
+    """A kernel's name without its template arguments and parameter list (cuBLAS and CUTLASS names
+    run to hundreds of characters)."""
+    return re.split(r"[<(]", name, maxsplit=1)[0].strip()[:80] or name[:80]
+
+
+def _union_us(spans: list[tuple[float, float]]) -> float:
+    """Total length of the union of [start, end) intervals."""
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(spans):
+        if e > end:
+            total += e - max(s, end)
+            end = e
+    return total
+
+
+def device_breakdown(prof, cuda: bool, wall_s: float) -> dict:
+    """{busy_s, wall_s, kernels: [{name, s, launches, own}] largest first, note}: the profiled stretch's
+    time per kernel (CUDA) or per operator's self time (CPU)."""
+    from torch.autograd import DeviceType
+
+    own = own_kernels() if cuda else set()
+    per_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    spans = []
+    for event in prof.events():
+        if cuda:
+            if event.device_type != DeviceType.CUDA:
+                continue
+            us = event.time_range.elapsed_us()
+            spans.append((event.time_range.start, event.time_range.end))
+        else:
+            us = event.self_cpu_time_total
+        entry = per_name[_short(event.name)]
+        entry[0] += us
+        entry[1] += 1
+    busy_us = _union_us(spans) if cuda else sum(s for s, _ in per_name.values())
+    kernels = sorted(({"name": name, "s": us / 1e6, "launches": n, "own": name in own}
+                      for name, (us, n) in per_name.items()), key=lambda k: -k["s"])
+    unit = "kernel" if cuda else "operator"
+    if not kernels:
+        note = f"the profiler recorded no {unit} (CUPTI unavailable?)"
+        return dict(busy_s=0.0, wall_s=wall_s, kernels=[], note=note)
+    busy = busy_us / 1e6
+
+    def share(s: float) -> str:
+        return f"{s:.3g} s ({s / busy:.0%})"
+
+    ours = [k for k in kernels if k["own"]]
+    named = kernels[:_TOP]
+    rest = sum(k["s"] for k in kernels[_TOP:])
+    what = "device busy" if cuda else "in operators (self time)"
+    note = (f"{what} {busy:.3g} s of the {wall_s:.3g} s wall ({busy / wall_s:.0%}); "
+            + (f"the project's Triton kernels {share(sum(k['s'] for k in ours))}; " if cuda else "")
+            + f"largest {unit}s: "
+            + ", ".join(f"{k['name']}{' (ours)' if k['own'] else ''} {share(k['s'])} x{k['launches']}" for k in named)
+            + (f"; {len(kernels) - len(named)} others {share(rest)}" if rest else ""))
+    return dict(busy_s=busy, wall_s=wall_s, kernels=kernels, note=note)

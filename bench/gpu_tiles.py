@@ -20,7 +20,9 @@ own tile always is). With too little of ``--budget`` left for that compile, only
 timed. Then, kernel by kernel and tile by tile (the table's first), each remaining candidate is
 timed on both layouts (CUDA events, the median of ``--repeats`` after one warm-up call, whose time,
 ``warmup_ms``, says whether the JIT found the kernel in its cache): ``baseline_ms`` is the table
-tile's time and ``ratio`` = candidate / table (below 1: the candidate is faster). The note gives the
+tile's time and ``ratio`` = candidate / table (below 1: the candidate is faster). A last row per
+kernel names its fastest tile on the agent forest (among those timed on both layouts) and, where
+that is not the table's, the table entry that would keep it. The note gives the
 registers and TFLOP/s over the visible (query, key) pairs, counting the products each kernel runs:
 the forward's two per pair, dQ's three and dK / dV's four (both recompute the scores; 9 in all,
 where bench/gpu_kernels.py's forward+backward figures count flash attention's 7). A case that no
@@ -213,6 +215,7 @@ def main(argv=None) -> int:
     for kernel in KERNELS:
         current = getattr(table, kernel)
         base_ms = {}
+        timed: dict = {}  # tile -> {layout name: ms}
         for tile in [current] + [t for t in tiles if t != current]:
             result = compiled.get(label(kernel, tile))
             case = label(kernel, tile) + (" (table)" if tile == current else "")
@@ -238,13 +241,33 @@ def main(argv=None) -> int:
                     continue
                 if tile == current:
                     base_ms[layout.name] = timing.ms
+                timed.setdefault(tile, {})[layout.name] = timing.ms
                 base = base_ms.get(layout.name)
                 flops = PRODUCTS[kernel] * 2 * d * hq * layout.pairs
                 regs = "" if result is None else f"; {result.registers} registers" + "".join(
                     f"; {r}" for r in result.replicated)
                 rows.add(**row, ms=timing.ms, warmup_ms=timing.first_ms, baseline_ms=base,
                          ratio=timing.ms / base if base else None, note=f"{flops / timing.ms / 1e9:.3g} TFLOP/s{regs}")
+        verdict(rows, kernel, current, timed, [x.name for x in layouts], arch, T._gpu_tiles_key(dtype, d))
     return 1 if cases.failures else 0
+
+
+def verdict(rows, kernel: str, current, timed: dict, layouts: list[str], arch: int, key: tuple[int, int]) -> None:
+    """The kernel's fastest tile on the first layout (the agent forest: what training runs) among those
+    timed on every layout, against its table's tile, as the table entry to write."""
+    complete = {tile: ms for tile, ms in timed.items() if set(ms) == set(layouts)}
+    if current not in complete:
+        return  # the table's tile did not run on every layout: nothing to compare against
+    best = min(complete, key=lambda tile: complete[tile][layouts[0]])
+    ratios = ", ".join(f"{complete[best][name] / complete[current][name]:.2f}x on the {name}" for name in layouts)
+    table = "_SM90_TILES" if arch >= 90 else "_SM80_TILES" if arch else None  # None: the interpreter's tiles
+    rows.add(op="tree_attention tiles", case=f"{kernel}: fastest tile", shape=", ".join(layouts),
+             ms=complete[best][layouts[0]], baseline=f"table tile {label(kernel, current)}",
+             baseline_ms=complete[current][layouts[0]], ratio=complete[best][layouts[0]] / complete[current][layouts[0]],
+             note=(f"{label(kernel, best)}; its time against the table tile's: {ratios}"
+                   + ("" if best == current or table is None else
+                      f"; to keep it: {table}[{key}].{kernel} = KernelTiles({best.block}, {best.walk}, "
+                      f"{best.warps}, {best.stages}), then `python -m clawfast.kernels.aot` with both Tritons")))
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -74,6 +74,11 @@ def test_smoke_run_checks_trains_and_times_in_the_plans_order(tmp_path):
             timed = [r for r in tiles if r["shape"].startswith(layout) and r["case"].startswith(kernel + " ")]
             assert timed[0]["case"].endswith("(table)") and timed[0]["ratio"] == 1 and len(timed) >= 2, timed
             assert all(r["ms"] > 0 and "TFLOP/s" in r["note"] for r in timed)
+    for kernel in ("fwd", "dq", "dkdv"):  # each kernel's fastest tile on the forest, against its table's
+        (best,) = [r for r in tiles if r["case"] == f"{kernel}: fastest tile"]
+        fastest = min(r["ms"] for r in tiles if r["case"].startswith(kernel + " ") and r["shape"].startswith("agent")
+                      and "ms" in r)
+        assert best["ms"] == fastest and best["ratio"] <= 1, best
     assert (tmp_path / "gpu_check.log").is_file()
     assert "no section failed" in proc.stdout and "tree_gae" in proc.stdout  # the one table
 

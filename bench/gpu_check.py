@@ -95,7 +95,7 @@ class Section:
 PLAN: tuple[Section, ...] = (
     Section("correctness", "bench/gpu_correctness.py", 150, 240),
     Section("train", "bench/gpu_check.py", 120, 300),
-    Section("kernels", "bench/gpu_kernels.py", 100, 240, budget=True),
+    Section("kernels", "bench/gpu_kernels.py", 120, 240, budget=True),
     Section("step", "bench/gpu_step.py", 120, 240, budget=True),
     Section("tiles", "bench/gpu_tiles.py", 60, 240, budget=True),
     Section("vllm", "bench/gpu_check.py", 60, 300, vllm=True),

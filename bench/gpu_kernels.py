@@ -1,7 +1,7 @@
 """Timings of clawfast.kernels' Triton kernels on one GPU, against their baselines and peers, each case
 streamed through bench/rows.py the moment it finishes (most valuable first).
 
-    python bench/gpu_kernels.py --rows ROWS.jsonl           # CUDA, bfloat16 (~90 s on an H200)
+    python bench/gpu_kernels.py --rows ROWS.jsonl           # CUDA, bfloat16 (~110 s on an H200)
     python bench/gpu_kernels.py --smoke --rows ROWS.jsonl   # tiny sizes; CPU + TRITON_INTERPRET=1 without a GPU
 
 Timings only: correctness is bench/gpu_correctness.py's. Each timed function runs once on its own
@@ -28,13 +28,14 @@ from the script's start) is a row saying it was skipped. In order:
    causal chain of the same rows, Triton vs SDPA's causal kernel (torch's flash backend: the kernel a
    flat trainer runs, so the ratio prices the tree kernel per attention pair), forward+backward and
    the forward alone.
-3. ``tree_gae`` (path and tree modes) on 16K rows vs the torch path and vs the per-step loop on the
+3. ``tree_attention`` Triton vs FlexAttention (compiled; its compile reported) on that forest: which
+   of the two ``attention="auto"`` should run on a GPU (the first H200 run had no time left for it).
+4. ``tree_gae`` (path and tree modes) on 16K rows vs the torch path and vs the per-step loop on the
    host; ``importance_weights`` (token, sequence level) and ``policy_loss`` (forward+backward), Triton
    vs the torch path.
-4. ``tree_logprobs`` forward+backward with the entropy's gradient too (the trainer with an entropy
+5. ``tree_logprobs`` forward+backward with the entropy's gradient too (the trainer with an entropy
    bonus; one more compiled variant) vs three matmuls.
-5. ``tree_attention`` Triton vs FlexAttention (compiled; its compile reported), then the larger
-   forests of ``--attention-tokens`` (64K) vs dense SDPA, as the budget allows.
+6. The larger forests of ``--attention-tokens`` (64K) vs dense SDPA, as the budget allows.
 
 ``--smoke`` runs tiny sizes (on a CPU under Triton's interpreter, wall-clock timings, no memory
 figures); ``--out`` also writes every row as one JSON document.
@@ -69,7 +70,7 @@ def parse_args(argv=None):
     ap.add_argument("--out", type=Path, default=None, help="also write all rows as one JSON document")
     ap.add_argument("--budget", type=float, default=None,
                     help="seconds from the script's start; a case that no longer fits is reported as skipped "
-                         "(default 85 on a GPU, none in smoke)")
+                         "(default 110 on a GPU, none in smoke)")
     ap.add_argument("--logprob-tokens", type=int, default=32768, help="rows of the log-probs cases")
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--vocab", type=int, default=128256)
@@ -80,7 +81,7 @@ def parse_args(argv=None):
     ap.add_argument("--warmup", type=int, default=1, help="untimed calls, the first (compile) included")
     args = ap.parse_args(argv)
     if args.budget is None and not args.smoke:
-        args.budget = 85.0
+        args.budget = 110.0
     return args
 
 
@@ -118,12 +119,12 @@ def main(argv=None):
     x = AttentionInputs(K, torch, device, attn[0], gen)
     ours_attn = bench_attention(K, torch, bench, cases, rows, x, with_chain=True)
     cases.free()
+    bench_flex(K, torch, bench, cases, rows, x, ours_attn)
+    del x
+    cases.free()
     bench_small_ops(K, torch, bench, cases, rows, device, gae_n, gen)
     bench_logprobs_entropy(bench, cases, rows, lp)
     lp.clear()
-    cases.free()
-    bench_flex(K, torch, bench, cases, rows, x, ours_attn)
-    del x
     cases.free()
     for n in attn[1:]:
         try:

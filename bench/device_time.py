@@ -4,11 +4,12 @@
         step()
     summary = device_breakdown(prof, cuda, wall_s)
 
-On CUDA the profiler records only the kernels' own device time (CUPTI activity: no CPU operators,
-stacks or shapes, so the host pays about a microsecond per launch); the kernels are summed by name,
-the project's own Triton kernels (`clawfast.kernels.aot.discover`) by their function name. ``busy_s`` is the
-union of the kernels' intervals: against the wall time it says whether the device waited on the host.
-On a CPU (smoke runs) the same summary holds the operators' self time, ``busy_s`` their sum.
+On CUDA the profiler records the device's activity (kernels, memory copies and sets; CUPTI) and the
+host's launch calls, which are not counted: no CPU operators, stacks or shapes. The device events are
+summed by name, the project's own Triton kernels (`clawfast.kernels.aot.discover`) by their function
+name; each one's share is of their summed time. ``busy_s`` is the union of their intervals: against
+the wall time it says whether the device waited on the host. On a CPU (smoke runs) the same summary
+holds the operators' self time, ``busy_s`` their sum.
 """
 
 from __future__ import annotations
@@ -33,8 +34,10 @@ def own_kernels() -> set[str]:
 
 
 def _short(name: str) -> str:
-    """A kernel's name without its template arguments and parameter list (cuBLAS and CUTLASS names
-    run to hundreds of characters)."""
+    """A kernel's name without its return type, anonymous namespaces, template arguments and parameter
+    list (cuBLAS and CUTLASS names run to hundreds of characters): ``void at::native::(anonymous
+    namespace)::cunn_SoftMaxForward<4, float>(...)`` is ``at::native::cunn_SoftMaxForward``."""
+    name = name.replace("(anonymous namespace)::", "").removeprefix("void ").strip()
     return re.split(r"[<(]", name, maxsplit=1)[0].strip()[:80] or name[:80]
 
 
@@ -75,9 +78,10 @@ def device_breakdown(prof, cuda: bool, wall_s: float) -> dict:
         note = f"the profiler recorded no {unit} (CUPTI unavailable?)"
         return dict(busy_s=0.0, wall_s=wall_s, kernels=[], note=note)
     busy = busy_us / 1e6
+    total = sum(k["s"] for k in kernels)
 
     def share(s: float) -> str:
-        return f"{s:.3g} s ({s / busy:.0%})"
+        return f"{s:.3g} s ({s / total:.0%})"
 
     ours = [k for k in kernels if k["own"]]
     named = kernels[:_TOP]

@@ -252,22 +252,33 @@ def main(argv=None) -> int:
     return 1 if cases.failures else 0
 
 
+KEEP_BELOW = 0.95  # a tile replaces the table's when it takes less than this fraction of its time: repeats vary ~2%
+
+
 def verdict(rows, kernel: str, current, timed: dict, layouts: list[str], arch: int, key: tuple[int, int]) -> None:
     """The kernel's fastest tile on the first layout (the agent forest: what training runs) among those
-    timed on every layout, against its table's tile, as the table entry to write."""
+    timed on every layout, against its table's tile, and whether to write it into the table."""
     complete = {tile: ms for tile, ms in timed.items() if set(ms) == set(layouts)}
     if current not in complete:
         return  # the table's tile did not run on every layout: nothing to compare against
     best = min(complete, key=lambda tile: complete[tile][layouts[0]])
+    ratio = complete[best][layouts[0]] / complete[current][layouts[0]]
     ratios = ", ".join(f"{complete[best][name] / complete[current][name]:.2f}x on the {name}" for name in layouts)
     table = "_SM90_TILES" if arch >= 90 else "_SM80_TILES" if arch else None  # None: the interpreter's tiles
+    if best == current:
+        advice = "the table's tile is the fastest"
+    elif ratio >= KEEP_BELOW:
+        advice = f"within {1 - KEEP_BELOW:.0%} of the table's tile: keep the table"
+    elif table is None:
+        advice = "the interpreter's tiles are not a table"
+    else:
+        advice = (f"to keep it: in {table}, entry {key}, the {kernel} tile ({best.block}, {best.walk}, {best.warps}, "
+                  f"{best.stages}), then `python -m clawfast.kernels.aot` with both Tritons")
     rows.add(op="tree_attention tiles", case=f"{kernel}: fastest tile", shape=", ".join(layouts),
              ms=complete[best][layouts[0]], baseline=f"table tile {label(kernel, current)}",
-             baseline_ms=complete[current][layouts[0]], ratio=complete[best][layouts[0]] / complete[current][layouts[0]],
-             note=(f"{label(kernel, best)}; its time against the table tile's: {ratios}"
-                   + ("" if best == current or table is None else
-                      f"; to keep it: {table}[{key}].{kernel} = KernelTiles({best.block}, {best.walk}, "
-                      f"{best.warps}, {best.stages}), then `python -m clawfast.kernels.aot` with both Tritons")))
+             baseline_ms=complete[current][layouts[0]], ratio=ratio,
+             note=f"{label(kernel, best)} of {len(complete)} tiles timed on both; its time against the table "
+                  f"tile's: {ratios}; {advice}")
 
 if __name__ == "__main__":
     sys.exit(main())

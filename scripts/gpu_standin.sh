@@ -26,7 +26,6 @@ TRITON="${TRITON:-3.6.0}"
 TRANSFORMERS="${TRANSFORMERS:-5.17.0}"
 CACHE="${CLAWFAST_HOME:-$HOME/.cache/clawfast}"
 VENV="$CACHE/venv-gpu-standin"
-STAMP="torch $TORCH triton $TRITON transformers $TRANSFORMERS"
 T0=$(date +%s)
 step() { echo "[gpu_standin.sh $(date +%H:%M:%S) +$(( $(date +%s) - T0 ))s] $*"; }
 
@@ -41,13 +40,15 @@ if [ -z "$PY" ]; then
 fi
 [ -n "$PY" ] || { echo "gpu_standin.sh: no python3.12 found (the image's Python); set IMAGE_PYTHON"; exit 2; }
 PYVER="$("$PY" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')"
+NUMPY="numpy<2.4"
+STAMP="$PY torch $TORCH triton $TRITON transformers $TRANSFORMERS $NUMPY"  # a venv is rebuilt when one changes
 
 if [ "$(cat "$VENV/.complete" 2>/dev/null)" != "$STAMP" ]; then
-  step "building $VENV ($STAMP, python $PYVER; minutes: torch's CUDA build is large)"
+  step "building $VENV ($STAMP; minutes: torch's CUDA build is large)"
   rm -rf "$VENV"
   "$PY" -m venv "$VENV"
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check "torch==$TORCH" "triton==$TRITON" \
-    "transformers==$TRANSFORMERS" "numpy<2.4" pytest pytest-xdist pybind11 scikit-build-core cmake
+    "transformers==$TRANSFORMERS" "$NUMPY" pytest pytest-xdist pybind11 scikit-build-core cmake
   echo "$STAMP" >"$VENV/.complete"
 fi
 step "stand-in: $("$VENV/bin/python" -c 'import sys, torch, triton, transformers, numpy; print(f"python {sys.version.split()[0]}, torch {torch.__version__}, triton {triton.__version__}, transformers {transformers.__version__}, numpy {numpy.__version__}")')"

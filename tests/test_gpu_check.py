@@ -76,9 +76,9 @@ def test_smoke_run_checks_trains_and_times_in_the_plans_order(tmp_path):
             assert all(r["ms"] > 0 and "TFLOP/s" in r["note"] for r in timed)
     for kernel in ("fwd", "dq", "dkdv"):  # each kernel's fastest tile on the forest, against its table's
         (best,) = [r for r in tiles if r["case"] == f"{kernel}: fastest tile"]
-        fastest = min(r["ms"] for r in tiles if r["case"].startswith(kernel + " ") and r["shape"].startswith("agent")
-                      and "ms" in r)
-        assert best["ms"] == fastest and best["ratio"] <= 1, best
+        forest = [r["ms"] for r in tiles if r["case"].startswith(kernel + " ") and r["shape"].startswith("agent forest")
+                  and "ms" in r]  # in a smoke run every candidate is timed on both layouts
+        assert best["ms"] == min(forest) and f"of {len(forest)} tiles timed on both" in best["note"], best
     assert (tmp_path / "gpu_check.log").is_file()
     assert "no section failed" in proc.stdout and "tree_gae" in proc.stdout  # the one table
 

@@ -44,22 +44,21 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     """Write the run's curves (train and eval metrics against step) to a PNG; returns its path
     (default ``<run_dir>/curves.png``). Raises FileNotFoundError without a metrics file,
     ValueError when it holds nothing to plot and ImportError without matplotlib (an optional
-    dependency: the ``train`` extra)."""
-    try:
-        import matplotlib
-    except ImportError as exc:
-        raise ImportError("matplotlib is not installed (pip install 'clawfast[train]'), so no curves "
-                          "are drawn; the metrics are in metrics.jsonl") from exc
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    dependency: the ``train`` extra) or with one that does not import."""
     run_dir = Path(run_dir)
     records = read_metrics(run_dir)
     train = _series(records, "train")
     evals = _series(records, "eval")
     if not train and not evals:
         raise ValueError(f"{run_dir}: metrics.jsonl holds no train or eval records")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise ImportError(f"matplotlib does not import ({exc}; pip install 'clawfast[train]'), so no curves "
+                          f"are drawn; the metrics are in {run_dir / 'metrics.jsonl'}") from exc
     out = Path(out) if out is not None else run_dir / "curves.png"
     fig, axes = plt.subplots(2, 4, figsize=(20, 8.5))
     for ax, (title, patterns) in zip(axes.flat, _PANELS):

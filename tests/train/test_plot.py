@@ -75,10 +75,12 @@ def test_without_matplotlib_a_run_ends_with_its_metrics_and_says_why(tmp_path, c
     before = (tmp_path / "metrics.jsonl").read_bytes()
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # what `import matplotlib` meets where it is not installed
     assert _draw_curves(tmp_path) is None
-    assert "matplotlib is not installed" in capsys.readouterr().err
+    assert "matplotlib does not import" in capsys.readouterr().err
     assert main(["plot", str(tmp_path)]) == 2
     assert "pip install 'clawfast[train]'" in capsys.readouterr().err
     assert (tmp_path / "metrics.jsonl").read_bytes() == before and not (tmp_path / "curves.png").exists()
+    assert main(["plot", str(tmp_path / "no-run")]) == 2  # a missing run is said as such, matplotlib or not
+    assert "no metrics file" in capsys.readouterr().err
 
 
 def test_rollout_metrics_per_harness():

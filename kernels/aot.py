@@ -388,6 +388,7 @@ class Result:
     spill_bytes: int | None = None
     shared_bytes: int | None = None
     replicated: list[str] = field(default_factory=list)
+    rounded: list[str] = field(default_factory=list)  # `rounded_arguments`
     seconds: float = 0.0
     error: str | None = None
     calls: list[str] = field(default_factory=list)
@@ -401,7 +402,20 @@ class Result:
             out.append(f"{self.shared_bytes} B of shared memory > the {TARGETS[self.arch]} B of sm_{self.arch}")
         if self.spill_bytes:
             out.append(f"spills {self.spill_bytes} B of registers to local memory")
+        if self.rounded:
+            out.append(f"float32 argument(s) {', '.join(self.rounded)} beside float64 data: Triton passes a Python "
+                       "float as float32 (read such values from a float64 tensor)")
         return out
+
+
+def rounded_arguments(signature: dict) -> list[str]:
+    """The float32 scalar arguments of a variant that reads or writes float64 data. Triton passes a
+    Python float as float32, so float64 arithmetic would use a rounded value (a clip of 0.2 as
+    0.20000000298) where the torch path and the reference use the double; the interpreter of some
+    releases (3.9) keeps the double, so only the compiled kernel differs."""
+    if not any(ty == "*fp64" for ty in signature.values()):
+        return []
+    return [name for name, ty in signature.items() if ty == "fp32"]
 
 
 _RESOURCES = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
@@ -468,7 +482,8 @@ def compile_variant(variant: Variant, fn):
 
 def _compile(index: int) -> Result:
     variant, fn = _WORK[index]
-    result = Result(variant.kernel, variant.describe(fn), variant.arch, calls=variant.calls[:3])
+    result = Result(variant.kernel, variant.describe(fn), variant.arch, calls=variant.calls[:3],
+                    rounded=rounded_arguments(variant.signature))
     start = time.perf_counter()
     try:
         compiled = compile_variant(variant, fn)

@@ -44,8 +44,13 @@ if HAS_TRITON:
     # Sizes and offsets vary from launch to launch: specialising them (== 1, divisible by 16) would only
     # compile more variants for nothing: they bound masks and loops, they are never strides.
     @triton.jit(do_not_specialize=['n'])
-    def _importance_stats_kernel(lr_ptr, a_ptr, w_ptr, stats_ptr, n, log_clamp, cap, lo, hi,
-                                 thr_lo, thr_hi, MASK_MODE: tl.constexpr, BLOCK: tl.constexpr):
+    def _importance_stats_kernel(lr_ptr, a_ptr, w_ptr, stats_ptr, params_ptr, n, MASK_MODE: tl.constexpr,
+                                 BLOCK: tl.constexpr):
+        """params: (log clamp, cap, lo, hi, threshold low, threshold high) as float64, read from memory:
+        Triton passes a Python float as float32, and the ratios are compared in float64."""
+        log_clamp, cap = tl.load(params_ptr), tl.load(params_ptr + 1)
+        lo, hi = tl.load(params_ptr + 2), tl.load(params_ptr + 3)
+        thr_lo, thr_hi = tl.load(params_ptr + 4), tl.load(params_ptr + 5)
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = offs < n
         a = tl.load(a_ptr + offs, mask=ok, other=0.0).to(tl.float64)
@@ -146,10 +151,10 @@ def _stats_triton(lr, a, cfg: ISConfig):
     stats[_S_MIN], stats[_S_MAX] = float("inf"), float("-inf")
     if n:
         block = 64 if triton_interpret() else 1024
-        thr_lo, thr_hi = cfg.thresholds
+        params = torch.tensor([cfg.log_clamp, cfg.cap, cfg.lo, cfg.hi, *cfg.thresholds], dtype=torch.float64,
+                              device=lr.device)
         _importance_stats_kernel[(triton.cdiv(n, block),)](
-            lr.contiguous(), a.contiguous(), w, stats, n, cfg.log_clamp, cfg.cap, cfg.lo, cfg.hi,
-            thr_lo, thr_hi, MASK_MODE=cfg.mode == "mask", BLOCK=block)
+            lr.contiguous(), a.contiguous(), w, stats, params, n, MASK_MODE=cfg.mode == "mask", BLOCK=block)
     return w, stats
 
 

@@ -55,11 +55,14 @@ if HAS_TRITON:
     # compile more variants for nothing: they bound masks and loops, they are never strides.
     @triton.jit(do_not_specialize=['n'])
     def _policy_loss_fwd_kernel(lp_ptr, old_ptr, adv_ptr, isw_ptr, c_ptr, ref_ptr, pg_ptr, kl_ptr,
-                                gpg_ptr, gkl_ptr, flag_ptr, n, clip_lo, clip_hi, dual_clip,
-                                log_clamp, HAS_DUAL: tl.constexpr, HAS_REF: tl.constexpr,
-                                BLOCK: tl.constexpr):
+                                gpg_ptr, gkl_ptr, flag_ptr, params_ptr, n, HAS_DUAL: tl.constexpr,
+                                HAS_REF: tl.constexpr, BLOCK: tl.constexpr):
         """Per target: c * is_w * pg and c * k3 with their derivatives w.r.t. the log-prob, and
-        flags (1 clipped, 2 dual-clipped). c = aggregation coefficient (0 where masked)."""
+        flags (1 clipped, 2 dual-clipped). c = aggregation coefficient (0 where masked). params:
+        (1 - clip_low, 1 + clip_high, dual clip, log clamp) in the computation's dtype, read from
+        memory: Triton passes a Python float as float32, which float64 inputs would compute with."""
+        ratio_lo, ratio_hi = tl.load(params_ptr), tl.load(params_ptr + 1)
+        dual_clip, log_clamp = tl.load(params_ptr + 2), tl.load(params_ptr + 3)
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = offs < n
         c = tl.load(c_ptr + offs, mask=ok, other=0.0)
@@ -72,7 +75,7 @@ if HAS_TRITON:
         inside = (d >= -log_clamp) & (d <= log_clamp)
         ratio = tl.exp(tl.minimum(tl.maximum(d, -log_clamp), log_clamp))
         pg1 = -adv * ratio
-        pg2 = -adv * tl.minimum(tl.maximum(ratio, 1.0 - clip_lo), 1.0 + clip_hi)
+        pg2 = -adv * tl.minimum(tl.maximum(ratio, ratio_lo), ratio_hi)
         clipped = pg2 > pg1
         pg = tl.where(clipped, pg2, pg1)
         # d pg / d lp: -A r on the unclipped branch, 0 on the clipped (constant) one
@@ -111,9 +114,10 @@ class PolicyLossFunction(torch.autograd.Function):
             gkl.zero_()
         if n:
             block = 64 if triton_interpret() else 1024
+            params = torch.tensor([1.0 - clip_low, 1.0 + clip_high, dual_clip or 0.0, LOG_CLAMP],
+                                  dtype=acc_dtype(lp.dtype), device=lp.device)
             _policy_loss_fwd_kernel[(triton.cdiv(n, block),)](
-                lp, old, adv, isw, coef, ref if ref is not None else lp, pg, kl, gpg, gkl, flags,
-                n, clip_low, clip_high, dual_clip or 0.0, LOG_CLAMP,
+                lp, old, adv, isw, coef, ref if ref is not None else lp, pg, kl, gpg, gkl, flags, params, n,
                 HAS_DUAL=dual_clip is not None, HAS_REF=ref is not None, BLOCK=block)
         ctx.save_for_backward(gpg, gkl)
         ctx.mark_non_differentiable(flags)

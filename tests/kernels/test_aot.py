@@ -178,6 +178,27 @@ def test_warps_that_repeat_a_chained_dot_are_reported(tmp_path):
     assert all(o["problems"] == [] for o in out.values()), out  # a figure, not a failure
 
 
+def test_a_float_argument_beside_float64_data_is_reported(tmp_path):
+    """Triton passes a Python float as float32: a float64 kernel would clip with 0.20000000298, not 0.2
+    (the clip read from a float64 tensor is exact; float32 data with a float32 argument is fine)."""
+    out = _run_aot_snippet(tmp_path, PROBE_HEADER + """
+    @triton.jit
+    def clip(x_ptr, lo):
+        tl.store(x_ptr, tl.maximum(tl.load(x_ptr), 1.0 - lo))
+
+    @triton.jit
+    def clip_from_memory(x_ptr, lo_ptr):
+        tl.store(x_ptr, tl.maximum(tl.load(x_ptr), 1.0 - tl.load(lo_ptr)))
+
+    f64, f32 = torch.zeros(4, dtype=torch.float64), torch.zeros(4)
+    print(json.dumps({"float64": compile_launch(clip, (f64, 0.2), {}), "float32": compile_launch(clip, (f32, 0.2), {}),
+                      "memory": compile_launch(clip_from_memory, (f64, f64), {})}))
+    """)
+    (problem,) = out["float64"]["problems"]
+    assert problem.startswith("float32 argument(s) lo beside float64 data"), out
+    assert out["float32"]["problems"] == [] and out["memory"]["problems"] == [], out
+
+
 def test_a_kernel_no_grid_case_reaches_is_reported(tmp_path):
     """Coverage: a @triton.jit function that is neither launched nor called from a launched kernel."""
     out = _run_aot_snippet(tmp_path, PROBE_HEADER + """

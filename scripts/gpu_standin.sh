@@ -4,8 +4,11 @@
 # other needs, then exactly what a GPU machine runs, offline from a wheel folder, in smoke mode:
 #
 #   bash scripts/gpu_standin.sh                 # Python 3.12, torch 2.11.0, triton 3.6.0, transformers 5.17.0
+#   bash scripts/gpu_standin.sh --sections correctness train   # arguments go to scripts/gpu_check.sh
+#   bash scripts/gpu_standin.sh --build         # only build the venv (scripts/setup.sh does)
 #   IMAGE_PYTHON=/path/to/python3.12 bash scripts/gpu_standin.sh
 #
+# tests/test_gpu_standin.py runs it in the suite, and its torch is the floor in pyproject.toml.
 # What it catches before a GPU is lent: an API the image's releases lack, a dependency the wheel folder
 # (scripts/gpu_wheels.sh) misses, an install step that needs the network. What it cannot: anything CUDA
 # runs (the stand-in's torch sees no GPU; its Triton kernels run in the interpreter), and the vllm and
@@ -51,6 +54,7 @@ if [ "$(cat "$VENV/.complete" 2>/dev/null)" != "$STAMP" ]; then
     "transformers==$TRANSFORMERS" "$NUMPY" pytest pytest-xdist pybind11 scikit-build-core cmake
   echo "$STAMP" >"$VENV/.complete"
 fi
+[ "${1:-}" = --build ] && exit 0
 step "stand-in: $("$VENV/bin/python" -c 'import sys, torch, triton, transformers, numpy; print(f"python {sys.version.split()[0]}, torch {torch.__version__}, triton {triton.__version__}, transformers {transformers.__version__}, numpy {numpy.__version__}")')"
 
 WHEELS="$(mktemp -d)"

@@ -22,7 +22,7 @@ START=$(date +%s)
 
 echo "== 1/4 install"
 # Only what the quickstart uses: no vLLM, peers, transformers-versions or Triton-image venv, one harness.
-CLAWFAST_SKIP_VLLM=1 CLAWFAST_SKIP_PEERS=1 CLAWFAST_SKIP_VERSIONS=1 CLAWFAST_SKIP_TRITON_IMAGE=1 CLAWFAST_SKIP_DOCKER=1 CLAWFAST_HARNESSES=mini-swe-agent scripts/setup.sh
+CLAWFAST_SKIP_VLLM=1 CLAWFAST_SKIP_PEERS=1 CLAWFAST_SKIP_VERSIONS=1 CLAWFAST_SKIP_TRITON_IMAGE=1 CLAWFAST_SKIP_GPU_STANDIN=1 CLAWFAST_SKIP_DOCKER=1 CLAWFAST_HARNESSES=mini-swe-agent scripts/setup.sh
 
 echo "== 2/4 model"
 clawfast model prepare smollm2-135m

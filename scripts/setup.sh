@@ -93,6 +93,15 @@ if [ "${CLAWFAST_SKIP_TRITON_IMAGE:-0}" != 1 ] && [ "$(cat "$CACHE/venv-triton/.
   echo "$TRITON_IMAGE" >"$CACHE/venv-triton/.complete"
 fi
 
+# A stand-in of the GPU image (its Python, torch, Triton and transformers releases; bench/RESULTS.md) for
+# tests/test_gpu_standin.py, which runs the GPU check's smoke plan there: scripts/gpu_standin.sh builds
+# it once (torch's PyPI build with its CUDA libraries: ~3.5 GB of downloads). It needs a Python 3.12
+# (pyenv's on the development machines). CLAWFAST_SKIP_GPU_STANDIN=1 opts out (that test then fails; CI
+# runs it).
+if [ "${CLAWFAST_SKIP_GPU_STANDIN:-0}" != 1 ]; then
+  bash scripts/gpu_standin.sh --build
+fi
+
 # The peers' own code for bench/bench_peers.py (AReaL, verl, Cut Cross-Entropy, ...), pinned, in a
 # venv of its own: their dependency sets are whole training stacks the package must not pull in.
 if [ "${CLAWFAST_SKIP_PEERS:-0}" != 1 ]; then

@@ -39,3 +39,6 @@ def test_the_torch_and_triton_floors_are_the_stand_ins():
         (floor,) = [re.split(r"[;\s]", d.split(">=")[1])[0] for d in deps if d.startswith(f"{name}>=")]
         (standin,) = re.findall(rf'^{name.upper()}="\$\{{{name.upper()}:-([0-9.]+)\}}"', script, re.M)
         assert floor == standin, (name, floor, standin)
+    # and the Triton the compile test runs beside the latest (scripts/setup.sh's venv-triton) is the image's
+    (compiler,) = re.findall(r"^TRITON_IMAGE=([0-9.]+)$", (ROOT / "scripts/setup.sh").read_text(), re.M)
+    assert compiler == re.findall(r'^TRITON="\$\{TRITON:-([0-9.]+)\}"', script, re.M)[0], compiler

@@ -5,10 +5,13 @@
 #
 #   bash scripts/gpu_standin.sh                 # Python 3.12, torch 2.11.0, triton 3.6.0, transformers 5.17.0
 #   bash scripts/gpu_standin.sh --sections correctness train   # arguments go to scripts/gpu_check.sh
-#   bash scripts/gpu_standin.sh --build         # only build the venv (scripts/setup.sh does)
+#   bash scripts/gpu_standin.sh --build         # only build the venv (scripts/setup.sh does), alone
 #   IMAGE_PYTHON=/path/to/python3.12 bash scripts/gpu_standin.sh
 #
-# tests/test_gpu_standin.py runs it in the suite, and its torch is the floor in pyproject.toml.
+# The Python: IMAGE_PYTHON, else the first python3.12 that runs (PATH, then pyenv's), else python3, said
+# in its first line (the image's is 3.12: the libraries are what the stand-in is for). Needs the package
+# index: the first build downloads ~3.5 GB, and every run builds the wheel folder (~23 MB).
+# tests/test_gpu_standin.py runs it in the suite, and its torch and triton are pyproject.toml's floors.
 # What it catches before a GPU is lent: an API the image's releases lack, a dependency the wheel folder
 # (scripts/gpu_wheels.sh) misses, an install step that needs the network. What it cannot: anything CUDA
 # runs (the stand-in's torch sees no GPU; its Triton kernels run in the interpreter), and the vllm and
@@ -32,19 +35,28 @@ VENV="$CACHE/venv-gpu-standin"
 T0=$(date +%s)
 step() { echo "[gpu_standin.sh $(date +%H:%M:%S) +$(( $(date +%s) - T0 ))s] $*"; }
 
-PY="${IMAGE_PYTHON:-}"
-if [ -z "$PY" ]; then
-  # the first that runs (a pyenv shim is found but fails where 3.12 is not its selected version)
-  for candidate in python3.12 "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python3.12; do
-    if "$candidate" -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1; then
-      PY="$candidate"; break
-    fi
-  done
+BUILD_ONLY=0
+if [ "${1:-}" = --build ]; then
+  [ $# -eq 1 ] || { echo "gpu_standin.sh: --build takes no other argument"; exit 2; }
+  BUILD_ONLY=1
 fi
-[ -n "$PY" ] || { echo "gpu_standin.sh: no python3.12 found (the image's Python); set IMAGE_PYTHON"; exit 2; }
+
+# the interpreter itself (sys.executable): a pyenv shim is found but fails where 3.12 is not its selected version
+PY=""
+for candidate in ${IMAGE_PYTHON:-python3.12 "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python3.12}; do
+  if PY="$("$candidate" -c 'import sys; assert sys.version_info[:2] == (3, 12); print(sys.executable)' 2>/dev/null)"; then
+    break
+  fi
+  PY=""
+done
+if [ -z "$PY" ]; then
+  PY="$("${IMAGE_PYTHON:-python3}" -c 'import sys; print(sys.executable)')"
+  step "the GPU image's Python 3.12 is not found here: the stand-in takes $("$PY" -V 2>&1) ($PY)"
+fi
 PYVER="$("$PY" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')"
 NUMPY="numpy<2.4"
-STAMP="$PY torch $TORCH triton $TRITON transformers $TRANSFORMERS $NUMPY"  # a venv is rebuilt when one changes
+# a venv is rebuilt when one of these changes
+STAMP="$PY $("$PY" -V 2>&1) torch $TORCH triton $TRITON transformers $TRANSFORMERS $NUMPY"
 
 if [ "$(cat "$VENV/.complete" 2>/dev/null)" != "$STAMP" ]; then
   step "building $VENV ($STAMP; minutes: torch's CUDA build is large)"
@@ -54,7 +66,7 @@ if [ "$(cat "$VENV/.complete" 2>/dev/null)" != "$STAMP" ]; then
     "transformers==$TRANSFORMERS" "$NUMPY" pytest pytest-xdist pybind11 scikit-build-core cmake
   echo "$STAMP" >"$VENV/.complete"
 fi
-[ "${1:-}" = --build ] && exit 0
+[ "$BUILD_ONLY" = 1 ] && exit 0
 step "stand-in: $("$VENV/bin/python" -c 'import sys, torch, triton, transformers, numpy; print(f"python {sys.version.split()[0]}, torch {torch.__version__}, triton {triton.__version__}, transformers {transformers.__version__}, numpy {numpy.__version__}")')"
 
 WHEELS="$(mktemp -d)"

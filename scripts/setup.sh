@@ -95,9 +95,9 @@ fi
 
 # A stand-in of the GPU image (its Python, torch, Triton and transformers releases; bench/RESULTS.md) for
 # tests/test_gpu_standin.py, which runs the GPU check's smoke plan there: scripts/gpu_standin.sh builds
-# it once (torch's PyPI build with its CUDA libraries: ~3.5 GB of downloads). It needs a Python 3.12
-# (pyenv's on the development machines). CLAWFAST_SKIP_GPU_STANDIN=1 opts out (that test then fails; CI
-# runs it).
+# it once (torch's PyPI build with its CUDA libraries: ~3.5 GB of downloads), with pyenv's Python 3.12
+# on the development machines (without one, this machine's Python, said as it builds).
+# CLAWFAST_SKIP_GPU_STANDIN=1 opts out (that test then builds it, in its own time).
 if [ "${CLAWFAST_SKIP_GPU_STANDIN:-0}" != 1 ]; then
   bash scripts/gpu_standin.sh --build
 fi

@@ -179,7 +179,7 @@ def test_warps_that_repeat_a_chained_dot_are_reported(tmp_path):
 
 
 def test_a_float_argument_beside_float64_data_is_reported(tmp_path):
-    """Triton passes a Python float as float32: a float64 kernel would clip with 0.20000000298, not 0.2
+    """Triton passes a Python float as float32: a float64 kernel would clip at 1 - 0.20000000298, not 0.8
     (the clip read from a float64 tensor is exact; float32 data with a float32 argument is fine)."""
     out = _run_aot_snippet(tmp_path, PROBE_HEADER + """
     @triton.jit

@@ -70,15 +70,14 @@ def device_breakdown(prof, cuda: bool, wall_s: float) -> dict:
         entry = per_name[_short(event.name)]
         entry[0] += us
         entry[1] += 1
-    busy_us = _union_us(spans) if cuda else sum(s for s, _ in per_name.values())
     kernels = sorted(({"name": name, "s": us / 1e6, "launches": n, "own": name in own}
                       for name, (us, n) in per_name.items()), key=lambda k: -k["s"])
     unit = "kernel" if cuda else "operator"
     if not kernels:
         note = f"the profiler recorded no {unit} (CUPTI unavailable?)"
         return dict(busy_s=0.0, wall_s=wall_s, kernels=[], note=note)
-    busy = busy_us / 1e6
     total = sum(k["s"] for k in kernels)
+    busy = _union_us(spans) / 1e6 if cuda else total  # self times do not overlap
 
     def share(s: float) -> str:
         return f"{s:.3g} s ({s / total:.0%})"

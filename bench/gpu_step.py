@@ -341,8 +341,8 @@ def main(argv=None) -> int:
 
     import bench_train_step as bt
     from clawfast.train.prepare import prepare_step, token_counts
-    from device_time import device_breakdown, device_profile
     from clawfast.train.step_config import StepConfig
+    from device_time import device_breakdown, device_profile
     from rows import Rows
 
     rows = Rows(args.rows)

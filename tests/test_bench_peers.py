@@ -17,7 +17,9 @@ def test_every_section_agrees_with_its_peer_then_times_both(tmp_path):
     out = tmp_path / "peers.json"
     proc = subprocess.run([str(PEERS_PYTHON), "bench/bench_peers.py", "--quick", "--out", str(out)], cwd=ROOT,
                           capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    # each section's status line first (a failed one carries its reason), then the tails
+    status = "\n".join(line for line in proc.stdout.splitlines() if line.startswith("  "))
+    assert proc.returncode == 0, status + "\n" + proc.stdout[-3000:] + proc.stderr[-4000:]
     sections = json.loads(out.read_text())["sections"]
     assert set(sections) == {"packing", "attention", "logprobs", "gae", "importance"}
     for name, section in sections.items():

@@ -44,6 +44,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import math
 import shutil
 import tempfile
 import threading
@@ -94,6 +95,9 @@ class VLLMEngine(Engine):
     `clawfast.engines.vllm_weight_sync`). Costs one copy of the model in host memory per worker.
     lora_rank: serve LoRA adapters of rank up to this (vLLM's ``enable_lora``; its ``max_lora_rank``
     is the next rank it supports), pushed with `load_adapter`; until the first one, the base serves.
+
+    Memory (``gpu_memory_utilization``, ``kv_cache_memory_bytes`` in engine_kwargs): a share that
+    vLLM's start-up check would refuse (`memory_refusal`) is a ValueError here, before vLLM starts.
     """
 
     def __init__(
@@ -140,6 +144,11 @@ class VLLMEngine(Engine):
             worker_extension_cls=f"{WeightSyncExtension.__module__}.WeightSyncExtension",
             **engine_kwargs,
         )
+        # vLLM's own refusal comes from its engine process as "Engine core initialization failed"
+        # after ~25 s; this one names the setting and the numbers, before anything starts.
+        if (measured := _device_memory()) is not None and (
+                refused := memory_refusal(args.gpu_memory_utilization, args.kv_cache_memory_bytes, *measured)):
+            raise ValueError(refused)
         self.model = model
         self.weight_version = int(weight_version)
         self.on_update = on_update
@@ -564,6 +573,47 @@ class VLLMEngine(Engine):
 
         asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(timeout=60)
         self._stop_loop()
+
+
+def memory_refusal(share: float, kv_cache_bytes: int | None, free: int, total: int, device: str) -> str | None:
+    """Why vLLM would refuse to start on `device` ("cpu" or a GPU's name) with `free` of `total` bytes
+    free, or None, by its workers' start-up rule (vLLM 0.32): a GPU worker needs ``share x total``
+    free (``gpu_memory_utilization``; ``kv_cache_memory_bytes`` sizes only the KV cache within it);
+    the CPU worker reads the share as a share of RAM and checks it only when no
+    ``kv_cache_memory_bytes`` is set."""
+    cpu = device == "cpu"
+    need = math.ceil(share * total)
+    if (cpu and kv_cache_bytes is not None) or free >= need:
+        return None
+    where = "this machine's RAM" if cpu else device
+    also = ", or set kv_cache_memory_bytes (the CPU worker then checks no share)" if cpu else ""
+    return (f"vLLM would not start: gpu_memory_utilization = {share} reserves {_gib(need)} of {where} "
+            f"({_gib(total)}), and {_gib(free)} is free. Lower gpu_memory_utilization (a run's "
+            f"engine.gpu_memory_utilization){also}, or free memory: a trainer on the same device holds its "
+            f"weights there before vLLM starts.")
+
+
+def _device_memory() -> tuple[int, int, str] | None:
+    """(free bytes, total bytes, device) of what vLLM's worker takes: this machine's RAM on the CPU
+    backend, GPU 0 of those visible on a GPU. None on a GPU this process has not used: reading it
+    would put a CUDA context there, and what holds it then is another process, which vLLM's own
+    refusal reports."""
+    import torch
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        import psutil
+
+        memory = psutil.virtual_memory()
+        return memory.available, memory.total, "cpu"
+    if current_platform.is_cuda_alike() and torch.cuda.is_initialized():
+        free, total = torch.cuda.mem_get_info(0)
+        return free, total, "cuda:0"
+    return None
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
 
 
 def _vllm_lora_rank(rank: int) -> int:

@@ -78,13 +78,15 @@ def build_optimizer(config: RunConfig, policy: torch.nn.Module) -> torch.optim.O
 
 
 def build_engine(engine: EngineConfig, model_dir: Path, *, dtype: str = "float32", seed: int = 0, lm=None,
-                 weight_version: int = 0, device: torch.device | None = None, record_routing: str = "off") -> Engine:
+                 weight_version: int = 0, device: torch.device | None = None, record_routing: str = "off",
+                 trainer_device: torch.device | None = None) -> Engine:
     """The engine `engine.kind` names, serving `lm`'s weights (a module, copied, on its device) at
     `weight_version`, or, with no `lm`, the weights in `model_dir` (a torch engine's on `device`,
     default the CPU), in ``engine.dtype`` (None: `dtype`, the training dtype). An `lm` with a LoRA
     adapter: vLLM and remote servers serve the base from `model_dir` and take its adapter. `record_routing`: the
     MoE routing the engine records for routing replay (`algorithm.routing_replay`); only the torch
-    engine records any, the others refuse."""
+    engine records any, the others refuse. `trainer_device`: where this process's trainer holds the
+    policy (None: no trainer), which sets vLLM's memory share (`vllm_memory`)."""
     dtype = engine.dtype or dtype
     if record_routing != "off" and engine.kind != "torch":
         raise ValueError(f"algorithm.routing_replay = {record_routing!r} needs an engine that records the experts it "
@@ -112,7 +114,7 @@ def build_engine(engine: EngineConfig, model_dir: Path, *, dtype: str = "float32
         built = VLLMEngine(str(model_dir), dtype=dtype, max_model_len=engine.max_model_len, seed=seed,
                            weight_sync=engine.weight_sync or "broadcast", on_update=engine.on_update,
                            deltas=engine.delta_pushes and engine.sync_weights and lora_rank is None,
-                           lora_rank=lora_rank)
+                           lora_rank=lora_rank, **vllm_memory(engine, trainer_device))
         if lora_rank is not None:
             WeightPusher(built, DTYPES[dtype]).push_adapter(lm, weight_version)
         elif lm is not None:
@@ -127,6 +129,31 @@ def build_engine(engine: EngineConfig, model_dir: Path, *, dtype: str = "float32
     if adapter:
         WeightPusher(built, DTYPES[dtype]).push_adapter(lm, weight_version)
     return built
+
+
+# vLLM's share of a device that a trainer holds too: the trainer's optimizer state and activations are
+# allocated after vLLM has started, so vLLM's own default (0.92) would leave them next to nothing.
+SHARED_DEVICE_SHARE = 0.5
+
+
+def vllm_memory(engine: EngineConfig, trainer_device: torch.device | None) -> dict[str, float | int]:
+    """vLLM's memory arguments for `engine` (`EngineConfig`'s gpu_memory_utilization and
+    kv_cache_memory_bytes): the share defaults to `SHARED_DEVICE_SHARE` where `trainer_device` is
+    the device vLLM takes (GPU 0 of those visible, else the CPU: what model.device = "auto" names)."""
+    memory: dict[str, float | int] = {}
+    if engine.kv_cache_memory_bytes is not None:
+        memory["kv_cache_memory_bytes"] = engine.kv_cache_memory_bytes
+    share = engine.gpu_memory_utilization
+    if share is None and trainer_device is not None and _same_device(trainer_device, resolve_device("auto")):
+        share = SHARED_DEVICE_SHARE
+    if share is not None:
+        memory["gpu_memory_utilization"] = share
+    return memory
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """`cuda` and `cuda:0` are one device (torch's current device is 0 unless set otherwise)."""
+    return a.type == b.type and (a.type == "cpu" or (a.index or 0) == (b.index or 0))
 
 
 def weight_pusher(config: RunConfig, engine: Engine) -> WeightPusher:

@@ -108,7 +108,16 @@ class EngineConfig(_Section):
     (and deltas compared) in, which should be the server's; None: ``model.dtype``. Serving in
     bfloat16 while training in float32 is what large runs do (the sampler's log-probs then differ
     from the trainer's by rounding, which the truncated importance-sampling correction is for); on
-    a CPU with AVX512-BF16 it decodes ~1.6x faster (bench/RESULTS.md, "Torch engine vs HF `generate`")."""
+    a CPU with AVX512-BF16 it decodes ~1.6x faster (bench/RESULTS.md, "Torch engine vs HF `generate`").
+    gpu_memory_utilization (vllm only): the share of its device's memory vLLM reserves at start for
+    its weights, activations and KV cache (on a CPU, of the machine's RAM), as vLLM's own setting;
+    vLLM refuses to start unless that much is free then. vLLM runs on GPU 0 of those visible, else
+    on the CPU. None: 0.5 where the trainer shares that device (a one-process run whose
+    model.device is it; the trainer's optimizer state and activations are allocated after vLLM has
+    started and need the rest), vLLM's own default (0.92) where vLLM has it to itself (an FSDP run,
+    whose ranks start at GPU 1; evaluation).
+    kv_cache_memory_bytes (vllm only): the KV cache's size in bytes instead of what the share leaves
+    for it (on a CPU vLLM then checks no share: the way to run small CPU engines)."""
 
     kind: Literal["torch", "vllm", "remote"] = "torch"
     dtype: Literal["float32", "bfloat16", "float16"] | None = None
@@ -125,6 +134,8 @@ class EngineConfig(_Section):
     delta_pushes: bool = True
     full_push_every: int | None = Field(None, ge=1)
     push_checksums: bool = False
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
+    kv_cache_memory_bytes: int | None = Field(None, ge=1)
 
     @model_validator(mode="before")
     @classmethod
@@ -152,8 +163,9 @@ class EngineConfig(_Section):
             for name in ("url", "reload_dir"):
                 if getattr(self, name) is not None:
                     raise ValueError(f"{name} is only used with kind = 'remote', not {self.kind!r}")
-        if self.weight_sync is not None and self.kind != "vllm":
-            raise ValueError(f"weight_sync is only used with kind = 'vllm', not {self.kind!r}")
+        for name in ("weight_sync", "gpu_memory_utilization", "kv_cache_memory_bytes"):
+            if getattr(self, name) is not None and self.kind != "vllm":
+                raise ValueError(f"{name} is only used with kind = 'vllm', not {self.kind!r}")
         if self.on_update == "abort" and self.kind != "torch":
             raise ValueError(f"on_update = 'abort' is implemented by the torch engine only, not {self.kind!r} "
                              "(use 'continue' or 'finish')")

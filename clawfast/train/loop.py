@@ -136,8 +136,9 @@ def run_loop(config: RunConfig, *, resume: bool, progress: bool, group=None,
     seed_everything(config.seed)
     model_dir = resolve_model_dir(config)
     policy = build_policy(config, model_dir)
+    trainer_device = group.device if group is not None else resolve_device(config.model.device)
     if group is None:
-        policy = policy.to(resolve_device(config.model.device))
+        policy = policy.to(trainer_device)
     optimizer = build_optimizer(config, policy)
     state = TrainState()
     if ckpt is not None:
@@ -154,7 +155,7 @@ def run_loop(config: RunConfig, *, resume: bool, progress: bool, group=None,
             if make_source is not None:
                 engine = build_engine(config.engine, model_dir, dtype=config.model.dtype, seed=config.seed,
                                       lm=policy.lm, weight_version=state.weight_version,
-                                      record_routing=config.algorithm.routing_replay)
+                                      record_routing=config.algorithm.routing_replay, trainer_device=trainer_device)
                 source = make_source(engine)
                 stack.callback(source.close)
                 train_ids, eval_tasks = source.task_ids, {}
@@ -169,7 +170,7 @@ def run_loop(config: RunConfig, *, resume: bool, progress: bool, group=None,
                 _warn_if_not_held_out(train_tasks, eval_tasks, config.tasks.suite)
                 engine = build_engine(config.engine, model_dir, dtype=config.model.dtype, seed=config.seed,
                                       lm=policy.lm, weight_version=state.weight_version,
-                                      record_routing=config.algorithm.routing_replay)
+                                      record_routing=config.algorithm.routing_replay, trainer_device=trainer_device)
                 logs_dir = run_dir / "logs" if config.rollout.keep_logs else None
                 service = stack.enter_context(rollout_service(config, engine, model_dir, run_dir / "records",
                                                               logs_dir=logs_dir))

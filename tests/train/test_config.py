@@ -62,6 +62,9 @@ def test_defaults_and_sections(tmp_path):
     ("[engine]\non_update = \"later\"\n", "engine.on_update"),
     ("[engine]\nfull_push_every = 0\n", "engine.full_push_every"),
     ("[engine]\ndtype = \"fp8\"\n", "engine.dtype"),
+    ("[engine]\ngpu_memory_utilization = 0.5\n", "engine"),  # the torch engine takes no share
+    ("[engine]\nkind = \"vllm\"\ngpu_memory_utilization = 1.5\n", "engine.gpu_memory_utilization"),
+    ("[engine]\nkind = \"vllm\"\nkv_cache_memory_bytes = 0\n", "engine.kv_cache_memory_bytes"),
     ("[algorithm]\nkeep_statuses = [\"fine\"]\n", "algorithm.keep_statuses"),
     ("[algorithm]\nis_mode = \"mask\"\nis_lo = 3.0\n", "algorithm"),
     ("[algorithm]\nclip_low = 1.5\n", "algorithm.clip_low"),
@@ -107,6 +110,28 @@ def test_model_device_resolves_or_says_why_not(monkeypatch):
     assert resolve_device("auto") == torch.device("cuda", 0)
     with pytest.raises(ValueError, match="sees 1 GPU"):
         resolve_device("cuda:1")
+
+
+def test_vllm_takes_half_of_a_device_the_trainer_holds_and_its_own_default_of_one_it_has_alone(monkeypatch):
+    """vLLM runs on GPU 0 of those visible, else on the CPU; where the trainer holds that device its
+    share defaults to half (the trainer allocates its optimizer state and activations after vLLM
+    has started), elsewhere vLLM's own default applies; a set share or KV cache size is passed as is."""
+    import torch
+
+    from clawfast.train.build import SHARED_DEVICE_SHARE, vllm_memory
+    from clawfast.train.config import EngineConfig
+
+    plain, shared = EngineConfig(kind="vllm"), {"gpu_memory_utilization": SHARED_DEVICE_SHARE}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert vllm_memory(plain, torch.device("cpu")) == shared  # a one-process or FSDP run on the CPU
+    assert vllm_memory(plain, None) == {}  # evaluation: no trainer
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for trainer in (torch.device("cuda"), torch.device("cuda", 0)):
+        assert vllm_memory(plain, trainer) == shared
+    assert vllm_memory(plain, torch.device("cuda", 1)) == {}  # FSDP ranks start at GPU 1
+    assert vllm_memory(plain, torch.device("cpu")) == {}
+    told = EngineConfig(kind="vllm", gpu_memory_utilization=0.3, kv_cache_memory_bytes=1 << 30)
+    assert vllm_memory(told, torch.device("cuda", 0)) == {"gpu_memory_utilization": 0.3, "kv_cache_memory_bytes": 1 << 30}
 
 
 def test_unknown_key_says_so(tmp_path):

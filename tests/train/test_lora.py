@@ -154,7 +154,8 @@ def test_a_lora_run_pushes_each_adapter_into_vllm(tmp_path):
     """`clawfast train` with engine.kind = "vllm" and an adapter, synchronous (each step samples from
     the adapter the last step pushed): vLLM serves every pushed adapter, so the trainer's log-probs of
     what it sampled are vLLM's (mismatch_k3 at fp32 rounding, step after step, while the adapter
-    moves the model); a push is the adapter's file alone."""
+    moves the model); a push is the adapter's file alone. The trainer shares the CPU with vLLM, whose
+    share is half (`build.vllm_memory`) and whose KV cache has the size the config gives."""
     pytest.importorskip("vllm")
     from safetensors.torch import load_file
     from test_async import sampled_config, source_of, token_tasks, train_records
@@ -165,8 +166,12 @@ def test_a_lora_run_pushes_each_adapter_into_vllm(tmp_path):
     model_dir = vllm_servable_model(tmp_path / "base")
     config = sampled_config(tmp_path, model_dir, name="lora-vllm", steps=3, staleness=0,
                             extra="[model.lora]\nrank = 4\nalpha = 8\n")
-    config = config.model_copy(update={"engine": config.engine.model_copy(update={"kind": "vllm", "max_model_len": 64})})
-    train(config, progress=False, make_source=source_of(token_tasks(turns=2)))
+    config = config.model_copy(update={"engine": config.engine.model_copy(
+        update={"kind": "vllm", "max_model_len": 64, "kv_cache_memory_bytes": 64 << 20})})
+    caches, source = [], source_of(token_tasks(turns=2))
+    train(config, progress=False,
+          make_source=lambda engine: caches.append(engine._llm.vllm_config.cache_config) or source(engine))
+    assert (caches[0].gpu_memory_utilization, caches[0].kv_cache_memory_bytes) == (0.5, 64 << 20)
     records = train_records(config.run_dir)
     assert len(records) == 3 and all(r["stepped"] == 1 for r in records)
     k3 = [r["mismatch_k3"] for r in records]

@@ -585,7 +585,7 @@ def memory_refusal(share: float, kv_cache_bytes: int | None, free: int, total: i
     need = math.ceil(share * total)
     if (cpu and kv_cache_bytes is not None) or free >= need:
         return None
-    where = "this machine's RAM" if cpu else device
+    where = "RAM" if cpu else device
     also = ", or set kv_cache_memory_bytes (the CPU worker then checks no share)" if cpu else ""
     return (f"vLLM would not start: gpu_memory_utilization = {share} reserves {_gib(need)} of {where} "
             f"({_gib(total)}), and {_gib(free)} is free. Lower gpu_memory_utilization (a run's "
@@ -594,18 +594,21 @@ def memory_refusal(share: float, kv_cache_bytes: int | None, free: int, total: i
 
 
 def _device_memory() -> tuple[int, int, str] | None:
-    """(free bytes, total bytes, device) of what vLLM's worker takes: this machine's RAM on the CPU
-    backend, GPU 0 of those visible on a GPU. None on a GPU this process has not used: reading it
+    """(free bytes, total bytes, device) of what vLLM's worker takes: RAM on the CPU backend, GPU 0 of
+    those visible on a GPU. None on a GPU this process has not used: reading it
     would put a CUDA context there, and what holds it then is another process, which vLLM's own
     refusal reports."""
     import torch
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
-        import psutil
+        # vLLM's own measure, as its CPU worker takes it: the memory node of the first CPU this process
+        # may run on (the worker inherits the affinity), free + file cache + reclaimable, within a
+        # cgroup's limit; psutil's MemAvailable differs from it by gigabytes.
+        from vllm.utils.cpu_resource_utils import get_allowed_cpu_list, get_memory_node_info
 
-        memory = psutil.virtual_memory()
-        return memory.available, memory.total, "cpu"
+        node = get_memory_node_info(get_allowed_cpu_list()[0].numa_node)
+        return node.available_memory, node.total_memory, "cpu"
     if current_platform.is_cuda_alike() and torch.cuda.is_initialized():
         free, total = torch.cuda.mem_get_info(0)
         return free, total, "cuda:0"

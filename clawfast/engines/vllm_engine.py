@@ -145,7 +145,8 @@ class VLLMEngine(Engine):
             **engine_kwargs,
         )
         # vLLM's own refusal comes from its engine process as "Engine core initialization failed"
-        # after ~25 s; this one names the setting and the numbers, before anything starts.
+        # after ~25 s; this one names the setting and the numbers, before anything starts. It reads
+        # the memory before vLLM's processes take theirs, so it never refuses what vLLM would take.
         if (measured := _device_memory()) is not None and (
                 refused := memory_refusal(args.gpu_memory_utilization, args.kv_cache_memory_bytes, *measured)):
             raise ValueError(refused)

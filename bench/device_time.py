@@ -6,8 +6,8 @@
 
 On CUDA the profiler records the device's activity (kernels, memory copies and sets; CUPTI) and the
 host's launch calls, which are not counted: no CPU operators, stacks or shapes. The device events are
-summed by name, the project's own Triton kernels (`clawfast.kernels.aot.discover`) by their function
-name; each one's share is of their summed time. ``busy_s`` is the union of their intervals: against
+summed by name (`_short`: ATen's elementwise and reduction kernels apart by the operation each runs),
+the project's own Triton kernels (`clawfast.kernels.aot.discover`) by their function name; each one's share is of their summed time. ``busy_s`` is the union of their intervals: against
 the wall time it says whether the device waited on the host. On a CPU (smoke runs) the same summary
 holds the operators' self time, ``busy_s`` their sum.
 """
@@ -36,9 +36,43 @@ def own_kernels() -> set[str]:
 def _short(name: str) -> str:
     """A kernel's name without its return type, anonymous namespaces, template arguments and parameter
     list (cuBLAS and CUTLASS names run to hundreds of characters): ``void at::native::(anonymous
-    namespace)::cunn_SoftMaxForward<4, float>(...)`` is ``at::native::cunn_SoftMaxForward``."""
+    namespace)::cunn_SoftMaxForward<4, float>(...)`` is ``at::native::cunn_SoftMaxForward``. A
+    template kernel that runs what its first non-numeric template argument names (ATen's elementwise
+    and reduction kernels, every operator through one of a few) keeps that name in brackets, so the
+    operators stay apart: ``at::native::vectorized_elementwise_kernel[MulFunctor]``."""
     name = name.replace("(anonymous namespace)::", "").removeprefix("void ").strip()
-    return re.split(r"[<(]", name, maxsplit=1)[0].strip()[:80] or name[:80]
+    base = re.split(r"[<(]", name, maxsplit=1)[0].strip()[:80] or name[:80]
+    rest = name[len(base):].lstrip()
+    what = _template_subject(rest) if rest.startswith("<") else None
+    return f"{base}[{what}]" if what else base
+
+
+def _template_subject(args: str) -> str | None:
+    """What a template argument list (``<...>...``) runs: in its first argument that is not a number,
+    the first function named (the one an operator's lambda sits in, ``hypot_kernel_cuda(...)::
+    {lambda...}``), else the innermost class template (``BinaryFunctor<float, ..., MulFunctor<float>>``
+    runs MulFunctor), else None (``cunn_SoftMaxForward<4, float>``)."""
+    depth, start, first = 0, 1, None
+    for i, c in enumerate(args):
+        if c in "<({[":
+            depth += 1
+        elif c in ">)}]":
+            depth -= 1
+        if (depth == 1 and c == ",") or depth == 0:
+            arg = args[start:i].strip()
+            if not re.fullmatch(r"-?\d+[ul]*|true|false", arg):
+                first = arg
+                break
+            start = i + 1
+    if not first:
+        return None
+    called = [m for m in re.findall(r"(\w+)\(", first) if m not in ("lambda", "operator")]
+    if called:
+        return called[0]
+    # value types (c10::complex, std::array) are what an operation runs on, not the operation
+    templates = [name for scope, name in re.findall(r"((?:\w+::)*)(\w+)<", first)
+                 if not scope.startswith(("c10::", "std::"))]
+    return templates[-1] if templates else None
 
 
 def _union_us(spans: list[tuple[float, float]]) -> float:

@@ -186,6 +186,47 @@ def test_rows_are_read_as_complete_lines(tmp_path):
     assert reader.new_rows() == [{"op": "b", "case": "2"}] and reader.new_rows() == []
 
 
+# Kernel names as a CUDA trace gives them: libtorch_cuda.so's symbols (torch 2.11, the GPU image's),
+# demangled; the Triton and cuBLAS ones are plain names.
+KERNEL_NAMES = {
+    "void at::native::vectorized_elementwise_kernel<4, at::native::BinaryFunctor<double, double, double, "
+    "at::native::binary_internal::MulFunctor<double> >, std::array<char*, 3ul> >(int, at::native::BinaryFunctor<"
+    "double, double, double, at::native::binary_internal::MulFunctor<double> >, std::array<char*, 3ul>)":
+        "at::native::vectorized_elementwise_kernel[MulFunctor]",
+    "void at::native::vectorized_elementwise_kernel<2, at::native::AbsFunctor<c10::complex<float> >, std::array<"
+    "char*, 2ul> >(int, at::native::AbsFunctor<c10::complex<float> >, std::array<char*, 2ul>)":
+        "at::native::vectorized_elementwise_kernel[AbsFunctor]",
+    "void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl<at::native::(anonymous namespace)::"
+    "launch_clamp_scalar(at::TensorIteratorBase&, c10::Scalar, c10::Scalar, at::native::detail::ClampLimits)::"
+    "{lambda()#1}::operator()() const::{lambda()#4}::operator()() const::{lambda(long)#1}>(at::TensorIteratorBase&, "
+    "at::native::(anonymous namespace)::launch_clamp_scalar(at::TensorIteratorBase&, c10::Scalar, c10::Scalar, "
+    "at::native::detail::ClampLimits)::{lambda()#1}::operator()() const::{lambda()#4}::operator()() const::"
+    "{lambda(long)#1} const&)::{lambda(int)#1}>(int, at::native::gpu_kernel_impl<...>)":
+        "at::native::elementwise_kernel[launch_clamp_scalar]",
+    "void at::native::unrolled_elementwise_kernel<at::native::round_kernel_cuda(at::TensorIteratorBase&)::"
+    "{lambda()#1}::operator()() const::{lambda()#1}::operator()() const::{lambda(double)#1}, std::array<char*, 2ul>, "
+    "4, TrivialOffsetCalculator<1, unsigned int>, TrivialOffsetCalculator<1, unsigned int>, "
+    "at::native::memory::LoadWithCast<1>, at::native::memory::StoreWithCast<1> >(int, ...)":
+        "at::native::unrolled_elementwise_kernel[round_kernel_cuda]",
+    "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<signed char, at::native::func_wrapper_t<signed "
+    "char, at::native::MinNanFunctor<signed char> >, unsigned int, signed char, 4, 4> >(at::native::ReduceOp<"
+    "signed char, at::native::func_wrapper_t<signed char, at::native::MinNanFunctor<signed char> >, unsigned int, "
+    "signed char, 4, 4>)": "at::native::reduce_kernel[MinNanFunctor]",
+    "void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float>(float*, float const*, int)":
+        "at::native::cunn_SoftMaxForward",
+    "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off_kernel":
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_e",
+    "_tree_attn_fwd_kernel": "_tree_attn_fwd_kernel",
+}
+
+
+def test_device_time_keeps_the_operation_an_aten_kernel_runs():
+    """ATen runs every elementwise operator through a few template kernels: a trace's entry keeps the
+    operation (the function its lambda sits in, else the innermost functor that is not a value type)."""
+    short = _load("device_time")._short
+    assert {name: short(name) for name in KERNEL_NAMES} == KERNEL_NAMES
+
+
 def test_vllm_sections_are_skipped_with_the_reason_where_vllm_is_missing(tmp_path):
     gpu_check = _module()
     no_vllm = tmp_path / "no-such-python"  # an interpreter that cannot import vLLM, on any machine

@@ -7,8 +7,9 @@
 On CUDA the profiler records the device's activity (kernels, memory copies and sets; CUPTI) and the
 host's launch calls, which are not counted: no CPU operators, stacks or shapes. The device events are
 summed by name (`_short`: ATen's elementwise and reduction kernels apart by the operation each runs),
-the project's own Triton kernels (`clawfast.kernels.aot.discover`) by their function name; each one's share is of their summed time. ``busy_s`` is the union of their intervals: against
-the wall time it says whether the device waited on the host. On a CPU (smoke runs) the same summary
+the project's own Triton kernels (`clawfast.kernels.aot.discover`) by their function name; each
+one's share is of their summed time. ``busy_s`` is the union of their intervals: against the wall
+time it says whether the device waited on the host. On a CPU (smoke runs) the same summary
 holds the operators' self time, ``busy_s`` their sum.
 """
 

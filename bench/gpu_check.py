@@ -96,7 +96,7 @@ PLAN: tuple[Section, ...] = (
     Section("correctness", "bench/gpu_correctness.py", 150, 240),
     Section("train", "bench/gpu_check.py", 120, 300),
     Section("kernels", "bench/gpu_kernels.py", 120, 240, budget=True),
-    Section("step", "bench/gpu_step.py", 120, 240, budget=True),
+    Section("step", "bench/gpu_step.py", 150, 240, budget=True),
     Section("tiles", "bench/gpu_tiles.py", 60, 240, budget=True),
     Section("vllm", "bench/gpu_check.py", 60, 300, vllm=True),
     Section("weight-sync", "bench/bench_weight_sync.py", 60, 300, full_args=("--repeats", "1", "--no-remote"),

@@ -22,7 +22,8 @@ part (largest err / tol), ``ok``, ``ms`` (the case's wall time: compiling, kerne
 note with every part's error and the case's seed (``--seed S --only CASE`` reruns one case exactly).
 The cases run in ``--workers`` processes taking them in order from one queue (default: half the CPUs,
 at most 6; two in a smoke run); a case that raises, or whose process dies, is a failed row (how:
-gpu_correctness_run.py). Exit status 1 when a case failed.
+gpu_correctness_run.py); a case of a CUDA-only op (backend "varlen") on a CPU is a row that says it
+did not run, neither ok nor failed. Exit status 1 when a case failed.
 
 Files: the plan and tolerances (gpu_correctness_plan.py), the cases (gpu_correctness_cases.py), the
 forests they run on (gpu_forests.py), the worker processes (gpu_correctness_run.py); this one is the
@@ -75,9 +76,11 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     run_all(cases, args.smoke, seed, workers, rows, args.tol_scale)
     failed = rows.failed
-    print(f"gpu_correctness: {len(rows.rows) - len(failed)} of {len(rows.rows)} cases within tolerance in "
-          f"{time.perf_counter() - t0:.1f} s (seed {seed})" + (f"; FAILED: {len(failed)}" if failed else ""),
-          flush=True)
+    not_run = [r for r in rows.rows if "ok" not in r]  # a CUDA-only op on a CPU
+    ran = len(rows.rows) - len(not_run)
+    print(f"gpu_correctness: {ran - len(failed)} of {ran} cases within tolerance in "
+          f"{time.perf_counter() - t0:.1f} s (seed {seed})" + (f"; FAILED: {len(failed)}" if failed else "")
+          + (f"; {len(not_run)} not run here (CUDA only)" if not_run else ""), flush=True)
     return 1 if failed or len(rows.rows) < len(cases) else 0
 
 

@@ -115,6 +115,10 @@ CASES: tuple[Case, ...] = (
     _attn("bf16 window + softcap (Gemma 2), GQA 16/8, head dim 256", window=True, softcap=30.0,
           full=dict(hq=16, head_dim=256), smoke=dict(head_dim=64)),
     _attn("bf16 attention dropout 0.1, GQA 32/8, head dim 128", dropout_p=0.1),
+    # backend "varlen": flash-attention's varlen kernel over the path segments (CUDA only: on a CPU
+    # the row says it did not run)
+    _attn("bf16 fwd+bwd on flash-attention's varlen kernel, GQA 32/8, head dim 128", backend="varlen"),
+    _attn("bf16 window on flash-attention's varlen kernel, GQA 32/8, head dim 128", backend="varlen", window=True),
     _attn("fp32 window + softcap + sinks + dropout, GQA 32/8, head dim 128", dtype="float32", window=True,
           softcap=0.8, sinks=True, dropout_p=0.2),
     _attn("fp16 fwd+bwd, GQA 32/8, head dim 128", dtype="float16"),

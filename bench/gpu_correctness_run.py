@@ -15,7 +15,7 @@ import queue
 import time
 import traceback
 
-from gpu_correctness_cases import RUNNERS
+from gpu_correctness_cases import RUNNERS, NeedsGPU
 from gpu_correctness_plan import CASES, Case, bar
 from rows import Rows
 
@@ -36,6 +36,9 @@ def run_case(torch, device: str, case: Case, smoke: bool, seed: int, tol_scale: 
     row = {"op": case.op, "case": case.name}
     try:
         shape, errs, dtype, note, plain = RUNNERS[case.run](torch, device, case.sizes(smoke), case.params, seed)
+    except NeedsGPU as exc:
+        row.update(ms=(time.perf_counter() - t0) * 1e3, note=f"not run on {device}: {exc}")
+        return row
     except Exception as exc:  # noqa: BLE001 - reported as the case's result
         if isinstance(exc, torch.cuda.OutOfMemoryError):
             raise

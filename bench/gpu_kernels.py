@@ -28,8 +28,9 @@ from the script's start) is a row saying it was skipped. In order:
    causal chain of the same rows, Triton vs SDPA's causal kernel (torch's flash backend: the kernel a
    flat trainer runs, so the ratio prices the tree kernel per attention pair), forward+backward and
    the forward alone.
-3. ``tree_attention`` Triton vs FlexAttention (compiled; its compile reported) on that forest: which
-   of the two ``attention="auto"`` should run on a GPU (the first H200 run had no time left for it).
+3. ``tree_attention`` Triton vs FlexAttention (compiled; its compile reported) and vs backend
+   "varlen" (flash-attention's varlen kernel over the forest's path segments) on that forest: which
+   one ``attention="auto"`` should run on a GPU (the first H200 run had no time left for it).
 4. ``tree_gae`` (path and tree modes) on 16K rows vs the torch path and vs the per-step loop on the
    host; ``importance_weights`` (token, sequence level) and ``policy_loss`` (forward+backward), Triton
    vs the torch path.
@@ -57,7 +58,7 @@ from pathlib import Path
 T_START = time.monotonic()
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: rows.py, gpu_kernels_*.py
 
-from gpu_kernels_attention import AttentionInputs, bench_attention, bench_flex  # noqa: E402
+from gpu_kernels_attention import AttentionInputs, bench_attention, bench_flex, bench_varlen  # noqa: E402
 from gpu_kernels_logprobs import bench_logprobs, bench_logprobs_entropy  # noqa: E402
 from gpu_kernels_small import bench_small_ops  # noqa: E402
 from gpu_kernels_timing import Bench, Cases  # noqa: E402
@@ -120,6 +121,8 @@ def main(argv=None):
     ours_attn = bench_attention(K, torch, bench, cases, rows, x, with_chain=True)
     cases.free()
     bench_flex(K, torch, bench, cases, rows, x, ours_attn)
+    cases.free()
+    bench_varlen(K, torch, bench, cases, rows, x, ours_attn)
     del x
     cases.free()
     bench_small_ops(K, torch, bench, cases, rows, device, gae_n, gen)

@@ -1,6 +1,6 @@
-"""The attention cases of bench/gpu_kernels.py (its sections 2 and 5): ``tree_attention`` forward+backward
+"""The attention cases of bench/gpu_kernels.py (its sections 2, 3 and 6): ``tree_attention`` forward+backward
 on an agent forest against SDPA with the dense tree mask, on one causal chain against SDPA's causal
-kernel, and against FlexAttention."""
+kernel, and against FlexAttention and flash-attention's varlen kernel (backend "varlen")."""
 
 from __future__ import annotations
 
@@ -139,3 +139,24 @@ def bench_flex(K, torch, bench, cases, rows, x: AttentionInputs, ours: Timing | 
     base = try_time(bench, tree_step(K, torch, x, "flex"))
     rows.add(**versus(ours, base, **row, note=note(
         f"flex's first call {secs(base.first_ms)} (torch.compile)" if isinstance(base, Timing) else "")))
+
+
+def bench_varlen(K, torch, bench, cases, rows, x: AttentionInputs, ours: Timing | None):
+    """Triton vs backend "varlen" (flash-attention's varlen kernel over the forest's path segments,
+    their ancestors' keys gathered): which one ``attention="auto"`` should run on a GPU. On a CPU
+    the baseline cannot run; the row says why."""
+    seg = x.mask.path_segments()
+    row = dict(op="tree_attention", case="fwd+bwd triton", shape=x.shape,
+               baseline="varlen (flash-attention's varlen kernel over the path segments)")
+    if not cases.fits("varlen", **row):
+        return
+    try:
+        ours = ours or bench.measure(tree_step(K, torch, x, "triton"))
+    except Exception as exc:  # noqa: BLE001
+        cases.error(exc, ours=True, **row)
+        return
+    base = try_time(bench, tree_step(K, torch, x, "varlen"))
+    rows.add(**versus(ours, base, **row, note=note(
+        f"{seg.cu_q.shape[0] - 1} segments, keys gathered {seg.gathered_rows / x.n:.2f}x the rows",
+        f"varlen {x.flops(x.pairs) / base.ms / 1e9:.0f} TFLOP/s on the visible pairs"
+        if bench.cuda and isinstance(base, Timing) else "")))

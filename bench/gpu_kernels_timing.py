@@ -16,7 +16,7 @@ from dataclasses import dataclass
 # Seconds each group of cases may need on an H200, compiles included (a case starts only if what is
 # left of --budget covers it): rough, from the FLOP counts and compile times in bench/gpu_kernels.py's notes.
 EST_S = {"logprobs": 20, "naive": 4, "liger": 8, "cce": 12, "attention": 12, "chain": 6, "small": 15,
-         "entropy": 15, "flex": 40, "attention_big": 20, "tile": 2, "matmul": 3}
+         "entropy": 15, "flex": 40, "varlen": 8, "attention_big": 20, "tile": 2, "matmul": 3}
 
 
 @dataclass

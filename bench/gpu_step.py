@@ -1,7 +1,7 @@
 """One RL training step at a real model's shape on the GPU: tree packing vs one sample per kept leaf
 vs one sample per call, each row streamed through bench/rows.py as it finishes.
 
-    python bench/gpu_step.py --rows ROWS.jsonl          # CUDA: Qwen3-0.6B's shape, bf16 (~2 minutes)
+    python bench/gpu_step.py --rows ROWS.jsonl          # CUDA: Qwen3-0.6B's shape, bf16 (~2.5 minutes)
     python bench/gpu_step.py --smoke --rows ROWS.jsonl  # CPU: a tiny Qwen3, the same cases and rows
 
 Setup: Qwen3-0.6B's published config (`QWEN3_0_6B`: 28 layers, hidden 1,024, 16 query / 8 key-value
@@ -30,12 +30,17 @@ per micro-batch. One step = forward + backward over every micro-batch, gradient 
   the longest (6-8x the tree's tokens); when it does not fit what is left of ``--budget``, a
   stratified subset of its samples (every m-th by length) is timed and its forward+backward time
   scaled by the cost-model ratio (full / subset), which the row says.
+- ``tree (varlen)``: the tree's step with ``attention="varlen"`` (flash-attention's varlen kernel over
+  each micro-batch's path segments, their ancestors' keys gathered; CUDA only, a row saying so on a
+  CPU): one warm-up step, one timed step, against per-leaf; it runs before per-call, which then
+  times a subset of what is left.
 
 Timing: the tree runs one full warm-up step (Triton compiles; reported), then
 ``--repeats`` timed steps (median); per-leaf warms up on one micro-batch; per-call shares that
-warm-up (the same kernels). Times are wall clock with the device synchronised. After its timed steps,
-the tree and per-leaf each run one more step under torch.profiler's device trace (`device_time.py`;
-not in the median), and a row per way gives that step's device time by kernel and how busy the
+warm-up (the same kernels). Times are wall clock with the device synchronised. After every way's
+timed steps (the timings first: per-call times a subset of what is left beyond these), the tree and
+per-leaf each run one more step under torch.profiler's device trace (`device_time.py`; not in the
+median), and a row per way gives that step's device time by kernel and how busy the
 device was over the whole step (the tree's host preparation, forward, backward and optimizer;
 per-leaf's data is prepared before), so that a slow way says which kernels made it slow. Peak memory: the
 allocator's high-water mark during the timed steps above what was allocated before them (weights
@@ -89,8 +94,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="rows per packed micro-batch (default 32768; smoke 1024)")
     ap.add_argument("--repeats", type=int, default=None, help="timed steps per way (median; default 2, smoke 1)")
     ap.add_argument("--budget", type=float, default=None,
-                    help="seconds for the whole script, from its start (default 112 on a GPU, none in smoke)")
-    ap.add_argument("--tree-attention", default="auto", choices=("auto", "triton", "torch", "flex"),
+                    help="seconds for the whole script, from its start (default 142 on a GPU, none in smoke)")
+    ap.add_argument("--tree-attention", default="auto", choices=("auto", "triton", "torch", "flex", "varlen"),
                     help="Policy's attention backend for the tree way")
     ap.add_argument("--gradient-checkpointing", action="store_true", help="every way, if memory is short")
     ap.add_argument("--seed", type=int, default=0)
@@ -101,7 +106,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.micro_batch_tokens = args.micro_batch_tokens or (1024 if smoke else 32768)
     args.repeats = args.repeats or (1 if smoke else 2)
     if args.budget is None and not smoke:
-        args.budget = 112.0
+        args.budget = 142.0
     return args
 
 
@@ -340,6 +345,7 @@ def main(argv=None) -> int:
     import torch
 
     import bench_train_step as bt
+    from clawfast.kernels import TreeMask
     from clawfast.train.prepare import prepare_step, token_counts
     from clawfast.train.step_config import StepConfig
     from device_time import device_breakdown, device_profile
@@ -418,12 +424,12 @@ def main(argv=None) -> int:
                  note=f"skipped: {max(clock.left(), 0):.0f} s of the {args.budget or 0:.0f} s budget left, "
                       f"~{need:.0f} s needed")
 
-    def profiled_step(way: str, step, step_s: float, reserve_s: float):
-        """One more step of the way, after its timed ones and outside their median, under the profiler
-        (`device_time`): a row of where its device time went, or of why there is none (no time left
-        for it, or an error: a diagnostic's, which fails nothing)."""
+    def profiled_step(way: str, step, step_s: float):
+        """One more step of the way, after every way's timed ones and outside their median, under the
+        profiler (`device_time`): a row of where its device time went, or of why there is none (no
+        time left for it, or an error: a diagnostic's, which fails nothing)."""
         case = f"{way}: device time by kernel"
-        if clock.left() < 1.2 * step_s + reserve_s:
+        if clock.left() < 1.2 * step_s:
             skipped_row(case, step_s)
             return
         try:
@@ -465,10 +471,18 @@ def main(argv=None) -> int:
                              ("per-call", call_cost, len(call_data.batches))))
              + f"; {unique} unique kept tokens; model built in {build_s:.1f} s, {clock.elapsed():.0f} s since start")
 
+    # The ways' profiled steps (way, step, its seconds), run after every way's timed steps (by value:
+    # the timings first); per-call times a subset of what is left beyond them.
+    profiles: list[tuple[str, object, float]] = []
+
+    def profile_need() -> float:
+        return sum(1.2 * step_s for _, _, step_s in profiles)
+
     # ------------------------------------------------------------------------------- (a) tree
     tree_name = {"auto": "Triton tree attention" if cuda else "torch tree attention (CPU fast path)",
                  "triton": "Triton tree attention" + ("" if cuda else " (interpreter)"),
-                 "torch": "torch tree attention", "flex": "FlexAttention tree mask"}[args.tree_attention]
+                 "torch": "torch tree attention", "flex": "FlexAttention tree mask",
+                 "varlen": "flash-attention varlen over path segments"}[args.tree_attention]
     tree_case = f"tree: packed prefix trees (train_step), {tree_name}"
     try:
         run.cleanup()
@@ -486,18 +500,16 @@ def main(argv=None) -> int:
                f"warm-up step {warm:.1f} s (compiles); "
                + (f"static (weights, AdamW state) {before / 2**20:,.0f} MiB; " if cuda else "") +
                f"loss {steps[-1]['loss']:.4g}")
-        # the profile keeps less room than a second timed step (35 s, not 60): per-leaf needs ~20 s on an
-        # H200, and per-call times a subset of what is left
-        profiled_step("tree", lambda: run.tree_step(rollouts), steps[-1]["total_s"], 35)
+        profiles.append(("tree", lambda: run.tree_step(rollouts), steps[-1]["total_s"]))
     except Exception as exc:  # noqa: BLE001 - reported as this way's row; the next way still runs
         error_row(tree_case, exc, ours=True)
 
     # ---------------------------------------------------------------------- (b), (c) flat ways
-    def ratio_row(way: str, base_case: str, bar: str, goal: float):
-        if "tree" not in results or way not in results:
+    def ratio_row(way: str, base_case: str, bar: str, goal: float, ours: str = "tree"):
+        if ours not in results or way not in results:
             return
-        tree, base = results["tree"], results[way]
-        row = dict(op="train_step", case=f"tree vs {way}", shape=shape, ms=tree["ms"], baseline=base_case,
+        tree, base = results[ours], results[way]
+        row = dict(op="train_step", case=f"{ours} vs {way}", shape=shape, ms=tree["ms"], baseline=base_case,
                    baseline_ms=base["ms"], ratio=tree["ms"] / base["ms"], bar=bar, speedup=base["ms"] / tree["ms"],
                    peak_mib=tree["peak_mib"], baseline_peak_mib=base["peak_mib"])
         if base["peak_mib"] == base["peak_mib"] and base["peak_mib"] > 0:
@@ -534,18 +546,52 @@ def main(argv=None) -> int:
                 leaf_rate = statistics.median(s["fwd_bwd_s"] for s in steps) / cost.flops
                 report("per-leaf", leaf_case, steps, cost, dict(peak_mib=peak, batches=len(data.batches)),
                        f"warm-up on one micro-batch {warm:.1f} s; loss {steps[-1]['loss']:.4g} (the tree's loss)")
-                profiled_step("per-leaf", lambda: run.flat_step(data, prep_s),
-                              steps[-1]["fwd_bwd_s"] + steps[-1]["optimizer_s"], 30)
+                profiles.append(("per-leaf", lambda: run.flat_step(leaf_data, leaf_prep_s),
+                                 steps[-1]["fwd_bwd_s"] + steps[-1]["optimizer_s"]))
             ratio_row("per-leaf", leaf_case, "<= 0.77 (tree >= 1.3x faster)", 1.3)
     except Exception as exc:  # noqa: BLE001
         error_row(leaf_case, exc, ours=False)
+
+    # ------------------------------------------- (d) the tree on flash-attention's varlen kernel
+    # The same step with backend "varlen" (`clawfast.kernels.tree_attention_varlen`): each path segment
+    # one sequence, its ancestors' keys gathered. One timed step after a warm-up; per-call keeps 15 s.
+    varlen_case = "tree (varlen): packed prefix trees (train_step), flash-attention's varlen kernel over path segments"
+    if not cuda:
+        rows.add(op="train_step", case=varlen_case, shape=shape,
+                 note="not run on cpu: backend 'varlen' is flash-attention's CUDA kernel")
+    else:
+        try:
+            # a warm-up and one step, each about per-leaf's (the same attention kernel, on fewer rows and
+            # pairs, plus the gathers); the profiles, diagnostics, wait (per-call keeps room for them)
+            base = results.get("per-leaf", results.get("tree"))
+            est = 2.2 * base["ms"] / 1e3 if base else 30.0
+            if clock.left() < est + 15:
+                skipped_row(varlen_case, est)
+            else:
+                policy.attention = "varlen"
+                run.cleanup()
+                t0 = time.perf_counter()
+                run.tree_step(rollouts)
+                warm = time.perf_counter() - t0
+                before = run.reset_peak()
+                steps = [run.tree_step(rollouts)]
+                peak = run.peak_mib(before)
+                gathered = sum(TreeMask(torch.as_tensor(b.kv_end)).path_segments().gathered_rows for b in prep.batches)
+                report("tree (varlen)", varlen_case, steps, tree_cost, dict(peak_mib=peak, batches=len(prep.batches)),
+                       f"keys gathered per layer {gathered / tree_cost.rows:.2f}x the rows; warm-up step {warm:.1f} s; "
+                       f"loss {steps[-1]['loss']:.4g}")
+                ratio_row("per-leaf", leaf_case, "<= 0.77 (tree >= 1.3x faster)", 1.3, ours="tree (varlen)")
+        except Exception as exc:  # noqa: BLE001
+            error_row(varlen_case, exc, ours=True)
+        finally:
+            policy.attention = args.tree_attention
 
     call_case = f"per-call: one sample per recorded call, {attn_desc}"
     try:
         data, prep_s, cost = call_data, call_prep_s, call_cost
         rate = leaf_rate or (results["tree"]["fwd_bwd_s"] / tree_cost.flops if "tree" in results else None)
         est = rate * cost.flops if rate else 0.0
-        room = clock.left() - 10
+        room = clock.left() - 10 - profile_need()
         stride, note = 1, "every call timed"
         if est > room > 0 and len(data.batches) > 1:
             stride = min(len(data.batches), max(2, math.ceil(est / max(room, 1e-3))))
@@ -578,6 +624,11 @@ def main(argv=None) -> int:
             ratio_row("per-call", call_case, "<= 0.125 (tree >= 8x faster)", 8.0)
     except Exception as exc:  # noqa: BLE001
         error_row(call_case, exc, ours=False)
+
+    # ------------------------------------------------ the diagnostics last: device time by kernel
+    for way, step, step_s in profiles:
+        with (model_attention(policy, flash) if way == "per-leaf" else contextlib.nullcontext()):
+            profiled_step(way, step, step_s)
 
     print(f"done in {clock.elapsed():.1f} s" + (f"; failed: {', '.join(failed)}" if failed else ""), flush=True)
     return 1 if failed else 0

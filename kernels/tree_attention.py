@@ -21,6 +21,9 @@ Layers (one op, one name, one file each):
   launch tiles per (dtype, head dim).
 - ``tree_attention_flex``: ``torch.nn.attention.flex_attention`` (compiled) on the block mask: the
   portable GPU path and the baseline of the Triton kernels; no gradients on CPU, no dropout.
+- ``tree_attention_varlen``: flash-attention's variable-length kernel (CUDA, half precision) over the
+  mask's path segments (``TreeMask.path_segments``), each segment's ancestors' keys gathered; no
+  softcap, sinks or dropout.
 - here: the checks, ``TreeAttentionFunction`` (autograd) and ``tree_attention`` (entry point).
 
 Guaranteed: the result of ``tree_attention_ref`` (dense softmax under the mask) up to summation
@@ -41,8 +44,9 @@ from .tree_attention_flex import forward_flex
 from .tree_attention_schedule import Scores, TreeMask
 from .tree_attention_torch import CPU_BLOCK, backward_torch, forward_torch
 from .tree_attention_triton import backward_triton, forward_triton, triton_refuses, triton_tiles
+from .tree_attention_varlen import forward_varlen, varlen_refuses
 
-BACKENDS = ("auto", "torch", "triton", "flex")
+BACKENDS = ("auto", "torch", "triton", "flex", "varlen")
 
 
 class TreeAttentionFunction(torch.autograd.Function):
@@ -140,8 +144,9 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_end: to
     backward and a recomputation under gradient checkpointing agree without storing it; ``seed``
     None draws one from torch's default generator (checkpointing restores that generator, so the
     recomputation draws the same). ``backend``: "auto" (Triton for CUDA tensors, the torch fast path otherwise), "torch",
-    "triton" (CPU tensors need TRITON_INTERPRET=1) or "flex" (compiled FlexAttention; no gradients
-    on CPU).
+    "triton" (CPU tensors need TRITON_INTERPRET=1), "flex" (compiled FlexAttention; no gradients
+    on CPU) or "varlen" (flash-attention's varlen kernel over the path segments: CUDA, float16 /
+    bfloat16, no softcap, sinks or dropout).
     """
     mask = kv_end if isinstance(kv_end, TreeMask) else TreeMask(kv_end)
     _check(q, k, v, mask)
@@ -155,4 +160,8 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_end: to
     rule = Scores(scale, window, None if softcap is None else float(softcap), float(dropout_p), seed or 0)
     if backend == "flex":
         return forward_flex(q, k, v, sinks, mask, rule)
+    if backend == "varlen":
+        if (why := varlen_refuses(q, rule, sinks is not None)) is not None:
+            raise ValueError(why)
+        return forward_varlen(q, k, v, mask, rule)
     return TreeAttentionFunction.apply(q, k, v, sinks, mask, rule, backend)

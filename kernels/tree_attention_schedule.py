@@ -16,6 +16,13 @@ counts), not N^2.
 
 `Scores`: the options of HF decoders, along each path: a sliding ``window`` over depths (block pairs
 out of every row's window dropped from the schedule), ``softcap``, attention dropout.
+
+`PathSegments`: the mask as variable-length sequences (``TreeMask.path_segments``), what
+flash-attention's varlen kernel takes. A *segment* is a maximal run of rows each the child of the
+previous one; its queries are its rows and its keys are the path from the root down to its last row
+(its first row's ancestors, then its own rows), so the queries are the keys' last rows and the
+causal mask aligned to the bottom right is exactly the tree mask, a sliding window too (a key's
+position in its sequence is its depth).
 """
 
 from __future__ import annotations
@@ -146,6 +153,7 @@ class TreeMask:
         self._schedules: dict[tuple[int, int | None], BlockSchedule] = {}
         self._host: dict[tuple[int, int | None], tuple[list[int], list[int], list[bool]]] = {}
         self._flex: dict[tuple[int | None, bool], object] = {}
+        self._segments: PathSegments | None = None
 
     @property
     def device(self) -> torch.device:
@@ -184,6 +192,12 @@ class TreeMask:
             s = self.schedule(block, window)
             self._host[key] = (s.kv_ptr.tolist(), s.kv_partial_ptr.tolist(), s.kv_idx.tolist())
         return self._host[key]
+
+    def path_segments(self) -> PathSegments:
+        """The mask as variable-length sequences (`PathSegments`), cached; built on the host."""
+        if self._segments is None:
+            self._segments = _path_segments(self.kv_end, self.depth())
+        return self._segments
 
     def visible_pairs(self) -> int:
         """Number of (query, key) pairs the mask allows: the sum over rows of (ancestors + 1)."""
@@ -249,6 +263,49 @@ class TreeMask:
                 *parts, BLOCK_SIZE=_FLEX_BLOCK, mask_mod=self.mask_mod(window, sink_key),
                 seq_lengths=(self.num_rows, num_keys))
         return self._flex[(window, sink_key)]
+
+
+@dataclass(frozen=True)
+class PathSegments:
+    """The tree mask as variable-length sequences (module docstring), on kv_end's device.
+
+    cu_q int32 [S + 1]: segment s holds the query rows ``cu_q[s]:cu_q[s+1]`` (in row order, so the
+    queries need no gathering); key_rows int64 [K]: segment s's key rows are
+    ``key_rows[cu_k[s]:cu_k[s+1]]``, root first; max_q / max_k: the longest of each. ``K`` is the
+    rows gathered for the keys: N plus each segment's ancestors (``gathered_rows``)."""
+
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    key_rows: torch.Tensor
+    max_q: int
+    max_k: int
+
+    @property
+    def gathered_rows(self) -> int:
+        return int(self.key_rows.shape[0])
+
+
+def _path_segments(kv_end: torch.Tensor, depth: torch.Tensor) -> PathSegments:
+    kv_end_h, depth_h = kv_end.cpu().long(), depth.cpu().long()
+    n = kv_end_h.shape[0]
+    rows = torch.arange(n)
+    # row i continues its predecessor's segment iff row i - 1 is its ancestor (then its parent: DFS order)
+    starts = torch.nonzero(torch.cat([torch.ones(1, dtype=torch.bool), kv_end_h[:-1] < rows[1:]]))[:, 0]
+    ends = torch.cat([starts[1:], torch.tensor([n])])
+    # the path from the root to the row last visited: at a segment's first row, its first depth
+    # entries are that row's ancestors (every row visited since its parent is deeper than its parent)
+    path = torch.empty(int(depth_h.max()) + 1, dtype=torch.long)
+    keys, lengths = [], []
+    for a, b in zip(starts.tolist(), ends.tolist()):
+        top = int(depth_h[a])
+        path[top:top + b - a] = rows[a:b]
+        keys.append(path[:top + b - a].clone())
+        lengths.append(top + b - a)
+    q_lengths = ends - starts
+    cu = lambda lens: torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(torch.as_tensor(lens), 0)])
+    device = kv_end.device
+    return PathSegments(cu_q=cu(q_lengths).to(device, torch.int32), cu_k=cu(lengths).to(device, torch.int32),
+                        key_rows=torch.cat(keys).to(device), max_q=int(q_lengths.max()), max_k=max(lengths))
 
 
 def _pairs(s: BlockSchedule) -> tuple[torch.Tensor, torch.Tensor]:

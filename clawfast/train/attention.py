@@ -17,7 +17,9 @@ Backends (`ATTENTION_BACKENDS`, the ``model.attention`` config field):
 - ``auto``: one causal chain runs on the model's own causal attention (exact, no tree mask);
   anything else runs `tree_attention` with its own choice (Triton on CUDA, the torch fast path on
   CPU).
-- ``torch`` / ``triton`` / ``flex``: `tree_attention` with that backend (flex: no CPU backward).
+- ``torch`` / ``triton`` / ``flex`` / ``varlen``: `tree_attention` with that backend (flex: no CPU
+  backward; varlen: flash-attention's varlen kernel over the tree's path segments, CUDA and half
+  precision only).
 - ``sdpa-dense``: the model's own attention with a dense additive [1, 1, N, N] mask: the reference
   the tests compare against; O(N^2) memory.
 

@@ -28,7 +28,7 @@ class _Section(BaseModel):
 
 
 # How packed tree batches are attended (`clawfast.train.attention.ATTENTION_BACKENDS` is this list).
-AttentionBackend = Literal["auto", "torch", "triton", "flex", "sdpa-dense"]
+AttentionBackend = Literal["auto", "torch", "triton", "flex", "varlen", "sdpa-dense"]
 
 
 class LoraConfig(_Section):
@@ -49,8 +49,9 @@ class ModelConfig(_Section):
     dtype, and serving dtype unless ``engine.dtype`` says otherwise.
     attention: how packed tree batches are attended (`clawfast.train.attention`): "auto" (Triton
     on CUDA, the torch fast path on CPU, the model's own causal attention for a single chain),
-    "torch", "triton", "flex" (FlexAttention; GPU for training) or "sdpa-dense" (the dense
-    [N, N] mask: the reference, O(N^2) memory). gradient_checkpointing: recompute each decoder
+    "torch", "triton", "flex" (FlexAttention; GPU for training), "varlen" (flash-attention's
+    varlen kernel over the tree's path segments: CUDA, float16 / bfloat16) or "sdpa-dense" (the
+    dense [N, N] mask: the reference, O(N^2) memory). gradient_checkpointing: recompute each decoder
     layer in the backward pass, so a micro-batch keeps only the layers' inputs instead of all their
     activations (what long ``optim.micro_batch_tokens`` budgets need on a GPU; same gradients).
     device: where a one-process run keeps the policy and the torch engine: "auto" (the first GPU

@@ -356,6 +356,88 @@ def test_flex_has_no_cpu_backward_and_says_so():
         tree_attention(q, k, v, chains([20]), backend="flex")
 
 
+def path_segments_attention(q, k, v, mask: TreeMask, scale: float, window: int | None) -> torch.Tensor:
+    """What flash-attention's varlen kernel computes on ``mask.path_segments()``, in plain torch:
+    each segment's queries against its gathered keys, causal aligned to the bottom right (query i of
+    Lq sees keys up to i + Lk - Lq), a window of W keeping the last W of those."""
+    seg = mask.path_segments()
+    keys, values = k[seg.key_rows], v[seg.key_rows]
+    group = q.shape[1] // k.shape[1]
+    out = torch.empty_like(q)
+    for s in range(seg.cu_q.shape[0] - 1):
+        (qa, qb), (ka, kb) = seg.cu_q[s:s + 2].tolist(), seg.cu_k[s:s + 2].tolist()
+        last = torch.arange(qb - qa)[:, None] + (kb - ka) - (qb - qa)  # each query's own key position
+        key = torch.arange(kb - ka)[None]
+        seen = (key <= last) & (key > last - window if window is not None else True)
+        scores = torch.einsum("qhd,khd->hqk", q[qa:qb], keys[ka:kb].repeat_interleave(group, 1)) * scale
+        weights = torch.softmax(scores.masked_fill(~seen, float("-inf")), dim=-1)
+        out[qa:qb] = torch.einsum("hqk,khd->qhd", weights, values[ka:kb].repeat_interleave(group, 1))
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), n=st.integers(1, 120), kind=KINDS, shape=SHAPES,
+       window=st.sampled_from([None, 1, 3, 17]))
+def test_path_segments_are_the_tree_mask_as_bottom_right_causal_sequences(seed, n, kind, shape, window):
+    """Backend "varlen" hands flash-attention's varlen kernel the mask's path segments: each a run of
+    rows each the child of the previous, its keys the path from the root. Attended causally, aligned
+    to the bottom right (flash-attention 2's rule when keys outnumber queries), with the window over
+    key positions, they are the tree mask (float64, against the dense reference); the keys gathered
+    are N plus each segment's depth."""
+    gen = torch.Generator().manual_seed(seed)
+    kv_end = make_kv_end(kind, n, gen)
+    hq, hkv, d = shape
+    q, k, v = (t.detach() for t in qkv(n, hq, hkv, d, torch.float64, gen))
+    mask = TreeMask(kv_end)
+    seg = mask.path_segments()
+    starts = seg.cu_q[:-1].long()
+    assert seg.gathered_rows == n + int(mask.depth()[starts].sum())
+    assert seg.cu_q[-1] == n and seg.cu_k[-1] == seg.gathered_rows
+    assert seg.max_q == int((seg.cu_q[1:] - seg.cu_q[:-1]).max()) and seg.max_k == int((seg.cu_k[1:] - seg.cu_k[:-1]).max())
+    scale = d ** -0.5
+    expected = tree_attention_ref(q, k, v, kv_end, scale=scale, window=window)
+    assert err(path_segments_attention(q, k, v, mask, scale, window), expected) < 1e-12
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_varlen_calls_pytorchs_flash_ops_as_their_schemas_and_meta_kernels_take_them(window):
+    """The CUDA kernel itself runs only on a GPU (bench/gpu_correctness.py's varlen cases check it
+    against float64); here the forward and backward call PyTorch's flash-attention ops on meta tensors:
+    their schemas take our arguments, GQA shapes included, and the gradients come back in the inputs'
+    shapes and dtype."""
+    import dataclasses
+
+    from clawfast.kernels.tree_attention_schedule import Scores
+    from clawfast.kernels.tree_attention_varlen import VarlenTreeAttention
+
+    seg = TreeMask(torch.tensor([5, 5, 5, 4, 4, 5, 6])).path_segments()
+    meta = dataclasses.replace(seg, **{f: getattr(seg, f).to("meta") for f in ("cu_q", "cu_k", "key_rows")})
+    q, k, v = (torch.zeros(7, h, 64, dtype=torch.bfloat16, device="meta", requires_grad=True) for h in (4, 2, 2))
+    out = VarlenTreeAttention.apply(q, k, v, meta, Scores(0.125, window=window))
+    assert (out.shape, out.dtype) == (q.shape, q.dtype)
+    out.backward(torch.zeros_like(out))
+    assert [(t.grad.shape, t.grad.dtype) for t in (q, k, v)] == [(t.shape, t.dtype) for t in (q, k, v)]
+
+
+def test_varlen_says_what_it_cannot_run():
+    """Backend "varlen" is flash-attention's CUDA kernel in half precision without softcap, sinks or
+    dropout: anything else is refused with the reason (on this CPU, the device last)."""
+    gen = torch.Generator().manual_seed(0)
+    kv_end = chains([12])
+    for dtype, d, options, reason in [
+        (torch.float32, 16, {}, "float16 or bfloat16"),
+        (torch.bfloat16, 12, {}, "multiples of 8"),
+        (torch.bfloat16, 16, {"softcap": 30.0, "dropout_p": 0.1}, "no softcap, dropout"),
+        (torch.bfloat16, 16, {"sinks": True}, "no sinks"),
+        (torch.bfloat16, 16, {}, "CUDA kernel; q is on cpu"),
+    ]:
+        q, k, v = qkv(12, 2, 1, d, dtype, gen)
+        if options.pop("sinks", False):
+            options["sinks"] = sink_logits(2, dtype, gen)
+        with pytest.raises(ValueError, match=reason):
+            tree_attention(q, k, v, kv_end, backend="varlen", **options)
+
+
 def test_bad_inputs():
     gen = torch.Generator().manual_seed(0)
     q, k, v = (t.detach() for t in qkv(10, 4, 2, 8, torch.float32, gen))

@@ -51,8 +51,9 @@ def _short(name: str) -> str:
 def _template_subject(args: str) -> str | None:
     """What a template argument list (``<...>...``) runs: in its first argument that is not a number,
     the first function named (the one an operator's lambda sits in, ``hypot_kernel_cuda(...)::
-    {lambda...}``), else the innermost class template (``BinaryFunctor<float, ..., MulFunctor<float>>``
-    runs MulFunctor), else None (``cunn_SoftMaxForward<4, float>``)."""
+    {lambda...}``), else the last class template named that is no value type
+    (``BinaryFunctor<float, ..., MulFunctor<float>>`` runs MulFunctor), else None
+    (``cunn_SoftMaxForward<4, float>``)."""
     depth, start, first = 0, 1, None
     for i, c in enumerate(args):
         if c in "<({[":

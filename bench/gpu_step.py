@@ -11,7 +11,7 @@ bfloat16 on CUDA; one GRPO group of 8 harness-shaped rollouts of one task
 to 16,384 tokens, retries, a subagent chain, a title call, a history edit); AdamW; `StepConfig`'s
 defaults (GRPO, token-level truncated IS, one update) with ``micro_batch_tokens`` = 32,768 rows
 per micro-batch. One step = forward + backward over every micro-batch, gradient clipping, AdamW step
-(plus the step's data preparation on the host, reported apart). Three ways:
+(plus the step's data preparation on the host, reported apart). Four ways, in the order they run:
 
 - ``tree``: the project's own step, `clawfast.train.step.train_step` (threads, prefix trees, leaf
   filter, deduplicating packer, `Policy` with ``attention="auto"``: Triton tree attention and
@@ -25,15 +25,14 @@ per micro-batch. One step = forward + backward over every micro-batch, gradient 
   (torch's flash backend). SDPA on a packed row sequence would build a dense block-diagonal
   [N, N] mask and run the masked kernel over all N^2 pairs, and a padded batch computes the
   padding: one sample per forward is the fastest SDPA form of the same work.
+- ``tree (varlen)``: the tree's step with ``attention="varlen"`` (flash-attention's varlen kernel over
+  each micro-batch's path segments, their ancestors' keys gathered; CUDA only, a row saying so on a
+  CPU): one warm-up step, one timed step, against per-leaf.
 - ``per-call``: one sample per recorded main-thread call (`flat_step_data(.., "call")`: every call
   as its own sequence, as a capturing proxy yields them), same attention as per-leaf. Its step is
   the longest (6-8x the tree's tokens); when it does not fit what is left of ``--budget``, a
   stratified subset of its samples (every m-th by length) is timed and its forward+backward time
   scaled by the cost-model ratio (full / subset), which the row says.
-- ``tree (varlen)``: the tree's step with ``attention="varlen"`` (flash-attention's varlen kernel over
-  each micro-batch's path segments, their ancestors' keys gathered; CUDA only, a row saying so on a
-  CPU): one warm-up step, one timed step, against per-leaf; it runs before per-call, which then
-  times a subset of what is left.
 
 Timing: the tree runs one full warm-up step (Triton compiles; reported), then
 ``--repeats`` timed steps (median); per-leaf warms up on one micro-batch; per-call shares that
@@ -66,6 +65,7 @@ import statistics
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 T_START = time.monotonic()
@@ -471,9 +471,9 @@ def main(argv=None) -> int:
                              ("per-call", call_cost, len(call_data.batches))))
              + f"; {unique} unique kept tokens; model built in {build_s:.1f} s, {clock.elapsed():.0f} s since start")
 
-    # The ways' profiled steps (way, step, its seconds), run after every way's timed steps (by value:
-    # the timings first); per-call times a subset of what is left beyond them.
-    profiles: list[tuple[str, object, float]] = []
+    # The ways' profiled steps (way, step, its seconds): diagnostics, so they run after every way's
+    # timed steps, and per-call times a subset of what is left beyond them.
+    profiles: list[tuple[str, Callable[[], object], float]] = []
 
     def profile_need() -> float:
         return sum(1.2 * step_s for _, _, step_s in profiles)
@@ -504,7 +504,7 @@ def main(argv=None) -> int:
     except Exception as exc:  # noqa: BLE001 - reported as this way's row; the next way still runs
         error_row(tree_case, exc, ours=True)
 
-    # ---------------------------------------------------------------------- (b), (c) flat ways
+    # ---------------------------------------------------------------------------- (b) per-leaf
     def ratio_row(way: str, base_case: str, bar: str, goal: float, ours: str = "tree"):
         if ours not in results or way not in results:
             return
@@ -552,7 +552,7 @@ def main(argv=None) -> int:
     except Exception as exc:  # noqa: BLE001
         error_row(leaf_case, exc, ours=False)
 
-    # ------------------------------------------- (d) the tree on flash-attention's varlen kernel
+    # ------------------------------------------- (c) the tree on flash-attention's varlen kernel
     # The same step with backend "varlen" (`clawfast.kernels.tree_attention_varlen`): each path segment
     # one sequence, its ancestors' keys gathered. One timed step after a warm-up; per-call keeps 15 s.
     varlen_case = "tree (varlen): packed prefix trees (train_step), flash-attention's varlen kernel over path segments"
@@ -561,11 +561,11 @@ def main(argv=None) -> int:
                  note="not run on cpu: backend 'varlen' is flash-attention's CUDA kernel")
     else:
         try:
-            # a warm-up and one step, each about per-leaf's (the same attention kernel, on fewer rows and
-            # pairs, plus the gathers); the profiles, diagnostics, wait (per-call keeps room for them)
+            # a warm-up and one step, each about per-leaf's (the same attention kernel on fewer rows and
+            # pairs, plus the gathers); 15 s stay for per-call, and the profiles' time
             base = results.get("per-leaf", results.get("tree"))
             est = 2.2 * base["ms"] / 1e3 if base else 30.0
-            if clock.left() < est + 15:
+            if clock.left() < est + 15 + profile_need():
                 skipped_row(varlen_case, est)
             else:
                 policy.attention = "varlen"
@@ -586,6 +586,7 @@ def main(argv=None) -> int:
         finally:
             policy.attention = args.tree_attention
 
+    # ---------------------------------------------------------------------------- (d) per-call
     call_case = f"per-call: one sample per recorded call, {attn_desc}"
     try:
         data, prep_s, cost = call_data, call_prep_s, call_cost
@@ -616,7 +617,8 @@ def main(argv=None) -> int:
                                                     key=lambda i: data.batches[i].num_tokens)]), 0.0)
                 before = run.reset_peak()
                 steps = [run.flat_step(sub, prep_s, scale)]
-                while len(steps) < args.repeats and clock.left() > 1.2 * steps[-1]["fwd_bwd_s"] / scale + 5:
+                while (len(steps) < args.repeats
+                       and clock.left() > 1.2 * steps[-1]["fwd_bwd_s"] / scale + 5 + profile_need()):
                     steps.append(run.flat_step(sub, prep_s, scale))
                 peak = run.peak_mib(before)
             report("per-call", call_case, steps, cost, dict(peak_mib=peak, batches=len(data.batches)),
@@ -627,6 +629,7 @@ def main(argv=None) -> int:
 
     # ------------------------------------------------ the diagnostics last: device time by kernel
     for way, step, step_s in profiles:
+        run.cleanup()  # after per-call: the tree's step peaks near an H100's memory
         with (model_attention(policy, flash) if way == "per-leaf" else contextlib.nullcontext()):
             profiled_step(way, step, step_s)
 

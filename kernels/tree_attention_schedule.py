@@ -270,9 +270,10 @@ class PathSegments:
     """The tree mask as variable-length sequences (module docstring), on kv_end's device.
 
     cu_q int32 [S + 1]: segment s holds the query rows ``cu_q[s]:cu_q[s+1]`` (in row order, so the
-    queries need no gathering); key_rows int64 [K]: segment s's key rows are
+    queries need no gathering); key_rows int64 [K] and cu_k int32 [S + 1]: segment s's key rows are
     ``key_rows[cu_k[s]:cu_k[s+1]]``, root first; max_q / max_k: the longest of each. ``K`` is the
-    rows gathered for the keys: N plus each segment's ancestors (``gathered_rows``)."""
+    rows gathered for the keys: N plus each segment's ancestors (``gathered_rows``). Only a forest
+    has them: a ``kv_end`` whose intervals do not nest is a ValueError."""
 
     cu_q: torch.Tensor
     cu_k: torch.Tensor
@@ -292,20 +293,40 @@ def _path_segments(kv_end: torch.Tensor, depth: torch.Tensor) -> PathSegments:
     # row i continues its predecessor's segment iff row i - 1 is its ancestor (then its parent: DFS order)
     starts = torch.nonzero(torch.cat([torch.ones(1, dtype=torch.bool), kv_end_h[:-1] < rows[1:]]))[:, 0]
     ends = torch.cat([starts[1:], torch.tensor([n])])
+    q_lengths = ends - starts
+    segment = torch.repeat_interleave(torch.arange(starts.shape[0]), q_lengths)
+    # A mask whose intervals do not nest is no forest (TreeMask takes it; the other backends compute
+    # it as given): each row's visible keys would not be one path. Its rows' depths step by more than
+    # one inside a segment, or a segment's last row does not see one of its keys (checked below).
+    stepped = torch.nonzero(depth_h != depth_h[starts][segment] + rows - starts[segment])
+    if stepped.numel():
+        raise ValueError(_NOT_A_FOREST.format(row=int(stepped[0, 0])))
     # the path from the root to the row last visited: at a segment's first row, its first depth
     # entries are that row's ancestors (every row visited since its parent is deeper than its parent)
-    path = torch.empty(int(depth_h.max()) + 1, dtype=torch.long)
-    keys, lengths = [], []
+    path = torch.full((int(depth_h.max()) + 1,), -1, dtype=torch.long)
+    keys = []
     for a, b in zip(starts.tolist(), ends.tolist()):
         top = int(depth_h[a])
         path[top:top + b - a] = rows[a:b]
         keys.append(path[:top + b - a].clone())
-        lengths.append(top + b - a)
-    q_lengths = ends - starts
-    cu = lambda lens: torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(torch.as_tensor(lens), 0)])
+    k_lengths = torch.tensor([len(k) for k in keys])
+    key_rows = torch.cat(keys)
+    last_row = torch.repeat_interleave(ends - 1, k_lengths)
+    unseen = torch.nonzero((key_rows < 0) | (kv_end_h[key_rows.clamp(min=0)] < last_row))
+    if unseen.numel():
+        raise ValueError(_NOT_A_FOREST.format(row=int(last_row[unseen[0, 0]])))
     device = kv_end.device
-    return PathSegments(cu_q=cu(q_lengths).to(device, torch.int32), cu_k=cu(lengths).to(device, torch.int32),
-                        key_rows=torch.cat(keys).to(device), max_q=int(q_lengths.max()), max_k=max(lengths))
+    return PathSegments(cu_q=_offsets(q_lengths).to(device, torch.int32),
+                        cu_k=_offsets(k_lengths).to(device, torch.int32), key_rows=key_rows.to(device),
+                        max_q=int(q_lengths.max()), max_k=int(k_lengths.max()))
+
+
+_NOT_A_FOREST = ("kv_end is not a forest in DFS order (row {row}'s visible keys are not one path from a root): "
+                 "path segments need one; backends 'torch', 'triton' and 'flex' take any kv_end")
+
+
+def _offsets(lengths: torch.Tensor) -> torch.Tensor:
+    return torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(lengths, 0)])
 
 
 def _pairs(s: BlockSchedule) -> tuple[torch.Tensor, torch.Tensor]:

@@ -596,9 +596,9 @@ def memory_refusal(share: float, kv_cache_bytes: int | None, free: int, total: i
 
 def _device_memory() -> tuple[int, int, str] | None:
     """(free bytes, total bytes, device) of what vLLM's worker takes: RAM on the CPU backend, GPU 0 of
-    those visible on a GPU. None on a GPU this process has not used: reading it
-    would put a CUDA context there, and what holds it then is another process, which vLLM's own
-    refusal reports."""
+    those visible on a GPU. None where this process holds no memory on GPU 0 (its trainer is
+    elsewhere, or there is none): reading it would put a CUDA context there for the whole run, and
+    what holds that GPU then is another process, which vLLM's own refusal reports."""
     import torch
     from vllm.platforms import current_platform
 
@@ -610,7 +610,9 @@ def _device_memory() -> tuple[int, int, str] | None:
 
         node = get_memory_node_info(get_allowed_cpu_list()[0].numa_node)
         return node.available_memory, node.total_memory, "cpu"
-    if current_platform.is_cuda_alike() and torch.cuda.is_initialized():
+    # memory_reserved reads this process's allocator (no CUDA call): only a process that holds memory
+    # on GPU 0 (a trainer sharing it) already has a context there to ask
+    if current_platform.is_cuda_alike() and torch.cuda.is_initialized() and torch.cuda.memory_reserved(0) > 0:
         free, total = torch.cuda.mem_get_info(0)
         return free, total, "cuda:0"
     return None

@@ -75,6 +75,13 @@ class ModelConfig(_Section):
             raise ValueError(f"expected 'auto', 'cpu', 'cuda' or 'cuda:N', got {value!r}")
         return value
 
+    @model_validator(mode="after")
+    def _varlen_needs(self) -> "ModelConfig":
+        if self.attention == "varlen" and (self.dtype == "float32" or self.device == "cpu"):
+            raise ValueError("attention = 'varlen' is flash-attention's CUDA kernel in half precision: set dtype = "
+                             f"'bfloat16' or 'float16' (got {self.dtype!r}) and a GPU device (got {self.device!r})")
+        return self
+
 
 class EngineConfig(_Section):
     """kind: "torch" (in-process Hugging Face engine, weights swapped in process after every
@@ -113,10 +120,10 @@ class EngineConfig(_Section):
     gpu_memory_utilization (vllm only): the share of its device's memory vLLM reserves at start for
     its weights, activations and KV cache (on a CPU, of the machine's RAM), as vLLM's own setting;
     vLLM refuses to start unless that much is free then. vLLM runs on GPU 0 of those visible, else
-    on the CPU. None: 0.5 where the trainer shares that device (a one-process run whose
-    model.device is it; the trainer's optimizer state and activations are allocated after vLLM has
-    started and need the rest), vLLM's own default (0.92) where vLLM has it to itself (an FSDP run,
-    whose ranks start at GPU 1; evaluation).
+    on the CPU. None: 0.5 where the trainer shares that device (its policy on GPU 0, or on the CPU;
+    the trainer's optimizer state and activations are allocated after vLLM has started and need the
+    rest), vLLM's own default (0.92) where vLLM has it to itself (a GPU FSDP run, whose ranks start
+    at GPU 1; a policy on another GPU; evaluation).
     kv_cache_memory_bytes (vllm only): the KV cache's size in bytes instead of what the share leaves
     for it (on a CPU vLLM then checks no share: the way to run small CPU engines)."""
 

@@ -132,11 +132,14 @@ def run_loop(config: RunConfig, *, resume: bool, progress: bool, group=None,
     """The loop of `train`; `group`: rank 0's `FsdpGroup` in an FSDP run (None: one process)."""
     if make_source is not None and config.coldstart.enabled:
         raise ValueError("a cold start runs through harnesses: it cannot run with make_source")
+    trainer_device = group.device if group is not None else resolve_device(config.model.device)
+    if config.model.attention == "varlen" and trainer_device.type != "cuda":
+        raise ValueError(f"model.attention = 'varlen' is flash-attention's CUDA kernel; the policy would be on "
+                         f"{trainer_device} (model.device = {config.model.device!r})")
     run_dir, ckpt = prepare_run_dir(config, resume)
     seed_everything(config.seed)
     model_dir = resolve_model_dir(config)
     policy = build_policy(config, model_dir)
-    trainer_device = group.device if group is not None else resolve_device(config.model.device)
     if group is None:
         policy = policy.to(trainer_device)
     optimizer = build_optimizer(config, policy)

@@ -393,10 +393,34 @@ def test_path_segments_are_the_tree_mask_as_bottom_right_causal_sequences(seed, 
     starts = seg.cu_q[:-1].long()
     assert seg.gathered_rows == n + int(mask.depth()[starts].sum())
     assert seg.cu_q[-1] == n and seg.cu_k[-1] == seg.gathered_rows
-    assert seg.max_q == int((seg.cu_q[1:] - seg.cu_q[:-1]).max()) and seg.max_k == int((seg.cu_k[1:] - seg.cu_k[:-1]).max())
+    assert seg.max_q == int(seg.cu_q.diff().max()) and seg.max_k == int(seg.cu_k.diff().max())
     scale = d ** -0.5
     expected = tree_attention_ref(q, k, v, kv_end, scale=scale, window=window)
     assert err(path_segments_attention(q, k, v, mask, scale, window), expected) < 1e-12
+
+
+def test_path_segments_take_every_forest_and_refuse_every_other_mask():
+    """Every kv_end of up to 6 rows: where its intervals [j, kv_end[j]] nest (a forest in DFS order)
+    each query's keys are exactly its visible rows, else a ValueError names a row (the other
+    backends compute such a mask as given; path segments cannot hold it)."""
+    import itertools
+
+    for n in range(1, 7):
+        for kv_end in itertools.product(*(range(j, n) for j in range(n))):
+            # nested: a row inside another's interval has its interval inside it
+            forest = all(kv_end[b] <= kv_end[a] for a in range(n) for b in range(a + 1, kv_end[a] + 1))
+            mask = TreeMask(torch.tensor(kv_end))
+            if not forest:
+                with pytest.raises(ValueError, match="not a forest"):
+                    mask.path_segments()
+                continue
+            seg = mask.path_segments()
+            seen = set()
+            for s in range(seg.cu_q.shape[0] - 1):
+                (qa, qb), (ka, kb) = seg.cu_q[s:s + 2].tolist(), seg.cu_k[s:s + 2].tolist()
+                for i in range(qa, qb):  # bottom-right causal: its own key is (kb - ka) - (qb - i) into the keys
+                    seen |= {(i, j) for j in seg.key_rows[ka:kb - (qb - 1 - i)].tolist()}
+            assert seen == {(i, j) for j in range(n) for i in range(j, kv_end[j] + 1)}, kv_end
 
 
 @pytest.mark.parametrize("window", [None, 3])

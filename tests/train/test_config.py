@@ -63,6 +63,8 @@ def test_defaults_and_sections(tmp_path):
     ("[engine]\nfull_push_every = 0\n", "engine.full_push_every"),
     ("[engine]\ndtype = \"fp8\"\n", "engine.dtype"),
     ("[engine]\ngpu_memory_utilization = 0.5\n", "engine"),  # the torch engine takes no share
+    ("[model]\nattention = \"varlen\"\n", "model"),  # flash-attention's kernel: half precision
+    ("[model]\nattention = \"varlen\"\ndtype = \"bfloat16\"\ndevice = \"cpu\"\n", "model"),
     ("[engine]\nkind = \"vllm\"\ngpu_memory_utilization = 1.5\n", "engine.gpu_memory_utilization"),
     ("[engine]\nkind = \"vllm\"\nkv_cache_memory_bytes = 0\n", "engine.kv_cache_memory_bytes"),
     ("[algorithm]\nkeep_statuses = [\"fine\"]\n", "algorithm.keep_statuses"),

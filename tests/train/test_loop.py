@@ -76,6 +76,18 @@ def test_recorded_run_trains_logs_checkpoints_and_plots(tmp_path):
     assert Path(summary["curves"]).stat().st_size > 10_000
 
 
+def test_varlen_attention_off_a_gpu_stops_the_run_before_it_builds_anything(tmp_path, monkeypatch):
+    """model.attention = "varlen" with model.device = "auto" on a machine without a GPU: the policy
+    would land on the CPU, where flash-attention's kernel does not run; the run says so first."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    config = _load(tmp_path, steps=1, interval=1)
+    config = config.model_copy(update={"model": config.model.model_copy(update={"attention": "varlen",
+                                                                               "dtype": "bfloat16"})})
+    with pytest.raises(ValueError, match="'varlen' is flash-attention's CUDA kernel; the policy would be on cpu"):
+        train(config, progress=False)
+    assert not (tmp_path / "run").exists()
+
+
 def test_fresh_run_refuses_a_run_dir_with_checkpoints(tmp_path):
     config = _load(tmp_path, steps=2, interval=2)
     train(config, progress=False)

@@ -58,7 +58,7 @@ from pathlib import Path
 T_START = time.monotonic()
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: rows.py, gpu_kernels_*.py
 
-from gpu_kernels_attention import AttentionInputs, bench_attention, bench_flex, bench_varlen  # noqa: E402
+from gpu_kernels_attention import AttentionInputs, bench_attention, bench_backend  # noqa: E402
 from gpu_kernels_logprobs import bench_logprobs, bench_logprobs_entropy  # noqa: E402
 from gpu_kernels_small import bench_small_ops  # noqa: E402
 from gpu_kernels_timing import Bench, Cases  # noqa: E402
@@ -120,9 +120,9 @@ def main(argv=None):
     x = AttentionInputs(K, torch, device, attn[0], gen)
     ours_attn = bench_attention(K, torch, bench, cases, rows, x, with_chain=True)
     cases.free()
-    bench_flex(K, torch, bench, cases, rows, x, ours_attn)
-    cases.free()
-    bench_varlen(K, torch, bench, cases, rows, x, ours_attn)
+    for backend in ("flex", "varlen"):
+        bench_backend(K, torch, bench, cases, rows, x, ours_attn, backend)
+        cases.free()
     del x
     cases.free()
     bench_small_ops(K, torch, bench, cases, rows, device, gae_n, gen)

@@ -125,38 +125,32 @@ def _chain_row(K, torch, bench, cases, rows, x: AttentionInputs, chain, shape: s
     return True
 
 
-def bench_flex(K, torch, bench, cases, rows, x: AttentionInputs, ours: Timing | None):
-    op = "tree_attention"
-    case = "fwd+bwd triton" + (" (flex: forward only on a CPU)" if x.cpu else "")
-    row = dict(op=op, case=case, shape=x.shape, baseline="FlexAttention (compiled, the tree's block mask)")
-    if not cases.fits("flex", **row):
+def bench_backend(K, torch, bench, cases, rows, x: AttentionInputs, ours: Timing | None, backend: str):
+    """Triton vs another backend of ``tree_attention`` on the forest, forward+backward: which one
+    ``attention="auto"`` should run on a GPU. ``"flex"``: FlexAttention (compiled, the tree's block
+    mask; forward only on a CPU; its compile reported); ``"varlen"``: flash-attention's varlen kernel
+    over the forest's path segments, their ancestors' keys gathered (CUDA only: on a CPU the row says
+    why)."""
+    if backend == "flex":
+        case = "fwd+bwd triton" + (" (flex: forward only on a CPU)" if x.cpu else "")
+        baseline = "FlexAttention (compiled, the tree's block mask)"
+    else:
+        case, baseline = "fwd+bwd triton", "varlen (flash-attention's varlen kernel over the path segments)"
+    row = dict(op="tree_attention", case=case, shape=x.shape, baseline=baseline)
+    if not cases.fits(backend, **row):
         return
     try:
         ours = ours or bench.measure(tree_step(K, torch, x, "triton"))
     except Exception as exc:  # noqa: BLE001
         cases.error(exc, ours=True, **row)
         return
-    base = try_time(bench, tree_step(K, torch, x, "flex"))
-    rows.add(**versus(ours, base, **row, note=note(
-        f"flex's first call {secs(base.first_ms)} (torch.compile)" if isinstance(base, Timing) else "")))
-
-
-def bench_varlen(K, torch, bench, cases, rows, x: AttentionInputs, ours: Timing | None):
-    """Triton vs backend "varlen" (flash-attention's varlen kernel over the forest's path segments,
-    their ancestors' keys gathered): which one ``attention="auto"`` should run on a GPU. On a CPU
-    the baseline cannot run; the row says why."""
-    seg = x.mask.path_segments()
-    row = dict(op="tree_attention", case="fwd+bwd triton", shape=x.shape,
-               baseline="varlen (flash-attention's varlen kernel over the path segments)")
-    if not cases.fits("varlen", **row):
-        return
-    try:
-        ours = ours or bench.measure(tree_step(K, torch, x, "triton"))
-    except Exception as exc:  # noqa: BLE001
-        cases.error(exc, ours=True, **row)
-        return
-    base = try_time(bench, tree_step(K, torch, x, "varlen"))
-    rows.add(**versus(ours, base, **row, note=note(
-        f"{seg.cu_q.shape[0] - 1} segments, keys gathered {seg.gathered_rows / x.n:.2f}x the rows",
-        f"varlen {x.flops(x.pairs) / base.ms / 1e9:.0f} TFLOP/s on the visible pairs"
-        if bench.cuda and isinstance(base, Timing) else "")))
+    base = try_time(bench, tree_step(K, torch, x, backend))
+    timed = isinstance(base, Timing)
+    if backend == "flex":
+        parts = [f"flex's first call {secs(base.first_ms)} (torch.compile)" if timed else ""]
+    else:
+        seg = x.mask.path_segments()
+        parts = [f"{seg.cu_q.shape[0] - 1} segments, keys gathered {seg.gathered_rows / x.n:.2f}x the rows",
+                 f"varlen {x.flops(x.pairs) / base.ms / 1e9:.0f} TFLOP/s on the visible pairs"
+                 if bench.cuda and timed else ""]
+    rows.add(**versus(ours, base, **row, note=note(*parts)))

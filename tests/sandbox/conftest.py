@@ -4,7 +4,6 @@ at the host itself (/proc, mountinfo, cgroup directories, temp directories)."""
 from __future__ import annotations
 
 import os
-import socket
 import threading
 import uuid
 
@@ -13,38 +12,7 @@ import pytest
 from clawfast.sandbox.cgroup import CgroupHost, sandbox_groups
 from clawfast.sandbox.probes import pids_with
 
-
-class EchoServer:
-    """A TCP server on a host loopback port that answers each connection with b"echo:" + first read."""
-
-    def __init__(self) -> None:
-        self.sock = socket.socket()
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(16)
-        self.port = self.sock.getsockname()[1]
-        self.connections = 0
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            self.connections += 1
-            with conn:
-                conn.sendall(b"echo:" + conn.recv(1024))
-
-    def close(self) -> None:
-        # shutdown wakes the accept() of the serving thread; close alone may not.
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self.sock.close()
-        self._thread.join(2)
+from .host_servers import EchoServer
 
 
 @pytest.fixture

@@ -37,6 +37,8 @@ import pytest
 from clawfast.sandbox import Limits, RunResult, SandboxError, SandboxSpec
 from clawfast.sandbox import base as sandbox_base
 
+from .host_servers import UnixServer
+
 PY = "/usr/bin/python3"  # in the host's /usr (bwrap) and in the image (docker)
 MiB = 1 << 20
 REPO = Path(__file__).resolve().parents[2]
@@ -517,39 +519,6 @@ def test_verifier_files_of_its_own_task_are_hidden(any_backend, outside_dir):
 
 
 # -- 5. host Unix sockets -----------------------------------------------------------------------
-
-
-class UnixServer:
-    """A world-connectable Unix socket server on the host that answers b"host-socket" and counts."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self.sock = socket.socket(socket.AF_UNIX)
-        self.sock.bind(path)
-        if not path.startswith("\0"):  # an abstract name has no file
-            os.chmod(path, 0o777)
-        self.sock.listen(8)
-        self.connections = 0
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            self.connections += 1
-            with conn:
-                conn.sendall(b"host-socket")
-
-    def close(self) -> None:
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self.sock.close()
-        self._thread.join(2)
 
 
 UNIX_CONNECT = r"""

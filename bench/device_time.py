@@ -50,8 +50,9 @@ def _short(name: str) -> str:
 
 def _template_subject(args: str) -> str | None:
     """What a template argument list (``<...>...``) runs: in its first argument that is not a number,
-    the first function named (the one an operator's lambda sits in, ``hypot_kernel_cuda(...)::
-    {lambda...}``), else the last class template named that is no value type
+    the function named innermost (the one an operator's lambda sits in: ``hypot_kernel_cuda(...)::
+    {lambda...}``; ``gpu_index_kernel<index_kernel_impl<...>(...)::{lambda...}>(...)`` runs
+    index_kernel_impl), else the last class template named that is no value type
     (``BinaryFunctor<float, ..., MulFunctor<float>>`` runs MulFunctor), else None
     (``cunn_SoftMaxForward<4, float>``)."""
     depth, start, first = 0, 1, None
@@ -68,13 +69,42 @@ def _template_subject(args: str) -> str | None:
             start = i + 1
     if not first:
         return None
-    called = [m for m in re.findall(r"(\w+)\(", first) if m not in ("lambda", "operator")]
+    called = _called_functions(first)
     if called:
-        return called[0]
+        return max(called, key=lambda item: item[0])[1]  # the first of the innermost
     # value types (c10::complex, std::array) are what an operation runs on, not the operation
     templates = [name for scope, name in re.findall(r"((?:\w+::)*)(\w+)<", first)
                  if not scope.startswith(("c10::", "std::"))]
     return templates[-1] if templates else None
+
+
+def _called_functions(text: str) -> list[tuple[int, str]]:
+    """(template depth, name) of each function `text` names as called, ``name(`` or ``name<...>(``,
+    in order; lambdas and operators are no names."""
+    found, depth = [], 0
+    for m in re.finditer(r"\w+|[<>]", text):
+        token = m.group()
+        if token == "<":
+            depth += 1
+        elif token == ">":
+            depth -= 1
+        elif token not in ("lambda", "operator") and not token[0].isdigit():
+            after = m.end()
+            if text.startswith("<", after):
+                after = _closing_angle(text, after) + 1
+            if text.startswith("(", after):
+                found.append((depth, token))
+    return found
+
+
+def _closing_angle(text: str, i: int) -> int:
+    """The index of the ``>`` that closes the ``<`` at `i` (or the text's end)."""
+    depth = 0
+    for j in range(i, len(text)):
+        depth += {"<": 1, ">": -1}.get(text[j], 0)
+        if depth == 0:
+            return j
+    return len(text)
 
 
 def _union_us(spans: list[tuple[float, float]]) -> float:

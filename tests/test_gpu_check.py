@@ -226,13 +226,22 @@ KERNEL_NAMES = {
         "at::native::cunn_SoftMaxForward",
     "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off_kernel":
         "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_e",
+    "void at::native::index_elementwise_kernel<128, 4, at::native::gpu_index_kernel<at::native::index_kernel_impl<"
+    "at::native::OpaqueType<2> >(at::TensorIteratorBase&, c10::ArrayRef<long>, c10::ArrayRef<long>)::{lambda(char*, "
+    "char const*, long)#1}>(at::TensorIteratorBase&, c10::ArrayRef<long>, c10::ArrayRef<long>, at::native::"
+    "index_kernel_impl<at::native::OpaqueType<2> >(at::TensorIteratorBase&, c10::ArrayRef<long>, c10::ArrayRef<long>)"
+    "::{lambda(char*, char const*, long)#1} const&, bool)::{lambda(int)#1}>(long, ...)":
+        "at::native::index_elementwise_kernel[index_kernel_impl]",
+    "void at::native::index_elementwise_kernel<128, 4, at::native::flip_kernel_impl<at::native::OpaqueType<16> >("
+    "at::TensorIterator&)::{lambda(int)#1}>(long, at::native::flip_kernel_impl<at::native::OpaqueType<16> >("
+    "at::TensorIterator&)::{lambda(int)#1})": "at::native::index_elementwise_kernel[flip_kernel_impl]",
     "_tree_attn_fwd_kernel": "_tree_attn_fwd_kernel",
 }
 
 
 def test_device_time_keeps_the_operation_an_aten_kernel_runs():
     """ATen runs every elementwise operator through a few template kernels: a trace's entry keeps the
-    operation (the function its lambda sits in, else the innermost functor that is not a value type)."""
+    operation (the innermost function its lambda sits in, else the innermost functor that is not a value type)."""
     short = _load("device_time")._short
     assert {name: short(name) for name in KERNEL_NAMES} == KERNEL_NAMES
 

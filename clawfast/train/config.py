@@ -17,10 +17,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from clawfast.harness import HARNESSES
 from clawfast.records import STATUSES
 from clawfast.threads import trained_kinds
-
-HARNESS_NAMES = ("claude-code", "openclaw", "codex", "mini-swe-agent")
 
 
 class _Section(BaseModel):
@@ -240,9 +239,9 @@ class RolloutSection(_Section):
     def _harnesses(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         if not value:
             raise ValueError("at least one harness is needed")
-        unknown = [h for h in value if h not in HARNESS_NAMES]
+        unknown = [h for h in value if h not in HARNESSES]
         if unknown:
-            raise ValueError(f"unknown harness(es) {unknown}; known: {list(HARNESS_NAMES)}")
+            raise ValueError(f"unknown harness(es) {unknown}; known: {sorted(HARNESSES)}")
         if len(set(value)) != len(value):
             raise ValueError(f"harnesses repeat: {list(value)}")
         return value

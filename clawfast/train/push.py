@@ -50,7 +50,8 @@ class WeightPusher:
         """Push `state_dict` (a Mapping or a stream of (name, tensor) pairs) as `version`."""
         pairs = state_dict.items() if isinstance(state_dict, Mapping) else state_dict
         enc = self.encoder
-        due = self.full_every is not None and self.since_full >= self.full_every
+        # every full_every-th push is whole: the pushes since the last whole one are its deltas and this
+        due = self.full_every is not None and self.since_full + 1 >= self.full_every
         if enc is None or enc.base_version is None or due:
             self._full(pairs, version)
             return

@@ -161,7 +161,7 @@ def test_the_pusher_pushes_whole_first_every_n_and_after_a_refusal(embedded_dir)
 
     lm = AutoModelForCausalLM.from_pretrained(embedded_dir, dtype=torch.float32)
     engine = TorchEngine.from_pretrained(embedded_dir, dtype=torch.bfloat16, seed=0)
-    pusher = WeightPusher(engine, torch.bfloat16, full_every=2)
+    pusher = WeightPusher(engine, torch.bfloat16, full_every=3)  # every third push whole
     kinds = []
     for version, _ in enumerate(adamw_steps(lm, 5, lr=1e-3), start=1):
         pusher.update_weights(lm.state_dict(), version)

@@ -49,6 +49,18 @@ def test_defaults_and_sections(tmp_path):
     assert load_config(write(tmp_path, "")).group_by == "task"
 
 
+def test_a_harness_is_known_once_it_is_registered(tmp_path, monkeypatch):
+    """The run's harness names are the registry's (`clawfast.harness.HARNESSES`): a harness added
+    there trains without the config being told."""
+    from clawfast.harness import HARNESSES, MiniSweAgent
+
+    text = '[rollout]\nharnesses = ["my-harness"]\n'
+    with pytest.raises(ConfigError, match="my-harness"):
+        load_config(write(tmp_path, text))
+    monkeypatch.setitem(HARNESSES, "my-harness", MiniSweAgent)
+    assert load_config(write(tmp_path, text)).rollout.harnesses == ("my-harness",)
+
+
 @pytest.mark.parametrize("text, field", [
     ("[optim]\nlr = -1\n", "optim.lr"),
     ("[optim]\nlr = \"fast\"\n", "optim.lr"),

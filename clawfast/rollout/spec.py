@@ -21,6 +21,15 @@ class RolloutSpec:
         return f"{self.task.id}/{self.harness}/{self.sample_index}"
 
 
+def harness_names() -> list[str]:
+    """The names a spec's `harness` may take: `clawfast.harness.HARNESSES` (the built-in adapters and
+    those installed packages declare), imported on the first call, so that what imports this module
+    (the trainer's config) needs nothing of the harness layer until it checks a name."""
+    from clawfast.harness import HARNESSES
+
+    return sorted(HARNESSES)
+
+
 def make_specs(tasks: Iterable[Task], harnesses: Iterable[str], k: int = 1) -> list[RolloutSpec]:
     """Every task x harness x sample index in ``range(k)``, task-major (a task's samples are adjacent,
     so a GRPO group completes early)."""

@@ -17,7 +17,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from clawfast.harness import HARNESSES
 from clawfast.records import STATUSES
 from clawfast.threads import trained_kinds
 
@@ -239,9 +238,12 @@ class RolloutSection(_Section):
     def _harnesses(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         if not value:
             raise ValueError("at least one harness is needed")
-        unknown = [h for h in value if h not in HARNESSES]
+        from clawfast.rollout.spec import harness_names  # the harness layer, only when a name is checked
+
+        known = harness_names()
+        unknown = [h for h in value if h not in known]
         if unknown:
-            raise ValueError(f"unknown harness(es) {unknown}; known: {sorted(HARNESSES)}")
+            raise ValueError(f"unknown harness(es) {unknown}; known: {known}")
         if len(set(value)) != len(value):
             raise ValueError(f"harnesses repeat: {list(value)}")
         return value
@@ -493,7 +495,8 @@ class RunConfig(_Section):
     model: ModelConfig = ModelConfig()
     engine: EngineConfig = EngineConfig()
     tasks: TasksConfig = TasksConfig()
-    rollout: RolloutSection = RolloutSection()
+    # made with each RunConfig, not at import: checking its harness names loads the harness registry
+    rollout: RolloutSection = Field(default_factory=RolloutSection)
     algorithm: AlgorithmConfig = AlgorithmConfig()
     optim: OptimConfig = OptimConfig()
     coldstart: ColdStartConfig = ColdStartConfig()

@@ -6,20 +6,20 @@ from __future__ import annotations
 import os
 import socket
 import threading
+from typing import Callable
 
 
 class HostServer:
-    """Serves `sock` (bound, not yet listening): each connection is counted and answered by `answer`."""
+    """Serves `sock` (bound, not yet listening): each connection is counted and answered by
+    `answer(connection)`."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, answer: Callable[[socket.socket], None]) -> None:
         self.sock = sock
+        self.answer = answer
         self.sock.listen(16)
         self.connections = 0
         self._thread = threading.Thread(target=self._serve, daemon=True)
         self._thread.start()
-
-    def answer(self, conn: socket.socket) -> None:
-        raise NotImplementedError
 
     def _serve(self) -> None:
         while True:
@@ -49,10 +49,7 @@ class EchoServer(HostServer):
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
-        super().__init__(sock)
-
-    def answer(self, conn: socket.socket) -> None:
-        conn.sendall(b"echo:" + conn.recv(1024))
+        super().__init__(sock, lambda conn: conn.sendall(b"echo:" + conn.recv(1024)))
 
 
 class UnixServer(HostServer):
@@ -65,7 +62,4 @@ class UnixServer(HostServer):
         sock.bind(path)
         if not path.startswith("\0"):  # an abstract name has no file
             os.chmod(path, 0o777)
-        super().__init__(sock)
-
-    def answer(self, conn: socket.socket) -> None:
-        conn.sendall(b"host-socket")
+        super().__init__(sock, lambda conn: conn.sendall(b"host-socket"))

@@ -18,6 +18,7 @@ Guaranteed: `prepare` only writes below `layout.home` (never into the install or
 from __future__ import annotations
 
 import abc
+import inspect
 import json
 import shutil
 from dataclasses import dataclass, field
@@ -123,6 +124,27 @@ class Harness(abc.ABC):
         self.max_turns = int(max_turns)
         self._install = install
 
+    @classmethod
+    def own_options(cls) -> tuple[str, ...]:
+        """The keyword options this adapter adds to `Harness`'s three, which belong to the run
+        (``rollout.timeout_s``, ``rollout.harness_max_turns``, the cached install): the named
+        parameters of each constructor from `cls` up, as far as each passes ``**options`` on. A run
+        sets them in ``rollout.harness_options.NAME``; construction must stay cheap and free of side
+        effects, since the run's config builds each adapter once to check them."""
+        names: list[str] = []
+        run_level = set(inspect.signature(Harness.__init__).parameters)
+        for klass in cls.__mro__:
+            if klass is Harness:
+                break
+            if "__init__" not in vars(klass):
+                continue
+            params = list(inspect.signature(vars(klass)["__init__"]).parameters.values())[1:]
+            names += [p.name for p in params
+                      if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name not in {*names, *run_level}]
+            if not any(p.kind is p.VAR_KEYWORD for p in params):
+                break
+        return tuple(names)
+
     # -- install ------------------------------------------------------------------------------
 
     @abc.abstractmethod
@@ -194,6 +216,16 @@ class Harness(abc.ABC):
         env["HOME"] = layout.home_inside
         env["TMPDIR"] = "/tmp"
         return env
+
+
+def check_count(option: str, value: Any, *, low: int = 1, high: int | None = None, unset: bool = False) -> None:
+    """Raise a `ValueError` naming `option` unless `value` is an integer (not a bool) in [low, high]
+    (None as well where `unset`): an adapter's check of a count option, e.g. a token limit."""
+    if unset and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        bound = f"at least {low}" if high is None else f"from {low} to {high}"
+        raise ValueError(f"{option} must be an integer {bound}{' or None' if unset else ''}, got {value!r}")
 
 
 def copy_artifacts(paths: list[Path], root: Path, dest: Path) -> list[Path]:

@@ -14,7 +14,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from clawfast.harness.base import Harness, HarnessInstall, PreparedRun, RunLayout, ScriptedToolCall, ScriptedTurn, glob_files
+from clawfast.harness.base import (
+    Harness,
+    HarnessInstall,
+    PreparedRun,
+    RunLayout,
+    ScriptedToolCall,
+    ScriptedTurn,
+    check_count,
+    glob_files,
+)
 from clawfast.harness_install import ensure_npm_harness, npm_bin
 
 MODEL_ALIAS_VARS = (
@@ -31,6 +40,20 @@ class ClaudeCode(Harness):
     name = "claude-code"
     version = "2.1.332"
     protocol = "anthropic"
+
+    def __init__(self, *, auto_compact_window: int | None = None, auto_compact_pct: int | None = None,
+                 **options) -> None:
+        """auto_compact_window / auto_compact_pct: when Claude Code compacts a conversation on its
+        own: ``CLAUDE_CODE_AUTO_COMPACT_WINDOW`` (the context it assumes, which it raises to at least
+        100,000) and ``CLAUDE_AUTOCOMPACT_PCT_OVERRIDE`` (1-100): it compacts once a prompt passes that
+        percent of the window less its 20,000-token output reserve (window 100,000 and 30: 24,000
+        tokens). None leaves each to Claude Code (a 200K window for a model name it does not
+        know). Other options: `Harness`."""
+        super().__init__(**options)
+        check_count("auto_compact_window", auto_compact_window, unset=True)
+        check_count("auto_compact_pct", auto_compact_pct, high=100, unset=True)
+        self.auto_compact_window = auto_compact_window
+        self.auto_compact_pct = auto_compact_pct
 
     def install(self) -> HarnessInstall:
         prefix = ensure_npm_harness("@anthropic-ai/claude-code", self.version)
@@ -54,6 +77,10 @@ class ClaudeCode(Harness):
                 "API_TIMEOUT_MS": str(int(self.timeout_s * 1000)),
             }
         )
+        if self.auto_compact_window is not None:
+            env["CLAUDE_CODE_AUTO_COMPACT_WINDOW"] = str(self.auto_compact_window)
+        if self.auto_compact_pct is not None:
+            env["CLAUDE_AUTOCOMPACT_PCT_OVERRIDE"] = str(self.auto_compact_pct)
         (layout.home / ".claude").mkdir(parents=True, exist_ok=True)
         return PreparedRun(env=env)
 

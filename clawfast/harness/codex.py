@@ -13,7 +13,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from clawfast.harness.base import Harness, HarnessInstall, PreparedRun, RunLayout, ScriptedToolCall, ScriptedTurn, glob_files
+from clawfast.harness.base import (
+    Harness,
+    HarnessInstall,
+    PreparedRun,
+    RunLayout,
+    ScriptedToolCall,
+    ScriptedTurn,
+    check_count,
+    glob_files,
+)
 from clawfast.harness_install import ensure_npm_harness, npm_bin
 
 PROVIDER = "policy"
@@ -30,6 +39,17 @@ class Codex(Harness):
     version = "0.171.0"
     protocol = "openai-responses"
 
+    def __init__(self, *, context_window: int | None = None, auto_compact_tokens: int | None = None, **options) -> None:
+        """context_window / auto_compact_tokens: Codex's ``model_context_window`` (the model's
+        context as Codex is told it) and ``model_auto_compact_token_limit`` (the prompt tokens past
+        which it compacts the conversation); None leaves each to Codex (what it knows of a model
+        name, nothing for ours). Other options: `Harness`."""
+        super().__init__(**options)
+        check_count("context_window", context_window, unset=True)
+        check_count("auto_compact_tokens", auto_compact_tokens, unset=True)
+        self.context_window = context_window
+        self.auto_compact_tokens = auto_compact_tokens
+
     def install(self) -> HarnessInstall:
         prefix = ensure_npm_harness("@openai/codex", self.version)
         return HarnessInstall(self.name, self.version, prefix, npm_bin(prefix, "codex"))
@@ -42,6 +62,10 @@ class Codex(Harness):
                 f"model_provider = {_toml_str(PROVIDER)}",
                 'approval_policy = "never"',
                 'sandbox_mode = "danger-full-access"',
+                # Top-level keys: before the provider's table, or TOML would put them in it.
+                *([f"model_context_window = {self.context_window}"] if self.context_window is not None else []),
+                *([f"model_auto_compact_token_limit = {self.auto_compact_tokens}"]
+                  if self.auto_compact_tokens is not None else []),
                 "",
                 f"[model_providers.{PROVIDER}]",
                 f"name = {_toml_str(PROVIDER)}",

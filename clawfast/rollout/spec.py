@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Any, Iterable, Mapping
 
 from clawfast.tasks.task import Task
 
@@ -28,6 +28,25 @@ def harness_names() -> list[str]:
     from clawfast.harness import HARNESSES
 
     return sorted(HARNESSES)
+
+
+def check_harness_options(name: str, options: Mapping[str, Any], *, timeout_s: float, max_turns: int) -> None:
+    """Raise a `ValueError` unless the harness `name` takes `options` (a run's
+    ``rollout.harness_options.NAME``) beside the run's `timeout_s` and `max_turns`: each option must
+    be one of its `Harness.own_options`, and the adapter is built once with them, so a bad value is
+    refused by the adapter's own checks when the config loads, not in the middle of a rollout."""
+    from clawfast.harness import HARNESSES
+
+    cls = HARNESSES[name]
+    own = cls.own_options()
+    unknown = sorted(set(options) - set(own))
+    if unknown:
+        raise ValueError(f"harness {name!r} has no option(s) {unknown}; its options: {list(own)} (its time "
+                         "and turn limits are rollout.timeout_s and rollout.harness_max_turns)")
+    try:
+        cls(timeout_s=timeout_s, max_turns=max_turns, **options)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"harness {name!r}: {exc}") from exc
 
 
 def make_specs(tasks: Iterable[Task], harnesses: Iterable[str], k: int = 1) -> list[RolloutSpec]:

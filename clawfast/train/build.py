@@ -179,16 +179,11 @@ def push_weights(engine: Engine | WeightPusher, policy, version: int) -> None:
 
 
 def harness_options(config: RunConfig, *, max_turns: int | None = None) -> dict[str, dict]:
-    """`get_harness` keyword arguments per harness of the run (`max_turns`: instead of
-    ``rollout.harness_max_turns``)."""
+    """`get_harness` keyword arguments per harness of the run: its ``rollout.harness_options``, the
+    run's ``rollout.timeout_s`` and ``rollout.harness_max_turns`` (`max_turns`: instead of it)."""
     rc = config.rollout
-    out = {}
-    for name in rc.harnesses:
-        options: dict = {"timeout_s": rc.timeout_s, "max_turns": max_turns or rc.harness_max_turns}
-        if name == "mini-swe-agent" and rc.mini_instance_template is not None:
-            options["instance_template"] = rc.mini_instance_template
-        out[name] = options
-    return out
+    return {name: {**rc.harness_options.get(name, {}), "timeout_s": rc.timeout_s,
+                   "max_turns": max_turns or rc.harness_max_turns} for name in rc.harnesses}
 
 
 def rollout_sampling(config: RunConfig, temperature: float) -> Sampling:

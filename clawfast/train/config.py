@@ -204,10 +204,12 @@ class RolloutSection(_Section):
     Claude Code's --max-turns; `codex exec` and OpenClaw have none). max_model_calls: the proxy
     refuses a rollout's model calls beyond this many (side calls included) with a 400 in the harness's
     protocol, which ends the harness's run: the step bound for Codex and OpenClaw (None: unlimited,
-    only timeout_s bounds them). mini_instance_template: mini-swe-agent only:
-    its ``agent.instance_template`` (the first user message, Jinja, must hold ``{{task}}``), set through
-    the harness's own ``-c`` config layers; None keeps the harness default (~1,300 tokens of
-    workflow advice, which dominates the compute of a tiny model on CPU). infra_retries: how many
+    only timeout_s bounds them). harness_options: per harness of the run, its own constructor's
+    options (`clawfast.harness.Harness.own_options`), e.g. ``[rollout.harness_options.mini-swe-agent]
+    instance_template = "..."`` (the first user message, Jinja, must hold ``{{task}}``; unset, the
+    harness's default is ~1,300 tokens of workflow advice, which dominates the compute of a tiny model
+    on CPU) or OpenClaw's ``context_window``; checked when the config loads by building each adapter
+    with them (`clawfast.rollout.spec.check_harness_options`). infra_retries: how many
     times a rollout whose attempt ended in an infrastructure failure (its sandbox, or its Ray actor or
     node, died or never started) runs again with the same task and sample index, so its group trains
     whole (`clawfast.rollout.retry`; the failed attempt is never trained)."""
@@ -222,7 +224,7 @@ class RolloutSection(_Section):
     timeout_s: float = Field(120.0, gt=0)
     harness_max_turns: int = Field(4, ge=1)
     max_model_calls: int | None = Field(None, ge=1)
-    mini_instance_template: str | None = None
+    harness_options: dict[str, dict[str, Any]] = Field(default_factory=dict)
     keep_logs: bool = False
     infra_retries: int = Field(2, ge=0)
 
@@ -231,6 +233,9 @@ class RolloutSection(_Section):
     def _renamed(cls, raw: Any) -> Any:
         if isinstance(raw, dict) and "harness_max_steps" in raw:
             raise ValueError("harness_max_steps is now harness_max_turns (the harness's turn limit)")
+        if isinstance(raw, dict) and "mini_instance_template" in raw:
+            raise ValueError("mini_instance_template is now instance_template in "
+                             "[rollout.harness_options.mini-swe-agent] (every harness's own options)")
         return raw
 
     @field_validator("harnesses")
@@ -249,14 +254,15 @@ class RolloutSection(_Section):
         return value
 
     @model_validator(mode="after")
-    def _recorded(self) -> "RolloutSection":
+    def _consistent(self) -> "RolloutSection":
         if (self.source == "recorded") != (self.recorded_dir is not None):
             raise ValueError("recorded_dir is required with source = 'recorded' and only then")
-        if self.mini_instance_template is not None:
-            if "mini-swe-agent" not in self.harnesses:
-                raise ValueError("mini_instance_template needs 'mini-swe-agent' among the harnesses")
-            if "{{task}}" not in self.mini_instance_template.replace(" ", ""):
-                raise ValueError("mini_instance_template must contain {{task}}")
+        for name, options in self.harness_options.items():
+            if name not in self.harnesses:
+                raise ValueError(f"harness_options names {name!r}, which is not among the harnesses {list(self.harnesses)}")
+            from clawfast.rollout.spec import check_harness_options  # the harness layer, only when options are set
+
+            check_harness_options(name, options, timeout_s=self.timeout_s, max_turns=self.harness_max_turns)
         return self
 
 

@@ -219,8 +219,6 @@ def run_scenario(
     instruction: str,
     decide: Decide,
     harness_options: dict | None = None,
-    extra_env: dict[str, str] | None = None,
-    configure: Callable[[Path], None] | None = None,
     workspace_files: dict[str, str] | None = None,
     timeout_s: float = 300.0,
     notes: dict[str, Any] | None = None,
@@ -229,9 +227,8 @@ def run_scenario(
     scripted engine answering by `decide`, and return the labelled traffic.
 
     The harness is configured by its own adapter (`prepare`, `command`) and run as a plain subprocess
-    in `tmp/ws` with HOME `tmp/home` (no sandbox: the traffic, not the isolation, is under test).
-    `extra_env` is added to the adapter's environment and `configure(home)` may edit the config files
-    the adapter wrote, for the knobs the adapters do not expose (compaction thresholds)."""
+    in `tmp/ws` with HOME `tmp/home` (no sandbox: the traffic, not the isolation, is under test),
+    built with `harness_options` (its own options, e.g. compaction thresholds)."""
     from clawfast.engines.scripted import ScriptedEngine
     from clawfast.harness import get_harness
     from clawfast.harness.base import RunLayout
@@ -251,11 +248,8 @@ def run_scenario(
     with ProxyServer(app):
         opened = registry.open(f"{harness}-{scenario}", task_id=scenario, harness=harness)
         prepared = adapter.prepare(layout, opened.base_url, opened.key, "policy")
-        if configure is not None:
-            configure(home)
-        env = {**prepared.env, **(extra_env or {})}
         # The exit status is part of the traffic (the tests assert on it), so no check=True.
-        proc = subprocess.run(adapter.command(instruction, layout), cwd=workspace, env=env, stdin=subprocess.DEVNULL,
+        proc = subprocess.run(adapter.command(instruction, layout), cwd=workspace, env=prepared.env, stdin=subprocess.DEVNULL,
                               capture_output=True, text=True, timeout=timeout_s, check=False)  # fmt: skip
         result = registry.close(opened.rollout_id, reward=1.0 if proc.returncode == 0 else 0.0)
 

@@ -63,6 +63,70 @@ def test_claude_code_env_maps_every_alias_and_never_inherits(layout, monkeypatch
     }  # fmt: skip
 
 
+def test_own_options_are_what_each_constructor_adds_as_far_as_options_pass_on():
+    """`Harness.own_options`: a run's ``rollout.harness_options.NAME`` may set these and nothing else
+    (timeout_s, max_turns and install are the run's)."""
+    assert {n: c.own_options() for n, c in HARNESSES.items()} == {
+        "claude-code": ("auto_compact_window", "auto_compact_pct"),
+        "codex": ("context_window", "auto_compact_tokens"),
+        "mini-swe-agent": ("instance_template",),
+        "openclaw": ("context_window", "max_output_tokens", "mid_turn_compaction"),
+    }  # fmt: skip
+    Mini = HARNESSES["mini-swe-agent"]
+
+    class Passing(Mini):
+        def __init__(self, lead: str = "", *, timeout_s: float = 5.0, **options):
+            super().__init__(timeout_s=timeout_s, **options)
+
+    class Closed(Passing):  # takes no **options: nothing above it can be set
+        def __init__(self, *, size: int = 1):
+            super().__init__()
+
+    assert Passing.own_options() == ("lead", "instance_template")
+    assert Closed.own_options() == ("size",)
+
+
+def test_compaction_options_reach_each_harness_own_settings(layout, tmp_path):
+    """Where each harness reads them (tests/harness/test_side_calls.py runs the harnesses compacting
+    with these options)."""
+    env = get_harness("claude-code", auto_compact_window=100000, auto_compact_pct=30).prepare(layout, BASE, KEY, "p").env
+    assert (env["CLAUDE_CODE_AUTO_COMPACT_WINDOW"], env["CLAUDE_AUTOCOMPACT_PCT_OVERRIDE"]) == ("100000", "30")
+    env = get_harness("claude-code").prepare(layout, BASE, KEY, "p").env
+    assert not {"CLAUDE_CODE_AUTO_COMPACT_WINDOW", "CLAUDE_AUTOCOMPACT_PCT_OVERRIDE"} & set(env)
+
+    def codex_config(**options):
+        get_harness("codex", **options).prepare(layout, BASE, KEY, "p")
+        return tomllib.loads((layout.home / ".codex" / "config.toml").read_text())
+
+    config = codex_config(context_window=32768, auto_compact_tokens=14000)
+    assert (config["model_context_window"], config["model_auto_compact_token_limit"]) == (32768, 14000)
+    assert "model_context_window" not in config["model_providers"]["policy"]
+    assert not {"model_context_window", "model_auto_compact_token_limit"} & set(codex_config())
+
+    install = fake_install(tmp_path, "openclaw")
+
+    def openclaw_config(**options):
+        get_harness("openclaw", install=install, **options).prepare(layout, BASE, KEY, "p")
+        return json.loads((layout.home / ".openclaw" / "openclaw.json").read_text())
+
+    config = openclaw_config(context_window=8192, max_output_tokens=512, mid_turn_compaction=True)
+    [model] = config["models"]["providers"]["policy"]["models"]
+    assert (model["contextWindow"], model["maxTokens"]) == (8192, 512)
+    assert config["agents"]["defaults"]["compaction"] == {"midTurnPrecheck": {"enabled": True}}
+    assert "compaction" not in openclaw_config()["agents"]["defaults"]
+
+
+@pytest.mark.parametrize("name, option, bad", [
+    ("openclaw", "context_window", 0), ("openclaw", "context_window", 2.5), ("openclaw", "max_output_tokens", "8192"),
+    ("openclaw", "context_window", True), ("openclaw", "mid_turn_compaction", "yes"),
+    ("codex", "context_window", 0), ("codex", "auto_compact_tokens", -1),
+    ("claude-code", "auto_compact_pct", 101), ("claude-code", "auto_compact_window", 1.5),
+])  # fmt: skip
+def test_a_bad_option_value_is_refused_by_name(name, option, bad):
+    with pytest.raises(ValueError, match=f"^{option} must be"):
+        get_harness(name, **{option: bad})
+
+
 def test_openclaw_config_is_the_documented_schema(layout, tmp_path):
     harness = get_harness("openclaw", install=fake_install(tmp_path, "openclaw"), timeout_s=90)
     prepared = harness.prepare(layout, BASE, KEY, "policy")

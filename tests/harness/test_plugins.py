@@ -19,7 +19,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 # A harness of its own: mini-swe-agent (installed by scripts/setup.sh) under another name, with a
-# shorter first user message than the built-in adapter's default.
+# shorter first user message than the built-in adapter's default and an option of its own.
 MODULE = '''
 from clawfast.harness.mini_swe_agent import MiniSweAgent
 
@@ -27,8 +27,8 @@ from clawfast.harness.mini_swe_agent import MiniSweAgent
 class MyMini(MiniSweAgent):
     name = "my-mini"
 
-    def __init__(self, **options):
-        options.setdefault("instance_template", "{{task}}")
+    def __init__(self, *, lead: str = "", **options):
+        options.setdefault("instance_template", lead + "{{task}}")
         super().__init__(**options)
 
 
@@ -66,6 +66,35 @@ def test_a_declared_harness_is_registered_and_a_run_takes_it(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == ["['claude-code', 'codex', 'mini-swe-agent', 'my-mini', 'openclaw']",
                                         "my_harnesses", "('my-mini', 'codex')"]
+
+
+def test_a_declared_harness_takes_its_own_options_from_the_run(tmp_path):
+    """``[rollout.harness_options.my-mini]``: the plugin's own option and the one it passes on to
+    mini-swe-agent's adapter reach the adapter a run builds; a name neither has is refused when the
+    config loads, with the options it does have."""
+    install(tmp_path / "site", "my-mini = my_harnesses:MyMini\n")
+    (tmp_path / "run.toml").write_text('[rollout]\nharnesses = ["my-mini"]\nharness_max_turns = 6\n'
+                                       '[rollout.harness_options.my-mini]\nlead = "Do: "\n')
+    (tmp_path / "typo.toml").write_text('[rollout]\nharnesses = ["my-mini"]\n'
+                                        '[rollout.harness_options.my-mini]\nleed = "Do: "\n')
+    code = textwrap.dedent("""
+        from clawfast.harness import get_harness
+        from clawfast.train.build import harness_options
+        from clawfast.train.config_file import ConfigError, load_config
+        options = harness_options(load_config("run.toml"))["my-mini"]
+        harness = get_harness("my-mini", **options)
+        print(type(harness).own_options(), harness.instance_template, harness.max_turns)
+        try:
+            load_config("typo.toml")
+        except ConfigError as exc:
+            print(exc)
+    """)
+    proc = run(tmp_path / "site", [sys.executable, "-c", code], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [
+        "('lead', 'instance_template') Do: {{task}} 6",
+        "typo.toml: field 'rollout': Value error, harness 'my-mini' has no option(s) ['leed']; its options: "
+        "['lead', 'instance_template'] (its time and turn limits are rollout.timeout_s and rollout.harness_max_turns)"]
 
 
 def test_a_declared_harness_passes_the_harness_check(tmp_path):

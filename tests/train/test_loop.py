@@ -155,7 +155,7 @@ def test_harness_rollouts_record_the_weight_version(tmp_path):
     assert {c.weight_version for r in second.results for c in r.calls} == {7}
 
 
-def test_mini_instance_template_is_one_more_config_layer(tmp_path):
+def test_instance_template_is_one_more_config_layer(tmp_path):
     """The compact prompt is set through mini-swe-agent's own `-c` layers, after the adapter's."""
     import json
 
@@ -163,7 +163,8 @@ def test_mini_instance_template_is_one_more_config_layer(tmp_path):
     from clawfast.harness.base import RunLayout
     from clawfast.train.build import harness_options
 
-    config = config_from_dict({"rollout": {"mini_instance_template": "Do: {{task}}", "harness_max_turns": 5}})
+    config = config_from_dict({"rollout": {"harness_options": {"mini-swe-agent": {"instance_template": "Do: {{task}}"}},
+                                          "harness_max_turns": 5}})
     harness = get_harness("mini-swe-agent", **harness_options(config)["mini-swe-agent"])
     layout = RunLayout(home=tmp_path / "home", workspace=tmp_path / "ws", home_inside="/run/home",
                        workspace_inside="/run/ws")

@@ -51,7 +51,7 @@ def test_a_moe_policy_trains_a_step_of_real_harness_rollouts(tmp_path, monkeypat
         "tasks": {"difficulties": ["easy"]},
         "rollout": {"harnesses": ["mini-swe-agent"], "tasks_per_step": 1, "samples_per_task": 2, "concurrency": 2,
                     "sandbox": "bwrap", "harness_max_turns": 8, "timeout_s": 240,
-                    "mini_instance_template": "Task: {{task}}"},
+                    "harness_options": {"mini-swe-agent": {"instance_template": "Task: {{task}}"}}},
         # PPO: the oracle solves every rollout, so GRPO's advantages would all be 0; a critic's are not.
         "algorithm": {"name": "ppo"},
         "eval": {"before": False, "after": False},

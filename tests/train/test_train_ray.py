@@ -33,7 +33,7 @@ def test_one_step_with_rollouts_on_ray_actors(tmp_path, monkeypatch):
         "tasks": {"difficulties": ["easy"]},
         "rollout": {"harnesses": ["mini-swe-agent"], "tasks_per_step": 1, "samples_per_task": 2, "concurrency": 2,
                     "sandbox": SANDBOX, "harness_max_turns": 8, "timeout_s": 240,
-                    "mini_instance_template": "Task: {{task}}"},
+                    "harness_options": {"mini-swe-agent": {"instance_template": "Task: {{task}}"}}},
         "eval": {"before": False, "after": False},
         "optim": {"micro_batch_tokens": 4096},
         "distributed": {"rollouts": "ray", "ray_address": "local"},

@@ -46,7 +46,7 @@ def test_a_run_loses_a_node_and_trains_its_groups_whole(tmp_path, monkeypatch, c
             "tasks": {"difficulties": ["easy"]},
             "rollout": {"harnesses": ["mini-swe-agent"], "tasks_per_step": 1, "samples_per_task": 4,
                         "concurrency": 2, "sandbox": "bwrap", "harness_max_turns": 8, "timeout_s": 240,
-                        "mini_instance_template": "Task: {{task}}", "infra_retries": 2},
+                        "harness_options": {"mini-swe-agent": {"instance_template": "Task: {{task}}"}}, "infra_retries": 2},
             "eval": {"before": False, "after": False},
             "optim": {"micro_batch_tokens": 4096},
             "distributed": {"rollouts": "ray", "ray_address": cluster.address},

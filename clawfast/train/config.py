@@ -209,7 +209,7 @@ class RolloutSection(_Section):
     instance_template = "..."`` (the first user message, Jinja, must hold ``{{task}}``; unset, the
     harness's default is ~1,300 tokens of workflow advice, which dominates the compute of a tiny model
     on CPU) or OpenClaw's ``context_window``; checked when the config loads by building each adapter
-    with them (`clawfast.rollout.spec.check_harness_options`). infra_retries: how many
+    of the run with its options (`clawfast.rollout.spec.check_harness_options`). infra_retries: how many
     times a rollout whose attempt ended in an infrastructure failure (its sandbox, or its Ray actor or
     node, died or never started) runs again with the same task and sample index, so its group trains
     whole (`clawfast.rollout.retry`; the failed attempt is never trained)."""
@@ -257,12 +257,14 @@ class RolloutSection(_Section):
     def _consistent(self) -> "RolloutSection":
         if (self.source == "recorded") != (self.recorded_dir is not None):
             raise ValueError("recorded_dir is required with source = 'recorded' and only then")
-        for name, options in self.harness_options.items():
-            if name not in self.harnesses:
-                raise ValueError(f"harness_options names {name!r}, which is not among the harnesses {list(self.harnesses)}")
-            from clawfast.rollout.spec import check_harness_options  # the harness layer, only when options are set
+        strays = [name for name in self.harness_options if name not in self.harnesses]
+        if strays:
+            raise ValueError(f"harness_options names {strays}, which are not among the harnesses {list(self.harnesses)}")
+        from clawfast.rollout.spec import check_harness_options  # the harness layer, once the names are checked
 
-            check_harness_options(name, options, timeout_s=self.timeout_s, max_turns=self.harness_max_turns)
+        for name in self.harnesses:  # with no options too: an adapter may require one
+            check_harness_options(name, self.harness_options.get(name, {}), timeout_s=self.timeout_s,
+                                  max_turns=self.harness_max_turns)
         return self
 
 

@@ -32,6 +32,14 @@ class MyMini(MiniSweAgent):
         super().__init__(**options)
 
 
+class Strict(MiniSweAgent):
+    name = "strict"
+
+    def __init__(self, *, level: int, **options):
+        super().__init__(**options)
+        self.level = level
+
+
 class NotAHarness:
     name = "not-a-harness"
 '''
@@ -71,12 +79,14 @@ def test_a_declared_harness_is_registered_and_a_run_takes_it(tmp_path):
 def test_a_declared_harness_takes_its_own_options_from_the_run(tmp_path):
     """``[rollout.harness_options.my-mini]``: the plugin's own option and the one it passes on to
     mini-swe-agent's adapter reach the adapter a run builds; a name neither has is refused when the
-    config loads, with the options it does have."""
-    install(tmp_path / "site", "my-mini = my_harnesses:MyMini\n")
+    config loads, with the options it does have, and so is a run that leaves out an option a harness
+    requires."""
+    install(tmp_path / "site", "my-mini = my_harnesses:MyMini\nstrict = my_harnesses:Strict\n")
     (tmp_path / "run.toml").write_text('[rollout]\nharnesses = ["my-mini"]\nharness_max_turns = 6\n'
                                        '[rollout.harness_options.my-mini]\nlead = "Do: "\n')
     (tmp_path / "typo.toml").write_text('[rollout]\nharnesses = ["my-mini"]\n'
                                         '[rollout.harness_options.my-mini]\nleed = "Do: "\n')
+    (tmp_path / "required.toml").write_text('[rollout]\nharnesses = ["my-mini", "strict"]\n')
     code = textwrap.dedent("""
         from clawfast.harness import get_harness
         from clawfast.train.build import harness_options
@@ -84,17 +94,20 @@ def test_a_declared_harness_takes_its_own_options_from_the_run(tmp_path):
         options = harness_options(load_config("run.toml"))["my-mini"]
         harness = get_harness("my-mini", **options)
         print(type(harness).own_options(), harness.instance_template, harness.max_turns)
-        try:
-            load_config("typo.toml")
-        except ConfigError as exc:
-            print(exc)
+        for path in ("typo.toml", "required.toml"):
+            try:
+                load_config(path)
+            except ConfigError as exc:
+                print(exc)
     """)
     proc = run(tmp_path / "site", [sys.executable, "-c", code], tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == [
         "('lead', 'instance_template') Do: {{task}} 6",
         "typo.toml: field 'rollout': Value error, harness 'my-mini' has no option(s) ['leed']; its options: "
-        "['lead', 'instance_template'] (its time and turn limits are rollout.timeout_s and rollout.harness_max_turns)"]
+        "['lead', 'instance_template'] (its time and turn limits are rollout.timeout_s and rollout.harness_max_turns)",
+        "required.toml: field 'rollout': Value error, harness 'strict': Strict.__init__() missing 1 required "
+        "keyword-only argument: 'level'"]
 
 
 def test_a_declared_harness_passes_the_harness_check(tmp_path):

@@ -14,16 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from clawfast.harness.base import (
-    Harness,
-    HarnessInstall,
-    PreparedRun,
-    RunLayout,
-    ScriptedToolCall,
-    ScriptedTurn,
-    check_count,
-    glob_files,
-)
+from clawfast.harness.base import Harness, HarnessInstall, PreparedRun, RunLayout, ScriptedToolCall, ScriptedTurn, check_count, glob_files
 from clawfast.harness_install import ensure_npm_harness, npm_bin
 
 MODEL_ALIAS_VARS = (

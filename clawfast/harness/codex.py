@@ -13,16 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from clawfast.harness.base import (
-    Harness,
-    HarnessInstall,
-    PreparedRun,
-    RunLayout,
-    ScriptedToolCall,
-    ScriptedTurn,
-    check_count,
-    glob_files,
-)
+from clawfast.harness.base import Harness, HarnessInstall, PreparedRun, RunLayout, ScriptedToolCall, ScriptedTurn, check_count, glob_files
 from clawfast.harness_install import ensure_npm_harness, npm_bin
 
 PROVIDER = "policy"

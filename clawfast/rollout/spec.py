@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 from clawfast.tasks.task import Task
+
+if TYPE_CHECKING:  # the harness layer is imported only when a name or options are checked
+    from clawfast.harness import Harness
 
 
 @dataclass(frozen=True)
@@ -30,11 +33,11 @@ def harness_names() -> list[str]:
     return sorted(HARNESSES)
 
 
-def check_harness_options(name: str, options: Mapping[str, Any], *, timeout_s: float, max_turns: int) -> None:
-    """Raise a `ValueError` unless the harness `name` takes `options` (a run's
-    ``rollout.harness_options.NAME``) beside the run's `timeout_s` and `max_turns`: each option must
-    be one of its `Harness.own_options`, and the adapter is built once with them, so a bad value is
-    refused by the adapter's own checks when the config loads, not in the middle of a rollout."""
+def check_harness_options(name: str, options: Mapping[str, Any], *, timeout_s: float, max_turns: int) -> Harness:
+    """The adapter `name` built with `options` (a run's ``rollout.harness_options.NAME``) beside the
+    run's `timeout_s` and `max_turns`, or a `ValueError` naming the harness and the option: each
+    option must be one of its `Harness.own_options`, and a bad value is refused by the adapter's own
+    checks, so a run's config stops when it loads, not in the middle of a rollout."""
     from clawfast.harness import HARNESSES
 
     cls = HARNESSES[name]
@@ -44,7 +47,7 @@ def check_harness_options(name: str, options: Mapping[str, Any], *, timeout_s: f
         raise ValueError(f"harness {name!r} has no option(s) {unknown}; its options: {list(own)} (its time "
                          "and turn limits are rollout.timeout_s and rollout.harness_max_turns)")
     try:
-        cls(timeout_s=timeout_s, max_turns=max_turns, **options)
+        return cls(timeout_s=timeout_s, max_turns=max_turns, **options)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"harness {name!r}: {exc}") from exc
 

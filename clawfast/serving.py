@@ -26,3 +26,9 @@ class ProxyConfig:
     max_model_len: int | None = None
     keepalive_s: float = 5.0
     parser: str | None = None
+
+    def served_context(self, engine_limit: int | None) -> int | None:
+        """The longest prompt + output a call may have: `max_model_len` or the engine's own limit
+        (`clawfast.engines.base.Engine.max_model_len`), whichever is smaller; None where neither is set."""
+        limits = [n for n in (self.max_model_len, engine_limit) if n is not None]
+        return min(limits) if limits else None

@@ -34,7 +34,9 @@ tool result, a summary).
    on a call whose answer is too plain to quote, held whole by a restart; a one-off's hinted kind).
 7. **Links** (`Link`): a subagent's last call ``returns`` into the call its answer comes back in; a
    compaction call ``restarts`` the thread, and the main thread's last call before the restart
-   ``resumes`` in it. PPO's GAE follows them when the side kind is trained (`algorithm.train_threads`).
+   ``resumes`` in it; a compaction whose summary another compaction call summarises again (Claude
+   Code compacting in pieces after a context refusal) ``restarts`` in that call. PPO's GAE follows
+   them when the side kind is trained (`algorithm.train_threads`).
 
 Guaranteed: every call gets one `CallThread`; a call's `extends` is an earlier call. Continuity
 counts, for each main call that extends a main call, whether its prompt starts with all of that
@@ -494,10 +496,14 @@ def reconstruct(calls: Sequence[CallRecord]) -> RolloutThreads:
     for c, k in compaction_of.items():
         # the main thread's last call before the restart (not the restart itself asked before)
         before = [i for i in range(c) if kind[i] == "main" and compaction_of.get(i) != k]
-        if kind[c] == "main" and kind[k] == "compaction":
+        if kind[k] != "compaction":
+            continue
+        if kind[c] == "main":
             found[("restarts", k)] = c
             if before:
                 found[("resumes", before[-1])] = c
+        elif kind[c] == "compaction":  # summarised again (compacting in pieces): the chain goes on there
+            found[("restarts", k)] = c
     links = sorted((Link(how, int(calls[src].call_index), int(calls[dst].call_index)) for (how, src), dst in found.items()),
                    key=lambda lk: (lk.target, lk.source))
     out = [

@@ -33,6 +33,7 @@ _ERROR_TYPES = {
     "permission": "permission_error",
     "not_found": "not_found_error",
     "too_large": "request_too_large",
+    "context_length": "invalid_request_error",  # "prompt is too long: N tokens > M maximum", as Anthropic's API
     "overloaded": "overloaded_error",
     "api_error": "api_error",
 }

@@ -23,6 +23,7 @@ _ERROR_TYPES = {
     "permission": ("permission_error", None),
     "not_found": ("invalid_request_error", "not_found"),
     "too_large": ("invalid_request_error", "request_too_large"),
+    "context_length": ("invalid_request_error", "context_length_exceeded"),
     "overloaded": ("server_error", "overloaded"),
     "api_error": ("server_error", None),
 }

@@ -26,7 +26,8 @@ def random_id(prefix: str) -> str:
 
 class ProtocolError(Exception):
     """A request the proxy refuses: `status` (4xx/5xx), a `kind` in the generic vocabulary
-    (invalid_request, authentication, not_found, overloaded, api_error) and a message."""
+    (invalid_request, context_length, authentication, permission, not_found, too_large, overloaded,
+    api_error) and a message."""
 
     def __init__(self, status: int, kind: str, message: str, param: str | None = None) -> None:
         super().__init__(message)

@@ -350,6 +350,29 @@ def test_a_compaction_restart_that_keeps_the_whole_first_prompt():
     assert kinds(s.calls) == ["main"] * 3 + ["compaction"] + ["main"] * 2, [(t.call_index, t.kind, t.reason) for t in rt.calls]
     assert sorted((lk.kind, lk.source, lk.target) for lk in rt.links) == [("restarts", 3, 4), ("resumes", 2, 4)]
 
+def test_a_compaction_in_pieces_links_each_summary_to_the_call_that_reads_it():
+    """Claude Code after a context refusal: a summary of the first turns (the first call's history
+    and turn, then the request), then a summary of the rest behind that first summary, then the
+    restart behind the second summary keeping the last turn whole. Each summary ``restarts`` in the
+    call that reads it; the main thread ``resumes`` in the restart."""
+    s = Session(34)
+    system, task, request = s.text(300), s.text(30), s.msg(USER, s.text(40))
+    head = s.msg(SYSTEM, system) + s.msg(USER, task)
+    history, turns = head, []
+    for _ in range(5):
+        turn = s.ask(history) + s.msg(TOOL, s.text(20))
+        turns.append(turn)
+        history = history + turn
+    first = s.ask(head + turns[0] + request)
+    second = s.ask(s.msg(SYSTEM, system) + s.msg(USER, s.text(8) + first[2:-1]) + s.msg(SYSTEM, s.text(5))
+                   + turns[1] + turns[2] + turns[3] + request)
+    s.ask(s.msg(SYSTEM, system) + s.msg(USER, s.text(8) + second[2:-1]) + s.msg(SYSTEM, s.text(5)) + turns[4])
+    rt = reconstruct(s.calls)
+    assert kinds(s.calls) == ["main"] * 5 + ["compaction"] * 2 + ["main"], [(t.call_index, t.kind, t.reason) for t in rt.calls]
+    assert sorted((lk.kind, lk.source, lk.target) for lk in rt.links) == [("restarts", 5, 6), ("restarts", 6, 7),
+                                                                          ("resumes", 4, 7)]
+
+
 @pytest.mark.parametrize("hint", [None, "subagent", "compaction"])
 def test_a_side_call_that_keeps_the_whole_first_prompt_last_in_the_session(hint):
     """The main header and task, the last turns, another request, as the session's last call: the

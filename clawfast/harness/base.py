@@ -100,6 +100,11 @@ class ScriptedTurn:
         return {"text": self.text, "tool_calls": [{"name": c.name, "arguments": c.arguments} for c in self.tool_calls]}
 
 
+# An adapter option by this name is the model's context in tokens (prompt + output), the figure the
+# harness compacts against; a rollout service sets it to what its proxy serves.
+CONTEXT_OPTION = "context_window"
+
+
 class Harness(abc.ABC):
     """One real agent harness behind a small interface.
 
@@ -130,7 +135,9 @@ class Harness(abc.ABC):
         (``rollout.timeout_s``, ``rollout.harness_max_turns``, the cached install): the named
         parameters of each constructor from `cls` up, as far as each passes ``**options`` on. A run
         sets them in ``rollout.harness_options.NAME``; construction must stay cheap and free of side
-        effects, since the run's config builds each adapter once to check them."""
+        effects, since the run's config builds each adapter once to check them. An option named
+        `CONTEXT_OPTION` is the model's context as the harness is told it: where a run leaves it
+        unset, the proxy's limit fills it (`clawfast.rollout.spec.with_context`)."""
         names: list[str] = []
         run_level = set(inspect.signature(Harness.__init__).parameters)
         for klass in cls.__mro__:

@@ -12,7 +12,10 @@ the proxy's bounds), `EndpointConfig` (where the proxy listens, under what name)
 `SandboxConfig` and `SchedulingConfig` (how many at once, here or on Ray). None is taken apart to be
 put back together: the `ProxyConfig` reaches `ProxyCore` as given, and the worker's `RolloutConfig` is
 made once, for this process and every Ray actor alike. A training run maps its `RunConfig` to them in
-`clawfast.train.build.rollout_service`.
+`clawfast.train.build.rollout_service`. Each harness is told the context the proxy serves (the smaller
+of `ProxyConfig.max_model_len` and the engine's own): an adapter's ``context_window`` the options
+leave unset is that limit (`clawfast.rollout.spec.with_context`), so it compacts before the proxy
+would refuse its prompt.
 
 `run` returns one `RolloutResult` per spec, in spec order (status contract: `clawfast.rollout.worker`),
 an attempt that ended in an infrastructure failure run again up to `SchedulingConfig.infra_retries`
@@ -51,7 +54,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from clawfast.engines.base import Engine, Sampling
 from clawfast.records import RolloutResult
-from clawfast.rollout.spec import RolloutSpec
+from clawfast.rollout.spec import RolloutSpec, with_context
 from clawfast.serving import ProxyConfig
 from clawfast.tasks.task import Task
 
@@ -166,6 +169,7 @@ class RolloutService:
         self.proxy = proxy or ProxyConfig()
         self.endpoint = endpoint or EndpointConfig()
         self.harnesses = harnesses or HarnessConfig()
+        self.harness_options: dict[str, dict[str, Any]] = {}  # what each adapter is built with, set at start
         self.sandbox = sandbox or SandboxConfig()
         self.scheduling = scheduling or SchedulingConfig()
         if self.scheduling.ray is not None and not self.harnesses.options:
@@ -189,7 +193,11 @@ class RolloutService:
 
         stack = contextlib.ExitStack()
         try:
-            self.adapters = {name: get_harness(name, **options) for name, options in self.harnesses.options.items()}
+            # Each harness is told the context the proxy serves (the engine's, for the oracle none).
+            context = self.proxy.served_context(None if self.engine == ORACLE else self.engine.max_model_len)
+            self.harness_options = {name: with_context(name, options, context)
+                                    for name, options in self.harnesses.options.items()}
+            self.adapters = {name: get_harness(name, **options) for name, options in self.harness_options.items()}
             for harness in self.adapters.values():
                 harness.installation  # install (or find) before any rollout's clock starts
             renderer = ChatRenderer(AutoTokenizer.from_pretrained(self.tokenizer_dir))
@@ -270,7 +278,7 @@ class RolloutService:
             stack.callback(ray.shutdown)
         node = ray.util.get_node_ip_address()  # this node as the cluster reaches it
         setup = RaySetup(
-            suite=on.suite, suite_seed=on.suite_seed, harnesses=self.harnesses.options, sandbox=self.sandbox,
+            suite=on.suite, suite_seed=on.suite_seed, harnesses=self.harness_options, sandbox=self.sandbox,
             rollout=self._rollout_config(), concurrency=self.scheduling.concurrency,
             proxy_address=f"{node}:{self.server.port}",
         )  # fmt: skip

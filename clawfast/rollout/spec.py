@@ -52,6 +52,26 @@ def check_harness_options(name: str, options: Mapping[str, Any], *, timeout_s: f
         raise ValueError(f"harness {name!r}: {exc}") from exc
 
 
+def with_context(name: str, options: Mapping[str, Any], context: int | None) -> dict[str, Any]:
+    """The options of the adapter `name` with the model's context told: an adapter whose own
+    options include ``context_window`` (`clawfast.harness.base.CONTEXT_OPTION`) gets `context` (the
+    longest prompt + output the proxy serves) where `options` set none. One set above it is refused:
+    the proxy would refuse a prompt past `context` before the harness compacts, and of the pinned
+    harnesses only Claude Code and OpenClaw compact on that refusal, Codex stops (bench/RESULTS.md,
+    "A harness at the engine's context"). context None (no limit): `options` unchanged."""
+    from clawfast.harness import HARNESSES
+    from clawfast.harness.base import CONTEXT_OPTION
+
+    told = dict(options)
+    if context is None or CONTEXT_OPTION not in HARNESSES[name].own_options():
+        return told
+    given = told.setdefault(CONTEXT_OPTION, context)
+    if isinstance(given, int) and not isinstance(given, bool) and given > context:
+        raise ValueError(f"harness {name!r}: {CONTEXT_OPTION} {given} is above the {context} tokens served (max_model_len): "
+                         f"the proxy refuses a longer prompt before the harness compacts; leave it unset to tell it {context}")
+    return told
+
+
 def make_specs(tasks: Iterable[Task], harnesses: Iterable[str], k: int = 1) -> list[RolloutSpec]:
     """Every task x harness x sample index in ``range(k)``, task-major (a task's samples are adjacent,
     so a GRPO group completes early)."""

@@ -208,8 +208,10 @@ class RolloutSection(_Section):
     options (`clawfast.harness.Harness.own_options`), e.g. ``[rollout.harness_options.mini-swe-agent]
     instance_template = "..."`` (the first user message, Jinja, must hold ``{{task}}``; unset, the
     harness's default is ~1,300 tokens of workflow advice, which dominates the compute of a tiny model
-    on CPU) or OpenClaw's ``context_window``; checked when the config loads by building each adapter
-    of the run with its options (`clawfast.rollout.spec.check_harness_options`). infra_retries: how many
+    on CPU) or Codex's ``auto_compact_tokens``; checked when the config loads by building each adapter
+    of the run with its options (`clawfast.rollout.spec.check_harness_options`). A ``context_window``
+    left unset is the context the engine serves (``engine.max_model_len``, else the engine's own
+    limit), and one above ``engine.max_model_len`` is refused (`clawfast.rollout.spec.with_context`). infra_retries: how many
     times a rollout whose attempt ended in an infrastructure failure (its sandbox, or its Ray actor or
     node, died or never started) runs again with the same task and sample index, so its group trains
     whole (`clawfast.rollout.retry`; the failed attempt is never trained)."""
@@ -522,6 +524,11 @@ class RunConfig(_Section):
             raise ValueError("distributed.fsdp places each rank on cuda:LOCAL_RANK itself: leave model.device = 'auto'")
         if self.rollout.source == "recorded" and self.coldstart.enabled:
             raise ValueError("coldstart needs rollout.source = 'harness' (demonstrations run through a harness)")
+        if self.engine.max_model_len is not None:  # a harness told more than is served would not compact in time
+            from clawfast.rollout.spec import with_context
+
+            for name in self.rollout.harnesses:
+                with_context(name, self.rollout.harness_options.get(name, {}), self.engine.max_model_len)
         return self
 
     @property

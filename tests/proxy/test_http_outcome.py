@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -180,7 +181,7 @@ def test_refusals_are_kept_with_the_rollout_and_in_its_file(start):
     assert mine == {"from": "caller"}  # the caller's dict is not changed
     refusals = result.info["refusals"]
     assert facts(refusals) == [
-        (400, "invalid_request", "anthropic", "/v1/messages", False),
+        (400, "context_length", "anthropic", "/v1/messages", False),
         (400, "invalid_request", "chat", "/v1/chat/completions", None),  # the body was never read as far
         (400, "invalid_request", "chat", "/v1/chat/completions", True),
         (400, "invalid_request", "responses", "/v1/responses", False),
@@ -193,6 +194,49 @@ def test_refusals_are_kept_with_the_rollout_and_in_its_file(start):
     assert len(result.calls) == 2
     # The durable copy holds the same, and a re-read result equals the returned one.
     assert on_disk.info == result.info and on_disk.equals(result)
+
+
+class LimitedEngine(ScriptedEngine):
+    """A scripted engine stating a context of its own, as vLLM does."""
+
+    max_model_len = 200
+
+
+@pytest.mark.parametrize(("configured", "engine_cls", "limit"), [(256, ScriptedEngine, 256), (None, LimitedEngine, 200),
+                                                                 (256, LimitedEngine, 200)])
+def test_a_prompt_past_the_context_is_refused_as_each_api_words_it(start, configured, engine_cls, limit):
+    """The limit is the config's or the engine's own, whichever is smaller; a prompt past it gets each
+    API's own context-overflow error (Anthropic's "prompt is too long: N tokens > M maximum", OpenAI's
+    code context_length_exceeded), which is what a harness acts on (Claude Code and OpenClaw compact
+    and retry); the engine never sees it, and the rollout keeps each as a context_length refusal."""
+    live = start(config=ProxyConfig(keepalive_s=0.05, max_model_len=configured), engine_cls=engine_cls,
+                 script=["Hello."], cycle=True)
+    key = live.open("r")
+    claude = anthropic.Anthropic(base_url=live.url, api_key=key, max_retries=0)
+    gpt = openai.OpenAI(base_url=live.url + "/v1", api_key=key, max_retries=0)
+    too_long = [{"role": "user", "content": "word " * 300}]
+    assert claude.messages.create(**ANTHROPIC_BODY).content[0].text == "Hello."  # a short prompt fits
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        claude.messages.create(**dict(ANTHROPIC_BODY, messages=too_long))
+    error = refused.value.body["error"]
+    assert error["type"] == "invalid_request_error"
+    assert re.fullmatch(rf"prompt is too long: (\d+) tokens > {limit - 1} maximum", error["message"]), error
+    openai_calls = [
+        lambda: gpt.chat.completions.create(model="policy", messages=too_long),
+        lambda: list(gpt.chat.completions.create(model="policy", messages=too_long, stream=True)),
+        lambda: gpt.responses.create(model="policy", input=too_long),
+        lambda: list(gpt.responses.create(model="policy", input=too_long, stream=True)),
+    ]
+    for call in openai_calls:
+        with pytest.raises(openai.BadRequestError) as refused:
+            call()
+        assert (refused.value.code, refused.value.type) == ("context_length_exceeded", "invalid_request_error")
+        assert f"> {limit - 1} maximum" in refused.value.message
+    assert live.engine.calls == 1
+    refusals = live.close("r")[0].info["refusals"]
+    assert [(e["status"], e["error_type"], e["protocol"]) for e in refusals] == [
+        (400, "context_length", "anthropic"), (400, "context_length", "chat"), (400, "context_length", "chat"),
+        (400, "context_length", "responses"), (400, "context_length", "responses")]
 
 
 def test_too_large_and_count_tokens_refusals(start):

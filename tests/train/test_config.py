@@ -100,6 +100,8 @@ def test_a_harness_is_known_once_it_is_registered(tmp_path, monkeypatch):
     ("[rollout]\nharnesses = [\"openclaw\"]\n[rollout.harness_options.openclaw]\ncontext_window = 0\n", "rollout"),
     ("[rollout]\nharness_options = {mini-swe-agent = 3}\n", "rollout.harness_options.mini-swe-agent"),
     ("[rollout]\nmini_instance_template = \"{{task}}\"\n", "rollout"),
+    ("[engine]\nmax_model_len = 16000\n[rollout]\nharnesses = [\"codex\"]\n[rollout.harness_options.codex]\n"
+     "context_window = 16001\n", "<root>"),
     ("[distributed]\nrollouts = \"ray\"\n", "<root>"),
     ("[model]\ndevice = \"gpu\"\n", "model.device"),
     ("[model]\ndevice = \"cuda:x\"\n", "model.device"),

@@ -88,7 +88,8 @@ LINK_KINDS = ("returns", "restarts", "resumes")
 class Link:
     """Where one thread hands on to another: what `source` produced is read by `target`, which goes on
     from it. kind: "returns" (a subagent's last call; its answer comes back in `target`), "restarts"
-    (a compaction call; `target` is the thread restarted from its summary), "resumes" (the thread's
+    (a compaction call; `target` is the thread restarted from its summary, or the compaction call
+    that summarises that summary again), "resumes" (the thread's
     last call before a compaction; `target` restarts it). `thread_kind`: the side kind whose training
     the link belongs to (`subagent` or `compaction`)."""
 
@@ -488,7 +489,8 @@ def reconstruct(calls: Sequence[CallRecord]) -> RolloutThreads:
         divergences.append(Divergence(calls[i].call_index, calls[p].call_index, s, cause))
 
     # Links: a subagent's last call to the call its answer returns in; a compaction call, and the
-    # main thread's last call before the restart, to the restart (of a restart asked again, the last).
+    # main thread's last call before the restart, to the restart (of a restart asked again, the last);
+    # a compaction call to the compaction call that summarises its summary again.
     found: dict[tuple[str, int], int] = {}
     for head, c in subagent_of.items():
         if c >= 0 and kind[head] == "subagent":

@@ -78,7 +78,7 @@ class ProxyCore:
         self.engine = engine
         self.renderer = renderer
         self.config = config or ProxyConfig()
-        self.max_model_len = self.config.served_context(engine.max_model_len)
+        self.served_context = self.config.served_context(engine.max_model_len)
         vocab = renderer.tokenizer.get_vocab()
         self.parser_name = self.config.parser or detect_parser(vocab)
         self._parse = get_parser(self.parser_name)
@@ -107,14 +107,14 @@ class ProxyCore:
         except TemplateError as exc:  # the model's own template refused this conversation's shape
             raise ProtocolError(400, "invalid_request", f"the chat template rejected the conversation: {exc}") from None
         cap = cfg.max_tokens_cap
-        if self.max_model_len is not None:
-            room = self.max_model_len - len(prompt.ids)
+        if self.served_context is not None:
+            room = self.served_context - len(prompt.ids)
             if room < 1:
                 # Each front words this as its API does, so a harness handles it as it would a real
                 # model's context overflow (Claude Code and OpenClaw compact and retry, Codex stops).
                 raise ProtocolError(
                     400, "context_length",
-                    f"prompt is too long: {len(prompt.ids)} tokens > {self.max_model_len - 1} maximum", "messages",
+                    f"prompt is too long: {len(prompt.ids)} tokens > {self.served_context - 1} maximum", "messages",
                 )
             cap = min(cap, room)
         # What the rollout's caller asked for wins over what the harness asks for (`Sampling.params`).

@@ -1,7 +1,7 @@
 """`clawfast proxy serve`: run the serving proxy by hand.
 
     clawfast proxy serve [--model DIR | --scripted FILE | --vllm URL] [--host H] [--port P] [--records DIR]
-                         [--access-log FILE]
+                         [--max-model-len N] [--access-log FILE]
 
 The tokenizer and chat template come from --model (default: the embedded model, built on first use).
 The engine is the in-process torch engine on that model, or the scripted engine playing FILE, or a
@@ -57,6 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     serve.add_argument("--parser", default=None, help="tool-call parser: qwen3, hermes, mistral, llama3_json")
     serve.add_argument("--temperature", type=float, default=None, help="override every request's temperature")
     serve.add_argument("--max-tokens-cap", type=int, default=4096)
+    serve.add_argument("--max-model-len", type=_positive_int, default=None, metavar="N",
+                       help="the context served (prompt + output): a longer prompt is refused as each API words a "
+                            "context overflow; default: the engine's own limit, if it states one")
     serve.add_argument("--keepalive", type=float, default=5.0, help="seconds between keep-alive events")
     serve.add_argument("--max-calls-per-rollout", type=_positive_int, default=None, metavar="N",
                        help="refuse a rollout's model calls beyond N (side calls included); default: unlimited")
@@ -81,7 +84,8 @@ def run(args: argparse.Namespace) -> int:
     model_dir = Path(args.model) if args.model else ensure_embedded_model()
     engine = build_engine(args, model_dir)
     sampling = Sampling(temperature=args.temperature, max_calls=args.max_calls_per_rollout)
-    proxy = ProxyConfig(max_tokens_cap=args.max_tokens_cap, parser=args.parser, keepalive_s=args.keepalive)
+    proxy = ProxyConfig(max_tokens_cap=args.max_tokens_cap, max_model_len=args.max_model_len, parser=args.parser,
+                        keepalive_s=args.keepalive)
     endpoint = EndpointConfig(host=args.host, port=args.port, grpc_port=args.grpc_port, grpc_token=args.grpc_token,
                               model_name=args.model_name, access_log=args.access_log)
     service = RolloutService(engine, model_dir, records_dir=args.records, proxy=proxy, endpoint=endpoint,

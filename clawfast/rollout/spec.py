@@ -63,7 +63,8 @@ def with_context(name: str, options: Mapping[str, Any], context: int | None) -> 
     from clawfast.harness.base import CONTEXT_OPTION
 
     told = dict(options)
-    if context is None or CONTEXT_OPTION not in HARNESSES[name].own_options():
+    cls = HARNESSES.get(name)  # an unknown name is get_harness's to refuse, with the names it knows
+    if context is None or cls is None or CONTEXT_OPTION not in cls.own_options():
         return told
     given = told.setdefault(CONTEXT_OPTION, context)
     if isinstance(given, int) and not isinstance(given, bool) and given > context:

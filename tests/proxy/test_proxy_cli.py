@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import openai
+import pytest
 
 from clawfast.records import read_rollouts
 
@@ -17,7 +18,7 @@ def test_serve_scripted(tmp_path, embedded_dir):
     script.write_text(json.dumps([{"tool_calls": [{"name": "bash", "arguments": {"command": "ls"}}]}, {"text": "bye"}]))
     proc = subprocess.Popen(
         [sys.executable, "-m", "clawfast.cli", "proxy", "serve", "--scripted", str(script), "--port", "0",
-         "--records", str(tmp_path / "records"), "--grpc-port", "0", "--grpc-token", "secret"],
+         "--records", str(tmp_path / "records"), "--grpc-port", "0", "--grpc-token", "secret", "--max-model-len", "300"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
@@ -31,6 +32,9 @@ def test_serve_scripted(tmp_path, embedded_dir):
         assert first.choices[0].message.tool_calls[0].function.name == "bash"
         second = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
         assert second.choices[0].message.content == "bye"
+        with pytest.raises(openai.BadRequestError) as refused:  # past --max-model-len, refused as OpenAI words it
+            client.chat.completions.create(model="m", messages=[{"role": "user", "content": "word " * 400}])
+        assert refused.value.code == "context_length_exceeded" and "> 299 maximum" in refused.value.message
     finally:
         proc.terminate()
         assert proc.wait(timeout=30) == 0

@@ -496,16 +496,16 @@ def reconstruct(calls: Sequence[CallRecord]) -> RolloutThreads:
         if c >= 0 and kind[head] == "subagent":
             found[("returns", members[head][-1])] = c
     for c, k in compaction_of.items():
-        # the main thread's last call before the restart (not the restart itself asked before)
-        before = [i for i in range(c) if kind[i] == "main" and compaction_of.get(i) != k]
-        if kind[k] != "compaction":
+        # c restarts the thread, or is a compaction call summarising k's summary again (compacting in
+        # pieces): the chain goes on there
+        if kind[k] != "compaction" or kind[c] not in ("main", "compaction"):
             continue
+        found[("restarts", k)] = c
         if kind[c] == "main":
-            found[("restarts", k)] = c
+            # the main thread's last call before the restart (not the restart itself asked before)
+            before = [i for i in range(c) if kind[i] == "main" and compaction_of.get(i) != k]
             if before:
                 found[("resumes", before[-1])] = c
-        elif kind[c] == "compaction":  # summarised again (compacting in pieces): the chain goes on there
-            found[("restarts", k)] = c
     links = sorted((Link(how, int(calls[src].call_index), int(calls[dst].call_index)) for (how, src), dst in found.items()),
                    key=lambda lk: (lk.target, lk.source))
     out = [

@@ -67,7 +67,7 @@ def with_context(name: str, options: Mapping[str, Any], context: int | None) -> 
     if context is None or cls is None or CONTEXT_OPTION not in cls.own_options():
         return told
     given = told.setdefault(CONTEXT_OPTION, context)
-    if isinstance(given, int) and not isinstance(given, bool) and given > context:
+    if isinstance(given, int) and given > context:  # its type is the adapter's to check
         raise ValueError(f"harness {name!r}: {CONTEXT_OPTION} {given} is above the {context} tokens served (max_model_len): "
                          f"the proxy refuses a longer prompt before the harness compacts; leave it unset to tell it {context}")
     return told

@@ -118,7 +118,7 @@ class Engine(abc.ABC):
     # The torch engine serves the trainer's adapted modules instead and takes the adapter as a delta.
     takes_adapters: bool = False
     # The longest prompt + output the engine serves, where it states a limit of its own (the
-    # in-process vLLM engine's max_model_len); None: it states none (a remote server's is not read).
+    # in-process vLLM engine's max_model_len, a remote server's as it lists it); None: it states none.
     # The proxy refuses a longer prompt before it reaches the engine, and the rollout service tells
     # each harness this context (`clawfast.rollout.spec.with_context`).
     max_model_len: int | None = None

@@ -11,6 +11,9 @@
   ``logprob_start_len: -1`` (no prompt log-probs) and ``no_stop_trim``; ids and log-probs come from
   ``meta_info.output_token_logprobs`` (``[logprob, token_id, text]`` triples).
 
+``max_model_len`` (`Engine.max_model_len`) is the server's own limit, as ``GET /v1/models`` lists it
+for the served model (vLLM and SGLang both list ``max_model_len``), read once on first use.
+
 Guaranteed: the returned ids are the ids the server sampled (never re-tokenised text), each with the
 log-prob the server reported for it, and the two agree in length (else RuntimeError). A 4xx answer
 (prompt too long, bad parameter) is a ValueError carrying the server's message; a 5xx or an
@@ -82,6 +85,7 @@ _TOKEN_PREFIX = "token_id:"
 # smaller bounds what an iterable's tensors cost in memory before they reach the disk).
 SHARD_BYTES = 1 << 30
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+_UNREAD = object()  # RemoteEngine.max_model_len before the server's listing was read
 
 
 class RemoteEngine(Engine):
@@ -161,6 +165,7 @@ class RemoteEngine(Engine):
         self._open: asyncio.Event | None = None
         self._drained: asyncio.Event | None = None
         self._inflight = 0
+        self._max_model_len: int | None | object = _UNREAD
 
     def _http(self) -> httpx.AsyncClient:
         loop = asyncio.get_running_loop()
@@ -188,11 +193,25 @@ class RemoteEngine(Engine):
         if self.model is None:
             response = await self._http().get("/v1/models")
             response.raise_for_status()
-            models = response.json().get("data") or []
-            if not models:
-                raise RuntimeError(f"{self.base_url}/v1/models lists no model")
-            self.model = str(models[0]["id"])
+            self.model = str(_served_card(self.base_url, response.json(), None)["id"])
         return self.model
+
+    @property
+    def max_model_len(self) -> int | None:  # type: ignore[override]  # Engine's attribute, read from the server
+        """The server's own limit: the ``max_model_len`` its ``GET /v1/models`` lists for the served model
+        (vLLM and SGLang list it), read on first use; None where the listing states none. An unreachable
+        server, or one that serves no model named `model`, is a RuntimeError here rather than at the
+        first call."""
+        if self._max_model_len is _UNREAD:
+            try:
+                response = httpx.get(f"{self.base_url}/v1/models", headers=self._headers, timeout=30.0)
+                response.raise_for_status()
+            except httpx.HTTPError as exc:
+                raise RuntimeError(f"cannot read the served context from {self.base_url}/v1/models: {exc}") from exc
+            card = _served_card(self.base_url, response.json(), self.model)
+            limit = card.get("max_model_len")
+            self._max_model_len = None if limit is None else int(limit)
+        return self._max_model_len
 
     async def generate(self, prompt_ids: np.ndarray, params: SamplingParams) -> Generation:
         ids = np.asarray(prompt_ids)
@@ -551,6 +570,20 @@ def _checked(response: httpx.Response, what: str) -> Any:
         return response.json()
     except ValueError:  # vLLM's LoRA routes answer in plain text
         return response.text
+
+
+def _served_card(base_url: str, listing: Any, model: str | None) -> dict[str, Any]:
+    """The card of `model` (None: the first, which vLLM and SGLang list as the base model) in a
+    ``GET /v1/models`` answer."""
+    cards = listing.get("data") if isinstance(listing, dict) else None
+    if not cards:
+        raise RuntimeError(f"{base_url}/v1/models lists no model")
+    if model is None:
+        return cards[0]
+    for card in cards:
+        if card.get("id") == model:
+            return card
+    raise RuntimeError(f"{base_url} serves no model named {model!r}; it lists {[c.get('id') for c in cards]}")
 
 
 def _message(response: httpx.Response) -> str:

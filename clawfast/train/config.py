@@ -110,8 +110,8 @@ class EngineConfig(_Section):
     temperature / top_p: sampling for training rollouts (overrides what the harness asks for).
     max_tokens: cap on one call's output. max_batch: torch engine batch size. max_model_len:
     prompt + output limit: the proxy refuses a longer prompt as each API words a context overflow,
-    and each harness with a ``context_window`` option is told it (None: vLLM's own limit for
-    kind = "vllm", else unchecked; a remote server's limit is not read, so set it to the server's).
+    and each harness with a ``context_window`` option is told it (None: the engine's own limit:
+    vLLM's for kind = "vllm", the one a remote server lists in ``GET /v1/models``; torch: unchecked).
     dtype: torch and vllm: the weights' dtype in the engine; remote: the dtype pushes are written
     (and deltas compared) in, which should be the server's; None: ``model.dtype``. Serving in
     bfloat16 while training in float32 is what large runs do (the sampler's log-probs then differ

@@ -270,6 +270,45 @@ def test_server_rejections_are_value_errors(reference_server, api):
         _generate_all(engine, [np.array([], dtype=np.int32)], SamplingParams(max_tokens=4))
 
 
+@pytest.mark.parametrize("api", ["vllm", "sglang"])
+def test_the_servers_own_context_is_the_engines(reference_server, api):
+    """vLLM and SGLang list ``max_model_len`` in ``GET /v1/models``: that is the engine's limit, so the
+    proxy serves it (the smaller of it and its own) without a run restating it."""
+    from clawfast.serving import ProxyConfig
+
+    engine = RemoteEngine(reference_server.url, api=api)
+    assert engine.max_model_len == MAX_LEN
+    assert ProxyConfig().served_context(engine.max_model_len) == MAX_LEN
+    assert ProxyConfig(max_model_len=MAX_LEN // 2).served_context(engine.max_model_len) == MAX_LEN // 2
+    with pytest.raises(RuntimeError, match=r"serves no model named 'other'; it lists \['tiny'\]"):
+        RemoteEngine(reference_server.url, api=api, model="other").max_model_len
+    port = _free_port()  # nothing listens there
+    with pytest.raises(RuntimeError, match=f"cannot read the served context from http://127.0.0.1:{port}/v1/models"):
+        RemoteEngine(f"http://127.0.0.1:{port}", api=api).max_model_len
+
+
+def test_a_listing_without_a_limit_states_none():
+    """An OpenAI-compatible server whose model card has no ``max_model_len`` states no limit: the
+    run's ``engine.max_model_len`` is then the only one."""
+    import uvicorn
+
+    async def models(request: Request) -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [{"id": "m", "object": "model"}]})
+
+    port = _free_port()
+    uv = uvicorn.Server(uvicorn.Config(Starlette(routes=[Route("/v1/models", models)]), host="127.0.0.1", port=port,
+                                       log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    while not uv.started:
+        time.sleep(0.01)
+    try:
+        assert RemoteEngine(f"http://127.0.0.1:{port}").max_model_len is None
+    finally:
+        uv.should_exit = True
+        thread.join(timeout=10)
+
+
 def test_sglang_reload_from_disk_switches_weights_and_version(reference_server, model, model_dir, tmp_path):
     """The request SGLang's ``/update_weights_from_disk`` takes, against the stand-in (no SGLang build
     runs here): a checkpoint directory the stand-in loads for real, so greedy output must become the
@@ -419,6 +458,7 @@ def test_real_vllm_server(vllm_server, model):
     rng = np.random.default_rng(13)
     prompts = [rng.integers(0, VOCAB - 3, size=n).astype(np.int32) for n in (6, 40, 17)]
     engine = RemoteEngine(vllm_server)  # model name from /v1/models
+    assert engine.max_model_len == MAX_LEN  # the server's --max-model-len, as its /v1/models lists it
     greedy = _generate_all(engine, prompts, SamplingParams(max_tokens=8, temperature=0.0))
     for prompt, gen in zip(prompts, greedy):
         out, _, finish = _greedy(model, prompt.tolist(), 8, {EOS})

@@ -48,6 +48,7 @@ from clawfast.tasks.task import (
     Task,
     TaskFormatError,
     check_workdir_field,
+    field_error,
 )
 
 PREFIX = "clawgym:"
@@ -70,18 +71,14 @@ def parse_spec(spec: str) -> tuple[Path, float | None]:
     return path, suite_spec.eval_fraction(spec, options)
 
 
-def _fail(where: Path, name: str, problem: str) -> TaskFormatError:
-    return TaskFormatError(f"{where}: field {name!r}: {problem}")
-
-
 def _string(entry: dict[str, Any], where: Path, name: str, *, required: bool = True) -> str | None:
     if name not in entry:
         if required:
-            raise _fail(where, name, "is required")
+            raise field_error(where, name, "is required")
         return None
     value = entry[name]
     if not isinstance(value, str):
-        raise _fail(where, name, f"must be a string, got {type(value).__name__}")
+        raise field_error(where, name, f"must be a string, got {type(value).__name__}")
     return value
 
 
@@ -93,30 +90,30 @@ def load_rubric(path: Path, workdir: str) -> Rubric:
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise TaskFormatError(f"{path}: invalid JSON: {exc}") from None
     if not isinstance(data, dict) or data.get("eval_type") != "llm_rubric":
-        raise _fail(path, "eval_type", "must be 'llm_rubric'")
+        raise field_error(path, "eval_type", "must be 'llm_rubric'")
     rules = data.get("rules")
     if not isinstance(rules, list) or not rules:
-        raise _fail(path, "rules", "must be a non-empty list")
+        raise field_error(path, "rules", "must be a non-empty list")
     lines, files = [], []
     if isinstance(data.get("eval_input"), str) and data["eval_input"].strip():
         lines.append(data["eval_input"].strip())
     for i, rule in enumerate(rules):
         where = f"rules[{i}]"
         if not isinstance(rule, dict) or not isinstance(rule.get("name"), str) or not isinstance(rule.get("scores"), dict):
-            raise _fail(path, where, "must be an object with a name and a scores object")
+            raise field_error(path, where, "must be an object with a name and a scores object")
         file_path = rule.get("file_path")
         if file_path is not None:
             if not isinstance(file_path, str) or not file_path:
-                raise _fail(path, f"{where}.file_path", f"must be a non-empty string, got {file_path!r}")
+                raise field_error(path, f"{where}.file_path", f"must be a non-empty string, got {file_path!r}")
             if file_path.startswith("/"):
                 if not file_path.startswith(workdir.rstrip("/") + "/"):
-                    raise _fail(path, f"{where}.file_path", f"{file_path!r} is not inside the workspace {workdir}")
+                    raise field_error(path, f"{where}.file_path", f"{file_path!r} is not inside the workspace {workdir}")
                 file_path = file_path[len(workdir.rstrip("/")) + 1:]
             files.append(file_path)
         lines.append(f"### {rule['name']}" + (f" (file: {file_path})" if file_path else ""))
         for level, text in sorted(rule["scores"].items(), key=lambda kv: float(kv[0]) if _number(kv[0]) else 2.0):
             if not _number(level) or not isinstance(text, str):
-                raise _fail(path, f"{where}.scores", f"levels must be numbers with descriptions, got {level!r}")
+                raise field_error(path, f"{where}.scores", f"levels must be numbers with descriptions, got {level!r}")
             lines.append(f"**Score {level}**: {text}")
     return Rubric(text="\n".join(lines), weight=RUBRIC_WEIGHT, files=tuple(dict.fromkeys(files)))
 
@@ -144,36 +141,36 @@ def load_clawgym_task(folder: Path | str, split: str | Callable[[str], str], sui
         raise TaskFormatError(f"{where}: must hold a JSON object, got {type(entry).__name__}")
     unknown = sorted(set(entry) - _ENTRY_KEYS)
     if unknown:
-        raise _fail(where, unknown[0], f"unknown key (allowed: {', '.join(sorted(_ENTRY_KEYS))})")
+        raise field_error(where, unknown[0], f"unknown key (allowed: {', '.join(sorted(_ENTRY_KEYS))})")
     task_id = _string(entry, where, "task_id")
     user_query = _string(entry, where, "user_query")
     mount_dir = _string(entry, where, "input_mount_dir", required=False)
     metadata = entry.get("metadata")
     if not isinstance(metadata, dict):
-        raise _fail(where, "metadata", "is required and must be an object" if metadata is None
+        raise field_error(where, "metadata", "is required and must be an object" if metadata is None
                     else f"must be an object, got {type(metadata).__name__}")
     grading = metadata.get("grading_type")
     if grading not in GRADING_TYPES:
-        raise _fail(where, "metadata.grading_type", f"{grading!r} is not supported (supported: "
+        raise field_error(where, "metadata.grading_type", f"{grading!r} is not supported (supported: "
                                                     f"{', '.join(GRADING_TYPES)})")
     category = metadata.get("category", "")
     if not isinstance(category, str):
-        raise _fail(where, "metadata.category", f"must be a string, got {type(category).__name__}")
+        raise field_error(where, "metadata.category", f"must be a string, got {type(category).__name__}")
 
     inputs, reward = folder / "input_files", folder / "reward"
     if inputs.exists() and not inputs.is_dir():
         raise TaskFormatError(f"{folder}: input_files must be a directory")
     if mount_dir is not None and not inputs.is_dir():
-        raise _fail(where, "input_mount_dir", f"is set but {inputs} does not exist")
+        raise field_error(where, "input_mount_dir", f"is set but {inputs} does not exist")
     if not (reward / RewardScriptVerifier.ENTRY).is_file():
         raise TaskFormatError(f"{folder}: reward/{RewardScriptVerifier.ENTRY} is missing (every ClawGym task "
                               f"needs one)")
     check_workdir_field(where, "input_mount_dir", mount_dir)
     rubric_path = reward / RUBRIC_FILE
     if grading == "hybrid" and not rubric_path.is_file():
-        raise _fail(where, "metadata.grading_type", f"a hybrid task needs reward/{RUBRIC_FILE}")
+        raise field_error(where, "metadata.grading_type", f"a hybrid task needs reward/{RUBRIC_FILE}")
     if grading != "hybrid" and rubric_path.exists():
-        raise _fail(where, "metadata.grading_type", f"is {grading!r} but reward/{RUBRIC_FILE} exists (use 'hybrid')")
+        raise field_error(where, "metadata.grading_type", f"is {grading!r} but reward/{RUBRIC_FILE} exists (use 'hybrid')")
     rubric = load_rubric(rubric_path, mount_dir or DEFAULT_MOUNT_DIR) if grading == "hybrid" else None
     try:
         return Task(
@@ -191,7 +188,7 @@ def load_clawgym_task(folder: Path | str, split: str | Callable[[str], str], sui
             rubric=rubric,
         )
     except TaskFormatError as exc:
-        raise TaskFormatError(f"{where}: {exc}") from None
+        raise exc.at(where) from None
 
 
 def _task_folders(path: Path) -> list[Path]:

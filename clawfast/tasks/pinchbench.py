@@ -35,7 +35,7 @@ from typing import Any, Callable
 import yaml
 
 from clawfast.tasks import suite_spec
-from clawfast.tasks.task import SPLITS, GradeFunctionVerifier, Rubric, Task, TaskFormatError
+from clawfast.tasks.task import SPLITS, GradeFunctionVerifier, Rubric, Task, TaskFormatError, field_error
 
 PREFIX = "pinchbench:"
 TASKS_DIR = "tasks"
@@ -58,10 +58,6 @@ def parse_spec(spec: str) -> tuple[Path, float | None, frozenset[str]]:
     path, options = suite_spec.parse_spec(spec, PREFIX, {"eval": "eval=FRACTION", "exclude": "exclude=ID,ID"})
     excluded = frozenset(x for x in options.get("exclude", "").split(",") if x)
     return path, suite_spec.eval_fraction(spec, options), excluded
-
-
-def _fail(where: Path, name: str, problem: str) -> TaskFormatError:
-    return TaskFormatError(f"{where}: field {name!r}: {problem}")
 
 
 def split_sections(body: str) -> dict[str, str]:
@@ -106,34 +102,34 @@ def _front_matter(path: Path) -> tuple[dict[str, Any], str]:
 def _string(meta: dict[str, Any], where: Path, name: str) -> str:
     value = meta.get(name)
     if not isinstance(value, str) or not value.strip():
-        raise _fail(where, name, "is required" if value is None else f"must be a non-empty string, got {value!r}")
+        raise field_error(where, name, "is required" if value is None else f"must be a non-empty string, got {value!r}")
     return value.strip()
 
 
 def _inside(root: Path, rel: str, where: Path, name: str) -> Path:
     parts = PurePosixPath(rel).parts
     if not rel or PurePosixPath(rel).is_absolute() or ".." in parts:
-        raise _fail(where, name, f"{rel!r} must be a relative path without '..'")
+        raise field_error(where, name, f"{rel!r} must be a relative path without '..'")
     return root.joinpath(*parts)
 
 
 def _workspace_files(meta: dict[str, Any], root: Path, where: Path) -> dict[str, bytes]:
     entries = meta.get("workspace_files") or []
     if not isinstance(entries, list):
-        raise _fail(where, "workspace_files", f"must be a list, got {type(entries).__name__}")
+        raise field_error(where, "workspace_files", f"must be a list, got {type(entries).__name__}")
     files: dict[str, bytes] = {}
     for i, entry in enumerate(entries):
         name = f"workspace_files[{i}]"
         if not isinstance(entry, dict):
-            raise _fail(where, name, f"must be a mapping, got {type(entry).__name__}")
+            raise field_error(where, name, f"must be a mapping, got {type(entry).__name__}")
         if set(entry) == {"path", "content"}:
             if not isinstance(entry["path"], str) or not isinstance(entry["content"], str):
-                raise _fail(where, name, "path and content must be strings")
+                raise field_error(where, name, "path and content must be strings")
             _inside(root, entry["path"], where, f"{name}.path")
             files[entry["path"]] = entry["content"].encode("utf-8")
             continue
         if set(entry) != {"source", "dest"} or not all(isinstance(entry[k], str) for k in entry):
-            raise _fail(where, name, f"must be {{source, dest}} or {{path, content}} of strings, got keys "
+            raise field_error(where, name, f"must be {{source, dest}} or {{path, content}} of strings, got keys "
                                      f"{sorted(entry)}")
         _inside(root, entry["dest"], where, f"{name}.dest")
         # PinchBench's runner reads sources under assets/; suites that name them from their root
@@ -142,7 +138,7 @@ def _workspace_files(meta: dict[str, Any], root: Path, where: Path) -> dict[str,
                       _inside(root, entry["source"], where, f"{name}.source")]
         source = next((c for c in candidates if c.is_file()), None)
         if source is None:
-            raise _fail(where, f"{name}.source", f"{entry['source']!r} is not a file (looked at "
+            raise field_error(where, f"{name}.source", f"{entry['source']!r} is not a file (looked at "
                                                  f"{' and '.join(str(c) for c in candidates)})")
         files[entry["dest"]] = source.read_bytes()
     return files
@@ -152,17 +148,17 @@ def _weights(meta: dict[str, Any], grading: str, where: Path) -> float:
     """The judged share of the task's score."""
     if grading != "hybrid":
         if "grading_weights" in meta:
-            raise _fail(where, "grading_weights", f"is only for hybrid tasks, not {grading}")
+            raise field_error(where, "grading_weights", f"is only for hybrid tasks, not {grading}")
         return {"automated": 0.0, "llm_judge": 1.0}[grading]
     weights = meta.get("grading_weights", DEFAULT_WEIGHTS)
     if not isinstance(weights, dict) or set(weights) - set(DEFAULT_WEIGHTS):
-        raise _fail(where, "grading_weights", f"must be a mapping with keys automated and llm_judge, got {weights!r}")
+        raise field_error(where, "grading_weights", f"must be a mapping with keys automated and llm_judge, got {weights!r}")
     values = {k: weights.get(k, DEFAULT_WEIGHTS[k]) for k in DEFAULT_WEIGHTS}
     if any(isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 for v in values.values()):
-        raise _fail(where, "grading_weights", f"weights must be non-negative numbers, got {weights!r}")
+        raise field_error(where, "grading_weights", f"weights must be non-negative numbers, got {weights!r}")
     total = values["automated"] + values["llm_judge"]
     if total <= 0 or values["llm_judge"] == 0 or values["automated"] == 0:
-        raise _fail(where, "grading_weights", f"a hybrid task weighs both parts above 0, got {weights!r}")
+        raise field_error(where, "grading_weights", f"a hybrid task weighs both parts above 0, got {weights!r}")
     return values["llm_judge"] / total
 
 
@@ -176,39 +172,39 @@ def _task_of(path: Path, meta: dict[str, Any], body: str, root: Path, split: str
     """The task of the file at `path`, from its front matter and body."""
     unknown = sorted(set(meta) - _KEYS)
     if unknown:
-        raise _fail(path, unknown[0], f"unknown key (allowed: {', '.join(sorted(_KEYS))})")
+        raise field_error(path, unknown[0], f"unknown key (allowed: {', '.join(sorted(_KEYS))})")
     if meta.get("multi_session") or "sessions" in meta:
-        raise _fail(path, "multi_session", "a multi-session task runs several harness sessions on one workspace; "
+        raise field_error(path, "multi_session", "a multi-session task runs several harness sessions on one workspace; "
                                            "a clawfast rollout is one session: leave it out with "
                                            f"{PREFIX}PATH?exclude={meta.get('id', 'ID')}")
     task_id = _string(meta, path, "id")
     category = _string(meta, path, "category")
     grading = meta.get("grading_type")
     if grading not in GRADING_TYPES:
-        raise _fail(path, "grading_type", f"{grading!r} is not one of {', '.join(GRADING_TYPES)}")
+        raise field_error(path, "grading_type", f"{grading!r} is not one of {', '.join(GRADING_TYPES)}")
     timeout = meta.get("timeout_seconds")
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise _fail(path, "timeout_seconds", f"must be a positive number, got {timeout!r}")
+        raise field_error(path, "timeout_seconds", f"must be a positive number, got {timeout!r}")
     sections = split_sections(body)
     prompt = sections.get("Prompt", "")
     if not prompt:
-        raise _fail(path, "## Prompt", "the section is missing or empty")
+        raise field_error(path, "## Prompt", "the section is missing or empty")
     judged = _weights(meta, grading, path)
 
     verifier = None
     if grading in ("automated", "hybrid"):
         checks = sections.get("Automated Checks")
         if not checks:
-            raise _fail(path, "## Automated Checks", f"is required for a {grading} task")
+            raise field_error(path, "## Automated Checks", f"is required for a {grading} task")
         blocks = _PYTHON_BLOCK.findall(checks)
         if len(blocks) != 1:
-            raise _fail(path, "## Automated Checks", f"must hold one ```python block, found {len(blocks)}")
+            raise field_error(path, "## Automated Checks", f"must hold one ```python block, found {len(blocks)}")
         verifier = GradeFunctionVerifier(code=blocks[0], timeout=GRADE_TIMEOUT)
     rubric = None
     if judged > 0:
         text = sections.get("LLM Judge Rubric") or sections.get("Grading Criteria")
         if not text:
-            raise _fail(path, "## LLM Judge Rubric", f"a {grading} task needs a rubric (or ## Grading Criteria)")
+            raise field_error(path, "## LLM Judge Rubric", f"a {grading} task needs a rubric (or ## Grading Criteria)")
         rubric = Rubric(text=text, weight=judged, expected=sections.get("Expected Behavior", ""))
     try:
         return Task(
@@ -218,9 +214,7 @@ def _task_of(path: Path, meta: dict[str, Any], body: str, root: Path, split: str
             files=_workspace_files(meta, root, path), timeout=float(timeout), private_dirs=(root,),
         )  # fmt: skip
     except TaskFormatError as exc:
-        if str(exc).startswith(str(path)):
-            raise
-        raise TaskFormatError(f"{path}: {exc}") from None
+        raise exc.at(path) from None
 
 
 def load_pinchbench(spec: str, split: str | None = None) -> list[Task]:
@@ -247,7 +241,7 @@ def load_pinchbench(spec: str, split: str | None = None) -> list[Task]:
             continue
         task = _task_of(path, meta, body, root, own_split)
         if task.id in seen:
-            raise _fail(path, "id", f"{task.id!r} is also the id of {seen[task.id]}")
+            raise field_error(path, "id", f"{task.id!r} is also the id of {seen[task.id]}")
         seen[task.id] = path
         if split is None or task.split == split:
             tasks.append(task)

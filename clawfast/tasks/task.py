@@ -22,33 +22,47 @@ DEFAULT_VERIFIER_TIMEOUT = 60.0
 
 
 class TaskFormatError(ValueError):
-    """A task (or task.toml) is malformed; the message names the task and the field."""
+    """A task, or the file it is loaded from, is malformed. The message names where (the file, or
+    ``task 'ID'`` for a task built in code) and, where one field is at fault, that `field` and its
+    `problem`, which are kept so that a loader can name its file in place of the task (`at`)."""
+
+    def __init__(self, message: str, *, field: str | None = None, problem: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+        self.problem = problem
+
+    def at(self, where: str | Path) -> TaskFormatError:
+        """This error located at `where` (the file the task was loaded from) instead of the task."""
+        if self.field is None:
+            return TaskFormatError(f"{where}: {self}")
+        return field_error(where, self.field, self.problem or "")
 
 
-def _fail(where: str, field_name: str, problem: str) -> TaskFormatError:
-    return TaskFormatError(f"{where}: field {field_name!r}: {problem}")
+def field_error(where: str | Path, field_name: str, problem: str) -> TaskFormatError:
+    """``WHERE: field 'NAME': PROBLEM``, the one shape of a bad field's error in every task format."""
+    return TaskFormatError(f"{where}: field {field_name!r}: {problem}", field=field_name, problem=problem)
 
 
 def _check_rel_path(where: str, field_name: str, path: str) -> str:
     """A workspace-relative POSIX path that cannot escape the directory it is written into."""
     p = PurePosixPath(path)
     if not path or p.is_absolute() or ".." in p.parts or str(p) in ("", "."):
-        raise _fail(where, field_name, f"path {path!r} must be relative, without '..'")
+        raise field_error(where, field_name, f"path {path!r} must be relative, without '..'")
     return str(p)
 
 
 def _check_files(where: str, field_name: str, files: Mapping[str, str | bytes]) -> dict[str, bytes]:
     if not isinstance(files, Mapping):
-        raise _fail(where, field_name, f"must be a mapping of path -> content, got {type(files).__name__}")
+        raise field_error(where, field_name, f"must be a mapping of path -> content, got {type(files).__name__}")
     out: dict[str, bytes] = {}
     for path, content in files.items():
         if not isinstance(path, str):
-            raise _fail(where, field_name, f"path {path!r} must be a string")
+            raise field_error(where, field_name, f"path {path!r} must be a string")
         rel = _check_rel_path(where, field_name, path)
         if isinstance(content, str):
             content = content.encode("utf-8")
         if not isinstance(content, bytes):
-            raise _fail(where, field_name, f"content of {path!r} must be str or bytes")
+            raise field_error(where, field_name, f"content of {path!r} must be str or bytes")
         out[rel] = content
     return out
 
@@ -58,13 +72,13 @@ def _check_dir(where: str, field_name: str, directory: Path | str | None) -> Pat
         return None
     directory = Path(directory)
     if not directory.is_dir():
-        raise _fail(where, field_name, f"{directory} is not a directory")
+        raise field_error(where, field_name, f"{directory} is not a directory")
     return directory
 
 
 def _check_timeout(where: str, field_name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value == float("inf"):
-        raise _fail(where, field_name, f"must be a positive finite number of seconds, got {value!r}")
+        raise field_error(where, field_name, f"must be a positive finite number of seconds, got {value!r}")
     return float(value)
 
 
@@ -92,7 +106,7 @@ class CommandVerifier:
 
     def validate(self, where: str) -> CommandVerifier:
         if not isinstance(self.command, str) or not self.command.strip():
-            raise _fail(where, "verifier.command", "must be a non-empty string")
+            raise field_error(where, "verifier.command", "must be a non-empty string")
         return CommandVerifier(
             command=self.command,
             files=_check_files(where, "verifier.files", self.files),
@@ -139,7 +153,7 @@ class CallableVerifier:
 
     def validate(self, where: str) -> CallableVerifier:
         if not callable(self.fn):
-            raise _fail(where, "verifier", "callable verifier must be callable")
+            raise field_error(where, "verifier", "callable verifier must be callable")
         return self
 
 
@@ -159,11 +173,11 @@ class GradeFunctionVerifier:
 
     def validate(self, where: str) -> GradeFunctionVerifier:
         if not isinstance(self.code, str) or "def grade" not in self.code:
-            raise _fail(where, "verifier.code", "must be Python source defining grade(transcript, workspace_path)")
+            raise field_error(where, "verifier.code", "must be Python source defining grade(transcript, workspace_path)")
         try:
             compile(self.code, f"<{where} grade>", "exec")
         except SyntaxError as exc:
-            raise _fail(where, "verifier.code", f"is not valid Python: line {exc.lineno}: {exc.msg}") from None
+            raise field_error(where, "verifier.code", f"is not valid Python: line {exc.lineno}: {exc.msg}") from None
         return GradeFunctionVerifier(code=self.code, timeout=_check_timeout(where, "verifier.timeout", self.timeout))
 
 
@@ -185,9 +199,9 @@ class Rubric:
 
     def validate(self, where: str) -> Rubric:
         if not isinstance(self.text, str) or not self.text.strip():
-            raise _fail(where, "rubric.text", "must be a non-empty string")
+            raise field_error(where, "rubric.text", "must be a non-empty string")
         if isinstance(self.weight, bool) or not isinstance(self.weight, (int, float)) or not 0.0 < self.weight <= 1.0:
-            raise _fail(where, "rubric.weight", f"must be a number in (0, 1], got {self.weight!r}")
+            raise field_error(where, "rubric.weight", f"must be a number in (0, 1], got {self.weight!r}")
         files = tuple(_check_rel_path(where, "rubric.files", f) for f in self.files)
         return Rubric(text=self.text, weight=float(self.weight), expected=self.expected or "", files=files)
 
@@ -213,7 +227,7 @@ class RewardScriptVerifier:
     def validate(self, where: str) -> RewardScriptVerifier:
         directory = _check_dir(where, "verifier.directory", self.directory)
         if directory is None or not (directory / self.ENTRY).is_file():
-            raise _fail(where, "verifier.directory", f"must hold {self.ENTRY}")
+            raise field_error(where, "verifier.directory", f"must hold {self.ENTRY}")
         return RewardScriptVerifier(directory=directory, metadata=dict(self.metadata),
                                     timeout=_check_timeout(where, "verifier.timeout", self.timeout))
 
@@ -231,7 +245,7 @@ def check_workdir_field(where: str, field_name: str, workdir: str | None) -> str
     sandbox's to say (`clawfast.sandbox.spec.check_workdir`, when the rollout's sandbox is made)."""
     if workdir is not None and (not isinstance(workdir, str) or not workdir.startswith("/") or workdir == "/"
                                 or workdir.startswith("//") or os.path.normpath(workdir) != workdir):
-        raise _fail(where, field_name, f"must be a normalised absolute path other than /, got {workdir!r}")
+        raise field_error(where, field_name, f"must be a normalised absolute path other than /, got {workdir!r}")
     return workdir
 
 
@@ -273,32 +287,32 @@ class Task:
     def __post_init__(self) -> None:
         where = f"task {self.id!r}"
         if not isinstance(self.id, str) or not ID_PATTERN.match(self.id):
-            raise _fail(where, "id", f"must match {ID_PATTERN.pattern}")
+            raise field_error(where, "id", f"must match {ID_PATTERN.pattern}")
         if not isinstance(self.instruction, str) or not self.instruction.strip():
-            raise _fail(where, "instruction", "must be a non-empty string")
+            raise field_error(where, "instruction", "must be a non-empty string")
         if self.rubric is not None and not isinstance(self.rubric, Rubric):
-            raise _fail(where, "rubric", f"must be a Rubric, got {type(self.rubric).__name__}")
+            raise field_error(where, "rubric", f"must be a Rubric, got {type(self.rubric).__name__}")
         judge_only = self.rubric is not None and self.rubric.weight == 1.0
         if self.verifier is None and not judge_only:
-            raise _fail(where, "verifier", "is required (only a task scored by a rubric of weight 1 has none)")
+            raise field_error(where, "verifier", "is required (only a task scored by a rubric of weight 1 has none)")
         if self.verifier is not None and judge_only:
-            raise _fail(where, "verifier", "must be None: a rubric of weight 1 is the whole score")
+            raise field_error(where, "verifier", "must be None: a rubric of weight 1 is the whole score")
         if self.verifier is not None and not isinstance(self.verifier, VERIFIER_TYPES):
-            raise _fail(where, "verifier", f"must be one of {', '.join(t.__name__ for t in VERIFIER_TYPES)}, "
+            raise field_error(where, "verifier", f"must be one of {', '.join(t.__name__ for t in VERIFIER_TYPES)}, "
                                            f"got {type(self.verifier).__name__}")
         if isinstance(self.verifier, RewardScriptVerifier) and self.workdir is None:
-            raise _fail(where, "workdir", "is required with a RewardScriptVerifier (its scripts name the "
+            raise field_error(where, "workdir", "is required with a RewardScriptVerifier (its scripts name the "
                                           "workspace by its absolute path)")
         if isinstance(self.oracle, str) or not all(isinstance(c, str) for c in self.oracle):
-            raise _fail(where, "oracle", "must be a list of bash command strings")
+            raise field_error(where, "oracle", "must be a list of bash command strings")
         if not isinstance(self.tags, Mapping) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in self.tags.items()
         ):
-            raise _fail(where, "tags", "must be a mapping of string -> string")
+            raise field_error(where, "tags", "must be a mapping of string -> string")
         if not self.tags.get("category"):
-            raise _fail(where, "tags.category", "is required")
+            raise field_error(where, "tags.category", "is required")
         if self.tags.get("split") not in SPLITS:
-            raise _fail(where, "tags.split", f"must be one of {SPLITS}, got {self.tags.get('split')!r}")
+            raise field_error(where, "tags.split", f"must be one of {SPLITS}, got {self.tags.get('split')!r}")
         # Frozen dataclass: normalised values are set through object.__setattr__, once, here.
         if self.verifier is not None:
             object.__setattr__(self, "verifier", self.verifier.validate(where))

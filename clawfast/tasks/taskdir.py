@@ -25,6 +25,7 @@ from clawfast.tasks.task import (
     CommandVerifier,
     Task,
     TaskFormatError,
+    field_error,
 )
 
 TASK_FILE = "task.toml"
@@ -32,20 +33,16 @@ _TOP_KEYS = {"id", "instruction", "timeout", "tags", "verifier", "oracle"}
 _VERIFIER_KEYS = {"command", "timeout"}
 
 
-def _field(where: str, name: str, problem: str) -> TaskFormatError:
-    return TaskFormatError(f"{where}: field {name!r}: {problem}")
-
-
 def _get(data: dict[str, Any], where: str, name: str, kind: type | tuple[type, ...], *,
          required: bool = True, default: Any = None, prefix: str = "") -> Any:
     if name not in data:
         if required:
-            raise _field(where, prefix + name, "is required")
+            raise field_error(where, prefix + name, "is required")
         return default
     value = data[name]
     # bool is an int subclass in Python; `timeout = true` is still a type error.
     if isinstance(value, bool) or not isinstance(value, kind):
-        raise _field(where, prefix + name, f"must be {_kind_name(kind)}, got {type(value).__name__}")
+        raise field_error(where, prefix + name, f"must be {_kind_name(kind)}, got {type(value).__name__}")
     return value
 
 
@@ -58,7 +55,7 @@ def _kind_name(kind: type | tuple[type, ...]) -> str:
 def _unknown(data: dict[str, Any], allowed: set[str], where: str, prefix: str = "") -> None:
     extra = sorted(set(data) - allowed)
     if extra:
-        raise _field(where, prefix + extra[0], f"unknown key (allowed: {', '.join(sorted(allowed))})")
+        raise field_error(where, prefix + extra[0], f"unknown key (allowed: {', '.join(sorted(allowed))})")
 
 
 def load_task(folder: Path | str, suite: Path | None = None) -> Task:
@@ -82,7 +79,7 @@ def load_task(folder: Path | str, suite: Path | None = None) -> Task:
     tags = _get(data, where, "tags", dict)
     for key, value in tags.items():
         if not isinstance(value, str):
-            raise _field(where, f"tags.{key}", f"must be a string, got {type(value).__name__}")
+            raise field_error(where, f"tags.{key}", f"must be a string, got {type(value).__name__}")
     verifier = _get(data, where, "verifier", dict)
     _unknown(verifier, _VERIFIER_KEYS, where, "verifier.")
     command = _get(verifier, where, "command", str, prefix="verifier.")
@@ -91,7 +88,7 @@ def load_task(folder: Path | str, suite: Path | None = None) -> Task:
     oracle = _get(data, where, "oracle", list)
     for i, cmd in enumerate(oracle):
         if not isinstance(cmd, str):
-            raise _field(where, f"oracle[{i}]", f"must be a bash command string, got {type(cmd).__name__}")
+            raise field_error(where, f"oracle[{i}]", f"must be a bash command string, got {type(cmd).__name__}")
 
     workspace_dir = folder / "workspace"
     verifier_dir = folder / "verifier"
@@ -112,7 +109,7 @@ def load_task(folder: Path | str, suite: Path | None = None) -> Task:
             private_dirs=(suite or folder,),
         )
     except TaskFormatError as exc:
-        raise TaskFormatError(f"{where}: {exc}") from None
+        raise exc.at(where) from None
 
 
 def load_task_dir(path: Path | str) -> list[Task]:

@@ -83,7 +83,7 @@ def _broken_suite(tmp_path: Path, edit) -> Path:
 ])
 def test_errors_name_the_file_and_the_field(tmp_path, edit, field):
     root = _broken_suite(tmp_path, edit)
-    with pytest.raises(TaskFormatError, match=re.escape(str(root / "tasks")) + r".*field " + re.escape(repr(field))):
+    with pytest.raises(TaskFormatError, match=re.escape(str(root / "tasks")) + r"/\w+\.md: field " + re.escape(repr(field))):
         load_pinchbench(f"pinchbench:{root}")
 
 

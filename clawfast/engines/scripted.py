@@ -3,7 +3,7 @@
 This is the only fake engine in the project, and it is honest about what it fakes: the *choice* of
 output. Everything else is real — outputs are token ids from the model's own tokenizer, ending with
 the chat template's stop token, truncated by `max_tokens` (finish "length"), and each token has a
-log-prob (a fixed pseudo-random value in [-3, -0.01), seeded, so records are reproducible). It
+log-prob (a fixed pseudo-random value in (-3, -0.01], seeded, so records are reproducible). It
 answers with no delay, which makes it the zero-latency engine of bench/bench_proxy.py.
 
 A script entry is either the exact output text (``"<tool_call>\\n{...}\\n</tool_call>"``) or a dict

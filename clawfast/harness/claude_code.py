@@ -38,7 +38,9 @@ class ClaudeCode(Harness):
         own: ``CLAUDE_CODE_AUTO_COMPACT_WINDOW`` (the context it assumes, which it raises to at least
         100,000) and ``CLAUDE_AUTOCOMPACT_PCT_OVERRIDE`` (1-100): it compacts once a prompt passes that
         percent of the window less its 20,000-token output reserve (window 100,000 and 30: 24,000
-        tokens). None leaves each to Claude Code (a 200K window for a model name it does not
+        tokens). A threshold within a few steps of a restart's size (system prompt, tools, summary)
+        makes it compact again after every step or two (bench/RESULTS.md, "Past the first
+        compaction"). None leaves each to Claude Code (a 200K window for a model name it does not
         know). Other options: `Harness`."""
         super().__init__(**options)
         check_count("auto_compact_window", auto_compact_window, unset=True)

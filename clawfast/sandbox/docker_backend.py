@@ -40,6 +40,7 @@ from clawfast.sandbox.base import SANDBOX_UID, Sandbox, SandboxError
 from clawfast.sandbox.hostdir import (
     ForwardingBackend,
     HostDir,
+    log,
     merge_env,
     split_ready,
     start_script,
@@ -327,6 +328,8 @@ class DockerBackend(ForwardingBackend):
         self.image = image
         self.probe = probe
         as_root = os.geteuid() == 0
+        if not as_root:
+            log.warning("clawfast docker backend: disk quota NOT enforced (mounting a sized tmpfs needs root)")
         self.user = (uid, uid) if as_root else (os.getuid(), os.getgid())
         self.user_spec = f"{self.user[0]}:{self.user[1]}"
         # Who to hand the workspace to (nothing to hand over when commands run as this user).

@@ -120,3 +120,14 @@ def test_unprivileged_user_and_limits(backend):
                 r = sb.run(["sh", "-c", f"dd if=/dev/zero of={target} bs=1M count=32 2>&1"])
                 assert r.exit_code != 0 and b"No space left on device" in r.stdout, r
             assert sb.run(["echo", "ok"]).stdout == b"ok\n"
+
+
+def test_without_root_the_missing_disk_quota_is_logged(monkeypatch, caplog):
+    """A sized tmpfs needs root: a backend made without it says that disk_bytes goes unenforced
+    (and its sandboxes leave "disk" out of `enforced`), never silently."""
+    import logging
+
+    monkeypatch.setattr("clawfast.sandbox.docker_backend.os.geteuid", lambda: 1000)
+    with caplog.at_level(logging.WARNING, logger="clawfast.sandbox"):
+        docker_backend().close()
+    assert "clawfast docker backend: disk quota NOT enforced" in caplog.text

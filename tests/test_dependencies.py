@@ -9,7 +9,7 @@ R3 proxy: importing every module of clawfast.proxy pulls in nothing of clawfast.
 R4 adapters: importing every module of clawfast.sandbox, and of clawfast.harness, pulls in nothing of
    clawfast.proxy, .rollout, .train, .commands.
 R5 train: importing every module of clawfast.train pulls in nothing of clawfast.proxy, .sandbox, .harness,
-   .commands, and of clawfast.rollout only the service and its spec (clawfast.rollout, .service, .spec); statically, no import
+   .commands, and of clawfast.rollout only the service, its spec and its retry rule (clawfast.rollout, .service, .spec, .retry); statically, no import
    statement in clawfast/train (module level or inside a function) names such a module either.
 R6 no import cycle among the module-level imports of clawfast modules (``if TYPE_CHECKING:`` blocks excluded;
    importing a.b.c also runs the __init__ of a.b when the importer is outside a.b); within clawfast.train, none

@@ -23,7 +23,7 @@ from clawfast.engines.base import Generation, SamplingParams
 @dataclass
 class Piece:
     output_ids: np.ndarray
-    logprobs: np.ndarray
+    infer_logprobs: np.ndarray
     version: int
 
 
@@ -39,8 +39,8 @@ class Pieces:
     def sampled(self) -> int:
         return sum(len(p.output_ids) for p in self.pieces)
 
-    def add(self, output_ids, logprobs, version: int) -> None:
-        ids, lps = np.asarray(output_ids, dtype=np.int32), np.asarray(logprobs, dtype=np.float32)
+    def add(self, output_ids, infer_logprobs, version: int) -> None:
+        ids, lps = np.asarray(output_ids, dtype=np.int32), np.asarray(infer_logprobs, dtype=np.float32)
         if len(ids) != len(lps):
             raise RuntimeError(f"a piece of {len(ids)} tokens came back with {len(lps)} log-probs")
         self.pieces.append(Piece(ids, lps, int(version)))
@@ -64,5 +64,5 @@ class Pieces:
         kept = [p for p in self.pieces if len(p.output_ids)] or self.pieces[-1:]
         ids = np.concatenate([p.output_ids for p in kept])
         versions = np.concatenate([np.full(len(p.output_ids), p.version, dtype=np.int64) for p in kept])
-        return Generation(ids, np.concatenate([p.logprobs for p in kept]), finish_reason, kept[0].version,
+        return Generation(ids, np.concatenate([p.infer_logprobs for p in kept]), finish_reason, kept[0].version,
                           dict(timings, pieces=float(len(self.pieces))), versions)

@@ -142,7 +142,7 @@ class _Row:
     joined_at: float
     batch_size: int = 0  # rows in the batch right after it joined
     outputs: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
+    infer_logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)  # the weight version that sampled each output
     finish: str = "length"
     # MoE routing of each context row run so far ([rows, layers, top_k] chunks), when recorded
@@ -408,7 +408,7 @@ class TorchEngine(Engine):
             else:
                 token = int(torch.multinomial(logp.exp(), 1, generator=row.generator))
             row.outputs.append(token)
-            row.logprobs.append(float(logp[token]))
+            row.infer_logprobs.append(float(logp[token]))
             row.versions.append(self.weight_version)
             if token in params.stop_token_ids:
                 row.finish = "stop"
@@ -465,7 +465,7 @@ class TorchEngine(Engine):
                 routing = routing[start:]
         return Generation(
             np.asarray(row.outputs, dtype=np.int32),
-            np.asarray(row.logprobs, dtype=np.float32),
+            np.asarray(row.infer_logprobs, dtype=np.float32),
             row.finish,
             row.versions[0] if row.versions else self.weight_version,
             {"batch_seconds": time.monotonic() - row.joined_at, "batch_size": float(row.batch_size)},

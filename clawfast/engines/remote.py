@@ -86,6 +86,8 @@ _TOKEN_PREFIX = "token_id:"
 SHARD_BYTES = 1 << 30
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 _UNREAD = object()  # RemoteEngine.max_model_len before the server's listing was read
+# Reading the model listing is quick; `timeout` bounds a generation, which may take minutes.
+_LISTING_TIMEOUT_S = 30.0
 
 
 class RemoteEngine(Engine):
@@ -199,16 +201,17 @@ class RemoteEngine(Engine):
     @property
     def max_model_len(self) -> int | None:  # type: ignore[override]  # Engine's attribute, read from the server
         """The server's own limit: the ``max_model_len`` its ``GET /v1/models`` lists for the served model
-        (vLLM and SGLang list it), read on first use; None where the listing states none. An unreachable
-        server, or one that serves no model named `model`, is a RuntimeError here rather than at the
-        first call."""
+        (vLLM and SGLang list it), read on first use; None where the listing states none. The same read
+        settles `model` where none was given. An unreachable server, or one that serves no model named
+        `model`, is a RuntimeError here rather than at the first call."""
         if self._max_model_len is _UNREAD:
             try:
-                response = httpx.get(f"{self.base_url}/v1/models", headers=self._headers, timeout=30.0)
+                response = httpx.get(f"{self.base_url}/v1/models", headers=self._headers, timeout=_LISTING_TIMEOUT_S)
                 response.raise_for_status()
             except httpx.HTTPError as exc:
                 raise RuntimeError(f"cannot read the served context from {self.base_url}/v1/models: {exc}") from exc
             card = _served_card(self.base_url, response.json(), self.model)
+            self.model = str(card["id"])
             limit = card.get("max_model_len")
             self._max_model_len = None if limit is None else int(limit)
         return self._max_model_len

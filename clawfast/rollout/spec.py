@@ -68,8 +68,9 @@ def with_context(name: str, options: Mapping[str, Any], context: int | None) -> 
         return told
     given = told.setdefault(CONTEXT_OPTION, context)
     if isinstance(given, int) and given > context:  # its type is the adapter's to check
-        raise ValueError(f"harness {name!r}: {CONTEXT_OPTION} {given} is above the {context} tokens served (max_model_len): "
-                         f"the proxy refuses a longer prompt before the harness compacts; leave it unset to tell it {context}")
+        raise ValueError(f"harness {name!r}: {CONTEXT_OPTION} {given} is above the {context} tokens served "
+                         f"(max_model_len): the proxy refuses a longer prompt before the harness compacts; leave it "
+                         f"unset to tell it {context}")
     return told
 
 

@@ -107,7 +107,8 @@ def load_rubric(path: Path, workdir: str) -> Rubric:
                 raise field_error(path, f"{where}.file_path", f"must be a non-empty string, got {file_path!r}")
             if file_path.startswith("/"):
                 if not file_path.startswith(workdir.rstrip("/") + "/"):
-                    raise field_error(path, f"{where}.file_path", f"{file_path!r} is not inside the workspace {workdir}")
+                    raise field_error(path, f"{where}.file_path",
+                                      f"{file_path!r} is not inside the workspace {workdir}")
                 file_path = file_path[len(workdir.rstrip("/")) + 1:]
             files.append(file_path)
         lines.append(f"### {rule['name']}" + (f" (file: {file_path})" if file_path else ""))
@@ -148,11 +149,11 @@ def load_clawgym_task(folder: Path | str, split: str | Callable[[str], str], sui
     metadata = entry.get("metadata")
     if not isinstance(metadata, dict):
         raise field_error(where, "metadata", "is required and must be an object" if metadata is None
-                    else f"must be an object, got {type(metadata).__name__}")
+                          else f"must be an object, got {type(metadata).__name__}")
     grading = metadata.get("grading_type")
     if grading not in GRADING_TYPES:
         raise field_error(where, "metadata.grading_type", f"{grading!r} is not supported (supported: "
-                                                    f"{', '.join(GRADING_TYPES)})")
+                                                          f"{', '.join(GRADING_TYPES)})")
     category = metadata.get("category", "")
     if not isinstance(category, str):
         raise field_error(where, "metadata.category", f"must be a string, got {type(category).__name__}")
@@ -170,7 +171,8 @@ def load_clawgym_task(folder: Path | str, split: str | Callable[[str], str], sui
     if grading == "hybrid" and not rubric_path.is_file():
         raise field_error(where, "metadata.grading_type", f"a hybrid task needs reward/{RUBRIC_FILE}")
     if grading != "hybrid" and rubric_path.exists():
-        raise field_error(where, "metadata.grading_type", f"is {grading!r} but reward/{RUBRIC_FILE} exists (use 'hybrid')")
+        raise field_error(where, "metadata.grading_type",
+                          f"is {grading!r} but reward/{RUBRIC_FILE} exists (use 'hybrid')")
     rubric = load_rubric(rubric_path, mount_dir or DEFAULT_MOUNT_DIR) if grading == "hybrid" else None
     try:
         return Task(

@@ -130,7 +130,7 @@ def _workspace_files(meta: dict[str, Any], root: Path, where: Path) -> dict[str,
             continue
         if set(entry) != {"source", "dest"} or not all(isinstance(entry[k], str) for k in entry):
             raise field_error(where, name, f"must be {{source, dest}} or {{path, content}} of strings, got keys "
-                                     f"{sorted(entry)}")
+                                           f"{sorted(entry)}")
         _inside(root, entry["dest"], where, f"{name}.dest")
         # PinchBench's runner reads sources under assets/; suites that name them from their root
         # ("assets/x.csv") are read there.
@@ -139,7 +139,7 @@ def _workspace_files(meta: dict[str, Any], root: Path, where: Path) -> dict[str,
         source = next((c for c in candidates if c.is_file()), None)
         if source is None:
             raise field_error(where, f"{name}.source", f"{entry['source']!r} is not a file (looked at "
-                                                 f"{' and '.join(str(c) for c in candidates)})")
+                                                       f"{' and '.join(str(c) for c in candidates)})")
         files[entry["dest"]] = source.read_bytes()
     return files
 
@@ -152,7 +152,8 @@ def _weights(meta: dict[str, Any], grading: str, where: Path) -> float:
         return {"automated": 0.0, "llm_judge": 1.0}[grading]
     weights = meta.get("grading_weights", DEFAULT_WEIGHTS)
     if not isinstance(weights, dict) or set(weights) - set(DEFAULT_WEIGHTS):
-        raise field_error(where, "grading_weights", f"must be a mapping with keys automated and llm_judge, got {weights!r}")
+        raise field_error(where, "grading_weights",
+                          f"must be a mapping with keys automated and llm_judge, got {weights!r}")
     values = {k: weights.get(k, DEFAULT_WEIGHTS[k]) for k in DEFAULT_WEIGHTS}
     if any(isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 for v in values.values()):
         raise field_error(where, "grading_weights", f"weights must be non-negative numbers, got {weights!r}")
@@ -175,8 +176,8 @@ def _task_of(path: Path, meta: dict[str, Any], body: str, root: Path, split: str
         raise field_error(path, unknown[0], f"unknown key (allowed: {', '.join(sorted(_KEYS))})")
     if meta.get("multi_session") or "sessions" in meta:
         raise field_error(path, "multi_session", "a multi-session task runs several harness sessions on one workspace; "
-                                           "a clawfast rollout is one session: leave it out with "
-                                           f"{PREFIX}PATH?exclude={meta.get('id', 'ID')}")
+                                                 "a clawfast rollout is one session: leave it out with "
+                                                 f"{PREFIX}PATH?exclude={meta.get('id', 'ID')}")
     task_id = _string(meta, path, "id")
     category = _string(meta, path, "category")
     grading = meta.get("grading_type")

@@ -33,9 +33,9 @@ class TaskFormatError(ValueError):
 
     def at(self, where: str | Path) -> TaskFormatError:
         """This error located at `where` (the file the task was loaded from) instead of the task."""
-        if self.field is None:
+        if self.field is None or self.problem is None:
             return TaskFormatError(f"{where}: {self}")
-        return field_error(where, self.field, self.problem or "")
+        return field_error(where, self.field, self.problem)
 
 
 def field_error(where: str | Path, field_name: str, problem: str) -> TaskFormatError:
@@ -173,7 +173,8 @@ class GradeFunctionVerifier:
 
     def validate(self, where: str) -> GradeFunctionVerifier:
         if not isinstance(self.code, str) or "def grade" not in self.code:
-            raise field_error(where, "verifier.code", "must be Python source defining grade(transcript, workspace_path)")
+            raise field_error(where, "verifier.code",
+                              "must be Python source defining grade(transcript, workspace_path)")
         try:
             compile(self.code, f"<{where} grade>", "exec")
         except SyntaxError as exc:
@@ -299,10 +300,10 @@ class Task:
             raise field_error(where, "verifier", "must be None: a rubric of weight 1 is the whole score")
         if self.verifier is not None and not isinstance(self.verifier, VERIFIER_TYPES):
             raise field_error(where, "verifier", f"must be one of {', '.join(t.__name__ for t in VERIFIER_TYPES)}, "
-                                           f"got {type(self.verifier).__name__}")
+                                                 f"got {type(self.verifier).__name__}")
         if isinstance(self.verifier, RewardScriptVerifier) and self.workdir is None:
             raise field_error(where, "workdir", "is required with a RewardScriptVerifier (its scripts name the "
-                                          "workspace by its absolute path)")
+                                                "workspace by its absolute path)")
         if isinstance(self.oracle, str) or not all(isinstance(c, str) for c in self.oracle):
             raise field_error(where, "oracle", "must be a list of bash command strings")
         if not isinstance(self.tags, Mapping) or not all(

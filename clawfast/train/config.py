@@ -213,10 +213,10 @@ class RolloutSection(_Section):
     on CPU) or Codex's ``auto_compact_tokens``; checked when the config loads by building each adapter
     of the run with its options (`clawfast.rollout.spec.check_harness_options`). A ``context_window``
     left unset is the context the engine serves (``engine.max_model_len``, else the engine's own
-    limit), and one above ``engine.max_model_len`` is refused (`clawfast.rollout.spec.with_context`). infra_retries: how many
-    times a rollout whose attempt ended in an infrastructure failure (its sandbox, or its Ray actor or
-    node, died or never started) runs again with the same task and sample index, so its group trains
-    whole (`clawfast.rollout.retry`; the failed attempt is never trained)."""
+    limit), and one above ``engine.max_model_len`` is refused (`clawfast.rollout.spec.with_context`).
+    infra_retries: how many times a rollout whose attempt ended in an infrastructure failure (its
+    sandbox, or its Ray actor or node, died or never started) runs again with the same task and sample
+    index, so its group trains whole (`clawfast.rollout.retry`; the failed attempt is never trained)."""
 
     source: Literal["harness", "recorded"] = "harness"
     recorded_dir: str | None = None

@@ -202,18 +202,27 @@ class RemoteEngine(Engine):
     def max_model_len(self) -> int | None:  # type: ignore[override]  # Engine's attribute, read from the server
         """The server's own limit: the ``max_model_len`` its ``GET /v1/models`` lists for the served model
         (vLLM and SGLang list it), read on first use; None where the listing states none. The same read
-        settles `model` where none was given. An unreachable server, or one that serves no model named
-        `model`, is a RuntimeError here rather than at the first call."""
+        settles `model` where none was given. An unreachable server, one that serves no model named
+        `model`, and a listing that is not JSON or states a limit that is not a positive whole number
+        are a RuntimeError here rather than at the first call."""
         if self._max_model_len is _UNREAD:
             try:
                 response = httpx.get(f"{self.base_url}/v1/models", headers=self._headers, timeout=_LISTING_TIMEOUT_S)
                 response.raise_for_status()
             except httpx.HTTPError as exc:
                 raise RuntimeError(f"cannot read the served context from {self.base_url}/v1/models: {exc}") from exc
-            card = _served_card(self.base_url, response.json(), self.model)
+            try:
+                listing = response.json()
+            except ValueError:
+                raise RuntimeError(f"{self.base_url}/v1/models answered no JSON: {response.text[:200]!r}") from None
+            card = _served_card(self.base_url, listing, self.model)
             self.model = str(card["id"])
             limit = card.get("max_model_len")
-            self._max_model_len = None if limit is None else int(limit)
+            # A limit that is not a positive whole number would be a wrong context for every harness.
+            if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+                raise RuntimeError(f"{self.base_url}/v1/models lists max_model_len {limit!r} for {self.model!r}, "
+                                   "not a positive whole number of tokens")
+            self._max_model_len = limit
         return self._max_model_len
 
     async def generate(self, prompt_ids: np.ndarray, params: SamplingParams) -> Generation:

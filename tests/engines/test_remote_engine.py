@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -38,7 +39,7 @@ transformers = pytest.importorskip("transformers")
 
 from starlette.applications import Starlette  # noqa: E402
 from starlette.requests import Request  # noqa: E402
-from starlette.responses import JSONResponse  # noqa: E402
+from starlette.responses import JSONResponse, PlainTextResponse  # noqa: E402
 from starlette.routing import Route  # noqa: E402
 
 from clawfast.engines.base import SamplingParams  # noqa: E402
@@ -287,13 +288,28 @@ def test_the_servers_own_context_is_the_engines(reference_server, api):
         RemoteEngine(f"http://127.0.0.1:{port}", api=api).max_model_len
 
 
-def test_a_listing_without_a_limit_states_none():
+@pytest.mark.parametrize(
+    "card, stated",
+    [
+        ({"id": "m", "object": "model"}, None),
+        ({"id": "m", "object": "model", "max_model_len": 4096}, 4096),
+        ({"id": "m", "object": "model", "max_model_len": "4096"}, "lists max_model_len '4096' for 'm', not a positive whole number"),
+        ({"id": "m", "object": "model", "max_model_len": 4096.5}, "lists max_model_len 4096.5 for 'm', not a positive"),
+        ({"id": "m", "object": "model", "max_model_len": 0}, "lists max_model_len 0 for 'm', not a positive"),
+        ({"id": "m", "object": "model", "max_model_len": True}, "lists max_model_len True for 'm', not a positive"),
+        ("not json", "answered no JSON: 'not json'"),
+    ],
+)
+def test_a_listing_states_a_whole_limit_or_none(card, stated):
     """An OpenAI-compatible server whose model card has no ``max_model_len`` states no limit: the
-    run's ``engine.max_model_len`` is then the only one."""
+    run's ``engine.max_model_len`` is then the only one. A limit that is not a positive whole number,
+    or an answer that is not JSON, is a RuntimeError that names what the server listed."""
     import uvicorn
 
-    async def models(request: Request) -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [{"id": "m", "object": "model"}]})
+    async def models(request: Request):
+        if isinstance(card, str):
+            return PlainTextResponse(card)
+        return JSONResponse({"object": "list", "data": [card]})
 
     port = _free_port()
     uv = uvicorn.Server(uvicorn.Config(Starlette(routes=[Route("/v1/models", models)]), host="127.0.0.1", port=port,
@@ -303,7 +319,12 @@ def test_a_listing_without_a_limit_states_none():
     while not uv.started:
         time.sleep(0.01)
     try:
-        assert RemoteEngine(f"http://127.0.0.1:{port}").max_model_len is None
+        engine = RemoteEngine(f"http://127.0.0.1:{port}")
+        if stated is None or isinstance(stated, int):
+            assert engine.max_model_len == stated
+        else:
+            with pytest.raises(RuntimeError, match=re.escape(stated)):
+                engine.max_model_len
     finally:
         uv.should_exit = True
         thread.join(timeout=10)

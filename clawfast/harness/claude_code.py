@@ -39,9 +39,10 @@ class ClaudeCode(Harness):
         100,000) and ``CLAUDE_AUTOCOMPACT_PCT_OVERRIDE`` (1-100): it compacts once a prompt passes that
         percent of the window less its 20,000-token output reserve (window 100,000 and 30: 24,000
         tokens). A threshold within a few steps of a restart's size (system prompt, tools, summary)
-        makes it compact again after every step or two (bench/RESULTS.md, "Past the first
-        compaction"). None leaves each to Claude Code (a 200K window for a model name it does not
-        know). Other options: `Harness`."""
+        makes it compact again after every step or two, and after three such compactions in a row it
+        ends the run itself ("autocompact_thrashing", exit 1; bench/RESULTS.md, "Past the first
+        compaction"). None leaves each to Claude Code (it assumes a 1,000,000-token context for a
+        model name it does not know). Other options: `Harness`."""
         super().__init__(**options)
         check_count("auto_compact_window", auto_compact_window, unset=True)
         check_count("auto_compact_pct", auto_compact_pct, high=100, unset=True)

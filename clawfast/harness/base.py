@@ -190,6 +190,12 @@ class Harness(abc.ABC):
         harness keeps none that clawfast reads (the rollout then builds one from the recorded calls)."""
         return None
 
+    def exit_reason(self, stdout: str) -> str | None:
+        """Why a run that exited with an error ended, as the harness reported it in the structured
+        output its headless mode writes to stdout (`command`); None where it reported nothing that
+        clawfast reads (the rollout keeps its stderr tail either way)."""
+        return None
+
     @abc.abstractmethod
     def scripted_turns(self, oracle_commands: list[str], final_text: str) -> list[ScriptedTurn]:
         """Assistant turns that run `oracle_commands` with this harness's own shell tool, one call per
@@ -233,6 +239,18 @@ def check_count(option: str, value: Any, *, low: int = 1, high: int | None = Non
     if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
         bound = f"at least {low}" if high is None else f"from {low} to {high}"
         raise ValueError(f"{option} must be an integer {bound}{' or None' if unset else ''}, got {value!r}")
+
+
+def json_lines(text: str) -> list[Any]:
+    """The lines of `text` that are JSON values, in order (a headless harness's event stream; other
+    lines, such as a truncated last one, are left out)."""
+    values = []
+    for line in text.splitlines():
+        try:
+            values.append(json.loads(line))
+        except ValueError:
+            continue
+    return values
 
 
 def copy_artifacts(paths: list[Path], root: Path, dest: Path) -> list[Path]:

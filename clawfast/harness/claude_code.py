@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from clawfast.harness.base import Harness, HarnessInstall, PreparedRun, RunLayout, ScriptedToolCall, ScriptedTurn, check_count, glob_files
+from clawfast.harness.base import (Harness, HarnessInstall, PreparedRun, RunLayout, ScriptedToolCall, ScriptedTurn,
+                                   check_count, glob_files, json_lines)
 from clawfast.harness_install import ensure_npm_harness, npm_bin
 
 MODEL_ALIAS_VARS = (
@@ -87,6 +88,16 @@ class ClaudeCode(Harness):
 
     def artifacts(self, layout: RunLayout) -> list[Path]:
         return glob_files(layout.home / ".claude" / "projects", "**/*.jsonl")
+
+    def exit_reason(self, stdout: str) -> str | None:
+        # --output-format json ends with one result object; is_error marks a run that failed, and
+        # api_error / terminal_reason / subtype name how (autocompact_thrashing, max_turns, ...).
+        results = [v for v in json_lines(stdout) if isinstance(v, dict) and v.get("type") == "result"]
+        if not results or not results[-1].get("is_error"):
+            return None
+        result = results[-1]
+        kind = result.get("api_error") or result.get("terminal_reason") or result.get("subtype")
+        return f"{kind}: {result.get('result')}"
 
     def scripted_turns(self, oracle_commands: list[str], final_text: str) -> list[ScriptedTurn]:
         turns = [

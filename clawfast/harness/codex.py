@@ -13,7 +13,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from clawfast.harness.base import Harness, HarnessInstall, PreparedRun, RunLayout, ScriptedToolCall, ScriptedTurn, check_count, glob_files
+from clawfast.harness.base import (Harness, HarnessInstall, PreparedRun, RunLayout, ScriptedToolCall, ScriptedTurn,
+                                   check_count, glob_files, json_lines)
 from clawfast.harness_install import ensure_npm_harness, npm_bin
 
 PROVIDER = "policy"
@@ -81,6 +82,18 @@ class Codex(Harness):
 
     def artifacts(self, layout: RunLayout) -> list[Path]:
         return glob_files(layout.home / ".codex" / "sessions", "**/*.jsonl")
+
+    def exit_reason(self, stdout: str) -> str | None:
+        # `exec --json` streams events; a failed turn ends in turn.failed (after an error event with
+        # the same message).
+        for event in reversed(json_lines(stdout)):
+            if not isinstance(event, dict):
+                continue
+            if event.get("type") == "turn.failed" and isinstance(event.get("error"), dict):
+                return str(event["error"].get("message"))
+            if event.get("type") == "error":
+                return str(event.get("message"))
+        return None
 
     def scripted_turns(self, oracle_commands: list[str], final_text: str) -> list[ScriptedTurn]:
         turns = [

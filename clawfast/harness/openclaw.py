@@ -184,6 +184,18 @@ class OpenClaw(Harness):
             texts.append(data.decode("utf-8"))
         return texts
 
+    def exit_reason(self, stdout: str) -> str | None:
+        # `agent --json` writes one JSON document; a failed run's meta.error has its kind and message.
+        try:
+            document = json.loads(stdout)
+        except ValueError:
+            return None
+        meta = document.get("meta") if isinstance(document, dict) else None
+        error = meta.get("error") if isinstance(meta, dict) else None
+        if not isinstance(error, dict):
+            return None
+        return f"{error.get('kind')}: {error.get('message')}"
+
     def scripted_turns(self, oracle_commands: list[str], final_text: str) -> list[ScriptedTurn]:
         turns = [
             ScriptedTurn(text=f"Step {i + 1}.", tool_calls=(ScriptedToolCall("exec", {"command": cmd}),))

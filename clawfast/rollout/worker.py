@@ -14,7 +14,8 @@ Status (one per rollout):
   not configure it, or the run was cancelled (``info["error"] == "cancelled"``). When the sandbox can
   tell that a limit did it (memory, processes, file size, disk), ``info["limit"]`` names it and the
   error says it in words; ``info["limit"]`` is set too when the harness survived a limit that ended
-  one of its commands.
+  one of its commands. Where the harness said why it failed in its own output
+  (`Harness.exit_reason`), the error ends with that ("; it reported ...").
 - ``verifier_error``: the harness exited 0 but the verifier could not score the workspace (it
   crashed, timed out, or printed no score), or the run's transcript that its graders read could not
   be had: the reward is unknown.
@@ -70,6 +71,8 @@ from clawfast.tasks.verify import CommandRunner, run_verifier
 T = TypeVar("T")
 # The end of the harness's stdout a reward script may grade as the final answer.
 FINAL_MESSAGE_BYTES = 65536
+# How much of a harness's own account of a failed run (`Harness.exit_reason`) the rollout's error keeps.
+EXIT_REASON_CHARS = 1000
 
 
 class RolloutControl(Protocol):
@@ -400,7 +403,9 @@ class RolloutWorker:
             info["error"] = f"harness ran past {timeout} s and was killed"
         elif run.exit_code != 0:
             status = "harness_error"
-            info["error"] = f"harness exited with status {run.exit_code}" + (f": it {limit}" if limit else "")
+            reason = harness.exit_reason(run.stdout.decode("utf-8", errors="replace"))
+            info["error"] = (f"harness exited with status {run.exit_code}" + (f": it {limit}" if limit else "")
+                             + (f"; it reported {reason[:EXIT_REASON_CHARS]}" if reason else ""))
         else:
             status = "ok"
         if status != "ok":

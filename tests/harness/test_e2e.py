@@ -119,7 +119,8 @@ def test_codex_oracle_replay_scores_1(tmp_path):
 def test_call_budget_ends_harnesses_without_a_turn_limit(name, tmp_path):
     """`codex exec` and OpenClaw have no turn limit of their own: the proxy's per-rollout call budget is
     theirs. With an oracle of 8 no-op commands before the real ones and a budget of 3, the harness gets
-    a 400 on its fourth call and exits; the rollout ends at once with its 3 calls, scored as usual."""
+    a 400 on its fourth call and exits; the rollout ends at once with its 3 calls, scored as usual, and
+    its error carries the reason the harness itself reported (`Harness.exit_reason`)."""
     import dataclasses
 
     from clawfast.embedded import ensure_embedded_model
@@ -136,3 +137,5 @@ def test_call_budget_ends_harnesses_without_a_turn_limit(name, tmp_path):
     assert result.info["timings"]["harness"] < 60
     logs = (tmp_path / "logs" / result.rollout_id / "stdout").read_text() + (tmp_path / "logs" / result.rollout_id / "stderr").read_text()
     assert "budget of 3 model calls is spent" in logs
+    assert result.info["error"].startswith(f"harness exited with status {result.info['exit_code']}; it reported ")
+    assert "budget of 3 model calls is spent" in result.info["error"], result.info["error"]

@@ -45,6 +45,7 @@ from pathlib import Path
 
 import pytest
 
+from clawfast.harness import get_harness
 from clawfast.harness_install import ensure_npm_harness
 from clawfast.rollout.spec import with_context
 
@@ -168,6 +169,25 @@ def _cc_compaction_decide(task_marker: str):
             return "compaction", {"text": f"<summary>{_summary(CC_SUMMARY, text)}</summary>"}
         if users and (task_marker in users[0] or CC_SUMMARY in users[0]):  # before / after compaction
             return _stepping_main(text, CC_SUMMARY, "Bash", "command", 400)
+        return UNEXPECTED, {"text": "ok"}
+
+    return decide
+
+
+def _cc_restepping_decide(task_marker: str):
+    """Claude Code's compaction scenario, but the main thread keeps stepping after each restart (a
+    final answer only after 2 * MAX_STEPS steps)."""
+    steps = [0]
+
+    def decide(text: str):
+        users = user_texts(text)
+        if users and CC_COMPACT_INSTRUCTION in users[-1]:
+            return "compaction", {"text": f"<summary>{_summary(CC_SUMMARY, text)}</summary>"}
+        if users and (task_marker in users[0] or CC_SUMMARY in users[0]):
+            steps[0] += 1
+            if steps[0] > 2 * MAX_STEPS:
+                return "main", {"text": FINAL}
+            return "main", tool_call("Bash", {"command": f"seq 1 400 # step {steps[0]}"}, f"Step {steps[0]}.")
         return UNEXPECTED, {"text": "ok"}
 
     return decide
@@ -307,6 +327,7 @@ def cc_threads(renderer, tmp_path_factory):
 def _common(t: Traffic) -> None:
     report = t.report()
     assert t.returncode == 0, report
+    assert get_harness(t.harness).exit_reason(t.stdout) is None, report  # a run that ended well reports no failure
     assert UNEXPECTED not in t.labels, report
     assert [c.call_index for c in t.calls] == list(range(len(t.calls))), report
     assert t.labels[0] == "main" and t.labels[-1] == "main", report
@@ -485,6 +506,24 @@ def test_codex_told_nothing_stops_at_the_context_refusal(renderer, tmp_path_fact
     assert t.returncode != 0 and "compaction" not in t.labels, t.report()
     assert len(_context_refusals(t, "responses")) == 1, t.report()
     assert "ran out of room in the model's context window" in t.stdout, t.report()
+    reason = get_harness("codex").exit_reason(t.stdout)  # what the rollout's error carries
+    assert reason is not None and reason.startswith("Codex ran out of room in the model's context window"), t.report()
+
+
+def test_claude_code_compacting_after_every_step_ends_its_own_run(renderer, tmp_path_factory):
+    """Why a run leaves Claude Code's threshold alone: at one below a restart's size (20% of 100,000
+    less the 20,000-token reserve: 16,000 tokens; a restart is ~23,000) it compacts after every step,
+    and the third time in a row that the context refills within 3 turns of a compaction, it ends the
+    run itself and says so in its result (`ClaudeCode.exit_reason`)."""
+    marker = "SIDECALL-TASK-compact"
+    t = _produce(renderer, tmp_path_factory, "cc_thrashing", CC, harness="claude-code",
+                 instruction=f"{marker}: count to 400 several times with seq.", decide=_cc_restepping_decide(marker),
+                 harness_options={"auto_compact_window": 100000, "auto_compact_pct": 20})
+    report = t.report()
+    assert t.returncode == 1 and UNEXPECTED not in t.labels, report
+    assert t.labels.count("compaction") == 3 and t.labels[-1] == "main", report  # it stops instead of a 4th
+    reason = get_harness("claude-code").exit_reason(t.stdout)
+    assert reason is not None and reason.startswith("autocompact_thrashing: Autocompact is thrashing"), report
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)

@@ -590,6 +590,9 @@ def _served_card(base_url: str, listing: Any, model: str | None) -> dict[str, An
     cards = listing.get("data") if isinstance(listing, dict) else None
     if not cards:
         raise RuntimeError(f"{base_url}/v1/models lists no model")
+    if not isinstance(cards, list) or not all(isinstance(c, dict) and "id" in c for c in cards):
+        raise RuntimeError(f"{base_url}/v1/models lists its models as {str(cards)[:200]}, "
+                           "not a list of model cards with ids")
     if model is None:
         return cards[0]
     for card in cards:

@@ -243,14 +243,21 @@ def check_count(option: str, value: Any, *, low: int = 1, high: int | None = Non
 
 def json_lines(text: str) -> list[Any]:
     """The lines of `text` that are JSON values, in order (a headless harness's event stream; other
-    lines, such as a truncated last one, are left out)."""
+    lines, such as a truncated last one or one nested too deep to parse, are left out)."""
     values = []
     for line in text.splitlines():
         try:
             values.append(json.loads(line))
-        except ValueError:
+        except (ValueError, RecursionError):
             continue
     return values
+
+
+def reason_text(kind: Any, detail: Any) -> str | None:
+    """``kind: detail`` from a harness's failure report, leaving out a part that is not a non-empty
+    string; None where neither is."""
+    parts = [part for part in (kind, detail) if isinstance(part, str) and part]
+    return ": ".join(parts) or None
 
 
 def copy_artifacts(paths: list[Path], root: Path, dest: Path) -> list[Path]:

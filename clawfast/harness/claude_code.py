@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from clawfast.harness.base import (Harness, HarnessInstall, PreparedRun, RunLayout, ScriptedToolCall, ScriptedTurn,
-                                   check_count, glob_files, json_lines)
+                                   check_count, glob_files, json_lines, reason_text)
 from clawfast.harness_install import ensure_npm_harness, npm_bin
 
 MODEL_ALIAS_VARS = (
@@ -90,14 +90,18 @@ class ClaudeCode(Harness):
         return glob_files(layout.home / ".claude" / "projects", "**/*.jsonl")
 
     def exit_reason(self, stdout: str) -> str | None:
-        # --output-format json ends with one result object; is_error marks a run that failed, and
-        # api_error / terminal_reason / subtype name how (autocompact_thrashing, max_turns, ...).
+        # --output-format json ends with one result object; is_error marks a run that failed,
+        # api_error / terminal_reason / subtype name how (autocompact_thrashing, max_turns, ...), and
+        # the words are its `result`, or for an error_* subtype its `errors` list.
         results = [v for v in json_lines(stdout) if isinstance(v, dict) and v.get("type") == "result"]
-        if not results or not results[-1].get("is_error"):
+        if not results or results[-1].get("is_error") is not True:
             return None
         result = results[-1]
-        kind = result.get("api_error") or result.get("terminal_reason") or result.get("subtype")
-        return f"{kind}: {result.get('result')}"
+        kind = next((k for k in (result.get(f) for f in ("api_error", "terminal_reason", "subtype"))
+                     if isinstance(k, str) and k), None)
+        errors = result.get("errors")
+        detail = result.get("result") or ("; ".join(map(str, errors)) if isinstance(errors, list) else None)
+        return reason_text(kind, detail)
 
     def scripted_turns(self, oracle_commands: list[str], final_text: str) -> list[ScriptedTurn]:
         turns = [

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 from clawfast.harness.base import (Harness, HarnessInstall, PreparedRun, RunLayout, ScriptedToolCall, ScriptedTurn,
-                                   check_count, glob_files, json_lines)
+                                   check_count, glob_files, json_lines, reason_text)
 from clawfast.harness_install import ensure_npm_harness, npm_bin
 
 PROVIDER = "policy"
@@ -84,16 +84,13 @@ class Codex(Harness):
         return glob_files(layout.home / ".codex" / "sessions", "**/*.jsonl")
 
     def exit_reason(self, stdout: str) -> str | None:
-        # `exec --json` streams events; a failed turn ends in turn.failed (after an error event with
-        # the same message).
-        for event in reversed(json_lines(stdout)):
-            if not isinstance(event, dict):
-                continue
-            if event.get("type") == "turn.failed" and isinstance(event.get("error"), dict):
-                return str(event["error"].get("message"))
-            if event.get("type") == "error":
-                return str(event.get("message"))
-        return None
+        # `exec --json` streams events; a failed turn ends in turn.failed, after an error event with
+        # the same message (an error event alone: the stream stopped before the turn's end).
+        events = [e for e in json_lines(stdout) if isinstance(e, dict)]
+        failed = [e["error"].get("message") for e in events
+                  if e.get("type") == "turn.failed" and isinstance(e.get("error"), dict)]
+        errors = [e.get("message") for e in events if e.get("type") == "error"]
+        return reason_text(None, (failed or errors or [None])[-1])
 
     def scripted_turns(self, oracle_commands: list[str], final_text: str) -> list[ScriptedTurn]:
         turns = [

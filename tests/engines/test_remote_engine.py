@@ -293,17 +293,19 @@ def test_the_servers_own_context_is_the_engines(reference_server, api):
     [
         ({"id": "m", "object": "model"}, None),
         ({"id": "m", "object": "model", "max_model_len": 4096}, 4096),
-        ({"id": "m", "object": "model", "max_model_len": "4096"}, "lists max_model_len '4096' for 'm', not a positive whole number"),
+        ({"id": "m", "object": "model", "max_model_len": "4096"}, "lists max_model_len '4096' for 'm', not a positive"),
         ({"id": "m", "object": "model", "max_model_len": 4096.5}, "lists max_model_len 4096.5 for 'm', not a positive"),
         ({"id": "m", "object": "model", "max_model_len": 0}, "lists max_model_len 0 for 'm', not a positive"),
         ({"id": "m", "object": "model", "max_model_len": True}, "lists max_model_len True for 'm', not a positive"),
+        ({"object": "model", "max_model_len": 4096}, "not a list of model cards with ids"),
         ("not json", "answered no JSON: 'not json'"),
     ],
 )
 def test_a_listing_states_a_whole_limit_or_none(card, stated):
     """An OpenAI-compatible server whose model card has no ``max_model_len`` states no limit: the
     run's ``engine.max_model_len`` is then the only one. A limit that is not a positive whole number,
-    or an answer that is not JSON, is a RuntimeError that names what the server listed."""
+    a card without an id, or an answer that is not JSON, is a RuntimeError that names what the server
+    listed."""
     import uvicorn
 
     async def models(request: Request):

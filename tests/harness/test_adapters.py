@@ -236,6 +236,44 @@ TOOLS = {
 }
 
 
+# The shapes of the pinned harnesses' headless output on a failed run, as they wrote it here
+# (tests/harness/test_side_calls.py and test_e2e.py read the same from real runs).
+CC_RESULT = {"type": "result", "subtype": "success", "is_error": True, "api_error": "autocompact_thrashing",
+             "terminal_reason": "rapid_refill_breaker", "result": "Autocompact is thrashing."}
+CC_MAX_TURNS = {"type": "result", "subtype": "error_max_turns", "is_error": True, "api_error": None,
+                "terminal_reason": "max_turns", "result": None, "errors": ["Reached maximum number of turns (2)"]}
+CODEX_FAILED = ('{"type":"item.completed","item":{"type":"command_execution","exit_code":0}}\n'
+                '{"type":"error","message":"Codex ran out of room."}\n'
+                '{"type":"turn.failed","error":{"message":"Codex ran out of room."}}\n')
+OPENCLAW_FAILED = json.dumps({"payloads": [{"text": "Context overflow", "isError": True}],
+                              "meta": {"error": {"kind": "context_overflow", "message": "400 prompt is too long"}}}, indent=2)
+
+
+@pytest.mark.parametrize(
+    "name, stdout, reason",
+    [
+        ("claude-code", "progress\n" + json.dumps(CC_RESULT), "autocompact_thrashing: Autocompact is thrashing."),
+        ("claude-code", json.dumps(CC_MAX_TURNS), "max_turns: Reached maximum number of turns (2)"),
+        ("claude-code", json.dumps({**CC_RESULT, "is_error": False}), None),
+        ("claude-code", json.dumps({"type": "result", "is_error": True, "api_error": 3, "result": {}}), None),
+        ("claude-code", json.dumps(CC_RESULT)[:-5], None),  # its last line cut short
+        ("codex", CODEX_FAILED, "Codex ran out of room."),
+        ("codex", CODEX_FAILED.rsplit("\n", 2)[0], "Codex ran out of room."),  # the error event alone
+        ("codex", '{"type":"turn.failed","error":{}}\n[1]\n"text"\nnull\n', None),
+        ("openclaw", OPENCLAW_FAILED, "context_overflow: 400 prompt is too long"),
+        ("openclaw", json.dumps({"meta": {"error": {"message": "no kind"}}}), "no kind"),
+        ("openclaw", json.dumps({"meta": {"error": {}}}), None),
+        ("openclaw", "[1]", None),
+        ("mini-swe-agent", json.dumps(CC_RESULT), None),
+    ]
+    + [(name, "[" * 100_000, None) for name in ("claude-code", "codex", "openclaw")],  # too deep to parse
+)
+def test_exit_reason_reads_the_harness_own_report(name, stdout, reason):
+    """`Harness.exit_reason` gives the reason a harness wrote in its structured output, and None (never
+    an exception, nor a "None" in the text) for output without one or of another shape."""
+    assert get_harness(name).exit_reason(stdout) == reason
+
+
 @pytest.mark.parametrize("name", sorted(HARNESSES))
 def test_scripted_turns_use_the_harness_shell_tool(name):
     oracle = ["mkdir -p notes", "cat > notes/c.txt <<'EOF'\nhoney\nEOF"]

@@ -526,6 +526,16 @@ def test_claude_code_compacting_after_every_step_ends_its_own_run(renderer, tmp_
     assert reason is not None and reason.startswith("autocompact_thrashing: Autocompact is thrashing"), report
 
 
+def test_claude_code_at_its_turn_limit_says_so(renderer, tmp_path_factory):
+    """A run that reaches `max_turns` (the run's `rollout.harness_max_turns`) ends with exit 1, and the
+    reason it gives is the limit, from its result's `errors` (`ClaudeCode.exit_reason`)."""
+    t = _produce(renderer, tmp_path_factory, "cc_turns", CC, harness="claude-code", instruction="Count to 3 with seq.",
+                 decide=lambda text: ("main", tool_call("Bash", {"command": "seq 1 3"}, "Step.")),
+                 harness_options={"max_turns": 2})
+    assert t.returncode == 1 and t.labels == ["main", "main"], t.report()
+    assert get_harness("claude-code").exit_reason(t.stdout) == "max_turns: Reached maximum number of turns (2)"
+
+
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_side_call_leaves_are_not_kept(scenario, request):
     """With the calls tagged by their ground truth, no leaf of the prefix tree that only side calls

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from clawfast.harness.base import Harness, HarnessInstall, PreparedRun, RunLayout, ScriptedTurn, glob_files
+from clawfast.harness.base import Harness, HarnessInstall, PreparedRun, RunLayout, ScriptedTurn, glob_files, json_lines
 
 
 class ScriptHarness(Harness):
@@ -33,6 +33,11 @@ class ScriptHarness(Harness):
 
     def artifacts(self, layout: RunLayout) -> list[Path]:
         return glob_files(layout.home / ".script", "*.log")
+
+    def exit_reason(self, stdout: str) -> str | None:
+        # The script reports a failure as a JSON line {"error": ...}, as a real harness's headless mode does.
+        errors = [v["error"] for v in json_lines(stdout) if isinstance(v, dict) and isinstance(v.get("error"), str)]
+        return errors[-1] if errors else None
 
     def scripted_turns(self, oracle_commands: list[str], final_text: str) -> list[ScriptedTurn]:
         return [ScriptedTurn(text=final_text)]

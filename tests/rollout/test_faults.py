@@ -240,3 +240,50 @@ def test_a_harness_run_into_a_sandbox_limit_says_which(tmp_path):
     assert killed.info["error"] == ("harness exited with status 137: it was killed by the sandbox's memory "
                                     "limit (64 MiB)")
     assert (survived.status, survived.reward, survived.info["limit"]) == ("ok", 1.0, "memory")
+
+
+class _BrokenReader(ScriptHarness):
+    name = "script-broken-reader"
+
+    def exit_reason(self, stdout: str) -> str | None:
+        raise KeyError("error")
+
+
+def test_a_failed_harness_run_carries_its_own_account(tmp_path):
+    """After a non-zero exit the rollout's error ends with what the harness reported in its stdout
+    (`Harness.exit_reason`, cut at EXIT_REASON_CHARS); a reader that fails, or a stdout cut at the
+    output limit, is said instead, and the rollout is kept either way."""
+    from clawfast.rollout.worker import EXIT_REASON_CHARS
+    from clawfast.sandbox import Limits
+    from clawfast.sandbox.bwrap import BwrapBackend
+
+    long = "x" * (EXIT_REASON_CHARS + 500)
+    runs = {
+        "reported": ("script", f"""echo '{{"type": "progress"}}'; echo '{{"error": "{long}"}}'; exit 3"""),
+        "silent": ("script", "exit 4"),
+        "unread": ("script-broken-reader", "exit 5"),
+        "cut": ("script", """head -c 8192 /dev/zero | tr '\\0' x; echo '{"error": "lost"}'; exit 6"""),
+    }
+    tasks = [Task(id=name, instruction=instruction, verifier=CommandVerifier(CHECK_OUT, timeout=10), oracle=[],
+                  tags={"category": "exits", "split": "train"}, timeout=60)
+             for name, (_, instruction) in runs.items()]
+    install_root = tmp_path / "install"
+    install_root.mkdir()
+    registry = RolloutRegistry(tmp_path / "records", base_url="http://127.0.0.1:47321")
+    backend = BwrapBackend()
+    harnesses = {"script": ScriptHarness(install_root), "script-broken-reader": _BrokenReader(install_root)}
+    worker = RolloutWorker(registry, backend, harnesses, config=RolloutConfig(limits=Limits(max_output_bytes=4096)))
+    try:
+        with RolloutScheduler(worker, concurrency=2) as scheduler:
+            results = scheduler.run([RolloutSpec(t, runs[t.id][0], 0) for t in tasks])
+    finally:
+        backend.close()
+    errors = {r.task_id: r.info["error"] for r in results}
+    assert all(r.status == "harness_error" for r in results), errors
+    assert errors == {
+        "reported": f"harness exited with status 3; it reported {long[:EXIT_REASON_CHARS]}",
+        "silent": "harness exited with status 4",
+        "unread": "harness exited with status 5; _BrokenReader.exit_reason failed on its stdout: KeyError: 'error'",
+        "cut": "harness exited with status 6; its stdout passed the sandbox's output limit, so its own account "
+               "of the exit was not read",
+    }

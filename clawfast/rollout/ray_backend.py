@@ -25,6 +25,9 @@ attempt's record is set aside, never trained). Each `run` looks for capacity as 
 `REFRESH_S` while it has work left: a node that joined (a restarted raylet joins as a new node) gets
 an actor.
 
+The pool starts once its first actors have (`RolloutActor.ready`): an actor whose start raised gets
+no rollouts, and a pool none of whose actors started raises, naming the first one's cause.
+
 Guaranteed: the same status contract as the local scheduler (`clawfast.rollout.worker`); every spec
 gets exactly one result, ``sandbox_error`` when its retries are spent or no live actor is left; at
 most `RaySetup.concurrency` rollouts per actor at once, and no rollout is opened before an actor slot
@@ -170,6 +173,10 @@ class RolloutActor:
                                                    OpenedRollout(rollout_id, key, base_url), info)
         return {"status": status, "reward": reward, "info": info}
 
+    def ready(self) -> dict[str, Any]:
+        """Where this actor runs; answered once its start (suite, harness installs, backend) is done."""
+        return self.where
+
     def close(self) -> None:
         self.executor.shutdown(wait=True)
         self.backend.close()
@@ -245,10 +252,32 @@ class RayRolloutPool:
             else:
                 for _ in range(num_actors):
                     self._add_actor(None)
+            self._await_start()
         except BaseException:
             self._shutdown()
             raise
         self._checked = time.monotonic()
+
+    def _await_start(self) -> None:
+        """Wait until every first actor has started. One whose start raised (a suite it cannot load, a
+        harness it cannot install) is dead from the start: a warning names its cause; if every actor
+        failed, the pool cannot run anything, and a RuntimeError names the cause here, at the start,
+        instead of every rollout failing later as lost nodes."""
+        import ray
+
+        log.info("waiting for %d rollout actor(s) to start (suite, harness installs)", len(self.actors))
+        causes = {}
+        for i, actor in enumerate(self.actors):
+            try:
+                ray.get(actor.ready.remote())
+            except ray.exceptions.RayActorError as exc:
+                causes[i] = str(exc)
+                log.warning("rollout actor %d (Ray node %s) did not start: %s", i, self._nodes[i], exc)
+                with self._freed:
+                    self._dead.add(i)
+        if len(causes) == len(self.actors):
+            raise RuntimeError(f"no rollout actor started (suite {self.setup.suite!r}); the first one's error: "
+                               f"{causes[0]}")
 
     def __enter__(self) -> "RayRolloutPool":
         return self
@@ -376,8 +405,14 @@ class RayRolloutPool:
                         self._release(actor)
                         finish(index, unopened_result(spec, exc, {"timings": {}}))
                         continue
-                    ref = self.actors[actor].run.remote(spec.task.id, spec.harness, spec.sample_index,
-                                                        opened.rollout_id, opened.key, opened.base_url)
+                    try:
+                        ref = self.actors[actor].run.remote(spec.task.id, spec.harness, spec.sample_index,
+                                                            opened.rollout_id, opened.key, opened.base_url)
+                    except BaseException:  # interrupted before it is in flight: nothing opened stays open
+                        self._release(actor)
+                        close_rollout(control, spec, opened.rollout_id, 0.0, "harness_error", {"error": "cancelled"},
+                                      time.monotonic())
+                        raise
                     inflight[ref] = _InFlight(index, spec, opened.rollout_id, actor, retries)
                 stats.running = len(inflight)
                 if display:
@@ -412,7 +447,10 @@ class RayRolloutPool:
                     queue.appendleft((job.index, job.spec, [*job.retries, attempt_note(result)]))
                     continue
                 finish(job.index, result)
-            return [r for r in results if r is not None]
+            missing = [i for i, r in enumerate(results) if r is None]
+            if missing:  # a bug: every spec ends in `finish`
+                raise RuntimeError(f"rollout pool: specs {missing} ended without a result")
+            return results
         finally:
             for ref, job in inflight.items():  # interrupted: nothing opened stays open
                 ray.cancel(ref)

@@ -3,7 +3,8 @@ process, and `clawfast.rollout.ray_backend`, on Ray actors) apply to a finished 
 
 An attempt whose status is an infrastructure failure (`INFRA_STATUSES`: its sandbox did not start or
 died, or its Ray actor or node died under it) says nothing about the policy, and a GRPO group that
-loses it trains smaller. So it runs again, as a new proxy rollout with the same task, harness and
+loses it trains smaller. (A task the sandbox backend refused outright, ``info["sandbox_refused"]``,
+is not run again: the same backend refuses it again.) So it runs again, as a new proxy rollout with the same task, harness and
 sample index, up to `infra_retries` times; what is returned for the spec is the last attempt.
 
 The failed attempt is closed first, with its truthful status, like any rollout; then its record file
@@ -24,8 +25,10 @@ INFRA_STATUSES = frozenset({"sandbox_error"})
 
 
 def should_retry(result: RolloutResult, retries_done: int, infra_retries: int) -> bool:
-    """Whether `result`, after `retries_done` retries of its spec, runs again."""
-    return result.status in INFRA_STATUSES and retries_done < infra_retries
+    """Whether `result`, after `retries_done` retries of its spec, runs again (not when the backend
+    refused its task outright: the same backend refuses the same task again)."""
+    return (result.status in INFRA_STATUSES and not result.info.get("sandbox_refused")
+            and retries_done < infra_retries)
 
 
 def attempt_note(result: RolloutResult) -> dict[str, Any]:

@@ -81,6 +81,11 @@ class RolloutScheduler:
         self._thread: threading.Thread | None = None
         self._semaphore: asyncio.Semaphore | None = None
         self._tasks: dict[concurrent.futures.Future, asyncio.Task] = {}
+        # `close` and the callers' `submit` / `cancel` meet under this lock: a close refuses new
+        # rollouts and stops the loop only once no caller still waits on a cancel that runs there.
+        self._lock = threading.Lock()
+        self._closing = False
+        self._cancels: set[concurrent.futures.Future] = set()
 
     def __enter__(self) -> "RolloutScheduler":
         self.start()
@@ -97,6 +102,7 @@ class RolloutScheduler:
         if self.worker.executor is None:
             self.worker.executor = ThreadPoolExecutor(self.concurrency * 2 + 2, thread_name_prefix="clawfast-rollout")
         self._loop = asyncio.new_event_loop()
+        self._closing = False
         ready = threading.Event()
 
         def serve() -> None:
@@ -112,18 +118,21 @@ class RolloutScheduler:
     def submit(self, spec: RolloutSpec, sampling: Sampling | None = None) -> concurrent.futures.Future:
         """Queue one rollout (from any thread); its future holds the `RolloutResult`. Stop it with
         `cancel` (which waits until it is closed), not with the future's own ``cancel``."""
-        if self._loop is None:
-            raise RuntimeError("RolloutScheduler is not started")
         if spec.harness not in self.worker.harnesses:
             raise ValueError(f"no adapter for harness {spec.harness!r}; have {sorted(self.worker.harnesses)}")
         out: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if self._loop is None or self._closing:
+                raise RuntimeError(f"RolloutScheduler is {'closing' if self._closing else 'not started (or closed)'}")
+            loop = self._loop
 
-        def start() -> None:
-            task = self._loop.create_task(self._one(spec, sampling))
-            self._tasks[out] = task
-            task.add_done_callback(lambda t: self._settle(out, t))
+            def start() -> None:
+                task = loop.create_task(self._one(spec, sampling))
+                self._tasks[out] = task
+                task.add_done_callback(lambda t: self._settle(out, t))
 
-        self._loop.call_soon_threadsafe(start)
+            # Queued before any close's cancel (the loop runs callbacks in order), so that cancel sees it.
+            loop.call_soon_threadsafe(start)
         return out
 
     def _settle(self, out: concurrent.futures.Future, task: asyncio.Task) -> None:
@@ -155,8 +164,6 @@ class RolloutScheduler:
     def cancel(self, futures: Sequence[concurrent.futures.Future] | None = None) -> None:
         """Cancel the rollouts of `futures` (None: every one) that are not done, from any thread, and
         return once each is closed (its sandbox destroyed)."""
-        if self._loop is None:
-            return
 
         async def cancel_and_wait() -> None:
             wanted = self._tasks if futures is None else futures
@@ -165,7 +172,16 @@ class RolloutScheduler:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-        asyncio.run_coroutine_threadsafe(cancel_and_wait(), self._loop).result()
+        with self._lock:
+            if self._loop is None:
+                return
+            waiter = asyncio.run_coroutine_threadsafe(cancel_and_wait(), self._loop)
+            self._cancels.add(waiter)
+        try:
+            waiter.result()
+        finally:
+            with self._lock:
+                self._cancels.discard(waiter)
 
     def run(self, specs: Sequence[RolloutSpec], sampling: Sampling | None = None, *,
             on_result: Callable[[RolloutResult], None] | None = None, progress: bool = False) -> list[RolloutResult]:
@@ -181,11 +197,20 @@ class RolloutScheduler:
 
     def close(self) -> None:
         """Cancel every rollout still queued or running (each is closed, its sandbox destroyed), then
-        stop the loop and the thread pool. Idempotent."""
-        if self._loop is None:
-            return
+        stop the loop and the thread pool. Idempotent. A `run` in another thread raises (its rollouts
+        cancelled) instead of waiting on a loop that stopped."""
+        with self._lock:
+            if self._loop is None or self._closing:
+                return
+            self._closing = True
         self.cancel()
-        loop, self._loop = self._loop, None
+        while True:  # other callers' cancels (a `run` whose rollouts this close cancelled) end first
+            with self._lock:
+                pending = [w for w in self._cancels if not w.done()]
+                if not pending:
+                    loop, self._loop, self._closing = self._loop, None, False
+                    break
+            concurrent.futures.wait(pending)
         loop.call_soon_threadsafe(loop.stop)
         self._thread.join()
         loop.close()

@@ -7,8 +7,9 @@ Status (one per rollout):
 - ``proxy_error``: the proxy could not open the rollout, or could not close it (then no calls are
   returned; the proxy's own log file may still hold them).
 - ``sandbox_error``: no sandbox started after `RolloutConfig.sandbox_start_attempts` tries (or the
-  backend refused the task outright, e.g. a `Task.workdir` the local backend cannot place), or the
-  sandbox died or lost its forwarder while the harness ran (or, on Ray, the actor running it died).
+  backend refused the task outright, e.g. a `Task.workdir` the local backend cannot place:
+  ``info["sandbox_refused"]``, which no retry can help), or the sandbox died or lost its forwarder
+  while the harness ran, or the verifier's runner failed (or, on Ray, the actor running it died).
 - ``timeout``: the harness ran past the wall-clock limit and was killed with its process tree.
 - ``harness_error``: the harness exited non-zero (128+N when signal N killed it), its adapter could
   not configure it, or the run was cancelled (``info["error"] == "cancelled"``). When the sandbox can
@@ -372,6 +373,7 @@ class RolloutWorker:
                 # place): no retry can help, and the rest of the batch runs on.
                 info["sandbox_attempts"] = attempt + 1
                 info["error"] = f"sandbox refused the task: {exc}"
+                info["sandbox_refused"] = True
                 return None
         info["sandbox_attempts"] = cfg.sandbox_start_attempts
         info["error"] = f"sandbox did not start: {errors[-1]}"
@@ -446,7 +448,10 @@ class RolloutWorker:
         except Exception as exc:  # the runner itself failed (e.g. its sandbox did not start)
             timings["verify"] = time.monotonic() - t
             info["verifier"] = {"status": "runner_error", "error": f"{type(exc).__name__}: {exc}"}
-            return ("sandbox_error" if status == "ok" else status), 0.0
+            if status != "ok":  # the harness's own failure stays the rollout's error
+                return status, 0.0
+            info["error"] = f"the verifier's runner failed: {type(exc).__name__}: {exc}"
+            return "sandbox_error", 0.0
         timings["verify"] = time.monotonic() - t
         info["verifier"] = verdict.to_json()
         if verdict.status != "ok":

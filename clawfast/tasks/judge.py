@@ -20,6 +20,7 @@ never a guessed one.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import json
 import math
 import os
@@ -28,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from clawfast.sandbox.workspace import read_head
 from clawfast.tasks.task import Task
 from clawfast.tasks.transcript import summarize
 
@@ -39,15 +41,20 @@ _FENCED_JSON = re.compile(r"```json\s*(.*?)```", re.DOTALL)
 
 
 def _file_section(workspace: Path, rel: str) -> str:
-    path = workspace / rel
-    if path.is_symlink() or not path.is_file():
-        return f"### {rel}\n(missing: the agent did not leave this file)"
-    data = path.read_bytes()
+    # Read without following any link: a link the agent planted (the file or a folder above it) must
+    # not show the judge a file from outside its workspace.
     try:
-        text = data[:FILE_PREVIEW_BYTES].decode("utf-8")
+        head, size = read_head(str(workspace), rel, FILE_PREVIEW_BYTES)
+    except FileNotFoundError:
+        return f"### {rel}\n(missing: the agent did not leave this file)"
+    except (OSError, ValueError) as exc:  # a link, a FIFO, a file the agent made unreadable, ...
+        return f"### {rel}\n(not read: {exc})"
+    try:
+        # final=False: a character cut at the preview's end is dropped, not taken for binary data.
+        text = codecs.getincrementaldecoder("utf-8")().decode(head, final=size <= FILE_PREVIEW_BYTES)
     except UnicodeDecodeError:
-        return f"### {rel}\n(binary, {len(data)} bytes)"
-    more = f"\n... ({len(data) - FILE_PREVIEW_BYTES} more bytes)" if len(data) > FILE_PREVIEW_BYTES else ""
+        return f"### {rel}\n(binary, {size} bytes)"
+    more = f"\n... ({size - FILE_PREVIEW_BYTES} more bytes)" if size > FILE_PREVIEW_BYTES else ""
     return f"### {rel}\n{text}{more}"
 
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Protocol, Sequence
 
+from clawfast.sandbox.workspace import write_files
 from clawfast.tasks.task import (
     CallableVerifier,
     CommandVerifier,
@@ -251,17 +252,25 @@ def _run_grade_function(verifier: GradeFunctionVerifier, scratch: Path, workspac
     return _scored(res, verifier.timeout)
 
 
+def _remove(path: Path) -> None:
+    """Remove what is at `path` (a directory tree, a file or a link, which is not followed), if anything."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
 def _run_reward_script(task: Task, verifier: RewardScriptVerifier, workspace: Path, runner: CommandRunner,
                        final_message: str, transcript: list[dict[str, Any]]) -> VerifierResult:
     workdir = task.workdir
     reward = workspace / "reward"
-    # Whatever the agent left at reward/ is replaced: only the task's own scripts judge it.
-    if reward.is_dir() and not reward.is_symlink():
-        shutil.rmtree(reward)
-    elif reward.exists() or reward.is_symlink():
-        reward.unlink()
+    # Whatever the agent left at reward/ and at the payload's name is replaced: only the task's own
+    # scripts judge it, and a link planted there must not carry the payload's write out of the copy.
+    _remove(reward)
     shutil.copytree(verifier.directory, reward, symlinks=True)
-    (workspace / PAYLOAD_FILE).write_text(json.dumps(_reward_payload(task, verifier, final_message, transcript)))
+    _remove(workspace / PAYLOAD_FILE)
+    payload = _reward_payload(task, verifier, final_message, transcript)
+    write_files(str(workspace), {PAYLOAD_FILE: json.dumps(payload)})
     env = {"OPENCLAW_REWARD_PAYLOAD": f"{workdir}/{PAYLOAD_FILE}"}
     inside = shlex.quote(f"{workdir}/reward")
     res = runner(f"bash {inside}/{verifier.ENTRY}", workspace, verifier_dir=None, timeout=verifier.timeout,

@@ -55,3 +55,18 @@ def test_two_actor_local_cluster_runs_rollouts_with_truthful_results(tmp_path):
     for r in results:
         assert [c.output_ids.tolist() for c in r.calls] == [c.output_ids.tolist() for c in on_disk[r.rollout_id].calls]
         assert on_disk[r.rollout_id].info["actor_pid"] == r.info["actor_pid"]
+
+
+def test_a_pool_whose_actors_cannot_start_says_why_at_its_start():
+    # A suite path that does not exist on the nodes: every actor's start raises. The pool says so as
+    # it starts, with the cause, instead of every rollout failing later as lost nodes.
+    from clawfast.rollout.ray_backend import RayRolloutPool, RaySetup
+
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        setup = RaySetup(suite="/nonexistent/suite-typo", harnesses={"mini-swe-agent": {}}, concurrency=1)
+        with pytest.raises(RuntimeError, match=r"no rollout actor started \(suite '/nonexistent/suite-typo'\)"
+                                               r"(.|\n)*suite-typo"):
+            RayRolloutPool(setup)
+    finally:
+        ray.shutdown()

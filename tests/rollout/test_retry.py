@@ -22,8 +22,10 @@ from clawfast.rollout.retry import infra_counts
 from clawfast.rollout.scheduler import RolloutScheduler
 from clawfast.rollout.spec import RolloutSpec
 from clawfast.rollout.worker import RolloutConfig, RolloutWorker
+from clawfast.sandbox.base import SandboxError
 from clawfast.sandbox.probes import pids_with
 from clawfast.tasks.task import CommandVerifier, Task
+from clawfast.tasks.verify import SubprocessRunner
 from clawfast.train.metrics import rollout_metrics
 
 from .script_harness import ScriptHarness
@@ -151,6 +153,57 @@ def test_no_retry_budget_returns_the_first_failure(tmp_path, private_tmp):
     assert result.status == "sandbox_error" and "retries" not in result.info
     assert not (tmp_path / "records" / RETRIED_DIR).exists()
 
+
+class StartsOnSecondTry(SubprocessRunner):
+    """A verifier runner whose first sandbox does not start."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, command, workspace, **kwargs):
+        self.calls += 1
+        if self.calls == 1:
+            raise SandboxError("the verifier's sandbox did not start")
+        return super().__call__(command, workspace, **kwargs)
+
+
+def test_a_verifier_runner_that_failed_runs_again_and_its_note_says_why(tmp_path, private_tmp):
+    from clawfast.sandbox.bwrap import BwrapBackend
+
+    registry = RolloutRegistry(tmp_path / "records", base_url="http://127.0.0.1:47321")
+    backend = BwrapBackend()
+    root = tmp_path / "install"
+    root.mkdir()
+    worker = RolloutWorker(registry, backend, {"script": ScriptHarness(root)},
+                           config=RolloutConfig(sandbox_retry_delay_s=0.01), verifier_runner=StartsOnSecondTry())
+    try:
+        with RolloutScheduler(worker, concurrency=1, infra_retries=1) as scheduler:
+            [result] = scheduler.run([RolloutSpec(_task("runner", uuid.uuid4().hex[:10], "echo hi > out.txt"),
+                                                  "script", 0)])
+    finally:
+        backend.close()
+    assert (result.status, result.reward) == ("ok", 1.0)
+    [note] = result.info["retries"]
+    assert note["status"] == "sandbox_error"
+    assert note["error"] == "the verifier's runner failed: SandboxError: the verifier's sandbox did not start"
+
+def test_a_task_the_backend_refuses_is_not_run_again(tmp_path):
+    # The local backend cannot place a Task.workdir: every attempt would be refused the same way.
+    from clawfast.sandbox.local import LocalBackend
+
+    registry = RolloutRegistry(tmp_path / "records", base_url="http://127.0.0.1:47321")
+    root = tmp_path / "install"
+    root.mkdir()
+    worker = RolloutWorker(registry, LocalBackend(allow_unsafe=True), {"script": ScriptHarness(root)},
+                           config=RolloutConfig(sandbox_retry_delay_s=0.01))
+    task = Task(id="placed", instruction="true", verifier=CommandVerifier(CHECK_OUT, timeout=10), oracle=[],
+                tags={"category": "retry", "split": "train"}, workdir="/work/placed", timeout=10)
+    with RolloutScheduler(worker, concurrency=1, infra_retries=2) as scheduler:
+        [result] = scheduler.run([RolloutSpec(task, "script", 0)])
+    assert result.status == "sandbox_error" and result.info["sandbox_refused"]
+    assert result.info["error"].startswith("sandbox refused the task: the local backend cannot put the workspace")
+    assert "retries" not in result.info and not (tmp_path / "records" / RETRIED_DIR).exists()
+    assert registry.open_ids() == []
 
 def test_set_aside_refuses_an_open_rollout(tmp_path):
     registry = RolloutRegistry(tmp_path / "records")

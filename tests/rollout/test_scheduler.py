@@ -155,6 +155,28 @@ def test_cancel_closes_every_rollout_and_kills_every_sandbox(env):
     assert pids_with(token) == []
 
 
+
+def test_close_from_another_thread_ends_a_running_run(env):
+    # The trainer's group threads are such callers: `close` cancels their rollouts, and their `run`
+    # must raise, not wait forever on a cancel sent to a loop that `close` stopped meanwhile.
+    registry, backend, harnesses, tmp = env
+    token = uuid.uuid4().hex[:10]
+    for attempt in range(10):
+        worker = RolloutWorker(registry, backend, harnesses)
+        scheduler = RolloutScheduler(worker, concurrency=2)
+        scheduler.start()
+        with concurrent.futures.ThreadPoolExecutor(1) as caller:
+            run = caller.submit(scheduler.run, make_specs([task(f"held{attempt}", f": {token}; sleep 60")],
+                                                          ["script"], k=2))
+            while scheduler.running < 2:
+                time.sleep(0.01)
+            scheduler.close()
+            with pytest.raises(concurrent.futures.CancelledError):
+                run.result(timeout=30)
+        with pytest.raises(RuntimeError, match="not started"):
+            scheduler.submit(make_specs([task("late", "true")], ["script"])[0])
+    assert registry.open_ids() == [] and pids_with(token) == []
+
 @needs_bwrap
 def test_proxy_failing_to_close_is_proxy_error(env):
     registry, backend, harnesses, tmp = env

@@ -14,6 +14,7 @@ from clawfast.tasks import SubprocessRunner, TaskFormatError, load_suite, run_ve
 from clawfast.tasks.clawgym import load_clawgym, parse_spec
 from clawfast.tasks.suite_spec import hash_split
 from clawfast.tasks.sandbox_runner import SandboxRunner
+from clawfast.tasks.verify import PAYLOAD_FILE
 
 from .clawgym_folders import (
     AVERAGING_REWARD_SH,
@@ -190,6 +191,24 @@ def test_a_planted_reward_folder_is_replaced_by_the_tasks_own(runner, tmp_path):
     v = run_verifier(task, ws, runner)
     assert (v.status, v.score) == ("ok", 0.0)
 
+
+
+@pytest.mark.parametrize("planted", ["link", "folder"])
+def test_whatever_the_agent_left_at_the_payloads_name_is_replaced(runner, tmp_path, planted):
+    # The payload is written on the host: through a planted link it would overwrite a host file; a
+    # folder in its place made the write raise, which lost the rollout as a sandbox failure.
+    (task,) = load_clawgym(f"clawgym:{write_sum_task(tmp_path / 's', numbers='1 2 3 4')}")
+    ws = task.materialize(tmp_path / "ws")
+    _solve_sum(ws, "10")
+    host_file = tmp_path / "host.txt"
+    host_file.write_text("host\n")
+    if planted == "link":
+        (ws / PAYLOAD_FILE).symlink_to(host_file)
+    else:
+        (ws / PAYLOAD_FILE).mkdir()
+    v = run_verifier(task, ws, runner)
+    assert (v.status, v.score) == ("ok", 1.0), v
+    assert host_file.read_text() == "host\n"
 
 @pytest.mark.parametrize("script, error, kept", [
     ("echo partial output\nexit 3\n", "exited with status 3", "partial output"),

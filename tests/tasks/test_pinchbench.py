@@ -4,6 +4,7 @@ in their own process on the workspace and a transcript, and scores by grading ty
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import shutil
 from pathlib import Path
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from clawfast.tasks import load_suite
-from clawfast.tasks.judge import Verdict, judge_prompt, parse_verdict
+from clawfast.tasks.judge import FILE_PREVIEW_BYTES, Verdict, judge_prompt, parse_verdict
 from clawfast.tasks.pinchbench import load_pinchbench, split_sections
 from clawfast.tasks.scoring import combine, judge_results
 from clawfast.tasks.task import GradeFunctionVerifier, TaskFormatError
@@ -155,6 +156,29 @@ def test_judge_prompt_holds_task_transcript_rubric_and_files(tmp_path):
                  "Criterion 2: Brief", '"total": 0.0'):
         assert part in prompt
 
+
+
+def test_judge_prompt_never_reads_through_a_link_the_agent_left(tmp_path):
+    # A link at the file or at a folder above it would show the judge (and the rollout's info) a
+    # file from outside the workspace.
+    outside = tmp_path / "host"
+    outside.mkdir()
+    (outside / "report.txt").write_text("HOST SECRET\n")
+    base = _task("task_02_report")
+    task = dataclasses.replace(base, rubric=dataclasses.replace(
+        base.rubric, files=("report.txt", "out/report.txt", "long.txt", "pipe")))
+    workspace = task.materialize(tmp_path / "ws")
+    (workspace / "report.txt").symlink_to(outside / "report.txt")
+    (workspace / "out").symlink_to(outside)
+    # a preview that ends inside a character is still text
+    (workspace / "long.txt").write_text("a" * (FILE_PREVIEW_BYTES - 1) + "é" + "b" * 10)
+    os.mkfifo(workspace / "pipe")
+    prompt = judge_prompt(task, [], workspace)
+    assert "HOST SECRET" not in prompt
+    assert "### report.txt\n(not read: 'report.txt' is a symbolic link)" in prompt
+    assert "### out/report.txt\n(not read: 'out/report.txt': 'out' is a symbolic link)" in prompt
+    assert "### long.txt\n" + "a" * (FILE_PREVIEW_BYTES - 1) + "\n... (11 more bytes)" in prompt
+    assert "### pipe\n(not read: 'pipe' is not a regular file)" in prompt
 
 @pytest.mark.parametrize("response, total, scores, error", [
     ('{"scores": {"faithful": 1.0, "brief": 0.5}, "total": 0.8, "notes": "ok"}', 0.8, {"faithful": 1.0, "brief": 0.5}, None),

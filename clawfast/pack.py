@@ -34,7 +34,7 @@ Decisions where docs/TREE.md leaves room (the reference in pack_ref.py must matc
   ``target_reward[M]`` / ``leaf_reward[L]`` (float32, ``rewards[rollout]``; NaN when ``rewards`` is
   None, so a forgotten reward cannot pass silently as 0).
 - A kept root-to-leaf path longer than ``micro_batch_tokens`` is a ValueError; so is
-  ``micro_batch_tokens < 1``.
+  ``micro_batch_tokens < 1`` or ``> MAX_MICRO_BATCH_TOKENS``.
 """
 
 from __future__ import annotations
@@ -46,6 +46,11 @@ import numpy as np
 
 from clawfast import _core
 
+# The largest micro_batch_tokens: csrc/packer.hpp numbers a batch's rows with int32 (kv_end,
+# parent_row, target_rows, leaf_rows are batch-local int32), so a batch holds at most 2**31 - 1 rows.
+# (The binding itself takes an int64; past that pybind11 refuses the call with a TypeError that
+# prints every array argument.)
+MAX_MICRO_BATCH_TOKENS = 2**31 - 1
 
 @dataclass(eq=False)
 class PackedBatch:
@@ -127,12 +132,15 @@ def pack(trees: Sequence, micro_batch_tokens: int, *, rewards: Sequence[float] |
     """Pack the kept sets of ``trees`` (dropped trees are skipped) into micro-batches.
 
     ``target_rollout`` and ``leaf_rollout`` index ``trees`` as given. Raises ValueError for
-    ``micro_batch_tokens < 1``, a kept path longer than ``micro_batch_tokens``, rewards of the wrong
-    length or non-finite, or inconsistent tree arrays.
+    ``micro_batch_tokens`` < 1 or > ``MAX_MICRO_BATCH_TOKENS``, a kept path longer than
+    ``micro_batch_tokens``, rewards of the wrong length or non-finite, or inconsistent tree arrays.
     """
     if (isinstance(micro_batch_tokens, bool) or not isinstance(micro_batch_tokens, (int, np.integer))
             or micro_batch_tokens < 1):
         raise ValueError(f"micro_batch_tokens must be a positive int, got {micro_batch_tokens!r}")
+    if micro_batch_tokens > MAX_MICRO_BATCH_TOKENS:
+        raise ValueError(f"micro_batch_tokens must be at most {MAX_MICRO_BATCH_TOKENS} (a batch's rows are "
+                         f"numbered with int32), got {micro_batch_tokens}")
     trees = list(trees)
     if rewards is not None:
         reward_arr = np.asarray(rewards, dtype=np.float32)

@@ -30,6 +30,10 @@ import numpy as np
 
 from clawfast.tree_ref import trainable_mask_ref
 
+# pack.MAX_MICRO_BATCH_TOKENS (int32 batch-local rows), restated so the reference needs no C++ build;
+# tests/test_tree_props.py checks that both packers refuse one more.
+MAX_MICRO_BATCH_TOKENS = 2**31 - 1
+
 
 @dataclass
 class PackedBatchRef:
@@ -133,6 +137,9 @@ def pack_ref(trees: Sequence, micro_batch_tokens: int, *,
     if (isinstance(micro_batch_tokens, bool) or not isinstance(micro_batch_tokens, (int, np.integer))
             or micro_batch_tokens < 1):
         raise ValueError(f"micro_batch_tokens must be a positive int, got {micro_batch_tokens!r}")
+    if micro_batch_tokens > MAX_MICRO_BATCH_TOKENS:
+        raise ValueError(f"micro_batch_tokens must be at most {MAX_MICRO_BATCH_TOKENS} (a batch's rows are "
+                         f"numbered with int32), got {micro_batch_tokens}")
     trees = list(trees)
     if rewards is None:
         reward = [float("nan")] * len(trees)

@@ -4,8 +4,9 @@
 and the engine answered, marks each token as generated (with its owner call and sampling logprob)
 or context, and classifies every leaf as kept, dead (retried/regenerated) or excluded (subagent,
 compaction, title, quota calls). A main-thread call's end node is a leaf unless another main-thread
-call ends below it, so a compaction or subagent whose prompt extends the main path does not make the
-main path before it untrainable.
+call ends below it (a live one, below a live end), so a compaction or subagent whose prompt extends
+the main path, or a dead answer a last retry cut short, does not make the main path before it
+untrainable.
 
 Guaranteed: the arrays below are exactly those of docs/TREE.md (DFS pre-order, children by
 ascending first token, root excluded); malformed input raises ``ValueError`` before any C++ runs or

@@ -142,6 +142,8 @@ def build_tree_ref(
         isinstance(max_kept_leaves, bool) or not isinstance(max_kept_leaves, int) or max_kept_leaves < 0
     ):
         raise ValueError(f"max_kept_leaves must be a non-negative int or None, got {max_kept_leaves!r}")
+    if isinstance(exclude_tags, str):  # frozenset("title") would be a set of letters (as build_tree refuses)
+        raise ValueError(f"exclude_tags must be a collection of tags, got the string {exclude_tags!r}")
     ordered = validate_calls(list(calls))
     exclude = frozenset(exclude_tags)
     excluded = [bool(exclude.intersection(c.tags)) for c in ordered]
@@ -215,14 +217,25 @@ def build_tree_ref(
     prompts = [np.ascontiguousarray(c.prompt_ids, dtype=np.int32).tobytes() for c in ordered]
     last_asked = {p: k for k, p in enumerate(prompts)}
     retried = [last_asked[p] > k for k, p in enumerate(prompts)]
-    # Segments with a non-excluded call's end node strictly below them: walk up from each such end.
+
+    def dead(ks: list[int]) -> bool:  # a main end node whose calls a later call retried
+        return drop_dead and last_main not in ks and any(retried[k] for k in ks)
+
+    def mark_above(s: int, below: list[bool]) -> None:
+        p = seg_parent[s]
+        while p >= 0 and not below[p]:
+            below[p] = True
+            p = seg_parent[p]
+
+    # Segments with a main end node (of a non-excluded call) strictly below them, and those with a
+    # live one (not dead) below: walk up from each such end.
     main_below = [False] * len(seg_parent)
-    for k, s in enumerate(end_node):
-        if not excluded[k]:
-            p = seg_parent[s]
-            while p >= 0 and not main_below[p]:
-                main_below[p] = True
-                p = seg_parent[p]
+    live_below = [False] * len(seg_parent)
+    for s, ks in ends_at.items():
+        if any(not excluded[k] for k in ks):
+            mark_above(s, main_below)
+            if not dead(ks):
+                mark_above(s, live_below)
     leaves = []
     for s in range(len(seg_parent)):
         ks = ends_at.get(s)
@@ -230,14 +243,15 @@ def build_tree_ref(
             continue  # not an end node (every childless segment is some path's end)
         if any(not excluded[k] for k in ks):
             # A main end node is a leaf unless a main call ends below it: excluded calls below
-            # (a compaction or subagent prompt extending this path) do not count.
-            if main_below[s]:
+            # (a compaction or subagent prompt extending this path) do not count, and neither do
+            # dead ones below a live end (a last retry that answered a prefix of what it retried).
+            if (main_below if dead(ks) else live_below)[s]:
                 continue
         elif seg_children[s]:
             continue  # an excluded end node is a leaf only with nothing below it
         if all(excluded[k] for k in ks):
             status = "excluded"
-        elif drop_dead and last_main not in ks and any(retried[k] for k in ks):
+        elif dead(ks):
             status = "dead"
         else:
             status = "kept"

@@ -112,23 +112,32 @@ class Builder {
 
         layout(out);
 
-        // Leaves. An end node of a non-excluded call is a leaf iff no non-excluded call ends
+        // Leaves. An end node of a non-excluded call (a main end) is a leaf iff no main end lies
         // strictly below it (excluded calls below, e.g. a compaction that extends the main path,
-        // do not count); an end node of excluded calls only is a leaf iff it has no child.
+        // do not count), where a live main end (not dead, below) only counts live ones: a last
+        // retry that answered a prefix of what it retried keeps its path. An end node of excluded
+        // calls only is a leaf iff it has no child. Dead: a later call retried one of the calls
+        // ending there, and the rollout's last main call does not end there.
         const size_t n_nodes = nodes_.size();
-        std::vector<uint8_t> ends(n_nodes, 0), main_ends(n_nodes, 0), main_below(n_nodes, 0);
+        std::vector<uint8_t> ends(n_nodes, 0), main_ends(n_nodes, 0), retried_at(n_nodes, 0), last_at(n_nodes, 0);
         for (int64_t c = 0; c < n; ++c) {
             ends[end_node[c]] = 1;
             if (!in_.excluded[c]) main_ends[end_node[c]] = 1;
+            if (retried[c]) retried_at[end_node[c]] = 1;
+            if (c == last_main) last_at[end_node[c]] = 1;
         }
+        std::vector<uint8_t> dead(n_nodes, 0), main_below(n_nodes, 0), live_below(n_nodes, 0);
+        for (size_t x = 0; x < n_nodes; ++x) dead[x] = in_.drop_dead && retried_at[x] && !last_at[x];
         for (auto it = order_.rbegin(); it != order_.rend(); ++it) {  // children before parents
             const int32_t p = nodes_[*it].parent;
             if (main_ends[*it] || main_below[*it]) main_below[p] = 1;
+            if ((main_ends[*it] && !dead[*it]) || live_below[*it]) live_below[p] = 1;
         }
         std::vector<int32_t> leaf_of(n_nodes, -1);
         for (int32_t v = 0; v < static_cast<int32_t>(order_.size()); ++v) {
             const int32_t x = order_[v];
-            const bool leaf = main_ends[x] ? !main_below[x] : ends[x] && nodes_[x].children.empty();
+            const bool leaf = main_ends[x] ? !(dead[x] ? main_below[x] : live_below[x])
+                                           : ends[x] && nodes_[x].children.empty();
             if (leaf) {
                 leaf_of[x] = static_cast<int32_t>(out.leaf_node.size());
                 out.leaf_node.push_back(v);
@@ -152,16 +161,12 @@ class Builder {
         }
         out.leaf_status.resize(n_leaves);
         for (size_t l = 0; l < n_leaves; ++l) {
-            bool all_excluded = true, any_retried = false, holds_last_main = false;
-            for (int64_t i = out.leaf_call_off[l]; i < out.leaf_call_off[l + 1]; ++i) {
-                const int64_t c = leaf_call_pos[i];
-                all_excluded = all_excluded && in_.excluded[c];
-                any_retried = any_retried || retried[c];
-                holds_last_main = holds_last_main || c == last_main;
-            }
+            bool all_excluded = true;
+            for (int64_t i = out.leaf_call_off[l]; i < out.leaf_call_off[l + 1]; ++i)
+                all_excluded = all_excluded && in_.excluded[leaf_call_pos[i]];
             if (all_excluded)
                 out.leaf_status[l] = kExcluded;
-            else if (in_.drop_dead && any_retried && !holds_last_main)
+            else if (dead[order_[out.leaf_node[l]]])
                 out.leaf_status[l] = kDead;
             else
                 out.leaf_status[l] = kKept;

@@ -99,6 +99,28 @@ def test_retry_kills_the_older_answer():
     assert kept_all.num_flat_tokens == 5 + 6
 
 
+
+@pytest.mark.parametrize("retry_output", [[7, 8], []], ids=["prefix", "empty"])
+def test_a_last_retry_that_answered_less_keeps_its_path(retry_output):
+    # The last call retries call 1 and answers a prefix of call 1's answer (cut at its token limit)
+    # or nothing: its end lies inside call 1's path. That path's dead remainder must not take the
+    # rollout's trainable tokens (call 0's answer, and the retry's own) with it.
+    calls = [
+        call(0, [1, 2], [3, 4]),
+        call(1, [1, 2, 3, 4, 5], [7, 8, 9]),
+        call(2, [1, 2, 3, 4, 5], retry_output),
+    ]
+    tree = build_tree(calls)
+    retry_end = 5 + len(retry_output)
+    assert [(lf.depth, lf.calls, lf.status) for lf in tree.leaves] == [(retry_end, (2,), "kept"), (8, (1,), "dead")]
+    assert tree.num_flat_tokens == retry_end
+    # the path to the kept leaf: call 0's answer (and the retry's, owned by call 1 which sampled
+    # the same tokens first) are trainable; call 1's remainder is not
+    batch, = pack([tree], 64)
+    assert sorted(batch.target_ids[batch.loss_mask > 0].tolist()) == sorted([3, 4] + retry_output)
+    # without dropping retries, call 1's whole answer is a kept leaf and the retry's end inside it
+    assert [(lf.depth, lf.status) for lf in build_tree(calls, drop_dead=False).leaves] == [(8, "kept")]
+
 def test_identical_regeneration_shares_one_kept_leaf():
     calls = [call(0, [1, 2], [3, 4]), call(1, [1, 2], [3, 4])]
     tree = build_tree(calls)

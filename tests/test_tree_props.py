@@ -193,10 +193,10 @@ def test_tree_matches_reference(seed, n_calls, vocab, drop_dead, max_kept, p_ext
     # Counts: every token of every path is in the tree; flat = sum of kept leaf depths.
     assert fast.num_call_tokens == sum(len(c.prompt_ids) + len(c.output_ids) for c in calls)
     assert fast.num_unique_tokens == len(fast.tokens) == len(set(tree_paths(fast)))
-    check_tree_shape(fast, calls)
+    check_tree_shape(fast, calls, drop_dead)
 
 
-def check_tree_shape(tree, calls) -> None:
+def check_tree_shape(tree, calls, drop_dead: bool) -> None:
     """Radix-tree invariants of docs/TREE.md, read from the arrays alone."""
     paths = tree_paths(tree)
     ordered = sorted(calls, key=lambda c: c.call_index)
@@ -225,18 +225,29 @@ def check_tree_shape(tree, calls) -> None:
         if p >= 0 and len(kids) == 1:
             assert paths[int(tree.seg_start[p] + tree.seg_len[p] - 1)] in ends, f"segment {p} could merge with its child"
     # Leaves, in DFS order, with their path length: an end node of a non-excluded call is a leaf
-    # iff no non-excluded call's path strictly extends its path; an end node of excluded calls
-    # only is a leaf iff it has no child. The calls of a leaf are all those ending there.
+    # iff no non-excluded call's path strictly extends its path (for a live end: no live call's,
+    # where a dead call is one a later call retried, with the same prompt, unless the last main
+    # call ends with it); an end node of excluded calls only is a leaf iff it has no child. The
+    # calls of a leaf are all those ending there.
     seg_path = [paths[int(tree.seg_start[s] + tree.seg_len[s] - 1)] for s in range(tree.num_segments)]
     full = [tuple(np.concatenate([c.prompt_ids, c.output_ids]).tolist()) for c in ordered]
+    prompts = [tuple(c.prompt_ids.tolist()) for c in ordered]
+    last_main = max((k for k, c in enumerate(ordered) if not c.excluded), default=-1)
+
+    def dead(path) -> bool:
+        ending = [k for k, f in enumerate(full) if f == path]
+        return drop_dead and last_main not in ending and any(prompts[k] in prompts[k + 1:] for k in ending)
+
     main_paths = [f for f, c in zip(full, ordered) if not c.excluded]
+    live_paths = [f for f in main_paths if not dead(f)]
     want_leaves = []
     for s in range(tree.num_segments):
         ending = [c.call_index for f, c in zip(full, ordered) if f == seg_path[s]]
         if not ending:
             continue
         if any(not c.excluded for c in ordered if c.call_index in ending):
-            below = any(len(m) > len(seg_path[s]) and m[: len(seg_path[s])] == seg_path[s] for m in main_paths)
+            counted = main_paths if dead(seg_path[s]) else live_paths
+            below = any(len(m) > len(seg_path[s]) and m[: len(seg_path[s])] == seg_path[s] for m in counted)
             if not below:
                 want_leaves.append((s, tuple(ending)))
         elif s not in children:
@@ -446,6 +457,31 @@ MALFORMED = {
 def test_malformed_calls_raise_value_error(build, case):
     with pytest.raises(ValueError):
         build(MALFORMED[case])
+
+
+@BUILDERS
+def test_exclude_tags_given_as_one_string_is_refused(build):
+    # frozenset("title") is {"t", "i", "l", "e"}: a string would silently exclude nothing it names
+    calls = [call(0, [1, 2], [3], tags=("title",))]
+    with pytest.raises(ValueError, match="exclude_tags must be a collection of tags, got the string 'title'"):
+        build(calls, exclude_tags="title")
+    assert [lf.status for lf in build(calls, exclude_tags=("title",)).leaves] == ["excluded"]
+
+
+@pytest.mark.parametrize("packer", [pack, pack_ref], ids=["fast", "ref"])
+def test_pack_refuses_micro_batch_tokens_past_int32_rows(packer):
+    """Batch-local rows are int32 (csrc/packer.hpp): one more than 2**31 - 1 is a ValueError naming
+    micro_batch_tokens (the fast path handed such a value to pybind11, which raised a TypeError
+    printing every array, or nothing at all below 2**63); the bound itself packs."""
+    from clawfast.pack import MAX_MICRO_BATCH_TOKENS
+    from clawfast.pack_ref import MAX_MICRO_BATCH_TOKENS as REF_MAX
+
+    assert MAX_MICRO_BATCH_TOKENS == REF_MAX == 2**31 - 1
+    tree = build_tree([call(0, [1, 2, 3], [4, 5])])
+    for bad in (2**31, 10**20, np.int64(2**40)):
+        with pytest.raises(ValueError, match=r"micro_batch_tokens must be at most 2147483647 .* got "):
+            packer([tree], bad)
+    assert len(packer([tree], MAX_MICRO_BATCH_TOKENS)) == 1
 
 
 @pytest.mark.parametrize("packer", [pack, pack_ref], ids=["fast", "ref"])

@@ -437,6 +437,22 @@ def _iter_frames(data: bytes, recover: bool) -> Iterator[tuple[int, bytes, int]]
         pos = end
 
 
+_JSON_KINDS = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean",
+               type(None): "null"}
+
+
+def _json_object(payload: bytes, what: str, offset: int) -> dict[str, Any]:
+    """A header or result frame's JSON, which must be an object: any other JSON value (a list, a
+    string, null) would fail later as an AttributeError, or pass for a missing frame."""
+    try:
+        value = json.loads(payload)
+    except ValueError as exc:  # JSONDecodeError, or UnicodeDecodeError for bytes that are not UTF-8
+        raise RecordFormatError(f"{what} frame at byte {offset}: malformed JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise RecordFormatError(f"{what} frame at byte {offset}: {_JSON_KINDS[type(value)]}, not a JSON object")
+    return value
+
+
 def decode_rollout(data: bytes, *, recover: bool = False, source: str = "<bytes>") -> RolloutResult:
     """Decode one rollout file. With ``recover=True`` a torn tail (the writer died mid-append) is
     dropped and the rollout is returned with status ``running`` if no result frame was written."""
@@ -448,17 +464,15 @@ def decode_rollout(data: bytes, *, recover: bool = False, source: str = "<bytes>
     try:
         for kind, payload, offset in _iter_frames(data, recover):
             if kind == _KIND_HEADER and header is None:
-                header = json.loads(payload)
+                header = _json_object(payload, "header", offset)
             elif kind == _KIND_CALL and header is not None and result is None:
                 calls.append(_decode_call(payload, offset))
             elif kind == _KIND_RESULT and header is not None and result is None:
-                result = json.loads(payload)
+                result = _json_object(payload, "result", offset)
             else:
                 raise RecordFormatError(f"unexpected frame {chr(kind)!r} at byte {offset}")
     except RecordFormatError as exc:
         raise RecordFormatError(f"{source}: {exc}") from None
-    except json.JSONDecodeError as exc:
-        raise RecordFormatError(f"{source}: malformed JSON frame ({exc})") from None
     if header is None:
         raise RecordFormatError(f"{source}: no rollout header")
     if header.get("format_version") != FORMAT_VERSION:

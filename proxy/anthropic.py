@@ -41,13 +41,11 @@ _STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use", "stop": "end_
 
 
 def _block_text(block: Block) -> str:
+    """What the model reads for a user-side block: its text, or a placeholder naming its type
+    (``[image]``, ``[document]``, ``[search_result]``), as the OpenAI fronts do (`chat.part_text`)."""
     if block.type == "text":
         return block.text or ""
-    if block.type == "image":
-        return "[image]"
-    if block.type == "document":
-        return "[document]"
-    return ""
+    return f"[{block.type}]"
 
 
 def _tool_result_text(content: str | list[Block] | None) -> str:
@@ -219,5 +217,5 @@ class AnthropicFront(Front):
     def error(self, exc: ProtocolError) -> bytes:
         return orjson.dumps({"type": "error", "error": {"type": _ERROR_TYPES.get(exc.kind, "api_error"), "message": exc.message}})
 
-    def stream_error(self, exc: ProtocolError) -> bytes:
+    def stream_error(self, answer: Answer, exc: ProtocolError) -> bytes:
         return b"event: error\ndata: " + self.error(exc) + b"\n\n"

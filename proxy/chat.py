@@ -34,12 +34,30 @@ def openai_error(exc: ProtocolError) -> bytes:
     return orjson.dumps({"error": {"message": exc.message, "type": kind, "param": exc.param, "code": code}})
 
 
+def openai_error_code(exc: ProtocolError) -> str:
+    """The error's OpenAI code, else its type (a Responses ``response.failed`` error always has a code)."""
+    kind, code = _ERROR_TYPES.get(exc.kind, ("server_error", None))
+    return code or kind
+
+
+def part_text(part, text_types: tuple[str, ...], image_types: tuple[str, ...]) -> str:
+    """What the model reads for one content part: a text part's text, a refusal's refusal, ``[image]``
+    for an image, else a placeholder naming the part's type (``[input_audio]``, ``[file]``)."""
+    if part.type in text_types:
+        return part.text or ""
+    if part.type == "refusal":
+        return part.refusal or ""
+    if part.type in image_types:
+        return "[image]"
+    return f"[{part.type}]"
+
+
 def _text(content) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    return "\n".join(p.text or "" if p.type in ("text", "input_text", "output_text") else "[image]" for p in content)
+    return "\n".join(part_text(p, ("text", "input_text", "output_text"), ("image_url",)) for p in content)
 
 
 def _message(m: ChatMessage, i: int) -> Message:
@@ -170,5 +188,5 @@ class ChatFront(Front):
     def error(self, exc: ProtocolError) -> bytes:
         return openai_error(exc)
 
-    def stream_error(self, exc: ProtocolError) -> bytes:
+    def stream_error(self, answer: Answer, exc: ProtocolError) -> bytes:
         return b"data: " + openai_error(exc) + b"\n\n"

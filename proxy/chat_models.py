@@ -18,6 +18,7 @@ class _Model(BaseModel):
 class ContentPart(_Model):
     type: str
     text: Optional[str] = None
+    refusal: Optional[str] = None  # an assistant's refusal part
 
 
 class FunctionCall(_Model):

@@ -4,7 +4,8 @@ No sockets here: `prepare` (tag, render) and `complete` (parse, record, remember
 are synchronous, `start` wraps the engine call in a tracked task. The HTTP server drives them; tests
 can too.
 
-Guaranteed: every answered call is appended to its rollout's log before its last bytes are sent; a
+Guaranteed: every answered call is appended to its rollout's log before its last bytes are sent and
+after its reply is built (`answer`, then `complete`), so a reply that cannot be built leaves no record; a
 call whose client went away is still recorded once generation ends, with
 ``metadata["client_disconnected"] = True``; generation tasks are tracked and `drain` waits for them,
 so none outlives the server. Malformed tool-call text never fails a call: it is answered as text and
@@ -86,26 +87,40 @@ class ProxyCore:
 
     # -- rendering -------------------------------------------------------------------------------
 
+    def _render(self, rollout: Rollout, conversation: Conversation, thread: str) -> RenderedPrompt:
+        try:
+            return _rollout_prompts(rollout).render(self.renderer, conversation, thread)
+        except TemplateError as exc:  # the model's own template refused this conversation's shape
+            message = f"the chat template rejected the conversation: {exc}"
+            raise ProtocolError(400, "invalid_request", message) from None
+
     def count_tokens(self, rollout: Rollout, conversation: Conversation) -> int:
-        return len(_rollout_prompts(rollout).render(self.renderer, conversation, "count").ids)
+        """The prompt's length in tokens; ProtocolError (400) if the chat template rejects it."""
+        return len(self._render(rollout, conversation, "count").ids)
 
     def prepare(self, front: Front, rollout: Rollout, request: Request, headers: dict[str, str],
                 path: str = "") -> PreparedCall:
         """Check the rollout's budget, tag and render the call, bound its output; ProtocolError (400)
-        if it is refused."""
+        if it is refused. A call that passes the budget check counts against it from then on, unless
+        this refuses it for another reason (the engine never sees it)."""
         t0 = time.time()
-        cfg, asked = self.config, rollout.sampling
-        budget = asked.max_calls
-        if budget is not None and rollout.calls_started() >= budget:
+        budget = rollout.sampling.max_calls
+        if not rollout.start_call(budget):
             raise ProtocolError(400, "invalid_request", f"this rollout's budget of {budget} model calls is spent")
+        try:
+            return self._prepare(front, rollout, request, headers, path, t0)
+        except BaseException:
+            rollout.unstart_call()
+            raise
+
+    def _prepare(self, front: Front, rollout: Rollout, request: Request, headers: dict[str, str], path: str,
+                 t0: float) -> PreparedCall:
+        cfg, asked = self.config, rollout.sampling
         main_tools = rollout.state.get("main_tools")
         tagging = classify(request.conversation, headers, request.max_tokens, main_tools)
         if tagging.tag == "main" and main_tools is None and request.conversation.tools:
             rollout.state["main_tools"] = frozenset(t.name for t in request.conversation.tools)
-        try:
-            prompt = _rollout_prompts(rollout).render(self.renderer, request.conversation, tagging.thread)
-        except TemplateError as exc:  # the model's own template refused this conversation's shape
-            raise ProtocolError(400, "invalid_request", f"the chat template rejected the conversation: {exc}") from None
+        prompt = self._render(rollout, request.conversation, tagging.thread)
         cap = cfg.max_tokens_cap
         if self.served_context is not None:
             room = self.served_context - len(prompt.ids)
@@ -151,17 +166,23 @@ class ProxyCore:
         text = self.renderer.answer_text(gen.output_ids)
         return self._parse(text, gen.finish_reason, call.front.new_tool_call_id)
 
+    def answer(self, call: PreparedCall, gen: Generation) -> Turn:
+        """Parse the generation into `call.answer` (its turn and output tokens), which the reply is
+        built from; `complete` records the call once its reply is built."""
+        turn = self.parse(call, gen)
+        call.answer.turn = turn
+        call.answer.output_tokens = len(gen.output_ids)
+        return turn
+
     def complete(self, call: PreparedCall, gen: Generation, *, disconnected: bool = False,
                  http_status: int | None = 200) -> CallRecord | None:
-        """Parse the generation into `call.answer.turn`, append the record, remember the turn.
+        """Append the record and remember the turn (`answer` parses it first if it has not yet).
         `http_status`: what the call is answered with (None: nothing was sent, the client left).
         Returns None (and records nothing) if the rollout was closed while the call was in flight."""
         if call.committed:
             raise RuntimeError("call already completed")
         call.committed = True
-        turn = self.parse(call, gen)
-        call.answer.turn = turn
-        call.answer.output_tokens = len(gen.output_ids)
+        turn = call.answer.turn if call.answer.turn is not None else self.answer(call, gen)
         prompts = _rollout_prompts(call.rollout)
         prompts.remember(self.renderer, gen.output_ids, turn.as_message().replay_key())
         metadata: dict[str, Any] = {

@@ -123,8 +123,8 @@ class Front(abc.ABC):
         """The JSON error body of this protocol."""
 
     @abc.abstractmethod
-    def stream_error(self, exc: ProtocolError) -> bytes:
-        """An error event for a stream whose 200 headers are already sent."""
+    def stream_error(self, answer: Answer, exc: ProtocolError) -> bytes:
+        """The events that end a stream whose 200 headers are already sent in error."""
 
     def new_answer(self, request: Request, prompt_tokens: int) -> Answer:
         return Answer(request, random_id(self.id_prefix), int(time.time()), prompt_tokens)

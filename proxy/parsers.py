@@ -10,8 +10,11 @@ Families:
 
 Guaranteed: a parser never raises on model output. Markup that is malformed (bad JSON, a missing
 name, an unterminated block) yields the whole output (minus reasoning) as plain text and a
-`parse_error` saying what was wrong; the proxy records it and answers normally. Tool-call ids are
-minted by the caller's `new_id` so each protocol gets its own id style.
+`parse_error` saying what was wrong; the proxy records it and answers normally. So does a call that
+parses but that no reply could carry: every front writes its replies with orjson, which refuses some
+JSON that `json.loads` accepts (integers beyond 64 bits, lone surrogates such as ``"\\ud83d"``, nesting
+past 254 levels); every tool call a parser returns can be written back. Tool-call ids are minted by
+the caller's `new_id` so each protocol gets its own id style.
 """
 
 from __future__ import annotations
@@ -20,12 +23,17 @@ import json
 import re
 from typing import Callable
 
+import orjson
+
 from clawfast.proxy.canonical import ToolCall, Turn, canonical_arguments
 
 NewId = Callable[[], str]
 
 _THINK_OPEN, _THINK_CLOSE = "<think>", "</think>"
 _TOOL_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+# Containers a reply wraps a call's arguments in (an Anthropic message holds them 3 deep), with room to
+# spare: orjson refuses nesting past 254 levels in the whole reply, not in the arguments alone.
+_REPLY_LEVELS = 8
 
 
 class _Malformed(ValueError):
@@ -62,7 +70,20 @@ def _call_from_obj(obj: object, new_id: NewId, args_key: str = "arguments") -> T
             raise _Malformed(f"arguments of {name!r} are a string that is not JSON") from None
     if not isinstance(args, dict):
         raise _Malformed(f"arguments of {name!r} are not a JSON object")
+    _check_writable(name, args)
     return ToolCall(new_id(), name, canonical_arguments(args))
+
+
+def _check_writable(name: str, args: dict) -> None:
+    """Raise _Malformed unless orjson, which writes every reply, can write this call's name and
+    arguments where a reply puts them."""
+    value: object = [name, args]
+    for _ in range(_REPLY_LEVELS):
+        value = [value]
+    try:
+        orjson.dumps(value)
+    except orjson.JSONEncodeError as exc:
+        raise _Malformed(f"tool call {name!r} cannot be written back as JSON: {exc}") from None
 
 
 def _loads(text: str) -> object:

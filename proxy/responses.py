@@ -17,13 +17,14 @@ from __future__ import annotations
 import orjson
 
 from clawfast.proxy.canonical import Conversation, Message, Request, ToolCall, ToolSpec, arguments_object, canonical_arguments
-from clawfast.proxy.chat import openai_error
+from clawfast.proxy.chat import openai_error, openai_error_code, part_text
 from clawfast.proxy.front import Answer, Front, ProtocolError, load_body, random_id, require_list, sse, validate_unit
 from clawfast.proxy.incremental import UnitMemory
 from clawfast.proxy.responses_models import Item, Part, ResponsesRequest, ToolDef
 
 _CUSTOM_PARAMETERS = {"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"]}
 _ASSISTANT_ITEMS = ("reasoning", "function_call", "custom_tool_call")
+_TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
 
 
 def _text(content: str | list[Part] | None) -> str:
@@ -31,7 +32,7 @@ def _text(content: str | list[Part] | None) -> str:
         return ""
     if isinstance(content, str):
         return content
-    return "\n".join(p.text or "" if p.type in ("input_text", "output_text", "text", "summary_text") else "[image]" for p in content)
+    return "\n".join(part_text(p, _TEXT_PARTS, ("input_image",)) for p in content)
 
 
 def _is_assistant_side(item: object) -> bool:
@@ -257,5 +258,10 @@ class ResponsesFront(Front):
     def error(self, exc: ProtocolError) -> bytes:
         return openai_error(exc)
 
-    def stream_error(self, exc: ProtocolError) -> bytes:
-        return sse("error", {"type": "error", "code": exc.kind, "message": exc.message, "param": exc.param, "sequence_number": 0})
+    def stream_error(self, answer: Answer, exc: ProtocolError) -> bytes:
+        # As the Responses API ends a failed stream: response.failed, the response with status "failed"
+        # and its error. Codex reads error.code: context_length_exceeded is a context overflow, any
+        # other code a stream it retries; a stream that just stops is broken to it and to the SDK.
+        failed = self._response(answer, "failed", [], False)
+        failed["error"] = {"code": openai_error_code(exc), "message": exc.message}
+        return self._event(answer, "response.failed", response=failed)

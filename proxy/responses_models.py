@@ -20,6 +20,7 @@ class _Model(BaseModel):
 class Part(_Model):
     type: str
     text: Optional[str] = None
+    refusal: Optional[str] = None  # an assistant message's refusal part
 
 
 class Item(_Model):

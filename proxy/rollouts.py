@@ -107,6 +107,7 @@ class Rollout:
     refusals: list[dict[str, Any]] = field(default_factory=list)  # the first MAX_REFUSALS
     refusals_dropped: int = 0  # refusals beyond those, counted only
     _closed: bool = False
+    _calls_started: int = 0  # what the call budget counts (`start_call`)
     # each generation in flight -> the request facts of its refusal should `close` cut it off
     _generations: dict[asyncio.Task, dict[str, Any] | None] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -140,9 +141,26 @@ class Rollout:
             self.refusals_dropped += 1
 
     def calls_started(self) -> int:
-        """Calls answered plus generations in flight (what a call budget counts)."""
+        """Calls let through to the engine so far: answered, in flight, failed or cut off (what a call
+        budget counts)."""
         with self._lock:
-            return len(self.calls) + len(self._generations)
+            return self._calls_started
+
+    def start_call(self, budget: int | None) -> bool:
+        """Count one more call unless `budget` (None: no limit) calls are counted already; False, and
+        nothing counted, if so. Check and count are one step under the lock, and a counted call stays
+        counted: a count made of answered calls plus generations in flight dips while a finished
+        generation's record is on its way, and a call let through in that gap overran the budget."""
+        with self._lock:
+            if budget is not None and self._calls_started >= budget:
+                return False
+            self._calls_started += 1
+            return True
+
+    def unstart_call(self) -> None:
+        """Take back a `start_call` whose call was refused before it reached the engine."""
+        with self._lock:
+            self._calls_started -= 1
 
     def _forget(self, generation: asyncio.Task) -> None:
         with self._lock:

@@ -215,30 +215,50 @@ class CallResponse:
                 if stream:
                     await send({"type": "http.response.body", "body": front.keepalive(), "more_body": True})
             err = _failure(task)
-            if err is not None:  # record nothing; say why in the protocol's shape, and keep it
-                if head_sent:
-                    _refused(scope, call.rollout, front.name, err, stream, in_stream=True)
-                    await send({"type": "http.response.body", "body": front.stream_error(err)})
-                else:
-                    _refused(scope, call.rollout, front.name, err, stream)
-                    await _send_json(send, err.status, front.error(err))
+            if err is not None:
+                await self._refuse(scope, send, err, head_sent)
                 return
             gen = task.result()
+            # The reply is built before the record is written, so the record's http_status is what
+            # was sent: a reply that cannot be built is a 500 and leaves no record.
+            try:
+                core.answer(call, gen)
+                if head_sent:
+                    body = front.stream_body(call.answer)
+                elif stream:
+                    body = front.stream_head(call.answer) + front.stream_body(call.answer)
+                else:
+                    body = front.response(call.answer)
+            except Exception as exc:  # a bug
+                log.error("building the reply failed", exc_info=exc)
+                err = ProtocolError(500, "api_error", f"internal error: {type(exc).__name__}: {exc}")
+                await self._refuse(scope, send, err, head_sent)
+                return
             core.complete(call, gen, disconnected=watcher is not None and watcher.done(), http_status=200)
             if note is not None:
                 note["output_tokens"] = call.answer.output_tokens
             if head_sent:
-                await send({"type": "http.response.body", "body": front.stream_body(call.answer)})
+                await send({"type": "http.response.body", "body": body})
             elif stream:
-                body = front.stream_head(call.answer) + front.stream_body(call.answer)
                 headers = _SSE + [(b"content-length", str(len(body)).encode())]
                 await send({"type": "http.response.start", "status": 200, "headers": headers})
                 await send({"type": "http.response.body", "body": body})
             else:
-                await _send_json(send, 200, front.response(call.answer))
+                await _send_json(send, 200, body)
         finally:
             if watcher is not None:
                 watcher.cancel()
+
+    async def _refuse(self, scope, send, err: ProtocolError, head_sent: bool) -> None:
+        """Answer a call that has no reply: record nothing; say why in the protocol's shape (a stream
+        whose head went out ends in the protocol's error events), and keep it as a refusal."""
+        call = self.call
+        if head_sent:
+            _refused(scope, call.rollout, call.front.name, err, call.request.stream, in_stream=True)
+            await send({"type": "http.response.body", "body": call.front.stream_error(call.answer, err)})
+        else:
+            _refused(scope, call.rollout, call.front.name, err, call.request.stream)
+            await _send_json(send, err.status, call.front.error(err))
 
     def _client_left(self, scope, task: asyncio.Task, head_sent: bool) -> None:
         """The client went away while the engine worked: record the call when it ends, or, should the

@@ -85,3 +85,32 @@ def test_bad_input_is_reported(tmp_path):
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert len(out["rollouts"]) == 1 and out["skipped"][0]["path"].endswith("broken.cfr")
+
+
+def test_a_rollout_whose_threads_cannot_be_rebuilt_is_skipped(tmp_path):
+    """Two calls sharing call_index 0: `reconstruct` refuses them; the file is listed as skipped
+    (as an unreadable one is) and the other rollouts are still reported."""
+    run = write_run(tmp_path, [session_with_an_edit_and_a_subagent(0)])
+    calls = [dataclasses.replace(c, rollout_id="dup") for c in session_with_an_edit_and_a_subagent(1)]
+    calls[1] = dataclasses.replace(calls[1], call_index=0)
+    write_rollout(run / "dup.cfr", RolloutResult("dup", "t", "codex", calls=calls))
+    proc = fidelity(run, "--json")
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    out = json.loads(proc.stdout)
+    assert [r["rollout_id"] for r in out["rollouts"]] == ["r0"]
+    [skipped] = out["skipped"]
+    assert skipped["path"].endswith("dup.cfr") and "duplicate call indices" in skipped["reason"]
+    proc = fidelity(run / "dup.cfr")  # nothing else to report: exit 1, still no traceback
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "dup.cfr: rollout 'dup': duplicate call indices" in proc.stdout
+
+
+def test_a_tokenizer_that_is_not_a_directory_is_a_usage_error(tmp_path):
+    run = write_run(tmp_path, [session_with_an_edit_and_a_subagent(0)])
+    proc = fidelity(run, "--tokenizer", tmp_path / "missing")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr == f"clawfast fidelity: --tokenizer {tmp_path / 'missing'}: no such directory\n"
+    proc = fidelity(run, "--tokenizer", run)  # a directory, but no tokenizer in it
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.startswith(f"clawfast fidelity: --tokenizer {run}: cannot load a tokenizer: ")
+    assert proc.stderr.count("\n") == 1

@@ -167,3 +167,21 @@ def test_version_runs_that_do_not_cover_the_output_are_a_format_error():
         pos += _FRAME_HEAD.size + length + _CRC.size
     with pytest.raises(RecordFormatError, match="do not cover"):
         decode_rollout(MAGIC + b"".join(frames))
+
+
+
+@pytest.mark.parametrize("frame", ["header", "result"])
+@pytest.mark.parametrize("payload", [b"[1,2]", b'"text"', b"null", b"7", b"\xb1\xb2"])
+def test_a_header_or_result_frame_that_is_not_a_json_object_is_a_format_error(tmp_path, frame, payload):
+    """Valid JSON of another kind (or bytes that are not UTF-8) is a RecordFormatError naming the
+    file, as any other bad frame is (callers list such a file as unreadable instead of crashing)."""
+    from clawfast.records import MAGIC, _KIND_HEADER, _KIND_RESULT, _frame, encode_call, encode_header, encode_result
+
+    r = _rollout(np.random.default_rng(5), 2)
+    header = MAGIC + _frame(_KIND_HEADER, payload) if frame == "header" else encode_header(r.header())
+    result = _frame(_KIND_RESULT, payload) if frame == "result" else encode_result(r.reward, r.status, r.info)
+    path = tmp_path / "bad.cfr"
+    path.write_bytes(header + b"".join(encode_call(c) for c in r.calls) + result)
+    for recover in (False, True):
+        with pytest.raises(RecordFormatError, match=f"^{path}: {frame} frame at byte "):
+            read_rollout(path, recover=recover)

@@ -110,3 +110,30 @@ def test_inspect_marks_trained_threads_and_links(tmp_path):
     assert "returns   call 2 -> call 3\n" in text and "restarts  call 8 -> call 9  (not followed" in text
     bad = inspect(path, "--train-threads", "subagent")
     assert bad.returncode == 2 and "must include 'main'" in bad.stderr
+
+
+def test_inspect_refuses_out_of_range_numbers_as_usage_errors(samples):
+    """Checked when the arguments are parsed (exit 2, one line naming the flag): a negative
+    --max-kept-leaves was reported as every rollout skipped; a --micro-batch-tokens past what the
+    packer numbers (int32 rows) was a pybind11 TypeError printing every array."""
+    cases = {("--max-kept-leaves", "-1"): "argument --max-kept-leaves: must be at least 0, got -1",
+             ("--micro-batch-tokens", "0"): "argument --micro-batch-tokens: must be in 1..2147483647",
+             ("--micro-batch-tokens", str(10**20)): "argument --micro-batch-tokens: must be in 1..2147483647"}
+    for args, message in cases.items():
+        proc = inspect(samples, *args)
+        assert proc.returncode == 2 and proc.stdout == "", (args, proc.stderr)
+        assert proc.stderr.splitlines()[-1] == f"clawfast tree inspect: error: {message}" + (
+            "" if "leaves" in message else f" (a batch's rows are numbered with int32), got {args[1]}")
+    largest = inspect(samples, "--json", "--micro-batch-tokens", "2147483647")  # the bound itself is served
+    assert largest.returncode == 0, largest.stderr
+    assert json.loads(largest.stdout)["group"]["micro_batches"]["num_batches"] == 1
+
+
+def test_inspect_reports_a_header_that_is_not_a_json_object(tmp_path):
+    from clawfast.records import MAGIC, _KIND_HEADER, _frame, encode_result
+
+    path = tmp_path / "hdr.cfr"
+    path.write_bytes(MAGIC + _frame(_KIND_HEADER, b"[1,2]") + encode_result(0.0, "ok", {}))
+    proc = inspect(path)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr == f"clawfast tree inspect: {path}: header frame at byte 8: an array, not a JSON object\n"

@@ -8,7 +8,9 @@ that extend a main call), drift tokens, and every divergence — the token where
 the call it continues, the text on both sides (decoded with `--tokenizer`, default the embedded
 model's) and its cause. `--json` prints one object (layout in docs/HARNESSES.md).
 
-Exit status: 0; 1 when nothing could be read. A file that cannot be read is listed as skipped.
+Exit status: 0; 1 when nothing could be read; 2 when --tokenizer is not a tokenizer directory. A file
+that cannot be read, or whose calls cannot be made into threads (e.g. two calls with one index), is
+listed as skipped.
 """
 
 from __future__ import annotations
@@ -97,13 +99,22 @@ def summarise(rollouts: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 def _decoder(tokenizer_dir: str | None):
+    """decode(ids) -> text with the tokenizer in `tokenizer_dir` (None: the embedded model's); raises
+    ValueError, naming --tokenizer, when that is not a directory holding a tokenizer."""
     from transformers import AutoTokenizer
 
     if tokenizer_dir is None:
         from clawfast.embedded import ensure_embedded_model
 
         tokenizer_dir = str(ensure_embedded_model())
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    elif not Path(tokenizer_dir).is_dir():
+        # Not left to transformers: it would take the path for a hub repository id and say that is malformed.
+        raise ValueError(f"--tokenizer {tokenizer_dir}: no such directory")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    except (OSError, ValueError) as exc:  # transformers' message spans lines: reported in one
+        message = " ".join(str(exc).split())
+        raise ValueError(f"--tokenizer {tokenizer_dir}: cannot load a tokenizer: {message}") from None
     vocab = len(tokenizer)
 
     def decode(ids) -> str:
@@ -144,7 +155,11 @@ def run(args: argparse.Namespace) -> int:
     if not files:
         print(f"clawfast fidelity: no {FILE_SUFFIX} rollouts under {args.records}", file=sys.stderr)
         return 1
-    decode = _decoder(args.tokenizer)
+    try:
+        decode = _decoder(args.tokenizer)
+    except ValueError as exc:
+        print(f"clawfast fidelity: {exc}", file=sys.stderr)
+        return 2
     described, skipped = [], []
     for path in files:
         try:
@@ -155,7 +170,10 @@ def run(args: argparse.Namespace) -> int:
         if not rollout.calls:
             skipped.append({"path": str(path), "reason": "no calls"})
             continue
-        described.append(describe(rollout, decode))
+        try:
+            described.append(describe(rollout, decode))
+        except ValueError as exc:  # `reconstruct` refuses the calls (e.g. two with one call index)
+            skipped.append({"path": str(path), "reason": str(exc)})
     summary = summarise(described)
     if args.json:
         json.dump({"rollouts": described, "harnesses": summary, "skipped": skipped}, sys.stdout, indent=1)

@@ -3,8 +3,11 @@
     clawfast train CONFIG [--resume] [--run-dir DIR] [--set KEY=VALUE ...] [--no-progress]
 
 `--set` overrides any config field (``--set steps=3 --set rollout.concurrency=2``; values in TOML
-syntax). `--resume` continues from the run directory's latest checkpoint (model, optimizer, step,
-data position, RNG states); without it a run directory that holds checkpoints is refused.
+syntax; relative paths are the working directory's; ``none`` sets a setting documented with a None
+meaning). `--resume` continues from the run directory's latest checkpoint (model, optimizer moments,
+step, data position, RNG states; the optimizer's lr, betas, eps and weight decay are the config's,
+so a resumed run may change them; a run directory without a checkpoint yet starts at step 0, saying
+so); without it a run directory that holds checkpoints is refused.
 Exit status: 0 when the run finished, 2 on a bad config, 1 on a follower whose rank 0 failed.
 
 With ``distributed.fsdp = true`` launch it once per process with torchrun (rank 0 prints the
@@ -22,7 +25,8 @@ import sys
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="TOML config (see examples/)")
-    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint of run_dir")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the latest checkpoint of run_dir (none yet: start at step 0, and say so)")
     parser.add_argument("--run-dir", default=None, help="override run_dir")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config field (repeatable)")

@@ -21,6 +21,7 @@ import json
 import sys
 from typing import Any
 
+from clawfast.commands.arg_types import non_negative_int
 from clawfast.records import RecordFormatError, load_rollouts
 
 
@@ -31,15 +32,27 @@ class _Renamed(argparse.Action):
         parser.error(f"{option_string} is now --micro-batch-tokens (rows per packed micro-batch)")
 
 
+def micro_batch_tokens(text: str) -> int:
+    """1..`clawfast.pack.MAX_MICRO_BATCH_TOKENS`: a usage error here, not pack's ValueError after every
+    rollout has been read."""
+    from clawfast.pack import MAX_MICRO_BATCH_TOKENS
+
+    value = int(text)
+    if not 1 <= value <= MAX_MICRO_BATCH_TOKENS:
+        raise argparse.ArgumentTypeError(f"must be in 1..{MAX_MICRO_BATCH_TOKENS} (a batch's rows are numbered "
+                                         f"with int32), got {value}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
     p = sub.add_parser("inspect", help="print the prefix tree of captured rollouts")
     p.add_argument("rollout", metavar="ROLLOUT", help="a .cfr rollout file or a directory of them")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
-    p.add_argument("--max-kept-leaves", type=int, default=None, metavar="N",
+    p.add_argument("--max-kept-leaves", type=non_negative_int, default=None, metavar="N",
                    help="drop a rollout whose kept leaves exceed N (as the trainer would)")
     p.add_argument("--keep-dead", action="store_true", help="keep retried/regenerated leaves (no dead status)")
-    p.add_argument("--micro-batch-tokens", type=int, default=None, metavar="T",
+    p.add_argument("--micro-batch-tokens", type=micro_batch_tokens, default=None, metavar="T",
                    help="also pack all rollouts into micro-batches of at most T rows (tokens) and report the fill")
     p.add_argument("--max-tokens", action=_Renamed, help=argparse.SUPPRESS)
     p.add_argument("--recover", action="store_true", help="read live or torn logs (keep complete calls)")

@@ -47,12 +47,22 @@ def qwen3_output_text(entry: Entry) -> str:
 
 
 def load_script(path: str | os.PathLike) -> list[Entry]:
+    """The entries of a script file. Raises OSError when it cannot be read, ValueError (naming the
+    file, and the entry) when it is not a JSON list of valid entries."""
     with open(path) as fh:
-        entries = json.load(fh)
+        try:
+            entries = json.load(fh)
+        except ValueError as exc:  # JSONDecodeError, or UnicodeDecodeError for a binary file
+            raise ValueError(f"{path}: not JSON ({exc})") from None
     if not isinstance(entries, list):
         raise ValueError(f"{path}: a script is a JSON list of entries")
-    for entry in entries:
-        qwen3_output_text(entry)  # validate early, naming the bad entry
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, (str, dict)):  # qwen3_output_text would fail on it with a TypeError
+            raise ValueError(f"{path}: entry {i} is {type(entry).__name__}, not a string or an object")
+        try:
+            qwen3_output_text(entry)  # validate early, naming the bad entry
+        except (ValueError, TypeError) as exc:  # TypeError: e.g. {"text": 5}
+            raise ValueError(f"{path}: entry {i}: {exc}") from None
     return entries
 
 

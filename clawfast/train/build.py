@@ -67,7 +67,12 @@ def build_policy(config: RunConfig, model_dir: Path):
         lora = config.model.lora
         add_lora(policy.lm, lora.rank, lora.alpha, lora.dropout, lora.target_modules)
     if config.model.gradient_checkpointing:
-        policy.lm.gradient_checkpointing_enable()
+        # Newer transformers (5.25) name it activation_checkpointing_enable (the old name warns). Non-reentrant
+        # on every version (4.57's default is reentrant): a reentrant checkpoint whose input needs no
+        # gradient (frozen embeddings under LoRA) would leave the adapter inside it without gradients.
+        # It acts in train mode only: the RL step runs the policy in it (`clawfast.train.policy.rl_mode`).
+        enable = getattr(policy.lm, "activation_checkpointing_enable", None) or policy.lm.gradient_checkpointing_enable
+        enable({"use_reentrant": False})
     return policy
 
 

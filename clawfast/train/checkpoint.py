@@ -20,10 +20,15 @@ A checkpoint is built in ``.tmp-step-N`` (every file fsynced), renamed into plac
 ``LATEST`` replaced (temp file + rename), so a SIGKILL at any instant leaves either the previous
 checkpoint or the new one as LATEST, never a half-written one.
 
-Guaranteed: `load_checkpoint` restores the policy parameters and optimizer state bit for bit, the
-step and data position, the weight version, and the RNG states of `random`, NumPy's global
-generator and torch's CPU generator (tests/train/test_resume.py kills a run with SIGKILL and checks
-that the resumed run's checkpoints equal an uninterrupted run's). Not guaranteed: CUDA RNG states
+Guaranteed: `load_checkpoint` restores the policy parameters and the optimizer's state (AdamW's
+moments and step counts) bit for bit, the step and data position, the weight version, and the RNG
+states of `random`, NumPy's global generator and torch's CPU generator (tests/train/test_resume.py
+kills a run with SIGKILL and checks that the resumed run's checkpoints equal an uninterrupted run's).
+The optimizer's hyper-parameters (lr, betas, eps, weight_decay; the warm-up's base lr) are not
+restored: they stay those the optimizer was built with, the resumed run's config (`optim.*`, which
+its config.json records), so a run resumed with a new lr trains at that lr. A checkpoint is refused
+(ValueError) by a policy that trains otherwise: full weights vs a LoRA adapter (``model.lora``),
+with vs without PPO's value head (``algorithm.name``). Not guaranteed: CUDA RNG states
 (not saved: the trainer's randomness is on the CPU), or determinism of rollouts that real harnesses
 produce (timing-dependent: a resumed run continues at the same data position with the same
 seeds, but a harness may not repeat itself).
@@ -47,6 +52,7 @@ from clawfast.train.lora import ADAPTER_FILE, add_saved_lora, has_adapter, load_
 CHECKPOINTS = "checkpoints"
 LATEST = "LATEST"
 COMPLETE = "COMPLETE"
+VALUE_HEAD_FILE = "value_head.safetensors"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                     "vocab.json", "merges.txt", "added_tokens.json")
 
@@ -137,7 +143,7 @@ def save_checkpoint(run_dir: str | Path, policy, optimizer: torch.optim.Optimize
             copy_tokenizer(Path(tokenizer_dir), tmp / "model")
     if getattr(policy, "value_head", None) is not None:
         save_file({k: v.detach().contiguous().cpu() for k, v in policy.value_head.state_dict().items()},
-                  str(tmp / "value_head.safetensors"))
+                  str(tmp / VALUE_HEAD_FILE))
     torch.save({"optimizer": optimizer.state_dict(), "torch_rng": torch.get_rng_state()}, tmp / "trainer.pt")
     (tmp / "state.json").write_text(json.dumps({**asdict(state), "rng": rng_state()}) + "\n")
     (tmp / COMPLETE).write_text(name + "\n")
@@ -187,7 +193,10 @@ def load_checkpoint(checkpoint: str | Path, policy, optimizer: torch.optim.Optim
                     restore_rng: bool = True) -> TrainState:
     """Load a checkpoint into `policy` (and `optimizer`), restore the RNG states, return its state.
 
-    Raises ValueError for a directory that is not a complete checkpoint."""
+    The optimizer takes the checkpoint's state (moments, step counts) and keeps its own
+    hyper-parameters, those of the run's config (`_keep_hyperparameters`). Raises ValueError for a
+    directory that is not a complete checkpoint, or one of a run that trained otherwise (LoRA adapter
+    vs full weights, PPO's value head vs none)."""
     from safetensors.torch import load_file
 
     checkpoint = Path(checkpoint)
@@ -197,21 +206,41 @@ def load_checkpoint(checkpoint: str | Path, policy, optimizer: torch.optim.Optim
         raise ValueError(f"{checkpoint} holds {'a LoRA adapter' if (checkpoint / ADAPTER_FILE).is_file() else 'full weights'}"
                          f", the policy {'trains an adapter' if has_adapter(policy.lm) else 'trains every weight'}: "
                          f"resume with the run's own model.lora")
+    saved_head, has_head = (checkpoint / VALUE_HEAD_FILE).is_file(), getattr(policy, "value_head", None) is not None
+    if saved_head != has_head:  # else: a missing file, or torch's param-group mismatch in the optimizer
+        raise ValueError(f"{checkpoint} is a {'PPO' if saved_head else 'GRPO'} run's checkpoint "
+                         f"({'with' if saved_head else 'without'} a value head), the policy is "
+                         f"{'PPO' if has_head else 'GRPO'}'s ({'with' if has_head else 'without'} one): "
+                         f"resume with the run's own algorithm.name ({'ppo' if saved_head else 'grpo'!r})")
     if has_adapter(policy.lm):
         load_adapter(policy.lm, checkpoint)
     else:
         _load_full(checkpoint, policy.lm)
     if getattr(policy, "value_head", None) is not None:
-        policy.value_head.load_state_dict(load_file(str(checkpoint / "value_head.safetensors")))
+        policy.value_head.load_state_dict(load_file(str(checkpoint / VALUE_HEAD_FILE)))
     trainer = torch.load(checkpoint / "trainer.pt", weights_only=True)
     if optimizer is not None:
+        configured = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         optimizer.load_state_dict(trainer["optimizer"])
+        _keep_hyperparameters(optimizer, configured)
     raw = json.loads((checkpoint / "state.json").read_text())
     if restore_rng:
         torch.set_rng_state(trainer["torch_rng"])
         set_rng_state(raw["rng"])
     raw.pop("rng")
     return TrainState(**raw)
+
+
+def _keep_hyperparameters(optimizer: torch.optim.Optimizer, configured: list[dict[str, Any]]) -> None:
+    """Put back the hyper-parameters the optimizer was built with (the run's config) over those
+    `load_state_dict` copied from the checkpoint: a resumed run continues the moments and step counts,
+    at the lr, betas, eps and weight decay its config.json records. The warm-up's base lr
+    (``initial_lr``, `clawfast.train.warmup`) is the configured lr too, so the ramp and the lr past it
+    follow the config; its key stays where the checkpoint had it (the saved state keeps its shape)."""
+    for group, built in zip(optimizer.param_groups, configured):
+        if "initial_lr" in group:
+            group["initial_lr"] = built.get("initial_lr", built["lr"])
+        group.update(built)
 
 
 def _load_full(checkpoint: Path, lm: torch.nn.Module) -> None:

@@ -13,7 +13,8 @@
    once) and the policy is trained on exactly those tokens: the mean negative log-likelihood of
    every trainable (model-generated) target of the packed trees, under the tree mask
    (`Policy.run`), AdamW with a warm-up over the first tenth of the updates and a cosine decay over
-   all of them, one update per ``batch_rollouts`` demonstrations, ``epochs`` passes.
+   all of them, one update per ``batch_rollouts`` demonstrations, ``epochs`` passes, in train mode
+   with the model's dropout (``model.lora.dropout``: these passes only; RL runs without dropout).
 
 What is scripted is only the choice of each output (the oracle); tokenizer, chat template, protocol,
 harness, sandbox and verifier are the real ones, so the tokens trained on are the tokens the policy
@@ -90,6 +91,8 @@ def sft_epoch(policy, optimizer: torch.optim.Optimizer, demos: list[RolloutResul
 
     order = rng.permutation(len(demos))
     losses, targets, tokens = [], 0, 0
+    # Supervised passes keep the model's dropout (model.lora.dropout, attention_dropout); the RL steps that
+    # follow run without any (`clawfast.train.policy.rl_mode`), where PPO compares passes.
     policy.train()
     for start in range(0, len(order), batch_rollouts):
         chunk = [demos[i] for i in order[start:start + batch_rollouts]]

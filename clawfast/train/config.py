@@ -4,6 +4,12 @@ Every section has ``extra="forbid"``: a misspelt key is an error, never a silent
 key is refused with its new name. Sections are frozen and validated on construction (a `ValueError`
 naming the field). A file becomes a `RunConfig` through `clawfast.train.config_file.load_config`.
 
+TOML has no null, so a setting documented with a None meaning (``optim.max_grad_norm``: no clipping,
+``algorithm.value_clip``: no value clip, ...) is written as the string ``"none"`` (any case): in every
+section, a field whose type allows None reads ``"none"`` as None (``max_grad_norm = "none"`` in a
+file, ``--set optim.max_grad_norm=none`` on the command line); a field whose type does not allow
+None keeps the string as it is.
+
 Guaranteed: a `RunConfig` that validated is internally consistent (the cross-field checks at the end of
 `RunConfig`), and `clawfast.train.step_config.step_config` builds the trainer's `StepConfig` without
 error. Not guaranteed: that the model, harnesses or sandbox backend exist on this machine (checked
@@ -13,6 +19,7 @@ when the run starts, where the error can say how to install them).
 from __future__ import annotations
 
 import re
+import typing
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -24,6 +31,25 @@ from clawfast.threads import trained_kinds
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _none_word(cls, data: Any) -> Any:
+        """The string "none" is None in a field whose type allows None (TOML has no null; module
+        docstring). Decided by the field's type, so every optional setting of every section takes it."""
+        if not isinstance(data, dict):
+            return data
+        return {key: None if _means_none(value) and _allows_none(cls.model_fields.get(key)) else value
+                for key, value in data.items()}
+
+
+def _means_none(value: Any) -> bool:
+    return isinstance(value, str) and value.lower() == "none"
+
+
+def _allows_none(field: Any) -> bool:
+    """Whether a pydantic field's type is a union with None (``float | None``, ``Optional[...]``)."""
+    return field is not None and type(None) in typing.get_args(field.annotation)
+
 
 # How packed tree batches are attended (`clawfast.train.attention.ATTENTION_BACKENDS` is this list).
 AttentionBackend = Literal["auto", "torch", "triton", "flex", "varlen", "sdpa-dense"]
@@ -31,8 +57,10 @@ AttentionBackend = Literal["auto", "torch", "triton", "flex", "varlen", "sdpa-de
 
 class LoraConfig(_Section):
     """A LoRA adapter (`clawfast.train.lora`, through peft): rank and alpha (the update is scaled by
-    alpha / rank), dropout on the adapter's input, target_modules: "all-linear" (every Linear but
-    the LM head) or a list of module names (peft's matching: a name's last parts, e.g. "q_proj")."""
+    alpha / rank), dropout on the adapter's input in the cold start's supervised passes only (RL
+    passes run with every dropout off, the model's own included: `clawfast.train.policy.rl_mode`),
+    target_modules: "all-linear" (every Linear but the LM head) or a list of module names (peft's
+    matching: a name's last parts, e.g. "q_proj")."""
 
     rank: int = Field(16, ge=1)
     alpha: float = Field(32.0, gt=0)
@@ -51,7 +79,8 @@ class ModelConfig(_Section):
     varlen kernel over the tree's path segments: CUDA, float16 / bfloat16) or "sdpa-dense" (the
     dense [N, N] mask: the reference, O(N^2) memory). gradient_checkpointing: recompute each decoder
     layer in the backward pass, so a micro-batch keeps only the layers' inputs instead of all their
-    activations (what long ``optim.micro_batch_tokens`` budgets need on a GPU; same gradients).
+    activations (what long ``optim.micro_batch_tokens`` budgets need on a GPU; same gradients; the
+    trainer runs the policy in train mode, where transformers checkpoints, with dropout off in RL).
     device: where a one-process run keeps the policy and the torch engine: "auto" (the first GPU
     when torch sees one, else the CPU), "cpu", "cuda" or "cuda:N"; a GPU named where torch sees none
     stops the run with an error. An FSDP run places each rank on ``cuda:LOCAL_RANK`` itself, so it
@@ -285,10 +314,11 @@ class AlgorithmConfig(_Section):
     where the IS ratio rho = pi_prox / pi_behav compares the policy at the start of the RL step
     (proximal) with the sampler's `infer_logprobs` (behaviour: whatever weight version sampled the
     call), and the clipped ratio pi / pi_prox compares the current policy with the proximal one.
-    is_mode: "truncate" (weight min(rho, is_cap)), "mask" (rho inside [is_lo, is_hi], else 0) or
-    "off" (weight 1). is_level: "token" (one rho per target) or "sequence" (one rho per kept
-    root-to-leaf path of a rollout, the product of its targets' ratios; a target shared by several
-    kept paths gets the mean of their weights); "sequence" needs is_mode "truncate" or "mask".
+    is_mode: "truncate" (weight min(rho, is_cap)), "mask" (rho inside [is_lo, is_hi], else 0; is_lo
+    below is_hi) or "off" (weight 1); is_lo / is_hi act in "mask" only, is_cap in the other two.
+    is_level: "token" (one rho per target) or "sequence" (one rho per kept root-to-leaf path of a
+    rollout, the product of its targets' ratios; a target shared by several kept paths gets the mean
+    of their weights); "sequence" needs is_mode "truncate" or "mask".
     clip_low / clip_high / dual_clip: the clipping of pi / pi_prox, which acts only when a step makes
     several optimizer updates (`OptimConfig.ppo_epochs`, `OptimConfig.updates_per_step`).
     max_kept_leaves / drop_dead: the leaf filter of `build_tree`.
@@ -359,8 +389,11 @@ class AlgorithmConfig(_Section):
 
     @model_validator(mode="after")
     def _bounds(self) -> "AlgorithmConfig":
+        # is_lo / is_hi bound masked IS only (its weights and thresholds, `clawfast.kernels.ISConfig`);
+        # the other modes never read them (`StepConfig.is_config`), so they are checked where they act.
         if self.is_mode == "mask" and not self.is_lo < self.is_hi:
-            raise ValueError(f"is_lo ({self.is_lo}) must be below is_hi ({self.is_hi})")
+            raise ValueError(f"is_mode = 'mask' needs algorithm.is_lo below algorithm.is_hi, got is_lo = "
+                             f"{self.is_lo}, is_hi = {self.is_hi}")
         if self.filter_groups and self.name != "grpo":
             raise ValueError("filter_groups applies to GRPO's groups: it needs name = 'grpo'")
         if self.is_level == "sequence" and self.is_mode == "off":
@@ -499,10 +532,11 @@ class DistributedConfig(_Section):
 
 class RunConfig(_Section):
     """The whole run. steps: RL steps (each: rollouts, ``optim.ppo_epochs x optim.updates_per_step``
-    optimizer updates, a weight push). seed: seeds the data order, sampling and torch."""
+    optimizer updates, a weight push). seed (>= 0: NumPy's generators take no negative seed): seeds
+    the data order, sampling and torch."""
 
     run_dir: str = "runs/run"
-    seed: int = 0
+    seed: int = Field(0, ge=0)
     steps: int = Field(10, ge=0)
     model: ModelConfig = ModelConfig()
     engine: EngineConfig = EngineConfig()

@@ -7,9 +7,15 @@ Any problem raises `ConfigError` (a `ValueError`) naming the file and the field,
 ``quickstart.toml: field 'optim.lr': Input should be greater than 0``.
 
 Relative input paths in the file (``model.path``, ``tasks.suite`` when it is a directory or a
-``clawgym:PATH`` or ``pinchbench:PATH``, ``rollout.recorded_dir``) are resolved against the directory of the TOML file, so a
-config reads the same inputs from any working directory; ``run_dir`` (an output) is relative to the
-working directory.
+``clawgym:PATH`` or ``pinchbench:PATH``, ``rollout.recorded_dir``) are resolved against the directory
+of the TOML file, so a config reads the same inputs from any working directory; the same paths given
+in an override (``--set model.path=...``) are the command line's, resolved against the working
+directory, as any command's arguments are; ``run_dir`` (an output) is relative to the working
+directory either way.
+
+Override values are TOML values, or bare strings when they do not parse as TOML (``--set
+run_dir=out/x``). TOML has no null: ``none`` (or ``"none"``) sets a field whose type allows None to
+None (``--set optim.max_grad_norm=none``), in a file as in an override (`clawfast.train.config`).
 """
 
 from __future__ import annotations
@@ -112,10 +118,22 @@ def load_config(path: str | Path, *, overrides: list[str] | tuple[str, ...] = ()
         raise ConfigError(f"{path}: no such config file") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    # The file's relative paths are the file's (its directory); an override's are the command line's
+    # (the working directory): each is resolved against its own base before they are merged.
+    _resolve_paths(raw, path.parent)
     for item in overrides:
         keys, value = _parse_override(item)
-        _apply(raw, keys, value)
+        single: dict[str, Any] = {}
+        _apply(single, keys, value)
+        _resolve_paths(single, Path.cwd())
+        _apply(raw, keys, _lookup(single, keys))
     return config_from_dict(raw, source=path.name, base_dir=path.parent)
+
+
+def _lookup(raw: dict[str, Any], keys: list[str]) -> Any:
+    for key in keys:
+        raw = raw[key]
+    return raw
 
 
 def _deep_copy(raw: Any) -> Any:

@@ -41,9 +41,10 @@ weights and writes metrics and checkpoints (in the one-process format, so either
 either). examples/multi_node.toml has the commands for a cluster.
 
 Guaranteed: a run resumed from its latest checkpoint (``resume=True``) continues at the saved step
-and data position with the saved weights, optimizer and RNG states (an asynchronous run's groups
-in flight at the checkpoint are not stored: the resumed run says how many and runs their tasks
-again first); with a deterministic rollout source (recorded rollouts) it produces the same
+and data position with the saved weights, optimizer state (moments, step counts; the optimizer's
+hyper-parameters are the resumed run's config, `clawfast.train.checkpoint`) and RNG states (an
+asynchronous run's groups in flight at the checkpoint are not stored: the resumed run says how many
+and runs their tasks again first); with a deterministic rollout source (recorded rollouts) it produces the same
 checkpoints as an uninterrupted run (tests/train/test_resume.py). Not guaranteed: identical rollouts from real harnesses across a
 resume (their timing and the engine's batching are not deterministic).
 """
@@ -103,11 +104,16 @@ def seed_everything(seed: int) -> None:
 
 def prepare_run_dir(config: RunConfig, resume: bool) -> tuple[Path, Path | None]:
     """Create the run directory; return it and the checkpoint to resume from (None: fresh run).
-    A fresh run refuses a directory that already holds checkpoints."""
+    A fresh run refuses a directory that already holds checkpoints; a resumed one without any starts
+    at step 0, and says so."""
     run_dir = Path(config.run_dir)
     ckpt = latest_checkpoint(run_dir) if resume else None
     if not resume and list_checkpoints(run_dir):
         raise ValueError(f"{run_dir} already holds checkpoints: pass --resume to continue it, or choose another run_dir")
+    if resume and ckpt is None:
+        # Not refused: a job restarted with the same command line (--resume) may not have reached its first
+        # checkpoint. But a mistyped run_dir would start over silently, so it is said.
+        print(f"no checkpoint in {run_dir}: starting at step 0", flush=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
     return run_dir, ckpt

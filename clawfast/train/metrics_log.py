@@ -83,23 +83,32 @@ class MetricsLogger:
 
 
 def read_metrics(run_dir_or_file: str | Path) -> list[dict[str, Any]]:
-    """Every record of a run's metrics.jsonl (a torn last line, from a kill mid-write, is skipped)."""
+    """Every record of a run's metrics.jsonl (a torn last line, from a kill mid-write, is skipped).
+    Raises FileNotFoundError without the file, ValueError (naming the file, and the line) for a file
+    that is not UTF-8 text or a line that is not a JSON object."""
     path = Path(run_dir_or_file)
     if path.is_dir():
         path = path / METRICS_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no metrics file")
+    try:
+        lines = path.read_text().splitlines()
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not a metrics file (not UTF-8 text: {exc.reason} at byte {exc.start})") from None
     records = []
-    lines = path.read_text().splitlines()
     for i, line in enumerate(lines):
         if not line.strip():
             continue
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError:
             if i == len(lines) - 1:
                 continue
             raise ValueError(f"{path}: line {i + 1} is not JSON") from None
+        # Every reader does record.get(...): a list or a number would crash it with an AttributeError.
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}: line {i + 1} is not a JSON object")
+        records.append(record)
     return records
 
 

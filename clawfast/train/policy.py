@@ -23,6 +23,11 @@ fused kernel reads it.
 
 Guaranteed: for every target, the log-prob its path gives when run alone as a plain causal
 sequence (tests/test_keystone.py, tests/train/test_step_equivalence.py), with every backend.
+
+RL passes (`rl_mode`, which `clawfast.train.step.train_step` applies first): the policy in train
+mode (so gradient checkpointing recomputes) with every dropout off (so the proximal pass, the IS
+weights and each update's forward see one function, the one the engine samples from). The cold
+start's supervised passes keep the model's dropout (`clawfast.train.coldstart.sft_epoch`).
 """
 
 from __future__ import annotations
@@ -38,6 +43,37 @@ from clawfast.kernels import TreeMask, tree_logprobs
 from clawfast.moe_routing import ExpertRouting
 from clawfast.train.attention import ATTENTION_BACKENDS, TreeAttentionArgs, tree_batch, use_tree_attention
 from clawfast.tree_mask import dense_tree_mask
+
+
+# Train-mode-only noise that HF modules read from a plain number attribute (not an nn.Dropout):
+# the attention modules' ``dropout=0.0 if not self.training else self.attention_dropout``, and the
+# router jitter of Mixtral-style MoE blocks (``if self.training and self.jitter_noise > 0``).
+NOISE_ATTRIBUTES = ("attention_dropout", "jitter_noise")
+DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+
+
+def rl_mode(policy: nn.Module) -> nn.Module:
+    """Put `policy` (in place; returned) in the mode every RL pass runs in: train mode, because
+    transformers checkpoints a decoder layer only while it trains (``model.gradient_checkpointing``
+    is otherwise a no-op), and no dropout at all, because the PPO ratio pi / pi_prox and the IS
+    weights compare passes of one function: with a fresh dropout mask per pass, the ratio is not 1 at
+    unchanged weights, and none of them is the function the engine sampled from (engines run in eval
+    mode). As TRL's RL trainers do (``disable_dropout_in_model``): every dropout module's ``p`` (peft's
+    ``lora_dropout`` included) and every `NOISE_ATTRIBUTES` number become 0, for good (the run's cold
+    start, which keeps them, comes before its first RL step). `clawfast.train.step.train_step` calls
+    this first, so any policy given to it (or to `train_on_rollouts`) is in this mode; a caller of the
+    step's parts alone (`fix_step`, `accumulate_gradients`) calls it itself. The torch engine and the
+    reference policy run copies of their own in eval mode: this does not touch them."""
+    policy.train()
+    for module in policy.modules():
+        if isinstance(module, DROPOUTS):
+            module.p = 0.0
+        for name in NOISE_ATTRIBUTES:
+            value = getattr(module, name, None)
+            # a number only: some models name an nn.Dropout submodule "attention_dropout" (zeroed above)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                setattr(module, name, 0.0)
+    return policy
 
 
 @dataclass

@@ -53,11 +53,13 @@ where D is the mini-batch's total weight (token-mean) or its number of rollouts 
 tests/train/test_step_equivalence.py checks loss and gradients against the same step computed
 from flat per-leaf trajectories.
 
-**Metrics.** Per-update metrics (loss parts, entropy, kl_ref, clip_frac / ratio_mean /
-approx_kl_old against the proximal policy, grad_norm) are averaged over the step's updates, times
-summed; the IS / mismatch metrics (proximal vs behaviour, `clawfast.train.mismatch`) are the step's,
-under today's names and verl's ``rollout_corr/...`` names (`clawfast.train.verl_names`; docs/DESIGN.md
-section 6).
+**Metrics.** Per-update metrics (``loss``, the full objective: ``pg_loss``, the IS-weighted clipped
+surrogate alone, plus ``kl_coef * kl_ref`` minus ``entropy_coef * entropy`` plus PPO's weighted
+``value_loss``; entropy, kl_ref, clip_frac / ratio_mean / approx_kl_old against the proximal policy,
+grad_norm) are averaged over the updates the step made (a mini-batch with nothing trainable makes
+none and is not counted), times summed; the IS / mismatch metrics (proximal vs behaviour,
+`clawfast.train.mismatch`) are the step's, under today's names and verl's ``rollout_corr/...`` names
+(`clawfast.train.verl_names`; docs/DESIGN.md section 6).
 
 **Data parallel** (`clawfast.train.data_parallel`). When ``torch.distributed`` is initialised, rank r
 takes micro-batches r, r + W, ... (of the step in the proximal pass, of the mini-batch in an update);
@@ -82,7 +84,7 @@ import torch
 from clawfast.records import RolloutResult
 from clawfast.train.checkpoint import TrainState
 from clawfast.train.config import RunConfig
-from clawfast.train.policy import Policy
+from clawfast.train.policy import Policy, rl_mode
 from clawfast.train.prepare import StepData, prepare_step, token_counts
 from clawfast.train.proximal import FixedTargets, fix_step
 from clawfast.train.step_config import StepConfig, step_config
@@ -102,7 +104,8 @@ def train_step(policy: Policy, optimizer: torch.optim.Optimizer, rollouts: Seque
     hold whole groups. ``weight_version``: the policy's current version, for the staleness filter.
     ``ref_policy``: the frozen reference for the KL term (needed when ``config.kl_coef > 0``).
     ``rng``: shuffles the mini-batch order of each epoch (None: in order).
-    Metrics: averaged over the updates: loss, pg_loss, value_loss, entropy, kl_ref, clip_frac,
+    Metrics: averaged over the updates made: loss (the full objective), pg_loss (its clipped surrogate
+    part alone), value_loss, entropy, kl_ref, clip_frac,
     dual_clip_frac, ratio_mean, approx_kl_old (the last four against the proximal policy),
     grad_norm; summed: time_fwd_bwd_s, time_optimizer_s; the step's: the is_* / mismatch_* metrics
     and their ``rollout_corr/...`` names, advantage_mean / value_mean (PPO), num_updates (optimizer
@@ -111,6 +114,7 @@ def train_step(policy: Policy, optimizer: torch.optim.Optimizer, rollouts: Seque
     main_divergences, side_calls) and the other timings (seconds). With nothing trainable the optimizer is
     not stepped (``stepped`` = 0).
     """
+    rl_mode(policy)  # train mode (gradient checkpointing acts), no dropout (pi / pi_prox is 1 at equal weights)
     t0 = time.perf_counter()
     data = prepare_step(rollouts, groups, config, weight_version=weight_version)
     t_prep = time.perf_counter() - t0
@@ -150,12 +154,20 @@ def _update(policy, optimizer, data: StepData, config: StepConfig, fixed: FixedT
 
 
 def _combine(updates: list[dict[str, float]]) -> dict[str, float]:
-    """Per-update metrics of a step: times summed, the rest averaged (one update: as it is)."""
+    """Per-update metrics of a step: times summed over every update, the rest averaged over the
+    updates that stepped (one update: as it is). A mini-batch whose groups were all dropped makes no
+    update: its zero loss and gradient norm would only dilute the means. With no update at all, the
+    empty updates' zeros."""
     if len(updates) == 1:
         return dict(updates[0])
-    keys = sorted({k for m in updates for k in m})
-    vals = {k: [m[k] for m in updates if k in m] for k in keys}
-    return {k: float(np.sum(v) if k.startswith("time_") else np.mean(v)) for k, v in vals.items()}
+    made = [m for m in updates if m["stepped"]] or updates
+    combined = {}
+    for k in sorted({k for m in updates for k in m}):
+        if k.startswith("time_"):
+            combined[k] = float(np.sum([m[k] for m in updates if k in m]))
+        elif any(k in m for m in made):
+            combined[k] = float(np.mean([m[k] for m in made if k in m]))
+    return combined
 
 
 def train_on_rollouts(policy, optimizer, results: list[RolloutResult], config: RunConfig, state: TrainState,

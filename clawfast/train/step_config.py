@@ -36,9 +36,12 @@ class StepConfig(AlgorithmConfig):
         return self
 
     def is_config(self) -> ISConfig:
+        # is_lo / is_hi bound masked IS only: the other modes leave ISConfig's defaults, so bounds they never
+        # read cannot stop a step (the config checks the bounds where they act, in "mask").
+        if self.is_mode == "mask":
+            return ISConfig(level=self.is_level, mode="mask", cap=self.is_cap, lo=self.is_lo, hi=self.is_hi)
         # "off" still measures the mismatch (metrics with the truncation thresholds); no weight is applied
-        mode = "truncate" if self.is_mode == "off" else self.is_mode
-        return ISConfig(level=self.is_level, mode=mode, cap=self.is_cap, lo=self.is_lo, hi=self.is_hi)
+        return ISConfig(level=self.is_level, mode="truncate", cap=self.is_cap)
 
     def needs_proximal(self, num_minibatches: int) -> bool:
         """Whether the proximal log-probs need their own no-grad pass: not for one update at token

@@ -50,7 +50,8 @@ def accumulate_gradients(policy: Policy, data: StepData, config: StepConfig, *,
     offsets = data.offsets
     metrics: dict[str, float] = {}
     t1 = time.perf_counter()
-    sums = torch.zeros(3 + len(LOSS_METRIC_NAMES), dtype=torch.float64)  # loss, pg part, value part, metrics
+    # loss (the full objective), its policy-gradient surrogate part, its value part, the kernel's metrics
+    sums = torch.zeros(3 + len(LOSS_METRIC_NAMES), dtype=torch.float64)
     collected = []  # (logprobs, infer, weights, rollout) of real targets, for the IS metrics of a one-update step
     # per thread kind: loss weight and weighted advantage, IS ratio, k3 (summed on the device: no sync per batch)
     per_kind = torch.zeros(len(KINDS), 4, dtype=torch.float64, device=device) if len(config.train_threads) > 1 else None
@@ -94,8 +95,12 @@ def accumulate_gradients(policy: Policy, data: StepData, config: StepConfig, *,
         ((pg_part + v_part) * scale).backward()
         if real:
             w = float(a_sum)
-            pg_f, v_f = float(pg_part.detach()), float(v_part.detach())
-            sums += torch.tensor([pg_f + v_f, pg_f, v_f]
+            # `pg` is the whole policy loss (surrogate + kl_coef * KL - entropy_coef * entropy); the
+            # pg_loss metric is the surrogate alone, the kernel's own pg_loss scaled like `pg_part`,
+            # so that pg_loss, kl_ref and entropy are separate parts of `loss`.
+            full_f, v_f = float(pg_part.detach()), float(v_part.detach())
+            surrogate_f = m["pg_loss"] * w / denominator
+            sums += torch.tensor([full_f + v_f, surrogate_f, v_f]
                                  + [m[k] * w for k in LOSS_METRIC_NAMES], dtype=torch.float64)
             if per_kind is not None:
                 prox = out.logprobs.detach() if old is None else old

@@ -1,5 +1,6 @@
 """The learning-rate warm-up of a run (``optim.warmup_updates``): a linear ramp over its first optimizer
-updates, counted from the optimizer's own step counts, so a resumed run continues the ramp. A fresh
+updates, counted from the optimizer's own step counts, so a resumed run continues the ramp (from its
+configured lr: `clawfast.train.checkpoint.load_checkpoint` keeps the config's hyper-parameters). A fresh
 AdamW's first update moves every weight by about ``lr`` in the sign of its gradient, however small
 that gradient; the ramp keeps that first move small (docs/DESIGN.md, section 4).
 """

@@ -4,6 +4,8 @@ protocol, record nothing, and never touch other rollouts."""
 
 from __future__ import annotations
 
+import asyncio
+import random
 import threading
 
 import anthropic
@@ -61,6 +63,75 @@ def test_calls_in_flight_count_against_the_budget(proxy_factory, tmp_path):
     finally:
         live.engine.gate.set()
         live.server.stop()
+
+
+class JitteryEngine(ScriptedEngine):
+    """The scripted engine, answering after a random 0-20 ms (calls end in any order)."""
+
+    async def generate(self, prompt_ids, params):
+        await asyncio.sleep(random.uniform(0.0, 0.02))
+        return await super().generate(prompt_ids, params)
+
+
+def test_the_budget_holds_under_concurrent_calls(proxy_factory, tmp_path):
+    """Many clients of one rollout calling at once never get more than its budget through. A count of
+    answered calls plus generations in flight dipped between a generation's end and its record, and
+    a call let through in that gap overran the budget (2 of 40 such rollouts did)."""
+    live = proxy_factory(tmp_path, engine_cls=JitteryEngine, script=["Hello."], cycle=True)
+    budget, clients, calls_each, rollouts = 3, 8, 6, 40
+    body = {"model": "policy", "messages": [{"role": "user", "content": "hi"}]}
+
+    async def hammer(key: str) -> list[int]:
+        async with httpx.AsyncClient(base_url=live.url, headers={"authorization": f"Bearer {key}"}, timeout=30) as c:
+            async def client() -> list[int]:
+                statuses = []
+                for _ in range(calls_each):
+                    statuses.append((await c.post("/v1/chat/completions", json=body)).status_code)
+                    await asyncio.sleep(random.uniform(0.0, 0.005))
+                return statuses
+
+            return [s for statuses in await asyncio.gather(*(client() for _ in range(clients))) for s in statuses]
+
+    try:
+        for i in range(rollouts):
+            opened = live.registry.open(f"b{i}", harness="test", sampling=Sampling(max_calls=budget))
+            statuses = asyncio.run(hammer(opened.key))
+            result = live.registry.close(opened.rollout_id)
+            assert len(result.calls) == statuses.count(200) == budget, (i, len(result.calls), sorted(statuses))
+            assert len(result.info["refusals"]) == clients * calls_each - budget
+    finally:
+        live.server.stop()
+
+
+def test_a_finished_call_counts_before_its_record_is_written(renderer, tmp_path):
+    """The gap itself, step by step: a call whose generation has ended but whose record is not written
+    yet still counts. A call refused before it reached the engine (here: too long) does not."""
+    from clawfast.proxy import ProxyCore, RolloutRegistry
+    from clawfast.proxy.canonical import Conversation, Message, Request
+    from clawfast.proxy.chat import ChatFront
+    from clawfast.proxy.front import ProtocolError
+
+    engine = ScriptedEngine(renderer.encode, renderer.turn_end_id, ["Hello."], cycle=True)
+    core = ProxyCore(engine, renderer, ProxyConfig(max_model_len=64))
+    registry = RolloutRegistry(tmp_path / "records")
+    rollout = registry.lookup(registry.open("b", sampling=Sampling(max_calls=2)).key)
+
+    def prepare(text: str):
+        request = Request("chat", Conversation("", (), (Message("user", text),)), "policy", False, 8)
+        return core.prepare(ChatFront(), rollout, request, {})
+
+    async def main() -> None:
+        with pytest.raises(ProtocolError, match="prompt is too long"):
+            prepare("word " * 100)
+        first = prepare("hi")
+        gen = await core.start(first)  # ended and no longer tracked; its record is not written yet
+        prepare("hi")
+        with pytest.raises(ProtocolError, match="budget of 2 model calls is spent"):
+            prepare("hi")
+        core.complete(first, gen)
+
+    asyncio.run(main())
+    assert rollout.calls_started() == 2 and len(registry.close("b").calls) == 1
 
 
 def test_budget_must_be_positive_in_the_train_config():

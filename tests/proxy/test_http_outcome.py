@@ -150,6 +150,35 @@ def test_a_call_whose_client_left_records_what_was_sent(start, tmp_path, stream,
     assert "refusals" not in live.close("r")[0].info
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_reply_that_cannot_be_built_leaves_no_record(start, monkeypatch, stream):
+    """The record is written after the reply is built, so it never says 200 for a call answered with a
+    500: a reply that fails to build (a bug) is a 500 in the protocol's shape, or a stream's error
+    event once its 200 head went out, kept as a refusal, with no record."""
+    from clawfast.proxy.chat import ChatFront
+
+    def broken(self, answer):
+        raise TypeError("cannot build this reply")
+
+    monkeypatch.setattr(ChatFront, "response", broken)
+    monkeypatch.setattr(ChatFront, "stream_body", broken)
+    live = start(engine_cls=GatedScriptedEngine, script=["Hello."], cycle=True)
+    key = live.open("r")
+    threading.Timer(0.3, live.engine.gate.set).start()  # a stream's head goes out first
+    gpt = openai.OpenAI(base_url=live.url + "/v1", api_key=key, max_retries=0)
+    if stream:
+        with pytest.raises(openai.APIError, match="internal error: TypeError: cannot build this reply"):
+            list(gpt.chat.completions.create(**CHAT_BODY, stream=True))
+    else:
+        with pytest.raises(openai.InternalServerError) as failed:
+            gpt.chat.completions.create(**CHAT_BODY)
+        assert failed.value.body["type"] == "server_error"
+    assert live.registry.records("r") == []
+    (entry,) = live.close("r")[0].info["refusals"]
+    assert facts([entry]) == [(500, "api_error", "chat", "/v1/chat/completions", stream)]
+    assert entry.get("in_stream") == (True if stream else None)
+
+
 # -- refusals --------------------------------------------------------------------------------------
 
 
@@ -257,6 +286,41 @@ def test_too_large_and_count_tokens_refusals(start):
                                (400, "invalid_request", "anthropic", "/v1/messages/count_tokens", None)]
 
 
+def test_count_tokens_refuses_what_the_template_rejects_as_messages_does(embedded_dir, tmp_path):
+    """A chat template that raises (``raise_exception``) is the same 400 invalid_request_error on
+    count_tokens as on /v1/messages, kept as a refusal of each route."""
+    from transformers import AutoTokenizer
+
+    from clawfast.proxy import ChatRenderer
+
+    tokenizer = AutoTokenizer.from_pretrained(embedded_dir)
+    assistant = "{% elif message.role == 'assistant' %}"
+    assert assistant in tokenizer.chat_template
+    boom = "{% if message.content == 'boom' %}{{ raise_exception('roles must alternate') }}{% endif %}"
+    tokenizer.chat_template = tokenizer.chat_template.replace(assistant, assistant + boom, 1)
+    live = Live(ChatRenderer(tokenizer), tmp_path)
+    try:
+        key = live.open("r")
+        claude = anthropic.Anthropic(base_url=live.url, api_key=key, max_retries=0)
+        messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "boom"},
+                    {"role": "user", "content": "b"}]
+        assert claude.messages.count_tokens(model="policy", messages=messages[:1]).input_tokens > 0
+        bodies = []
+        for call in (lambda: claude.messages.create(model="policy", max_tokens=8, messages=messages),
+                     lambda: claude.messages.count_tokens(model="policy", messages=messages)):
+            with pytest.raises(anthropic.BadRequestError) as refused:
+                call()
+            bodies.append(refused.value.body)
+        rejected = "the chat template rejected the conversation: roles must alternate"
+        error = {"type": "invalid_request_error", "message": rejected}
+        assert bodies[0] == bodies[1] == {"type": "error", "error": error}
+        refusals = live.close("r")[0].info["refusals"]
+        assert facts(refusals) == [(400, "invalid_request", "anthropic", "/v1/messages", False),
+                                   (400, "invalid_request", "anthropic", "/v1/messages/count_tokens", None)]
+    finally:
+        live.server.stop()
+
+
 def test_engine_failures_are_refusals(start, tmp_path):
     live = start(engine_cls=FailingEngine, access_log=tmp_path / "access.jsonl")
     key = live.open("r")
@@ -282,6 +346,40 @@ def test_engine_failures_are_refusals(start, tmp_path):
     assert [(e["status"], e["error"]) for e in lines] == [(500, "engine error: RuntimeError: no"),
                                                           (400, "engine refused the request: no"),
                                                           (200, "engine error: RuntimeError: no")]
+
+
+@pytest.mark.parametrize("kind, code, message", [("refuse", "invalid_request_error", "engine refused the request: no"),
+                                                 ("fail", "server_error", "engine error: RuntimeError: no")])
+def test_a_failed_responses_stream_ends_in_response_failed(start, kind, code, message):
+    """As the Responses API ends a failed stream: response.failed, carrying the response (its id, status
+    "failed", its error's code and message), numbered after the head's events. Codex reads the code
+    (context_length_exceeded: a context overflow; any other: a stream to retry)."""
+    live = start(engine_cls=FailingEngine)
+    live.engine.kind, live.engine.delay = kind, 0.2  # the head goes out first
+    key = live.open("r")
+    gpt = openai.OpenAI(base_url=live.url + "/v1", api_key=key, max_retries=0)
+    events = list(gpt.responses.create(model="policy", input="hi", stream=True))
+    assert [e.type for e in events] == ["response.created", "response.in_progress", "response.failed"]
+    assert [e.sequence_number for e in events] == [0, 1, 2]
+    failed = events[-1].response
+    assert failed.id == events[0].response.id and failed.status == "failed" and failed.output == []
+    assert (failed.error.code, failed.error.message) == (code, message)
+    (entry,) = live.close("r")[0].info["refusals"]
+    assert (entry["protocol"], entry["stream"], entry["in_stream"]) == ("responses", True, True)
+    # The codes the proxy's JSON errors use, here too: a context refusal is context_length_exceeded.
+    from clawfast.proxy.canonical import Conversation, Message, Request
+    from clawfast.proxy.front import ProtocolError
+    from clawfast.proxy.responses import ResponsesFront
+
+    front = ResponsesFront()
+    request = Request("responses", Conversation("", (), (Message("user", "hi"),)), "policy", True, 8)
+    answer = front.new_answer(request, 3)
+    head = front.stream_head(answer)
+    tail = front.stream_error(answer, ProtocolError(400, "context_length", "prompt is too long"))
+    assert head.count(b"event: ") == 2 and tail.startswith(b"event: response.failed\n")
+    event = json.loads(tail.split(b"data: ", 1)[1])
+    assert (event["sequence_number"], event["response"]["error"]) == (
+        2, {"code": "context_length_exceeded", "message": "prompt is too long"})
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 
+import orjson
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -54,6 +55,31 @@ def test_qwen3_malformed_is_text(bad, why):
     assert turn.finish_reason == "stop"
 
 
+# JSON that json.loads accepts and orjson (which writes every reply) refuses: an integer beyond 64 bits,
+# a lone surrogate, arguments nested past what fits under orjson's 254 levels inside a reply.
+UNWRITABLE_ARGUMENTS = ['{"n": 123456789012345678901234567890}', '{"s": "\\ud83d"}',
+                        '{"a": ' + "[" * 252 + "]" * 252 + "}"]
+
+
+@pytest.mark.parametrize("arguments", UNWRITABLE_ARGUMENTS)
+def test_calls_no_reply_can_carry_are_text_in_every_family(arguments):
+    """Treated as malformed markup is: the whole output as text, a parse_error, no call."""
+    outputs = {
+        parse_qwen3: f'<tool_call>\n{{"name": "calc", "arguments": {arguments}}}\n</tool_call>',
+        parse_mistral: f"[TOOL_CALLS]calc[ARGS]{arguments}",
+        parse_llama3_json: f'{{"name": "calc", "parameters": {arguments}}}',
+    }
+    for parse, text in outputs.items():
+        turn = parse(text, "stop", ids())
+        assert turn.tool_calls == [] and turn.finish_reason == "stop", parse
+        assert "cannot be written back as JSON" in turn.parse_error and text in turn.content
+    name = parse_qwen3('<tool_call>\n{"name": "calc\\udc00", "arguments": {}}\n</tool_call>', "stop", ids())
+    assert name.tool_calls == [] and "cannot be written back" in name.parse_error
+    deepest = '{"a": ' + "[" * 240 + "]" * 240 + "}"  # still fits
+    fits = parse_qwen3(f'<tool_call>\n{{"name": "calc", "arguments": {deepest}}}\n</tool_call>', "stop", ids())
+    assert fits.tool_calls and fits.parse_error is None
+
+
 def test_mistral_both_formats():
     turn = parse_mistral('Sure.[TOOL_CALLS][{"name": "bash", "arguments": {"command": "ls"}}]', "stop", ids())
     assert turn.content == "Sure." and turn.tool_calls[0].name == "bash"
@@ -89,3 +115,4 @@ def test_parsers_never_raise(pieces, finish):
         assert turn.finish_reason in ("stop", "length", "tool_calls")
         for call in turn.tool_calls:
             assert isinstance(json.loads(call.arguments), dict)
+            orjson.dumps([call.name, json.loads(call.arguments)])  # every call a parser returns can be written back

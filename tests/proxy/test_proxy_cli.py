@@ -4,6 +4,7 @@ writes the rollout's result frame when terminated."""
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 
@@ -40,3 +41,60 @@ def test_serve_scripted(tmp_path, embedded_dir):
         assert proc.wait(timeout=30) == 0
     (rollout,) = read_rollouts(tmp_path / "records")  # no recover=True: the result frame is there
     assert rollout.status == "ok" and len(rollout.calls) == 2
+
+
+def serve(*args, timeout=120) -> subprocess.CompletedProcess:
+    """`clawfast proxy serve ARGS` that is expected to stop on its own (a bad argument, a failed start);
+    a proxy that starts instead runs into `timeout` and fails the test."""
+    return subprocess.run([sys.executable, "-m", "clawfast.cli", "proxy", "serve", *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+BAD_ARGUMENTS = {  # {tmp}: the test's directory, holding script.json (valid) and bad.json
+    "port too large": (["--port", "99999"], "argument --port: must be a TCP port in 0..65535"),
+    "negative port": (["--port", "-1"], "argument --port: must be a TCP port in 0..65535"),
+    "grpc port too large": (["--grpc-port", "65536"], "argument --grpc-port: must be a TCP port in 0..65535"),
+    "same ports": (["--port", "40001", "--grpc-port", "40001"], "--grpc-port 40001: the same port as --port"),
+    "negative output cap": (["--max-tokens-cap", "-5"], "argument --max-tokens-cap: must be at least 1, got -5"),
+    "zero output cap": (["--max-tokens-cap", "0"], "argument --max-tokens-cap: must be at least 1, got 0"),
+    "negative temperature": (["--temperature", "-3"], "argument --temperature: must be a finite number >= 0"),
+    "missing script": (["--scripted", "{tmp}/missing.json"], "--scripted {tmp}/missing.json: No such file"),
+    "bad script": (["--scripted", "{tmp}/bad.json"], "--scripted {tmp}/bad.json: entry 1 is list"),
+    "missing model": (["--model", "{tmp}/missing"], "--model {tmp}/missing: no such directory"),
+    "not a model": (["--model", "{tmp}"], "--model {tmp}: not a model directory (no config.json)"),
+    "no tokenizer": (["--scripted", "{tmp}/script.json", "--model", "{tmp}"],
+                     "--model {tmp}: cannot use its tokenizer"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_ARGUMENTS))
+def test_a_bad_argument_is_one_line_naming_it_and_exit_2(tmp_path, case):
+    (tmp_path / "script.json").write_text(json.dumps(["hi"]))
+    (tmp_path / "bad.json").write_text(json.dumps(["hi", ["not", "an", "entry"]]))
+    args, message = BAD_ARGUMENTS[case]
+    proc = serve(*[a.format(tmp=tmp_path) for a in args], "--records", tmp_path / "records")
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert message.format(tmp=tmp_path) in proc.stderr.splitlines()[-1], proc.stderr
+
+
+@pytest.mark.parametrize("flag", ["--port", "--grpc-port"])
+def test_a_port_in_use_is_one_line_and_exit_1(tmp_path, flag):
+    (tmp_path / "script.json").write_text(json.dumps(["hi"]))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        args = ["--scripted", tmp_path / "script.json", "--records", tmp_path / "records", "--port", "0", flag, port]
+        proc = serve(*args)
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+        assert proc.stderr.splitlines()[-1] == (f"clawfast proxy serve: {flag} {port}: cannot listen on 127.0.0.1: "
+                                                f"Address already in use")
+        # Taken after that check (a race): the server's own failure to bind, in one line, still exit 1.
+        unchecked = ("import sys, clawfast.commands.proxy as proxy; proxy._try_bind = lambda host, number: None; "
+                     "from clawfast.cli import main; sys.exit(main(sys.argv[1:]))")
+        proc = subprocess.run([sys.executable, "-c", unchecked, "proxy", "serve", *map(str, args)],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+        last = proc.stderr.splitlines()[-1]
+        assert last.startswith("clawfast proxy serve: the proxy failed to start: "), proc.stderr

@@ -304,3 +304,78 @@ def test_responses_custom_tool_round_trip(proxy):
     items += [call.model_dump(exclude_none=True), {"type": "custom_tool_call_output", "call_id": call.call_id, "output": "done"}]
     assert client.responses.create(model="policy", input=items, tools=tools).output_text == "ok"
     assert_continuity(proxy.calls(), 2)
+
+
+# Tool calls that json.loads accepts but orjson, which writes every reply, refuses: an integer beyond 64
+# bits, a lone surrogate, nesting that only the reply's own levels take past orjson's 254.
+UNWRITABLE_CALLS = [
+    '<tool_call>\n{"name": "calc", "arguments": {"n": 123456789012345678901234567890}}\n</tool_call>',
+    '<tool_call>\n{"name": "calc", "arguments": {"s": "\\ud83d"}}\n</tool_call>',
+    '<tool_call>\n{"name": "calc", "arguments": {"a": ' + "[" * 252 + "]" * 252 + "}}\n</tool_call>",
+]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_calls_no_reply_can_carry_are_answered_as_text(proxy, stream):
+    """Such a call is plain text with a parse_error, as malformed markup is, in every API, streamed or
+    not: never a 500 whose record says 200."""
+    tools = [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}]
+    responses_tools = [{"type": "function", "name": "calc", "parameters": {"type": "object"}}]
+    claude = anthropic.Anthropic(base_url=proxy.url, api_key=proxy.key, max_retries=0)
+    gpt = openai.OpenAI(base_url=proxy.url + "/v1", api_key=proxy.key, max_retries=0)
+    hi = [{"role": "user", "content": "hi"}]
+    for output in UNWRITABLE_CALLS:
+        proxy.engine.push(output, output, output)
+        message = _anthropic_turn(claude, stream, model="policy", max_tokens=2000, messages=hi,
+                                  tools=[{"name": "calc", "input_schema": {"type": "object"}}])
+        assert (message.stop_reason, [(b.type, b.text) for b in message.content]) == ("end_turn", [("text", output)])
+        if stream:
+            chunks = [c for c in gpt.chat.completions.create(model="policy", messages=hi, tools=tools, stream=True)
+                      if c.choices]
+            assert "".join(c.choices[0].delta.content or "" for c in chunks) == output
+            assert not any(c.choices[0].delta.tool_calls for c in chunks)
+            assert chunks[-1].choices[0].finish_reason == "stop"
+            events = list(gpt.responses.create(model="policy", input="hi", tools=responses_tools, stream=True))
+            assert events[-1].type == "response.completed"
+            response = events[-1].response
+        else:
+            choice = gpt.chat.completions.create(model="policy", messages=hi, tools=tools).choices[0]
+            assert (choice.message.content, choice.message.tool_calls, choice.finish_reason) == (output, None, "stop")
+            response = gpt.responses.create(model="policy", input="hi", tools=responses_tools)
+        assert [item.type for item in response.output] == ["message"] and response.output_text == output
+    calls = proxy.calls()
+    assert [(c.metadata["protocol"], c.metadata["http_status"]) for c in calls] == [
+        ("anthropic", 200), ("chat", 200), ("responses", 200)] * len(UNWRITABLE_CALLS)
+    assert all("cannot be written back as JSON" in c.metadata["parse_error"] for c in calls)
+    assert "refusals" not in proxy.registry.close(proxy.rollout_id).info
+
+
+def test_non_text_parts_read_as_their_text_or_their_type(proxy):
+    """A refusal part reads as its refusal, an image as [image], any other non-text part as a placeholder
+    naming its type, in every API."""
+    proxy.engine.push("ok", "ok", "ok")
+    gpt = openai.OpenAI(base_url=proxy.url + "/v1", api_key=proxy.key, max_retries=0)
+    gpt.chat.completions.create(model="policy", messages=[
+        {"role": "user", "content": [
+            {"type": "text", "text": "look"}, {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}},
+            {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}},
+            {"type": "file", "file": {"file_id": "file-1"}}]},
+        {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't"}]},
+        {"role": "user", "content": "again"}])
+    gpt.responses.create(model="policy", input=[
+        {"role": "user", "content": [
+            {"type": "input_text", "text": "look"}, {"type": "input_image", "image_url": "https://example.com/a.png"},
+            {"type": "input_file", "file_id": "file-1"}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "refusal", "refusal": "No way."}]},
+        {"role": "user", "content": "again"}])
+    anthropic.Anthropic(base_url=proxy.url, api_key=proxy.key, max_retries=0).messages.create(
+        model="policy", max_tokens=8, messages=[{"role": "user", "content": [
+            {"type": "text", "text": "look"},
+            {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}},
+            {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "d"}},
+            {"type": "search_result", "source": "https://example.com", "title": "t",
+             "content": [{"type": "text", "text": "r"}]}]}])
+    chat, responses, messages = (proxy.core.renderer.decode(c.prompt_ids) for c in proxy.calls())
+    assert "user\nlook\n[image]\n[input_audio]\n[file]<|im_end|>" in chat and "assistant\nI can't<|im_end|>" in chat
+    assert "user\nlook\n[image]\n[input_file]<|im_end|>" in responses and "assistant\nNo way.<|im_end|>" in responses
+    assert "user\nlook\n[image]\n[document]\n[search_result]<|im_end|>" in messages

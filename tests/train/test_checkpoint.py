@@ -115,3 +115,44 @@ def test_mismatched_weights_are_refused(tmp_path):
                                                 head_dim=8)))
     with pytest.raises(ValueError, match="do not match"):
         load_checkpoint(path, other)
+
+
+@pytest.mark.parametrize("saved_ppo", [False, True])
+def test_switching_between_grpo_and_ppo_is_refused_naming_algorithm_name(tmp_path, saved_ppo):
+    """A PPO checkpoint holds a value head, a GRPO one none: resuming either with the other algorithm
+    says so (it was a missing value_head.safetensors, or torch's optimizer param-group error)."""
+    policy = _policy(tmp_path, value_head=saved_ppo)
+    path = save_checkpoint(tmp_path / "run", policy, torch.optim.AdamW(policy.parameters()), TrainState(step=1))
+    other = _policy(tmp_path / "other", value_head=not saved_ppo)
+    saved = "ppo" if saved_ppo else "grpo"
+    with pytest.raises(ValueError, match=rf"{saved.upper()} run's checkpoint.*algorithm.name \('{saved}'\)"):
+        load_checkpoint(path, other, torch.optim.AdamW(other.parameters()))
+    load_checkpoint(path, _policy(tmp_path / "same", value_head=saved_ppo))  # the run's own algorithm loads
+
+
+def test_resume_takes_the_saved_moments_and_the_configured_hyperparameters(tmp_path):
+    """The optimizer's moments and step counts resume; its lr, betas, eps and weight decay (and the
+    warm-up's base lr) are those of the resumed run's config, which its config.json records."""
+    from clawfast.train.build import build_optimizer
+    from clawfast.train.config_file import config_from_dict
+    from clawfast.train.warmup import updates_done, warm_up
+
+    policy = _policy(tmp_path)
+    first = config_from_dict({"optim": {"lr": 1e-5, "weight_decay": 0.0}})
+    optimizer = build_optimizer(first, policy)
+    warm_up(optimizer, 10)  # the ramp keeps its base lr in the groups (initial_lr)
+    _train_a_bit(policy, optimizer, 1)
+    path = save_checkpoint(tmp_path / "run", policy, optimizer, TrainState(step=2))
+
+    changed = config_from_dict({"optim": {"lr": 1e-3, "weight_decay": 0.1, "betas": [0.8, 0.99], "eps": 1e-6}})
+    resumed = build_optimizer(changed, policy)
+    load_checkpoint(path, policy, resumed)
+    for group in resumed.param_groups:
+        hyper = (group["lr"], tuple(group["betas"]), group["eps"], group["weight_decay"])
+        assert hyper == (1e-3, (0.8, 0.99), 1e-6, 0.1)
+        assert group["initial_lr"] == 1e-3  # the ramp's base: the configured lr, not the saved 1e-5
+    assert updates_done(resumed) == updates_done(optimizer) == 2
+    for p in policy.parameters():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(resumed.state[p][key], optimizer.state[p][key]), key
+    assert warm_up(resumed, 10) == pytest.approx(1e-3 * 3 / 10)  # the ramp continues at the configured lr

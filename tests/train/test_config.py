@@ -191,6 +191,61 @@ def test_input_paths_resolve_against_the_config_file(tmp_path):
     assert config.model.path == "embedded" and config.tasks.suite == "clawbench-mini"
 
 
+def test_override_paths_resolve_against_the_working_directory(tmp_path, monkeypatch):
+    """A path in the file is the file's (its directory); the same path given with --set is the
+    command line's (the working directory), as any command's arguments are."""
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "cwd").mkdir()
+    path = tmp_path / "sub" / "run.toml"
+    path.write_text('[model]\npath = "models/m"\n[rollout]\nsource = "recorded"\nrecorded_dir = "recs"\n')
+    monkeypatch.chdir(tmp_path / "cwd")
+    config = load_config(path, overrides=["model.path=mine/m", 'tasks.suite="clawgym:gym?eval=0.5"'])
+    assert config.model.path == str((tmp_path / "cwd" / "mine" / "m").resolve())
+    assert config.tasks.suite == "clawgym:" + str((tmp_path / "cwd" / "gym").resolve()) + "?eval=0.5"
+    assert config.rollout.recorded_dir == str((tmp_path / "sub" / "recs").resolve())  # the file's own
+    config = load_config(path, overrides=['model={path = "table/m"}', "model.path=embedded"])
+    assert config.model.path == "embedded"  # a name, not a path
+    assert load_config(path, overrides=['model={path = "table/m"}']).model.path == str(
+        (tmp_path / "cwd" / "table" / "m").resolve())
+
+
+def test_none_sets_a_field_whose_type_allows_none_in_a_file_and_with_set(tmp_path):
+    """TOML has no null: "none" is None where the field's type allows None, in every section."""
+    path = write(tmp_path, '[optim]\nmax_grad_norm = "none"\n[algorithm]\nvalue_clip = "None"\n')
+    config = load_config(path)
+    assert config.optim.max_grad_norm is None and config.algorithm.value_clip is None
+    assert step_config(config).max_grad_norm is None and step_config(config).value_clip is None
+    config = load_config(write(tmp_path, "steps = 3\n"), overrides=[
+        "optim.max_grad_norm=none", "algorithm.value_clip=none", "engine.max_model_len=none",
+        "algorithm.max_staleness=none", 'model.lora="none"'])
+    assert config.optim.max_grad_norm is None and config.algorithm.value_clip is None
+    assert config.engine.max_model_len is None and config.algorithm.max_staleness is None
+    assert config.model.lora is None
+    # the default stays when unset; a field that does not allow None keeps "none" and says why not
+    assert load_config(write(tmp_path, "steps = 3\n")).optim.max_grad_norm == 1.0
+    with pytest.raises(ConfigError, match="field 'optim.lr'"):
+        load_config(write(tmp_path, "steps = 3\n"), overrides=["optim.lr=none"])
+    assert config_from_dict({"tasks": {"suite": "none"}}).tasks.suite.endswith("none")  # a str: a path
+
+
+@pytest.mark.parametrize("mode", ["truncate", "off"])
+def test_is_bounds_are_checked_where_they_act(tmp_path, mode):
+    """is_lo / is_hi bound masked IS only: in "mask" an inverted pair is refused at load, naming the
+    fields; in the other modes they are never read, so no step fails on them."""
+    for bounds in ("is_lo = 3.0\n", "is_hi = 0.3\n", "is_lo = 1.5\nis_hi = 1.0\n"):
+        with pytest.raises(ConfigError, match=r"field 'algorithm'.*algorithm.is_lo below algorithm.is_hi"):
+            load_config(write(tmp_path, f'[algorithm]\nis_mode = "mask"\n{bounds}'))
+        config = load_config(write(tmp_path, f'[algorithm]\nis_mode = "{mode}"\n{bounds}'))
+        is_config = step_config(config).is_config()  # raised "need 0 <= lo <= hi" at the first step
+        assert is_config.mode == "truncate" and is_config.thresholds == (0.5, 2.0)
+
+
+def test_a_negative_seed_is_refused_at_load(tmp_path):
+    with pytest.raises(ConfigError, match=r"field 'seed': Input should be greater than or equal to 0"):
+        load_config(write(tmp_path, "seed = -1\n"))
+    assert load_config(write(tmp_path, "seed = 0\n")).seed == 0
+
+
 def test_config_is_frozen():
     config = RunConfig()
     with pytest.raises(Exception):

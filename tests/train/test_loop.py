@@ -97,6 +97,19 @@ def test_fresh_run_refuses_a_run_dir_with_checkpoints(tmp_path):
     assert train(config, resume=True, progress=False)["steps"] == 2
 
 
+def test_resume_without_a_checkpoint_says_it_starts_at_step_0(tmp_path, capsys):
+    """`clawfast train --resume` on a run directory with no checkpoint yet (a restarted job that had
+    not reached one, or a mistyped run_dir) starts a fresh run, as its help says, and says so."""
+    from clawfast.train.loop import prepare_run_dir
+
+    config = _load(tmp_path, steps=2, interval=2)
+    run_dir, ckpt = prepare_run_dir(config, resume=True)
+    assert ckpt is None and run_dir == tmp_path / "run"
+    assert capsys.readouterr().out == f"no checkpoint in {run_dir}: starting at step 0\n"
+    assert prepare_run_dir(config, resume=False) == (run_dir, None)  # a fresh run: nothing to say
+    assert capsys.readouterr().out == ""
+
+
 def test_mixed_harness_groups_by_task_and_harness(tmp_path):
     from clawfast.train import distributed
 

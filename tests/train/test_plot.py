@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 import pytest
@@ -64,6 +65,30 @@ def test_plot_cli(tmp_path, capsys):
     assert "no metrics file" in capsys.readouterr().err
     (empty / "metrics.jsonl").write_text(json.dumps({"kind": "coldstart", "step": 0, "nll": 1.0}) + "\n")
     assert main(["plot", str(empty)]) == 2
+
+
+@pytest.mark.parametrize("line", ["[1, 2]", "3", '"text"', "null"])
+def test_a_line_that_is_not_a_json_object_is_refused_naming_the_file_and_line(tmp_path, capsys, line):
+    """Valid JSON that is not an object (here on line 2 of 2, which is no torn tail: it parses) made
+    `clawfast plot` and `clawfast report` crash with an AttributeError; the reader refuses it."""
+    _fill(tmp_path, steps=1)
+    path = tmp_path / "metrics.jsonl"
+    first = path.read_text().splitlines()[0]
+    path.write_text(f"{first}\n{line}\n")
+    with pytest.raises(ValueError, match="^" + re.escape(f"{path}: line 2 is not a JSON object") + "$"):
+        read_metrics(tmp_path)
+    capsys.readouterr()
+    for command in ("plot", "report"):
+        assert main([command, str(tmp_path)]) == 2
+        assert capsys.readouterr().err == f"clawfast {command}: {path}: line 2 is not a JSON object\n"
+
+
+def test_a_file_that_is_not_text_is_refused_naming_it(tmp_path, capsys):
+    (tmp_path / "metrics.jsonl").write_bytes(b"\xff\xfe\x00")
+    for command in ("plot", "report"):
+        assert main([command, str(tmp_path)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"clawfast {command}: {tmp_path / 'metrics.jsonl'}: not a metrics file (not UTF-8")
 
 
 def test_without_matplotlib_a_run_ends_with_its_metrics_and_says_why(tmp_path, capsys, monkeypatch):

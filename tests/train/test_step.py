@@ -105,6 +105,50 @@ def test_nothing_trainable_skips_the_optimizer(policy, rollouts):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("name", ["grpo", "ppo"])
+def test_pg_loss_is_the_surrogate_alone_and_loss_the_whole_objective(name):
+    """pg_loss, kl_ref, entropy and value_loss are separate parts of loss (token-mean):
+    loss = pg_loss + kl_coef * kl_ref - entropy_coef * entropy + value_loss, and pg_loss does not
+    move with the KL and entropy coefficients (lr 0: every run sees the same weights)."""
+    p = tiny_policy(0, value_head=name == "ppo")
+    rs = harness_rollouts(p, seed=2)
+    ref = copy.deepcopy(p)
+    with torch.no_grad():  # a reference away from the policy: a KL that is not 0
+        for w in ref.parameters():
+            w.add_(0.05 * torch.randn_like(w, generator=torch.Generator().manual_seed(w.numel())))
+    runs = {}
+    for kl, ent in ((0.0, 0.0), (1.0, 0.5)):
+        q = copy.deepcopy(p)
+        config = StepConfig(name=name, micro_batch_tokens=longest_kept(rs) + 40, kl_coef=kl, entropy_coef=ent)
+        runs[kl, ent] = train_step(q, torch.optim.SGD(q.parameters(), lr=0.0), rs, None, config, ref_policy=ref)
+    plain, both = runs[0.0, 0.0], runs[1.0, 0.5]
+    assert plain["kl_ref"] > 1e-3 and plain["entropy"] > 0
+    assert both["pg_loss"] == pytest.approx(plain["pg_loss"], rel=1e-6, abs=1e-9)
+    for m, (kl, ent) in ((plain, (0.0, 0.0)), (both, (1.0, 0.5))):
+        want = m["pg_loss"] + kl * m["kl_ref"] - ent * m["entropy"] + m["value_loss"]
+        assert m["loss"] == pytest.approx(want, rel=1e-6, abs=1e-9)
+    assert abs(both["loss"] - both["pg_loss"]) > 1e-2
+
+
+def test_a_minibatch_whose_groups_were_all_dropped_is_not_an_update_in_the_metrics(policy, rollouts):
+    """With two mini-batches, one made only of a too-long rollout's group, the step makes one
+    update: its metrics are that update's, the same as with one mini-batch, not halved by a 0."""
+    depth = [max(lf.depth for lf in build_tree(r.calls).leaves if lf.status == "kept") for r in rollouts]
+    cut = sorted(set(depth))[-2]
+    groups = ["long" if d > cut else "short" for d in depth]
+    assert groups.count("long") >= 1 and groups.count("short") >= 2
+    runs = {}
+    for updates in (1, 2):
+        p = copy.deepcopy(policy)
+        config = StepConfig(micro_batch_tokens=cut, updates_per_step=updates)
+        runs[updates] = train_step(p, torch.optim.SGD(p.parameters(), lr=0.0), rollouts, groups, config)
+    one, two = runs[1], runs[2]
+    assert one["num_updates"] == two["num_updates"] == 1.0 and two["dropped_too_long"] == groups.count("long")
+    for key in ("loss", "pg_loss", "grad_norm", "entropy", "clip_frac", "ratio_mean", "lr"):
+        assert two[key] == pytest.approx(one[key], rel=1e-9, abs=1e-12), key
+    assert one["loss"] != 0.0 and one["grad_norm"] > 0.0
+
+
 def test_bad_config_and_inputs_raise(policy, rollouts):
     with pytest.raises(ValueError, match="name"):
         StepConfig(name="dpo")

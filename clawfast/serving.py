@@ -9,6 +9,7 @@ proxy re-exports it (`clawfast.proxy.ProxyConfig`, `clawfast.proxy.core.ProxyCon
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -26,6 +27,19 @@ class ProxyConfig:
     max_model_len: int | None = None
     keepalive_s: float = 5.0
     parser: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_tokens_cap", "default_max_tokens", "max_model_len"):
+            value = getattr(self, name)
+            if value is None and name == "max_model_len":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ProxyConfig.{name} must be a positive int, got {value!r}")
+        # 0 or less would make the server's wait for the engine return at once, in a busy loop
+        keepalive = self.keepalive_s
+        if isinstance(keepalive, bool) or not isinstance(keepalive, (int, float)) or not (
+                math.isfinite(keepalive) and keepalive > 0):
+            raise ValueError(f"ProxyConfig.keepalive_s must be a number of seconds > 0, got {keepalive!r}")
 
     def served_context(self, engine_limit: int | None) -> int | None:
         """The longest prompt + output a call may have: `max_model_len` or the engine's own limit

@@ -126,6 +126,12 @@ class ResponsesFront(Front):
 
     def parse(self, body: bytes, query: dict[str, str], memory: UnitMemory | None = None) -> Request:
         req = load_body(body, ResponsesRequest, memory, "input")
+        if req.previous_response_id is not None:
+            # As the real API answers an id it does not know: without its stored turns, the input alone
+            # would be rendered as the whole conversation.
+            raise ProtocolError(400, "invalid_request", f"previous response {req.previous_response_id!r} not found: "
+                                "this server stores no responses; send the whole conversation in input",
+                                "previous_response_id")
         conv, custom = _conversation(req, memory)
         return Request(
             protocol=self.name,

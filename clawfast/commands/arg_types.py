@@ -40,3 +40,10 @@ def non_negative_float(text: str) -> float:
     if not (math.isfinite(value) and value >= 0):  # also refuses nan, which compares false with everything
         raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
     return value
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value

@@ -28,7 +28,7 @@ import threading
 import time
 from pathlib import Path
 
-from clawfast.commands.arg_types import non_negative_float, port, positive_int
+from clawfast.commands.arg_types import non_negative_float, port, positive_float, positive_int
 from clawfast.engines.base import Engine, Sampling
 
 PROG = "clawfast proxy serve"
@@ -69,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     serve.add_argument("--max-model-len", type=positive_int, default=None, metavar="N",
                        help="the context served (prompt + output): a longer prompt is refused as each API words a "
                             "context overflow; default: the engine's own limit, if it states one")
-    serve.add_argument("--keepalive", type=float, default=5.0, help="seconds between keep-alive events")
+    serve.add_argument("--keepalive", type=positive_float, default=5.0, help="seconds between keep-alive events")
     serve.add_argument("--max-calls-per-rollout", type=positive_int, default=None, metavar="N",
                        help="refuse a rollout's model calls beyond N (side calls included); default: unlimited")
     serve.add_argument("--grpc-port", type=port, default=None,

@@ -25,8 +25,10 @@ attempt's record is set aside, never trained). Each `run` looks for capacity as 
 `REFRESH_S` while it has work left: a node that joined (a restarted raylet joins as a new node) gets
 an actor.
 
-The pool starts once its first actors have (`RolloutActor.ready`): an actor whose start raised gets
-no rollouts, and a pool none of whose actors started raises, naming the first one's cause.
+An actor gets rollouts once its start has ended (`RolloutActor.ready`: suite loaded, harnesses
+installed); one whose start raised gets none, and its node no new actor for `NODE_GRACE_S`, like a
+node whose actor died. The pool's own start waits for one actor, and raises, naming the first one's
+cause, if none started.
 
 Guaranteed: the same status contract as the local scheduler (`clawfast.rollout.worker`); every spec
 gets exactly one result, ``sandbox_error`` when its retries are spent or no live actor is left; at
@@ -236,6 +238,8 @@ class RayRolloutPool:
         self._nodes: list[str | None] = []
         self._load: list[int] = []
         self._dead: set[int] = set()
+        self._starting: dict[Any, int] = {}  # an actor's `ready` call -> the actor, until its start ended
+        self._start_errors: list[str] = []  # why actors did not start, in the order seen
         self._lost: dict[str, float] = {}  # node id -> when its actor died
         self._freed = threading.Condition()
         self._growing = threading.Lock()
@@ -252,32 +256,47 @@ class RayRolloutPool:
             else:
                 for _ in range(num_actors):
                     self._add_actor(None)
-            self._await_start()
+            self._await_first_start()
         except BaseException:
             self._shutdown()
             raise
         self._checked = time.monotonic()
 
-    def _await_start(self) -> None:
-        """Wait until every first actor has started. One whose start raised (a suite it cannot load, a
-        harness it cannot install) is dead from the start: a warning names its cause; if every actor
-        failed, the pool cannot run anything, and a RuntimeError names the cause here, at the start,
-        instead of every rollout failing later as lost nodes."""
+    def _await_first_start(self) -> None:
+        """Return once one actor has started; if every one failed to (a suite it cannot load, a harness it
+        cannot install), raise RuntimeError with the first one's cause, here at the start, instead of
+        every rollout failing later as a lost node."""
+        log.info("waiting for a rollout actor to start (suite, harness installs)")
+        while True:
+            with self._freed:
+                if any(i not in self._starting.values() for i in self._live()):
+                    return
+                if not self._starting:
+                    break
+            self._note_starts(wait=True)
+        raise RuntimeError(f"no rollout actor started (suite {self.setup.suite!r}); the first one's error: "
+                           f"{self._start_errors[0]}")
+
+    def _note_starts(self, *, wait: bool = False) -> None:
+        """Take in the actors whose start ended (`wait`: wait for one first). One whose start raised is
+        dead (`_actor_died`: its node gets no new actor for `NODE_GRACE_S`), with a warning naming why."""
         import ray
 
-        log.info("waiting for %d rollout actor(s) to start (suite, harness installs)", len(self.actors))
-        causes = {}
-        for i, actor in enumerate(self.actors):
+        with self._freed:
+            pending = list(self._starting)
+        if not pending:
+            return
+        done, _ = ray.wait(pending, num_returns=1 if wait else len(pending), timeout=None if wait else 0)
+        for ref in done:
+            with self._freed:
+                actor = self._starting.pop(ref, None)
+            if actor is None:  # another run's thread took it in
+                continue
             try:
-                ray.get(actor.ready.remote())
-            except ray.exceptions.RayActorError as exc:
-                causes[i] = str(exc)
-                log.warning("rollout actor %d (Ray node %s) did not start: %s", i, self._nodes[i], exc)
-                with self._freed:
-                    self._dead.add(i)
-        if len(causes) == len(self.actors):
-            raise RuntimeError(f"no rollout actor started (suite {self.setup.suite!r}); the first one's error: "
-                               f"{causes[0]}")
+                ray.get(ref)
+            except ray.exceptions.RayError as exc:  # its creation raised, or Ray could not place or set it up
+                self._start_errors.append(str(exc))
+                self._actor_died(actor, f"did not start: {exc}")
 
     def __enter__(self) -> "RayRolloutPool":
         return self
@@ -302,6 +321,7 @@ class RayRolloutPool:
             self.actors.append(actor)
             self._nodes.append(node)
             self._load.append(0)
+            self._starting[actor.ready.remote()] = len(self.actors) - 1
             self._freed.notify_all()
         if node is not None:
             log.info("rollout actor %d placed on Ray node %s", len(self.actors) - 1, node)
@@ -334,9 +354,9 @@ class RayRolloutPool:
         finally:
             self._growing.release()
 
-    def _actor_died(self, actor: int) -> None:
-        """Its process or node is gone (or unreachable): it gets no more rollouts, and it is killed so
-        that one merely unreachable cannot come back with rollouts nobody waits for."""
+    def _actor_died(self, actor: int, why: str = "died: its rollouts run again on live actors") -> None:
+        """Its process or node is gone (or unreachable), or it never started: it gets no more rollouts,
+        and it is killed so that one merely unreachable cannot come back with rollouts nobody waits for."""
         import ray
 
         with self._freed:
@@ -346,7 +366,7 @@ class RayRolloutPool:
             node = self._nodes[actor]
             if node is not None:
                 self._lost[node] = time.monotonic()
-        log.warning("rollout actor %d (Ray node %s) died: its rollouts run again on live actors", actor, node)
+        log.warning("rollout actor %d (Ray node %s) %s", actor, node, why)
         ray.kill(self.actors[actor], no_restart=True)
 
     def run(self, specs: Sequence[RolloutSpec], control: RolloutControl, *, sampling: Sampling | None = None,
@@ -380,6 +400,7 @@ class RayRolloutPool:
             while queue or inflight:
                 if queue:
                     self._grow(now=not self._live())
+                self._note_starts()
                 while queue:
                     with freed:
                         live = self._live()
@@ -393,7 +414,10 @@ class RayRolloutPool:
                                     info={"error": "no live rollout actor: every actor died",
                                           **({"retries": retries} if retries else {})}))
                             break
-                        actor = min(live, key=lambda i: self._load[i])
+                        started = [i for i in live if i not in self._starting.values()]
+                        if not started:  # the live ones are still starting: wait for one
+                            break
+                        actor = min(started, key=lambda i: self._load[i])
                         if self._load[actor] >= self.setup.concurrency:
                             break
                         self._load[actor] += 1  # the slot is taken before the rollout opens
@@ -417,12 +441,15 @@ class RayRolloutPool:
                 stats.running = len(inflight)
                 if display:
                     display.update()
-                if not inflight:  # every slot is another run's: wait for one to free
+                with freed:
+                    starting = list(self._starting) if queue else []
+                if not inflight and not starting:  # every slot is another run's: wait for one to free
                     with freed:
                         freed.wait(timeout=1.0)
                     continue
-                done, _ = ray.wait(list(inflight), num_returns=1, timeout=REFRESH_S)
-                if not done:  # nothing ended: look again for capacity that came back
+                # Wake as a rollout ends or, with work queued, as an actor's start ends (it takes work then).
+                done, _ = ray.wait(list(inflight) + starting, num_returns=1, timeout=REFRESH_S)
+                if not done or done[0] not in inflight:  # look again for capacity (come back, or started)
                     continue
                 job = inflight.pop(done[0])
                 self._release(job.actor)

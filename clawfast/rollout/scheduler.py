@@ -85,6 +85,7 @@ class RolloutScheduler:
         # rollouts and stops the loop only once no caller still waits on a cancel that runs there.
         self._lock = threading.Lock()
         self._closing = False
+        self._closed = threading.Event()  # set when a close has stopped everything
         self._cancels: set[concurrent.futures.Future] = set()
 
     def __enter__(self) -> "RolloutScheduler":
@@ -103,6 +104,7 @@ class RolloutScheduler:
             self.worker.executor = ThreadPoolExecutor(self.concurrency * 2 + 2, thread_name_prefix="clawfast-rollout")
         self._loop = asyncio.new_event_loop()
         self._closing = False
+        self._closed.clear()
         ready = threading.Event()
 
         def serve() -> None:
@@ -197,23 +199,34 @@ class RolloutScheduler:
 
     def close(self) -> None:
         """Cancel every rollout still queued or running (each is closed, its sandbox destroyed), then
-        stop the loop and the thread pool. Idempotent. A `run` in another thread raises (its rollouts
-        cancelled) instead of waiting on a loop that stopped."""
+        stop the loop and the thread pool. Idempotent; a close while another thread closes returns once
+        that one has. A `run` in another thread raises (its rollouts cancelled) instead of waiting on a
+        loop that stopped."""
         with self._lock:
-            if self._loop is None or self._closing:
-                return
-            self._closing = True
-        self.cancel()
-        while True:  # other callers' cancels (a `run` whose rollouts this close cancelled) end first
+            closing_elsewhere = self._closing
+            if not closing_elsewhere:
+                if self._loop is None:
+                    return
+                self._closing = True
+        if closing_elsewhere:
+            self._closed.wait()
+            return
+        try:
+            self.cancel()
+            while True:  # other callers' cancels (a `run` whose rollouts this close cancelled) end first
+                with self._lock:
+                    pending = [w for w in self._cancels if not w.done()]
+                    if not pending:
+                        loop, self._loop = self._loop, None
+                        break
+                concurrent.futures.wait(pending)
+            loop.call_soon_threadsafe(loop.stop)
+            self._thread.join()
+            loop.close()
+            if self.worker.executor is not None:
+                self.worker.executor.shutdown(wait=True)
+                self.worker.executor = None
+        finally:
             with self._lock:
-                pending = [w for w in self._cancels if not w.done()]
-                if not pending:
-                    loop, self._loop, self._closing = self._loop, None, False
-                    break
-            concurrent.futures.wait(pending)
-        loop.call_soon_threadsafe(loop.stop)
-        self._thread.join()
-        loop.close()
-        if self.worker.executor is not None:
-            self.worker.executor.shutdown(wait=True)
-            self.worker.executor = None
+                self._closing = False
+            self._closed.set()

@@ -29,7 +29,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from clawfast.sandbox.workspace import read_head
 from clawfast.tasks.task import Task
 from clawfast.tasks.transcript import summarize
 
@@ -42,7 +41,10 @@ _FENCED_JSON = re.compile(r"```json\s*(.*?)```", re.DOTALL)
 
 def _file_section(workspace: Path, rel: str) -> str:
     # Read without following any link: a link the agent planted (the file or a folder above it) must
-    # not show the judge a file from outside its workspace.
+    # not show the judge a file from outside its workspace. Imported here: the sandbox package loads
+    # its backends, which the trainer, a user of this module, must not import (tests/test_dependencies.py, R5).
+    from clawfast.sandbox.workspace import read_head
+
     try:
         head, size = read_head(str(workspace), rel, FILE_PREVIEW_BYTES)
     except FileNotFoundError:

@@ -34,7 +34,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Protocol, Sequence
 
-from clawfast.sandbox.workspace import write_files
 from clawfast.tasks.task import (
     CallableVerifier,
     CommandVerifier,
@@ -269,6 +268,10 @@ def _run_reward_script(task: Task, verifier: RewardScriptVerifier, workspace: Pa
     _remove(reward)
     shutil.copytree(verifier.directory, reward, symlinks=True)
     _remove(workspace / PAYLOAD_FILE)
+    # Imported here: the sandbox package loads its backends, which the trainer, a user of this module,
+    # must not import (tests/test_dependencies.py, R5).
+    from clawfast.sandbox.workspace import write_files
+
     payload = _reward_payload(task, verifier, final_message, transcript)
     write_files(str(workspace), {PAYLOAD_FILE: json.dumps(payload)})
     env = {"OPENCLAW_REWARD_PAYLOAD": f"{workdir}/{PAYLOAD_FILE}"}

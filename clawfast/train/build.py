@@ -59,6 +59,14 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+# torch.utils.checkpoint options. Non-reentrant on every transformers version (4.57's default is
+# reentrant): a reentrant checkpoint whose input needs no gradient (frozen embeddings under LoRA)
+# would leave the adapter inside it without gradients. No early stop: a recomputation that stopped
+# once it had the tensors it needs would end inside an MoE block, before the hook that routing
+# replay leaves the block by (`clawfast.moe_routing.ExpertRouting`).
+CHECKPOINTING = {"use_reentrant": False, "early_stop": False}
+
+
 def build_policy(config: RunConfig, model_dir: Path):
     """The trained policy (a value head under PPO; a LoRA adapter and gradient checkpointing if
     configured), on the CPU (a one-process run moves it to ``model.device``, an FSDP run shards it)."""
@@ -67,13 +75,12 @@ def build_policy(config: RunConfig, model_dir: Path):
         lora = config.model.lora
         add_lora(policy.lm, lora.rank, lora.alpha, lora.dropout, lora.target_modules)
     if config.model.gradient_checkpointing:
-        # Newer transformers (5.25) name it activation_checkpointing_enable (the old name warns). Non-reentrant
-        # on every version (4.57's default is reentrant): a reentrant checkpoint whose input needs no
-        # gradient (frozen embeddings under LoRA) would leave the adapter inside it without gradients.
-        # It acts in train mode only: the RL step runs the policy in it (`clawfast.train.policy.rl_mode`).
+        # Newer transformers (5.25) name it activation_checkpointing_enable (the old name warns). It acts
+        # in train mode only: the RL step runs the policy in it (`clawfast.train.policy.rl_mode`).
         enable = getattr(policy.lm, "activation_checkpointing_enable", None) or policy.lm.gradient_checkpointing_enable
-        enable({"use_reentrant": False})
+        enable(CHECKPOINTING)
     return policy
+
 
 
 def build_optimizer(config: RunConfig, policy: torch.nn.Module) -> torch.optim.Optimizer:

@@ -38,17 +38,26 @@ class _Section(BaseModel):
         docstring). Decided by the field's type, so every optional setting of every section takes it."""
         if not isinstance(data, dict):
             return data
-        return {key: None if _means_none(value) and _allows_none(cls.model_fields.get(key)) else value
+        return {key: None if means_none(value) and _allows_none(cls.model_fields.get(key)) else value
                 for key, value in data.items()}
 
 
-def _means_none(value: Any) -> bool:
+def means_none(value: Any) -> bool:
+    """Whether a config value is the word for None (module docstring)."""
     return isinstance(value, str) and value.lower() == "none"
 
 
 def _allows_none(field: Any) -> bool:
     """Whether a pydantic field's type is a union with None (``float | None``, ``Optional[...]``)."""
     return field is not None and type(None) in typing.get_args(field.annotation)
+
+
+def sets_none(keys: tuple[str, ...], value: Any) -> bool:
+    """Whether `value` at `keys` of a `RunConfig` (``("rollout", "recorded_dir")``) will read as None."""
+    model: Any = RunConfig
+    for key in keys[:-1]:
+        model = model.model_fields[key].annotation
+    return means_none(value) and _allows_none(model.model_fields.get(keys[-1]))
 
 
 # How packed tree batches are attended (`clawfast.train.attention.ATTENTION_BACKENDS` is this list).

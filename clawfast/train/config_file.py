@@ -26,7 +26,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from clawfast.train.config import RunConfig
+from clawfast.train.config import RunConfig, sets_none
 
 
 class ConfigError(ValueError):
@@ -50,6 +50,8 @@ def _resolve_paths(raw: dict[str, Any], base: Path) -> None:
         if not isinstance(node, dict) or not isinstance(node.get(keys[-1]), str):
             continue
         value = node[keys[-1]]
+        if sets_none(keys, value):  # "none": the field is None (`clawfast.train.config`), not a path
+            continue
         if keys == ("model", "path") and (value == "embedded" or value in MODELS):
             continue
         if keys == ("tasks", "suite") and value in BUILTIN_SUITES:

@@ -164,12 +164,14 @@ def test_a_reply_that_cannot_be_built_leaves_no_record(start, monkeypatch, strea
     monkeypatch.setattr(ChatFront, "stream_body", broken)
     live = start(engine_cls=GatedScriptedEngine, script=["Hello."], cycle=True)
     key = live.open("r")
-    threading.Timer(0.3, live.engine.gate.set).start()  # a stream's head goes out first
     gpt = openai.OpenAI(base_url=live.url + "/v1", api_key=key, max_retries=0)
     if stream:
+        chunks = gpt.chat.completions.create(**CHAT_BODY, stream=True)  # returns once the 200 head is in
+        live.engine.gate.set()
         with pytest.raises(openai.APIError, match="internal error: TypeError: cannot build this reply"):
-            list(gpt.chat.completions.create(**CHAT_BODY, stream=True))
+            list(chunks)
     else:
+        live.engine.gate.set()
         with pytest.raises(openai.InternalServerError) as failed:
             gpt.chat.completions.create(**CHAT_BODY)
         assert failed.value.body["type"] == "server_error"

@@ -58,6 +58,7 @@ BAD_ARGUMENTS = {  # {tmp}: the test's directory, holding script.json (valid) an
     "negative output cap": (["--max-tokens-cap", "-5"], "argument --max-tokens-cap: must be at least 1, got -5"),
     "zero output cap": (["--max-tokens-cap", "0"], "argument --max-tokens-cap: must be at least 1, got 0"),
     "negative temperature": (["--temperature", "-3"], "argument --temperature: must be a finite number >= 0"),
+    "zero keepalive": (["--keepalive", "0"], "argument --keepalive: must be a finite number > 0, got 0"),
     "missing script": (["--scripted", "{tmp}/missing.json"], "--scripted {tmp}/missing.json: No such file"),
     "bad script": (["--scripted", "{tmp}/bad.json"], "--scripted {tmp}/bad.json: entry 1 is list"),
     "missing model": (["--model", "{tmp}/missing"], "--model {tmp}/missing: no such directory"),
@@ -98,3 +99,14 @@ def test_a_port_in_use_is_one_line_and_exit_1(tmp_path, flag):
         assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
         last = proc.stderr.splitlines()[-1]
         assert last.startswith("clawfast proxy serve: the proxy failed to start: "), proc.stderr
+
+
+@pytest.mark.parametrize("field, value", [("max_tokens_cap", 0), ("default_max_tokens", -1), ("max_model_len", 0),
+                                          ("max_tokens_cap", 2.5), ("keepalive_s", 0), ("keepalive_s", float("nan"))])
+def test_proxy_config_refuses_bounds_it_cannot_serve(field, value):
+    # What the command line checks, the config that every other caller builds checks too: a zero cap
+    # answers every call empty, a keep-alive of 0 s spins the server's wait.
+    from clawfast.serving import ProxyConfig
+
+    with pytest.raises(ValueError, match=f"ProxyConfig.{field} must be"):
+        ProxyConfig(**{field: value})

@@ -211,6 +211,16 @@ def test_responses_tool_conversation(proxy, stream):
     assert_continuity(proxy.calls(), 3)
 
 
+
+def test_responses_with_a_previous_response_id_is_refused(proxy):
+    # The proxy stores no responses: the input alone would be taken for the whole conversation. The
+    # real API refuses an id it does not know the same way.
+    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key=proxy.key, max_retries=0)
+    with pytest.raises(openai.BadRequestError, match="previous response 'resp_abc' not found") as refused:
+        client.responses.create(model="policy", input="and then?", previous_response_id="resp_abc")
+    assert refused.value.body["param"] == "previous_response_id"
+    assert proxy.calls() == []
+
 # -- Auth and errors ------------------------------------------------------------------------------
 
 

@@ -168,7 +168,9 @@ def test_close_from_another_thread_ends_a_running_run(env):
         with concurrent.futures.ThreadPoolExecutor(1) as caller:
             run = caller.submit(scheduler.run, make_specs([task(f"held{attempt}", f": {token}; sleep 60")],
                                                           ["script"], k=2))
+            deadline = time.monotonic() + 60
             while scheduler.running < 2:
+                assert time.monotonic() < deadline and not run.done(), "the two rollouts never ran"
                 time.sleep(0.01)
             scheduler.close()
             with pytest.raises(concurrent.futures.CancelledError):

@@ -225,7 +225,11 @@ def test_none_sets_a_field_whose_type_allows_none_in_a_file_and_with_set(tmp_pat
     assert load_config(write(tmp_path, "steps = 3\n")).optim.max_grad_norm == 1.0
     with pytest.raises(ConfigError, match="field 'optim.lr'"):
         load_config(write(tmp_path, "steps = 3\n"), overrides=["optim.lr=none"])
-    assert config_from_dict({"tasks": {"suite": "none"}}).tasks.suite.endswith("none")  # a str: a path
+    assert config_from_dict({"tasks": {"suite": "none"}}).tasks.suite.endswith("/none")  # a str: a path
+    # an optional path is None, not a path named "none" (paths are resolved before the sections read it)
+    recorded = write(tmp_path, '[rollout]\nsource = "recorded"\nrecorded_dir = "rec"\n')
+    live = load_config(recorded, overrides=["rollout.source=harness", "rollout.recorded_dir=none"])
+    assert live.rollout.recorded_dir is None
 
 
 @pytest.mark.parametrize("mode", ["truncate", "off"])

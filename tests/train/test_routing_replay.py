@@ -136,6 +136,34 @@ def test_replay_makes_the_trainer_compute_what_the_engine_sampled(embedded_dir, 
     assert not torch.equal(before, lm.model.layers[0].mlp.gate.weight)
 
 
+
+def test_a_checkpointed_recomputation_replays_the_forced_routing_and_leaves_each_block():
+    """Under gradient checkpointing (the trainer's options, `clawfast.train.build.CHECKPOINTING`), each
+    MoE block runs again in the backward pass: it must take the forced routing again and leave the
+    block through its hook (a recomputation that stopped early left one routing mode open per block
+    and backward, on torch's mode stack), and the gradients are those of the plain forward."""
+    from clawfast.train.build import CHECKPOINTING
+
+    grads = {}
+    for checkpointing in (False, True):
+        lm = near_tie_routers(tiny_moe("qwen3_moe", vocab_size=64, hidden=32, seed=5), seed=6).train()
+        if checkpointing:
+            lm.gradient_checkpointing_enable(CHECKPOINTING)
+        routing = ExpertRouting(lm)
+        ids = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(0))
+        # distinct experts per row, as a top-k gives
+        forced = torch.rand(12, routing.layers, routing.experts, generator=torch.Generator().manual_seed(1))
+        forced = forced.argsort(dim=-1)[..., :routing.top_k]
+        routing.force(forced, torch.ones(12, dtype=torch.bool))
+        for _ in range(2):
+            lm.zero_grad()
+            lm(input_ids=ids).logits.sum().backward()
+            assert routing._open == []
+        grads[checkpointing] = {n: p.grad.clone() for n, p in lm.named_parameters() if p.grad is not None}
+        routing.clear()
+    for name, g in grads[False].items():
+        torch.testing.assert_close(grads[True][name], g, rtol=1e-5, atol=1e-6, msg=name)
+
 def test_replay_refuses_what_it_cannot_do(embedded_dir, tmp_path):
     """A dense model has no routing to record or force; engines that do not record refuse replay, and
     so does a step whose rollouts recorded none."""
@@ -169,15 +197,17 @@ def test_replay_refuses_what_it_cannot_do(embedded_dir, tmp_path):
         routing.force(torch.zeros((4, 3, 2), dtype=torch.long), torch.ones(4, dtype=torch.bool))
 
 
-@pytest.mark.parametrize("replay, lora", [("off", False), ("all", False), ("all", True)],
-                         ids=["off", "all", "all-lora"])
-def test_the_training_loop_replays_across_weight_pushes(tmp_path, replay, lora):
+@pytest.mark.parametrize("replay, lora, checkpointing", [("off", False, False), ("all", False, False),
+                                                        ("all", True, False), ("all", False, True)],
+                         ids=["off", "all", "all-lora", "all-checkpointed"])
+def test_the_training_loop_replays_across_weight_pushes(tmp_path, replay, lora, checkpointing):
     """`clawfast train` on a near-tie MoE policy with the torch engine (two-turn token tasks, a push
     after every step): with ``routing_replay = "all"`` the engine records, every step trains on
     replayed rows and its trainer/sampler mismatch stays at rounding, weight push after push; with
     "off" the same run's mismatch is orders of magnitude larger. With a LoRA adapter (on the
     attention, the routers and the experts: peft's "all-linear") replay holds alike, pushes being
-    the adapter's."""
+    the adapter's. With gradient checkpointing, each MoE block's recomputation in the backward pass
+    replays the same routing."""
     from loop_fixtures import VOCAB
     from test_async import sampled_config, source_of, token_tasks, train_records
 
@@ -190,7 +220,8 @@ def test_the_training_loop_replays_across_weight_pushes(tmp_path, replay, lora):
     # A small lr: Adam's first steps move every weight by about lr, and at 1e-2 they would pull the
     # routers out of their ties (then there is nothing left for replay to fix).
     config = config.model_copy(update={"algorithm": config.algorithm.model_copy(update={"routing_replay": replay}),
-                                       "optim": config.optim.model_copy(update={"lr": 1e-9})})
+                                       "optim": config.optim.model_copy(update={"lr": 1e-9}),
+                                       "model": config.model.model_copy(update={"gradient_checkpointing": checkpointing})})
     train(config, progress=False, make_source=source_of(token_tasks(turns=2)))
     records = train_records(config.run_dir)
     assert len(records) == 3 and all(r["stepped"] == 1 for r in records)

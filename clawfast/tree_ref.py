@@ -229,12 +229,13 @@ def build_tree_ref(
 
     # Segments with a main end node (of a non-excluded call) strictly below them, and those with a
     # live one (not dead) below: walk up from each such end.
+    dead_at = {s: dead(ks) for s, ks in ends_at.items()}
     main_below = [False] * len(seg_parent)
     live_below = [False] * len(seg_parent)
     for s, ks in ends_at.items():
         if any(not excluded[k] for k in ks):
             mark_above(s, main_below)
-            if not dead(ks):
+            if not dead_at[s]:
                 mark_above(s, live_below)
     leaves = []
     for s in range(len(seg_parent)):
@@ -245,13 +246,13 @@ def build_tree_ref(
             # A main end node is a leaf unless a main call ends below it: excluded calls below
             # (a compaction or subagent prompt extending this path) do not count, and neither do
             # dead ones below a live end (a last retry that answered a prefix of what it retried).
-            if (main_below if dead(ks) else live_below)[s]:
+            if (main_below if dead_at[s] else live_below)[s]:
                 continue
         elif seg_children[s]:
             continue  # an excluded end node is a leaf only with nothing below it
         if all(excluded[k] for k in ks):
             status = "excluded"
-        elif dead(ks):
+        elif dead_at[s]:
             status = "dead"
         else:
             status = "kept"

@@ -53,7 +53,8 @@ def _open_regular(root: str, path: str) -> int:
                 # Linux answers ENOTDIR (or ELOOP) for a link opened with O_DIRECTORY | O_NOFOLLOW.
                 if exc.errno in (errno.ENOTDIR, errno.ELOOP):
                     is_link = stat.S_ISLNK(os.stat(part, dir_fd=dir_fd, follow_symlinks=False).st_mode)
-                    raise ValueError(f"{path!r}: {part!r} is {'a symbolic link' if is_link else 'not a directory'}") from None
+                    what = "a symbolic link" if is_link else "not a directory"
+                    raise ValueError(f"{path!r}: {part!r} is {what}") from None
                 raise
             os.close(dir_fd)
             dir_fd = nxt

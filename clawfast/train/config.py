@@ -38,11 +38,11 @@ class _Section(BaseModel):
         docstring). Decided by the field's type, so every optional setting of every section takes it."""
         if not isinstance(data, dict):
             return data
-        return {key: None if means_none(value) and _allows_none(cls.model_fields.get(key)) else value
+        return {key: None if _means_none(value) and _allows_none(cls.model_fields.get(key)) else value
                 for key, value in data.items()}
 
 
-def means_none(value: Any) -> bool:
+def _means_none(value: Any) -> bool:
     """Whether a config value is the word for None (module docstring)."""
     return isinstance(value, str) and value.lower() == "none"
 
@@ -57,7 +57,7 @@ def sets_none(keys: tuple[str, ...], value: Any) -> bool:
     model: Any = RunConfig
     for key in keys[:-1]:
         model = model.model_fields[key].annotation
-    return means_none(value) and _allows_none(model.model_fields.get(keys[-1]))
+    return _means_none(value) and _allows_none(model.model_fields.get(keys[-1]))
 
 
 # How packed tree batches are attended (`clawfast.train.attention.ATTENTION_BACKENDS` is this list).

@@ -22,7 +22,9 @@ from clawfast.proxy.canonical import (
     arguments_object,
     canonical_arguments,
 )
-from clawfast.proxy.front import Answer, Front, ProtocolError, load_body, random_id, require_list, sse, validate_unit
+from clawfast.proxy.front import (
+    Answer, Front, ProtocolError, load_body, random_id, require_list, stop_sequences, sse, validate_unit,
+)
 from clawfast.proxy.incremental import UnitMemory
 
 BILLING_HEADER_PREFIX = "x-anthropic-billing-header"
@@ -130,6 +132,7 @@ class AnthropicFront(Front):
             temperature=req.temperature,
             top_p=req.top_p,
             top_k=req.top_k or None,
+            stop=stop_sequences(req.stop_sequences, "stop_sequences"),
             facts={"beta": query.get("beta")} if "beta" in query else {},
         )
 
@@ -161,23 +164,30 @@ class AnthropicFront(Front):
             "cache_read_input_tokens": 0,
         }
 
-    def _message(self, answer: Answer, content: list[dict], stop_reason: str | None) -> dict:
+    def _stop(self, answer: Answer) -> tuple[str, str | None]:
+        """stop_reason and stop_sequence: a stop sequence is the reason only where no tool call is."""
+        turn = answer.turn
+        if turn.stop_sequence is not None and turn.finish_reason == "stop":
+            return "stop_sequence", turn.stop_sequence
+        return _STOP_REASONS[turn.finish_reason], None
+
+    def _message(self, answer: Answer, content: list[dict], stop: tuple[str | None, str | None]) -> dict:
         return {
             "id": answer.response_id,
             "type": "message",
             "role": "assistant",
             "model": answer.request.model,
             "content": content,
-            "stop_reason": stop_reason,
-            "stop_sequence": None,
+            "stop_reason": stop[0],
+            "stop_sequence": stop[1],
             "usage": self._usage(answer),
         }
 
     def response(self, answer: Answer) -> bytes:
-        return orjson.dumps(self._message(answer, self._blocks(answer), _STOP_REASONS[answer.turn.finish_reason]))
+        return orjson.dumps(self._message(answer, self._blocks(answer), self._stop(answer)))
 
     def stream_head(self, answer: Answer) -> bytes:
-        start = {"type": "message_start", "message": self._message(answer, [], None)}
+        start = {"type": "message_start", "message": self._message(answer, [], (None, None))}
         return sse("message_start", start) + self.keepalive()
 
     def keepalive(self) -> bytes:
@@ -201,12 +211,13 @@ class AnthropicFront(Front):
                 sig = {"type": "signature_delta", "signature": THINKING_SIGNATURE}
                 out.append(sse("content_block_delta", {"type": "content_block_delta", "index": index, "delta": sig}))
             out.append(sse("content_block_stop", {"type": "content_block_stop", "index": index}))
+        stop_reason, stop_sequence = self._stop(answer)
         out.append(
             sse(
                 "message_delta",
                 {
                     "type": "message_delta",
-                    "delta": {"stop_reason": _STOP_REASONS[answer.turn.finish_reason], "stop_sequence": None},
+                    "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
                     "usage": {"output_tokens": answer.output_tokens},
                 },
             )

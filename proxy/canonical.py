@@ -124,6 +124,7 @@ class Request:
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    stop: tuple[str, ...] = ()  # stop sequences (`clawfast.proxy.stops`)
     facts: dict[str, Any] = field(default_factory=dict)  # request facts kept in the record metadata
 
 
@@ -136,6 +137,7 @@ class Turn:
     tool_calls: list[ToolCall]
     finish_reason: str  # "stop" | "length" | "tool_calls"
     parse_error: str | None = None
+    stop_sequence: str | None = None  # the request's stop sequence the answer ended at, if it did
 
     def as_message(self) -> Message:
         return Message("assistant", self.content, tuple(self.tool_calls), reasoning=self.reasoning)

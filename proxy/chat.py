@@ -14,7 +14,9 @@ import orjson
 
 from clawfast.proxy.canonical import Conversation, Message, Request, ToolCall, ToolSpec, canonical_arguments
 from clawfast.proxy.chat_models import ChatMessage, ChatRequest, ChatTool
-from clawfast.proxy.front import Answer, Front, ProtocolError, load_body, random_id, require_list, validate_unit
+from clawfast.proxy.front import (
+    Answer, Front, ProtocolError, load_body, random_id, require_list, stop_sequences, validate_unit,
+)
 from clawfast.proxy.incremental import UnitMemory
 
 _ERROR_TYPES = {
@@ -111,6 +113,7 @@ class ChatFront(Front):
             temperature=req.temperature,
             top_p=req.top_p,
             top_k=req.top_k if req.top_k and req.top_k > 0 else None,
+            stop=stop_sequences(req.stop, "stop"),
             facts={"include_usage": True} if include_usage else {},
         )
 

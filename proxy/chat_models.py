@@ -67,4 +67,5 @@ class ChatRequest(_Model):
     top_p: Optional[float] = Field(default=None, ge=0.0, le=1.0)
     top_k: Optional[int] = Field(default=None, ge=-1)
     n: Optional[int] = Field(default=None, ge=1, le=1)
+    stop: Union[str, list[str], None] = None
     tools: Optional[list[Any]] = None  # each a ChatTool

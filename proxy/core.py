@@ -33,6 +33,7 @@ from clawfast.proxy.front import Answer, Front, ProtocolError
 from clawfast.proxy.parsers import detect_parser, get_parser
 from clawfast.proxy.render import ChatRenderer, RenderedPrompt, RolloutPrompts
 from clawfast.proxy.rollouts import Rollout
+from clawfast.proxy.stops import before_stop, cut_at_stop
 from clawfast.proxy.tagging import Tagging, classify
 from clawfast.records import CallRecord
 from clawfast.serving import ProxyConfig  # defined below the proxy: the trainer writes one too
@@ -145,11 +146,17 @@ class ProxyCore:
     def start(self, call: PreparedCall) -> asyncio.Task:
         """The call's generation as a task; it is cancelled if the rollout closes before it ends (and
         then kept as the rollout's refusal)."""
-        task = asyncio.get_running_loop().create_task(self.engine.generate(call.prompt.ids, call.params))
+        task = asyncio.get_running_loop().create_task(self._generate(call))
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
         call.rollout.track(task, {"protocol": call.request.protocol, "path": call.path, "stream": call.request.stream})
         return task
+
+    async def _generate(self, call: PreparedCall) -> Generation:
+        gen = await self.engine.generate(call.prompt.ids, call.params)
+        if call.request.stop:
+            gen = cut_at_stop(gen, len(call.prompt.ids), call.request.stop, self.renderer.answer_text)
+        return gen
 
     @property
     def pending(self) -> int:
@@ -163,8 +170,10 @@ class ProxyCore:
     # -- completion ------------------------------------------------------------------------------
 
     def parse(self, call: PreparedCall, gen: Generation) -> Turn:
-        text = self.renderer.answer_text(gen.output_ids)
-        return self._parse(text, gen.finish_reason, call.front.new_tool_call_id)
+        text, stop = before_stop(self.renderer.answer_text(gen.output_ids), call.request.stop)
+        turn = self._parse(text, gen.finish_reason, call.front.new_tool_call_id)
+        turn.stop_sequence = stop
+        return turn
 
     def answer(self, call: PreparedCall, gen: Generation) -> Turn:
         """Parse the generation into `call.answer` (its turn and output tokens), which the reply is
@@ -200,6 +209,8 @@ class ProxyCore:
             metadata["headers"] = call.headers
         if turn.parse_error:
             metadata["parse_error"] = turn.parse_error
+        if turn.stop_sequence is not None:
+            metadata["stop_sequence"] = turn.stop_sequence
         if disconnected:
             metadata["client_disconnected"] = True
         metadata.update(call.extra_metadata)

@@ -12,6 +12,7 @@ import abc
 import secrets
 import time
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import orjson
 from pydantic import BaseModel, ValidationError
@@ -70,6 +71,15 @@ def validate_unit(model: type[BaseModel], raw: object, where: str) -> BaseModel:
         return model.model_validate(raw)
     except ValidationError as exc:
         raise validation_error(exc, where) from None
+
+
+def stop_sequences(value: str | Sequence[str] | None, param: str) -> tuple[str, ...]:
+    """A request's stop sequences as a tuple; ProtocolError (400) naming `param` if one is empty (it
+    would end every answer before its first character)."""
+    stops = (value,) if isinstance(value, str) else tuple(value or ())
+    if any(s == "" for s in stops):
+        raise ProtocolError(400, "invalid_request", "a stop sequence must not be empty", param)
+    return stops
 
 
 @dataclass

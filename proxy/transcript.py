@@ -11,7 +11,9 @@ The rule, derived from the token structure alone (no per-harness or per-template
 
 - Calls: the rollout's *main* thread (`clawfast.threads.reconstruct`), in call-index order; side
   calls (titles, summaries, compactions, subagents, probes) are left out.
-- Each main call's answer is decoded and parsed with the parser the proxy answered the harness with:
+- Each main call's answer is decoded, cut before the stop sequence it ended at (its record's
+  ``metadata["stop_sequence"]``: what the harness was sent), and parsed with the parser the proxy
+  answered the harness with:
   one assistant event, a text item when the visible text is non-empty, then one toolCall item per tool
   call in order. Ids are deterministic, ``call_<call_index>_<k>``; arguments are the parsed JSON object,
   ``{}`` when the model's arguments are not one (`clawfast.proxy.canonical.arguments_object`).
@@ -51,6 +53,7 @@ import numpy as np
 
 from clawfast.proxy.canonical import Turn, arguments_object
 from clawfast.proxy.parsers import get_parser
+from clawfast.proxy.stops import before_stop
 from clawfast.records import CallRecord
 from clawfast.threads import reconstruct, shared_with_path
 
@@ -95,7 +98,9 @@ def transcript_events(
         if prev is not None:
             shared = shared_with_path(call.prompt_ids, prev.prompt_ids, prev.output_ids)
             events += _added_events(call.prompt_ids[shared:], prev.output_ids, prev_calls, decode, added)
-        turn = parse(decode_answer(call.output_ids), call.finish_reason)
+        stop = call.metadata.get("stop_sequence")  # the harness saw the answer up to it
+        text, _ = before_stop(decode_answer(call.output_ids), (stop,) if stop else ())
+        turn = parse(text, call.finish_reason)
         content: list[dict[str, Any]] = [{"type": "text", "text": turn.content}] if turn.content else []
         prev_calls = [
             {"type": "toolCall", "id": f"call_{call.call_index}_{k}", "name": tc.name,

@@ -30,6 +30,10 @@ installed); one whose start raised gets none, and its node no new actor for `NOD
 node whose actor died. The pool's own start waits for one actor, and raises, naming the first one's
 cause, if none started.
 
+An actor's run that raises (a bug, such as a task its suite does not hold) closes its rollout as
+``harness_error`` (``info["error"]`` "internal error: ...") and stops `run` with that exception, its
+other rollouts closed, as the local scheduler does.
+
 Guaranteed: the same status contract as the local scheduler (`clawfast.rollout.worker`); every spec
 gets exactly one result, ``sandbox_error`` when its retries are spent or no live actor is left; at
 most `RaySetup.concurrency` rollouts per actor at once, and no rollout is opened before an actor slot
@@ -457,7 +461,13 @@ class RayRolloutPool:
                     outcome = ray.get(done[0])
                     if self._nodes[job.actor] is None:
                         self._nodes[job.actor] = outcome["info"].get("ray_node_id")
-                except Exception as exc:  # the actor died, or raised (a bug): no outcome to trust
+                except ray.exceptions.RayTaskError as exc:
+                    # The actor's run raised: a bug, which stops the run as it stops the local
+                    # scheduler's (the rollout closed as `RolloutWorker.execute` closes it).
+                    close_rollout(control, job.spec, job.rollout_id, 0.0, "harness_error",
+                                  {"error": f"internal error: {getattr(exc, 'cause', exc)!r}"}, job.t0)
+                    raise
+                except Exception as exc:  # the actor or its node died: no outcome to trust
                     outcome = {"status": "sandbox_error", "reward": 0.0,
                                "info": {"error": f"rollout actor failed: {type(exc).__name__}: {exc}"}}
                     if self._nodes[job.actor] is not None:

@@ -5,6 +5,7 @@ oracle. Ray is installed by the test setup (the ``ray`` extra)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 from concurrent.futures import ThreadPoolExecutor
@@ -70,3 +71,24 @@ def test_a_pool_whose_actors_cannot_start_says_why_at_its_start():
             RayRolloutPool(setup)
     finally:
         ray.shutdown()
+
+
+def test_an_actor_run_that_raises_stops_the_run_as_the_local_scheduler_does(tmp_path):
+    # A task the actors' suite does not hold: the actor's run raises (a bug in the caller's setup). It
+    # is not a lost node to retry elsewhere: the run stops with that error and its rollout is closed.
+    known = check_task("files-create-0")
+    stranger = dataclasses.replace(known, id="files-create-0-elsewhere")
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        on_ray = OnRay("local", "clawbench-mini", num_actors=1, actor_options={"num_cpus": 1})
+        with RolloutService(ORACLE, ensure_embedded_model(), records_dir=tmp_path / "records",
+                            harnesses=HarnessConfig({"mini-swe-agent": {}}, timeout_s=240, logs_dir=tmp_path / "logs"),
+                            scheduling=SchedulingConfig(concurrency=1, ray=on_ray), oracle_tasks=[known]) as service:
+            with pytest.raises(ValueError, match="'files-create-0-elsewhere' is not in this actor's suite"):
+                service.run(make_specs([stranger], ["mini-swe-agent"], k=1), Sampling(max_calls=5))
+            assert service.registry.open_ids() == []
+    finally:
+        ray.shutdown()
+    (closed,) = read_rollouts(tmp_path / "records")
+    assert closed.status == "harness_error" and "internal error" in closed.info["error"]
+    assert "retries" not in closed.info

@@ -6,6 +6,7 @@ without the rest of clawfast.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -108,6 +109,24 @@ def check_range(name: str, t: torch.Tensor, low: int, high: int) -> None:
         lo, hi = int(t.min()), int(t.max())
         if lo < low or hi >= high:
             raise ValueError(f"{name} must lie in [{low}, {high}), got min {lo}, max {hi}")
+
+
+def first_derivative_only(op: str):
+    """Decorates an autograd Function's hand-written backward: a backward asked for a graph
+    (``create_graph=True``, the grad mode autograd runs it in) raises, where the gradient it returned
+    would carry no graph and a second derivative through `op` would silently be missing."""
+
+    def decorate(backward):
+        @functools.wraps(backward)
+        def checked(ctx, *grads):
+            if torch.is_grad_enabled():
+                raise RuntimeError(f"{op} is differentiable once: its backward is hand-written, so a "
+                                   "second derivative (create_graph=True) cannot go through it")
+            return backward(ctx, *grads)
+
+        return checked
+
+    return decorate
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:

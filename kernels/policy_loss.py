@@ -23,7 +23,12 @@ sampler. Aggregation of ``l`` with weights ``a``:
 
 A sequence is ``seq_ids[m]``: in a packed tree pass ``target_rollout``, so every rollout counts once
 and its shared tokens once; sequences without a valid target are not counted. With no valid target
-at all the loss is 0 (still attached to the graph, so backward gives zero gradients).
+at all the loss is 0 (still attached to the graph, so backward gives zero gradients). mask and weight
+must be >= 0 (weight finite where mask > 0): a negative or NaN weight is an error, not a dropped target.
+
+Gradients reach ``logprobs`` and ``entropy`` only, on every backend: ``old_logprobs``, ``advantages``,
+``ref_logprobs`` and the IS weights are constants of the loss even if they require grad. On the
+Triton path the loss is differentiable once (its backward is hand-written; a second derivative raises).
 
 ``grpo_advantages`` turns one reward per rollout into group-relative advantages (group key: task,
 or task x harness as a [R, k] key tensor).
@@ -42,7 +47,9 @@ from __future__ import annotations
 
 import torch
 
-from ._common import HAS_TRITON, acc_dtype, check_1d, check_float, check_int, pick_backend, triton_interpret
+from ._common import (
+    HAS_TRITON, acc_dtype, check_1d, check_float, check_int, first_derivative_only, pick_backend, triton_interpret,
+)
 from .importance import METRIC_NAMES as IS_METRIC_NAMES
 from .importance import ISConfig, importance_weights_device, metrics_to_host
 from .tree_paths import TreePaths
@@ -124,6 +131,7 @@ class PolicyLossFunction(torch.autograd.Function):
         return pg.sum(), kl.sum(), flags
 
     @staticmethod
+    @first_derivative_only("policy_loss (Triton)")
     def backward(ctx, g_pg, g_kl, _g_flags):
         gpg, gkl = ctx.saved_tensors
         return g_pg * gpg + g_kl * gkl, None, None, None, None, None, None, None, None
@@ -206,16 +214,23 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor | None,
     dt = acc_dtype(logprobs.dtype)
     dev = logprobs.device
     a = torch.ones(m, dtype=dt, device=dev) if mask is None else mask.to(dt)
+    if bool((a < 0).any()):
+        raise ValueError("mask must be >= 0")
     if weight is not None:
-        a = a * weight.to(dt)
+        w = weight.to(dt)
+        if bool(((a > 0) & ~(torch.isfinite(w) & (w >= 0))).any()):
+            raise ValueError("weight must be finite and >= 0 where mask > 0")
+        a = a * w
     valid = a > 0
     for name, t in (("advantages", advantages), ("old_logprobs", old_logprobs), *extra):
         if t is not None and bool((valid & ~torch.isfinite(t)).any()):
             raise ValueError(f"{name} holds non-finite value(s) where mask > 0")
     a = torch.where(valid, a, 0.0)
     lp = torch.where(valid, logprobs.to(dt), 0.0)
-    old = lp.detach() if old_logprobs is None else torch.where(valid, old_logprobs.to(dt), 0.0)
-    adv = torch.where(valid, advantages.to(dt), 0.0)
+    # Gradients flow to logprobs (and entropy) alone, whatever else requires grad, on every backend:
+    # old_logprobs, advantages and ref_logprobs are targets, not parameters of this loss.
+    old = lp.detach() if old_logprobs is None else torch.where(valid, old_logprobs.detach().to(dt), 0.0)
+    adv = torch.where(valid, advantages.detach().to(dt), 0.0)
 
     if infer_logprobs is not None:
         is_w, is_vec = importance_weights_device(old, infer_logprobs, a, config=is_config,
@@ -227,10 +242,13 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor | None,
     else:
         is_w, is_vec = torch.ones(m, dtype=dt, device=dev), None
 
-    seq = None if seq_ids is None else seq_ids.long()
-    num_seqs = int(seq.max()) + 1 if (seq is not None and m) else 0
+    seq, num_seqs = None, 0
+    if seq_ids is not None and aggregation != "token-mean":
+        # numbered 0.. in order of id, so sparse ids (global rollout ids) cost no more than dense ones
+        ids, seq = torch.unique(seq_ids, return_inverse=True)
+        num_seqs = int(ids.shape[0])
     coef = _agg_coef(a, seq, num_seqs, aggregation)
-    ref = None if ref_logprobs is None else torch.where(valid, ref_logprobs.to(dt), 0.0)
+    ref = None if ref_logprobs is None else torch.where(valid, ref_logprobs.detach().to(dt), 0.0)
     zero = torch.zeros((), dtype=dt, device=dev)
     if backend == "triton":
         pg_loss, kl_mean, flags = PolicyLossFunction.apply(

@@ -39,7 +39,7 @@ import numbers
 
 import torch
 
-from ._common import pick_backend, target_arch
+from ._common import first_derivative_only, pick_backend, target_arch
 from .tree_attention_flex import forward_flex
 from .tree_attention_schedule import Scores, TreeMask
 from .tree_attention_torch import CPU_BLOCK, backward_torch, forward_torch
@@ -63,6 +63,7 @@ class TreeAttentionFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @first_derivative_only("tree_attention")
     def backward(ctx, dout):
         q, k, v, sinks, out, lse = ctx.saved_tensors
         hq, n = q.shape[1], q.shape[0]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from ._common import first_derivative_only
 from .tree_attention_schedule import PathSegments, Scores, TreeMask
 
 # flash-attention's varlen kernels: half precision, head dims up to 256 in multiples of 8
@@ -54,6 +55,7 @@ class VarlenTreeAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @first_derivative_only("tree_attention (varlen)")
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         seg, rule = ctx.seg, ctx.rule

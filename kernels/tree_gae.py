@@ -235,20 +235,35 @@ def subtree_scan(b: torch.Tensor, parent_row: torch.Tensor, mu: torch.Tensor, *,
                  backend: str = "auto") -> torch.Tensor:
     """Solve ``x_i = b_i + sum_{c child of i} mu_c x_c`` on a DFS-ordered forest (float tensors;
     computed in float32, or float64 for float64 ``b``, and returned in ``b``'s dtype)."""
+    check_1d("b", b)
+    check_float("b", b)
+    check_1d("mu", mu, b.shape[0])
+    check_float("mu", mu)
+    _check_parents(parent_row, b.shape[0])
     if b.numel() == 0:
         return b.clone()
     dt = acc_dtype(b.dtype)
     return _Scanner(parent_row.long(), pick_backend(backend, b))(b.to(dt), mu.to(dt)).to(b.dtype)
 
 
+def _check_parents(parent_row, n: int) -> None:
+    """A forest in DFS order: each row's parent is -1 or an earlier row (a self-parent or a cycle would
+    keep the ancestor ladder from ever reaching the roots)."""
+    check_1d("parent_row", parent_row, n)
+    check_int("parent_row", parent_row)
+    if n:
+        p = parent_row.long()
+        if bool((p < -1).any()) or bool((p >= torch.arange(n, device=p.device)).any()):
+            raise ValueError("parent_row[i] must be -1 or a row before i (DFS order)")
+
+
 def _check(rewards, values, parent_row, mask, gamma, lam, mode):
     check_1d("rewards", rewards)
     n = rewards.shape[0]
     check_1d("values", values, n)
-    check_1d("parent_row", parent_row, n)
     check_float("rewards", rewards)
     check_float("values", values)
-    check_int("parent_row", parent_row)
+    _check_parents(parent_row, n)
     if mask is not None:
         check_1d("mask", mask, n)
     if mode not in MODES:
@@ -256,10 +271,6 @@ def _check(rewards, values, parent_row, mask, gamma, lam, mode):
     for name, val in (("gamma", gamma), ("lam", lam)):
         if not 0.0 <= val <= 1.0:
             raise ValueError(f"{name} must lie in [0, 1], got {val}")
-    if n:
-        p = parent_row.long()
-        if bool((p < -1).any()) or bool((p >= torch.arange(n, device=p.device)).any()):
-            raise ValueError("parent_row[i] must be -1 or a row before i (DFS order)")
     check_finite("rewards", rewards)
     check_finite("values", values)
 

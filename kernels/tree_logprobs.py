@@ -47,6 +47,7 @@ from ._common import (
     check_1d,
     check_int,
     check_range,
+    first_derivative_only,
     pick_backend,
     refuses_dtype,
     triton_interpret,
@@ -430,6 +431,7 @@ class TreeLogprobsFunction(torch.autograd.Function):
         return lp, ent
 
     @staticmethod
+    @first_derivative_only("tree_logprobs")
     def backward(ctx, g_lp, g_ent):
         hidden, weight, rows, ids, lse, ent = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]

@@ -82,6 +82,10 @@ class TreePaths:
             check_int(name, t)
         m = int(target_rows.shape[0])
         check_1d("target_ids", target_ids, m)
+        check_int("target_ids", target_ids)
+        for name, t in (("target_rollout", target_rollout), ("leaf_rows", leaf_rows), ("leaf_rollout", leaf_rollout)):
+            if t is not None:
+                check_int(name, t)
         dev = parent_row.device
         parent = parent_row.long()
         ids = input_ids.long()
@@ -95,6 +99,11 @@ class TreePaths:
         if n and bool((end < torch.arange(n, device=dev)).any()):
             raise ValueError("kv_end[j] must be >= j")
         check_range("target_rows", rows_t, 0, max(n, 1))
+        # Token ids key each child as row * width + id: a negative id (a -100 padding label) would
+        # read as the previous row's child.
+        for name, t in (("input_ids", ids), ("target_ids", tids)):
+            if t.numel() and int(t.min()) < 0:
+                raise ValueError(f"{name} must be token ids (>= 0), got {int(t.min())}")
         group_t = (torch.zeros(m, dtype=torch.long, device=dev) if target_rollout is None
                    else target_rollout.long())
         check_1d("target_rollout", group_t, m)

@@ -28,7 +28,9 @@ Llama, Mistral, Gemma 1-3, Phi-3, gpt-oss, ... in transformers >= 4.48), with th
 they pass: ``sliding_window`` (along each path), ``softcap`` (Gemma 2), ``s_aux`` (per-head sinks,
 gpt-oss) and the attention ``dropout`` of a training module (its mask drawn by `tree_attention` from
 torch's generator, so gradient checkpointing recomputes the same one). What tree attention does not
-model raises instead of being ignored: a model-specific ``position_bias`` or ``sinks`` tensor
+model raises instead of being ignored: layers of another kind than full or sliding-window attention
+(`TREE_LAYER_TYPES`: Llama 4's chunked attention, hybrid models' linear-attention or state-space
+layers), refused by `use_tree_attention`; a model-specific ``position_bias`` or ``sinks`` tensor
 (Inkling 2's dense relative-position bias [B, H, N, N] and per-token sinks), which a tree batch
 could only take as N^2 values.
 """
@@ -59,6 +61,11 @@ IMPLEMENTATIONS = {"sdpa": IMPLEMENTATION, "eager": IMPLEMENTATION + "_eager"}
 # sinks to the softmax: inputs of N^2 values, which a tree batch never holds.
 _DENSE_KWARGS = ("position_bias", "sinks")
 _IN_TREE_BATCH = contextvars.ContextVar("clawfast_in_tree_batch", default=False)
+# The layer kinds (a config's ``layer_types``) a tree batch computes: causal attention, whole or in a
+# sliding window along each path. Other kinds take their locality or state from the mask or the row
+# order (Llama 4's chunked attention, the linear-attention and state-space layers of hybrid models),
+# which a packed tree batch does not carry.
+TREE_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
 
 
 @dataclass(frozen=True)
@@ -131,8 +138,15 @@ def _configs(config) -> Iterator:
 
 def use_tree_attention(lm: torch.nn.Module) -> None:
     """Switch ``lm``'s attention implementation (and its sub-configs') from ``"sdpa"`` / ``"eager"``
-    to the tree-attention one over it; a model already switched stays as it is."""
+    to the tree-attention one over it; a model already switched stays as it is. ValueError for a
+    model with layers a tree batch cannot compute (`TREE_LAYER_TYPES`)."""
     for config in _configs(lm.config):
+        kinds = set(getattr(config, "layer_types", None) or ()) - TREE_LAYER_TYPES
+        if getattr(config, "attention_chunk_size", None):
+            kinds.add("chunked_attention")
+        if kinds:
+            raise ValueError(f"{type(lm).__name__} has {sorted(kinds)} layers, which tree attention does not "
+                             f"model (it computes {sorted(TREE_LAYER_TYPES)} along each path)")
         impl = config._attn_implementation_internal
         if impl in IMPLEMENTATIONS.values():
             continue

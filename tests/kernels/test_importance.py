@@ -173,3 +173,15 @@ def test_property_path_sums(n, seed, rollouts):
     x = torch.randn(batch["target_rows"].shape[0], generator=g, dtype=torch.float64)
     expect = torch.tensor([float(x[s].sum()) for s in seqs], dtype=torch.float64)
     torch.testing.assert_close(paths.path_sum(x), expect, rtol=1e-12, atol=1e-12)
+
+
+def test_tree_paths_refuse_negative_and_float_token_ids():
+    # rows 0 -> 1 -> 2, tokens 5, 6, 7; row 1 predicts row 2's token 7
+    parent, ids, kv_end = torch.tensor([-1, 0, 1]), torch.tensor([5, 6, 7]), torch.tensor([2, 2, 2])
+    assert TreePaths.from_tree(parent, ids, kv_end, torch.tensor([1]), torch.tensor([7])).num_rows == 3
+    with pytest.raises(ValueError, match="target_ids must be token ids"):  # a -100 label read as row 0's child
+        TreePaths.from_tree(parent, ids, kv_end, torch.tensor([1]), torch.tensor([-1]))
+    with pytest.raises(ValueError, match="target_ids must hold integers"):
+        TreePaths.from_tree(parent, ids, kv_end, torch.tensor([1]), torch.tensor([7.0]))
+    with pytest.raises(ValueError, match="target_rollout must hold integers"):
+        TreePaths.from_tree(parent, ids, kv_end, torch.tensor([1]), torch.tensor([7]), torch.tensor([0.5]))

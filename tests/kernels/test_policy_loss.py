@@ -278,3 +278,52 @@ def test_precomputed_is_weights_are_checked():
         policy_loss(lp, prox, adv, is_weights=-torch.ones_like(lp))
     with pytest.raises(ValueError, match="is_weights"):
         policy_loss(lp, prox, adv, is_weights=torch.ones(3, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.triton)])
+def test_gradients_reach_logprobs_and_entropy_alone_on_every_backend(backend, request):
+    device = request.getfixturevalue("triton_device") if backend == "triton" else "cpu"
+    inputs = {k: v.to(device) for k, v in _targets(40, 9).items()}
+    grads = {k: inputs.pop(k).clone().requires_grad_()
+             for k in ("logprobs", "old_logprobs", "advantages", "ref_logprobs", "entropy")}
+    loss, _ = policy_loss(grads["logprobs"], grads["old_logprobs"], grads["advantages"],
+                          ref_logprobs=grads["ref_logprobs"], entropy=grads["entropy"], kl_coef=0.1,
+                          entropy_coef=0.01, aggregation="seq-mean-token-mean", backend=backend, **inputs)
+    loss.backward()
+    assert {k: t.grad is not None for k, t in grads.items()} == {
+        "logprobs": True, "old_logprobs": False, "advantages": False, "ref_logprobs": False, "entropy": True}
+
+
+@pytest.mark.triton
+def test_a_second_derivative_through_the_triton_loss_raises(triton_device):
+    inputs = {k: v.to(triton_device) for k, v in _targets(20, 3).items()}
+    lp = inputs.pop("logprobs").clone().requires_grad_()
+    loss, _ = policy_loss(lp, inputs.pop("old_logprobs"), inputs.pop("advantages"), backend="triton", **inputs)
+    with pytest.raises(RuntimeError, match="policy_loss \\(Triton\\) is differentiable once"):
+        torch.autograd.grad(loss, lp, create_graph=True)
+
+
+def test_sparse_sequence_ids_aggregate_as_dense_ones():
+    inputs = _targets(30, 5)
+    lp, old, adv = inputs.pop("logprobs"), inputs.pop("old_logprobs"), inputs.pop("advantages")
+    seq = inputs.pop("seq_ids")
+    dense, _ = policy_loss(lp, old, adv, seq_ids=seq, aggregation="seq-mean-token-mean", **inputs)
+    sparse, _ = policy_loss(lp, old, adv, seq_ids=seq * 10**12 + 7, aggregation="seq-mean-token-mean", **inputs)
+    torch.testing.assert_close(sparse, dense, rtol=0, atol=0)
+
+
+def test_a_negative_or_nan_weight_or_mask_is_an_error_not_a_dropped_target():
+    inputs = _targets(10, 4)
+    lp, old, adv = inputs["logprobs"], inputs["old_logprobs"], inputs["advantages"]
+    for bad in (-3.0, float("nan"), float("inf")):
+        weight = torch.ones(10, dtype=lp.dtype)
+        weight[1] = bad
+        with pytest.raises(ValueError, match="weight must be finite and >= 0"):
+            policy_loss(lp, old, adv, weight=weight)
+        masked = torch.ones(10, dtype=lp.dtype)
+        masked[1] = 0.0
+        policy_loss(lp, old, adv, weight=weight, mask=masked)  # a masked target may hold anything
+    mask = torch.ones(10, dtype=lp.dtype)
+    mask[0] = -1.0
+    with pytest.raises(ValueError, match="mask must be >= 0"):
+        policy_loss(lp, old, adv, mask=mask)

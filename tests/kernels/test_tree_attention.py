@@ -519,3 +519,15 @@ def test_no_quadratic_tensor_in_forward_and_backward():
     # O(N) tensors plus one bounded scores chunk; a [N, N] mask or scores matrix would be 67M
     assert seen.numel <= max(tree_attention_torch._CPU_CHUNK_ELEMS, 64 * n), (seen.numel, seen.op)
     assert q.grad is not None and k.grad is not None
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.triton)])
+def test_a_second_derivative_raises_instead_of_going_missing(backend, request):
+    device = request.getfixturevalue("triton_device") if backend == "triton" else "cpu"
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = qkv(9, 2, 1, 16, torch.float32, gen, device)
+    out = tree_attention(q, k, v, chains([4, 5]).to(device), backend=backend)
+    with pytest.raises(RuntimeError, match="tree_attention is differentiable once"):
+        torch.autograd.grad(out.square().sum(), v, create_graph=True)
+    (dv,) = torch.autograd.grad(out.square().sum(), v)  # the first derivative still runs
+    assert dv.shape == v.shape

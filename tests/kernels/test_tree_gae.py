@@ -122,3 +122,16 @@ def test_property_random_trees(n, seed, mode, gamma, lam):
     adv_r, ret_r = tree_gae_ref(r, v, parent, mask=mask, gamma=gamma, lam=lam, mode=mode)
     torch.testing.assert_close(adv, adv_r, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(ret, ret_r, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.triton)])
+def test_subtree_scan_checks_its_forest(backend, request):
+    device = request.getfixturevalue("triton_device") if backend == "triton" else "cpu"
+    b, mu = torch.ones(3, device=device), torch.ones(3, device=device)
+    for parent in ([0, 0, 1], [-1, 2, 1], [-5, 0, 1]):  # a self-parent and a cycle would loop forever
+        with pytest.raises(ValueError, match="parent_row"):
+            subtree_scan(b, torch.tensor(parent, device=device), mu, backend=backend)
+    with pytest.raises(ValueError, match="mu has length 2"):
+        subtree_scan(b, torch.tensor([-1, 0, 1], device=device), mu[:2], backend=backend)
+    with pytest.raises(ValueError, match="parent_row must hold integers"):
+        subtree_scan(b, torch.tensor([-1.0, 0.0, 1.0], device=device), mu, backend=backend)

@@ -247,3 +247,13 @@ def test_gradient_of_logprobs_alone(backend, request):
     wd = w.detach().cpu().double().requires_grad_()
     tree_logprobs_ref(hd, wd, rows.cpu(), ids.cpu(), temperature=0.8)[0].sum().backward()
     assert rel_err(h.grad, hd.grad) <= 1e-5 and rel_err(w.grad, wd.grad) <= 1e-5
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.triton)])
+def test_a_second_derivative_raises_instead_of_coming_out_wrong(backend, request):
+    device = request.getfixturevalue("triton_device") if backend == "triton" else "cpu"
+    h, w, rows, ids = (t.to(device) for t in _problem(7, 5, 11, 9, torch.float32))
+    h.requires_grad_()
+    lp, _ = tree_logprobs(h, w, rows, ids, backend=backend)
+    with pytest.raises(RuntimeError, match="tree_logprobs is differentiable once"):
+        torch.autograd.grad(lp.sum(), h, create_graph=True)

@@ -323,3 +323,20 @@ def test_build_policy_applies_the_model_section(tmp_path):
     policy = build_policy(config, model_dir)
     assert policy.attention == "torch" and policy.lm.is_gradient_checkpointing
     assert policy.lm.config._attn_implementation == IMPLEMENTATION
+
+
+def test_layers_a_tree_batch_cannot_compute_are_refused():
+    # Llama 4's chunked attention and Qwen3-Next's linear attention take their locality or state from
+    # the mask or the row order: a packed tree batch would silently compute something else.
+    chunked = tf.Llama4ForCausalLM(tf.Llama4TextConfig(
+        hidden_size=16, intermediate_size=32, intermediate_size_mlp=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, vocab_size=64, attention_chunk_size=4, num_local_experts=2))
+    with pytest.raises(ValueError, match=r"Llama4ForCausalLM has \['chunked_attention'\] layers"):
+        use_tree_attention(chunked)
+    linear = tf.Qwen3NextForCausalLM(tf.Qwen3NextConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=8, vocab_size=64, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=8,
+        shared_expert_intermediate_size=8, linear_num_value_heads=2, linear_num_key_heads=1, linear_key_head_dim=8,
+        linear_value_head_dim=8))
+    with pytest.raises(ValueError, match=r"Qwen3NextForCausalLM has \['linear_attention'\] layers"):
+        Policy(linear)

@@ -12,8 +12,11 @@ Guaranteed by every backend:
 - `run` returns within `timeout` plus a bounded kill grace; on timeout the whole process tree of the
   command is killed and `timed_out` is set.
 - `close()` is idempotent and leaves no process, mount or temporary directory behind.
-- Files are read back without following symbolic links, so a sandbox cannot make the host read a file
-  outside its workspace.
+- Files are read back and written without following symbolic links, so a sandbox cannot make the host
+  read or write a file outside its workspace; reads are bounded (`read_file(max_bytes=)`,
+  `read_files(max_total_bytes=)`, by the files' sizes, a sparse file counting in full).
+- `SandboxBackend.close()` during a `create` in another thread leaves nothing either: each sandbox's
+  `close` waits for its start. One sandbox that fails to close does not stop the others closing.
 
 This module holds the contract and the lifecycle every backend shares: `SandboxBackend.create` and
 `close`, `Sandbox.close`, with hooks for what each backend does differently. What a sandbox starts
@@ -81,6 +84,10 @@ class Sandbox(abc.ABC):
         self._closed = False
         # Guards `_closed` and what the sandbox tracks of its runs in flight.
         self._lock = threading.Lock()
+        # Clear while `SandboxBackend.create` runs `start`: a `close` from another thread (the
+        # backend's) waits for it, so that it finds every resource the start made.
+        self._start_done = threading.Event()
+        self._start_done.set()
 
     @abc.abstractmethod
     def start(self) -> None:
@@ -123,20 +130,26 @@ class Sandbox(abc.ABC):
             self.executor, lambda: self.run(cmd, env=env, timeout=timeout, stdin=stdin)
         )
 
-    def read_file(self, path: str) -> bytes:
-        """A workspace file by relative path (no symlinks followed)."""
-        return read_file(self.host_workdir, path)
+    def read_file(self, path: str, *, max_bytes: int = 256 * MiB) -> bytes:
+        """A workspace file by relative path (no symlinks followed); ValueError if it holds more than
+        `max_bytes` (its size as fstat gives it: a sparse file counts in full)."""
+        return read_file(self.host_workdir, path, max_bytes)
 
     def read_files(self, paths: Sequence[str] | None = None, *, max_total_bytes: int = 256 * MiB) -> dict[str, bytes]:
-        """The given workspace files (missing ones omitted), or every regular file when `paths` is None."""
+        """The given workspace files (missing ones omitted), or every regular file when `paths` is None;
+        ValueError if together they hold more than `max_total_bytes`."""
         if paths is None:
             return read_tree(self.host_workdir, max_total_bytes)
         out = {}
+        left = max_total_bytes
         for path in paths:
             try:
-                out[path] = self.read_file(path)
+                # What is left of the budget: the ValueError names the file that ran past it.
+                data = read_file(self.host_workdir, path, left)
             except FileNotFoundError:
-                pass
+                continue
+            out[path] = data
+            left -= len(data)
         return out
 
     def provision(self, spec: SandboxSpec) -> None:
@@ -158,9 +171,13 @@ class Sandbox(abc.ABC):
         return self._closed
 
     def close(self) -> None:
-        """Kill everything still running, remove every temporary file. Idempotent. Raises OSError only
+        """Kill everything still running, remove every temporary file. Idempotent; waits for a start
+        in progress (`SandboxBackend.close` during a `create`). Raises OSError only
         when something could not be removed (a cgroup whose processes would not die, a container the
         engine would not delete); a command still running in another thread gets SandboxError."""
+        # A start in progress makes its resources one by one: they are all there, or its own failure
+        # closed them, once it returned (bounded: a start's commands have timeouts).
+        self._start_done.wait()
         with self._lock:
             if self._closed:
                 return
@@ -216,12 +233,21 @@ class SandboxBackend(abc.ABC):
         self._check_spec(spec)
         sandbox = self.sandbox_type(self, spec)
         with self._lock:
+            # Checked again under the lock `close` takes its list of live sandboxes under: a sandbox
+            # added after that would be started, and never closed, by a closed backend.
+            if self._closed:
+                raise SandboxError("backend is closed")
             self._live.add(sandbox)
+        sandbox._start_done.clear()
         try:
             sandbox.start()
         except BaseException:
+            sandbox._start_done.set()
             sandbox.close()
             raise
+        sandbox._start_done.set()
+        if sandbox.closed:
+            raise SandboxError("backend was closed while the sandbox started")
         return sandbox
 
     def _check_spec(self, spec: SandboxSpec) -> None:
@@ -235,14 +261,21 @@ class SandboxBackend(abc.ABC):
 
     def close(self) -> None:
         """Close the sandboxes still open, then `_release` what the backend holds. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
         with self._lock:
+            if self._closed:
+                return
+            self._closed = True
             live = list(self._live)
+        # Each is closed even when one before it raised; the first error is raised at the end.
+        errors = []
         for sandbox in live:
-            sandbox.close()
+            try:
+                sandbox.close()
+            except OSError as exc:
+                errors.append(exc)
         self._release()
+        if errors:
+            raise errors[0]
 
     @abc.abstractmethod
     def _release(self) -> None:

@@ -14,6 +14,11 @@ per-sandbox cgroup. Each `run` starts `bwrap` with:
   empty capability bounding set and no-new-privileges, so a file the host keeps root-only stays
   unreadable even where a path is bound by mistake; otherwise bwrap makes a user namespace and the
   command runs as the calling user (bwrap is then not setuid: nothing about it needs privileges);
+- a seccomp filter (`clawfast.sandbox.seccomp`) under which add_key, request_key and keyctl fail: all
+  sandboxes share one uid, and with it the kernel's user keyring, which outlives them;
+- the command's environment set by `env -i` right before it, read from a file bwrap writes on the
+  run's own /run (not a command line: host users can read those); the launcher (/bin/sh, bwrap, setpriv:
+  host root processes as root) and the start script run with a fixed one (`LAUNCH_ENV`);
 - new PID, IPC, UTS, cgroup, mount and network namespaces, so the only network is the sandbox's own
   loopback; `--new-session` (no terminal injection), `--die-with-parent`;
 - for each allowed port, a socat listening on the sandbox's 127.0.0.1:<port> and connecting to a Unix
@@ -32,20 +37,41 @@ one of them (e.g. /usr/src/app), which are read-only binds:
   recreated, never followed), the missing directories made in it, then A remounted read-only. Inside,
   A holds what the host's A held when the sandbox was created. The /etc covers and `hide_paths` are
   mounted after this, so they apply inside A too.
+A `ro_binds` target missing on the host inside a system directory (e.g. /usr/local/harness) cannot be
+made there (read-only): it is refused (ValueError from `create`) unless it lies in the workdir's rebuilt
+directory; a target elsewhere (/opt/harness) is made in bwrap's root tmpfs.
+
+`hide_paths` (the backend's and the spec's): each path is resolved on the host (`realpath`, so /lib/x
+where /lib -> usr/lib is /usr/lib/x) and covered wherever the sandbox would show it: in a view directory
+and inside each `ro_binds` source, at the bind's target. A directory is covered by an empty tmpfs, a
+file by an unreadable empty file; a path that does not exist or that nothing shows needs nothing; one
+that resolves to / is refused (ValueError). A `ro_binds` source inside a hidden directory is still
+shown at its target: the bind asks for it explicitly.
 
 Limits and how they are enforced (`Sandbox.enforced` lists what this host gives; what it cannot give is
 logged once when the backend is made):
 - memory, processes, CPU: a cgroup v2 or v1 group per sandbox (`clawfast.sandbox.cgroup`).
 - disk: the workspace and home share a tmpfs of `Limits.disk_bytes` mounted on the host (root only),
   /tmp and /dev/shm are tmpfs of that size each.
-- file size: RLIMIT_FSIZE (`ulimit -f` inside; stdout/stderr capture files count too).
+- file size: RLIMIT_FSIZE (`ulimit -f` inside). stdout and stderr are pipes, which it does not bound:
+  `Limits.max_output_bytes` bounds what the host keeps of them.
 - address space: RLIMIT_AS (`ulimit -v`), only if `Limits.address_space_bytes` is set.
 - wall time: the run's timeout; the sandbox's PID-namespace init is SIGKILLed, which makes the
   kernel kill every process of the namespace (daemonised, re-parented, new-session ones included);
   `run` returns only once all of them are gone.
 
-Not guaranteed: that the sandbox user cannot make user namespaces of its own (the host's setting
-decides; inside one it gains nothing over host files, which stay owned by users it is not). A SIGKILL
+Guaranteed besides: a command's environment never acts in a host-side process; runs in parallel in one
+sandbox never end each other (the cgroup is killed through only at a run's timeout or error, and then
+only while that run is the only one, under the lock new runs start under, or at `close`); any timeout
+works (each poll() wait is capped); an exception while a run is watched kills the run before it
+propagates; `close` (the backend's too) during a `create` waits for the start, then removes all of it.
+
+Not guaranteed: on an architecture other than x86_64 and aarch64 there is no seccomp filter (logged
+when the backend is made; no "keyring" in `Sandbox.enforced`), so sandboxes share the keyring. The
+command's environment reaches the sandbox in a file, never on bwrap's or setpriv's command line, but
+`env -i` holds it on its own for the instant before it execs the command: host users who list
+processes at that instant can see it. That the sandbox user cannot make user namespaces of its own
+(the host's setting decides; inside one it gains nothing over host files, which stay owned by users it is not). A SIGKILL
 sent to the sandbox's init from outside reads as the command being killed (exit 137), like an OOM
 kill; a killed `bwrap` process reads as `SandboxError`. If the owning Python process is killed (no
 `close()`), `--die-with-parent` ends its sandboxes, except one whose bwrap was started within the ~1 ms
@@ -58,6 +84,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import platform
 import shlex
 import shutil
 import subprocess
@@ -66,14 +93,55 @@ import time
 from collections.abc import Mapping, Sequence
 
 from clawfast.sandbox.base import SANDBOX_UID, Sandbox, SandboxError
-from clawfast.sandbox.bwrap_argv import SWITCH_CAPS, copy_of, mode_of, parents_to_make, room_for
+from clawfast.sandbox.bwrap_argv import (SWITCH_CAPS, check_bind_targets, copy_of, hide_argv, mode_of, parents_to_make,
+                                         room_for)
 from clawfast.sandbox.bwrap_supervise import KILL_GRACE_S, Capture, StatusPipe, kill_tree, wait_namespace_gone
 from clawfast.sandbox.cgroup import Cgroup, CgroupHost, sweep_stale
-from clawfast.sandbox.hostdir import (ForwardingBackend, HostDir, log, merge_env, split_ready, start_script,
-                                      sweep_stale_dirs)
+from clawfast.sandbox.hostdir import (ForwardingBackend, HostDir, log, merge_env, remove_tree, split_ready,
+                                      start_script, sweep_stale_dirs)
 from clawfast.sandbox.result import EXIT_FILE_SIZE, RunResult
+from clawfast.sandbox.seccomp import program as seccomp_program
 from clawfast.sandbox.spec import HOMEDIR, PROXYDIR, WORKDIR, SandboxSpec, rlimit_enforced
 from clawfast.sandbox.view import SYSTEM_PATHS, RootView
+
+
+# What the host-side launcher (/bin/sh, bwrap, setpriv) runs with: fixed, nothing of the command's.
+LAUNCH_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
+# Where each run's environment file lies inside (bwrap writes it there from an fd: `env_file`), and
+# what runs last, in place of the command, to exec the command under exactly that environment.
+ENV_FILE = "/run/.clawfast-env"
+ENV_EXEC = f". {ENV_FILE}"
+
+
+def env_file(env_path: str, env: Mapping[str, str]) -> int:
+    """An anonymous in-memory file (no size limit, unlike a pipe written before its reader starts)
+    holding the line `ENV_EXEC` sources: exec the command ("$@") under `env` alone. bwrap copies it
+    to `ENV_FILE` (``--file``, on the run's own /run tmpfs) and closes it. Only this exec of `env`
+    holds the values on its command line, for the instant before it execs the command; bwrap's,
+    setpriv's and the shells' command lines never do."""
+    fd = os.memfd_create("clawfast-env", os.MFD_CLOEXEC)
+    try:
+        pairs = " ".join(shlex.quote(f"{key}={value}") for key, value in env.items())
+        os.write(fd, f'exec {shlex.quote(env_path)} -i -- {pairs} "$@"\n'.encode())
+        os.lseek(fd, 0, os.SEEK_SET)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def seccomp_pipe(program: bytes) -> int:
+    """A pipe's read end holding `program` for bwrap's `--seccomp FD`, which reads it to its end: one
+    per run, written in full before bwrap starts (a few hundred bytes, far below a pipe's capacity)."""
+    filter_r, filter_w = os.pipe()
+    try:
+        os.write(filter_w, program)
+    except BaseException:
+        os.close(filter_r)
+        raise
+    finally:
+        os.close(filter_w)
+    return filter_r
 
 
 class BwrapSandbox(Sandbox):
@@ -83,6 +151,11 @@ class BwrapSandbox(Sandbox):
         # The directory rebuilt to make room for the workdir, or None (`room_for`). Checked before
         # anything exists on the host, so a refused workdir leaves nothing to clean up.
         self.room = room_for(self.workdir, backend.view)
+        # The covers of the hidden paths, before and after the ro_binds (`hide_argv`); also checked
+        # before anything exists on the host. The backend's own directory is never visible either.
+        hidden = (backend.base_dir, *backend.hide_paths, *spec.hide_paths)
+        self.hide_in_view, self.hide_in_binds = hide_argv(hidden, backend.view, spec.ro_binds)
+        check_bind_targets(list(spec.ro_binds.values()), backend.view, self.room, hidden)
         self.home = HOMEDIR
         self.hostdir: HostDir | None = None
         self.enforced: dict[str, str] = {"wall": "SIGKILL of the PID namespace at the timeout"}
@@ -108,6 +181,8 @@ class BwrapSandbox(Sandbox):
             if self.cgroup is not None:
                 self.enforced.update(self.cgroup.enforced)
         self.enforced.update(rlimit_enforced(self.spec.limits))
+        if self.backend.seccomp is not None:
+            self.enforced["keyring"] = "seccomp: add_key, request_key, keyctl fail with EPERM"
         self._argv = self._launch_argv(forwarders=True)
         if self.backend.probe:
             # The probe checks that bwrap starts with these mounts and namespaces and that socat
@@ -132,9 +207,7 @@ class BwrapSandbox(Sandbox):
         if room is not None:
             argv += ["--perms", mode_of(room), "--tmpfs", room] + copy_of(room)
         # After the rebuilt room, so that what it re-exposes of these stays covered.
-        hidden = (backend.base_dir, *backend.hide_paths, *spec.hide_paths)
-        # bwrap cannot make a mount point in a read-only bind, and a missing path hides nothing.
-        argv += [arg for path in hidden if view.shows(path) and os.path.isdir(path) for arg in ("--tmpfs", path)]
+        argv += self.hide_in_view
         argv += view.cover_argv
         # bwrap would make the missing parents of a mount point mode 0700 (root's): the user could
         # not reach what is mounted there.
@@ -145,6 +218,8 @@ class BwrapSandbox(Sandbox):
             argv += ["--ro-bind", self.hostdir.proxy, PROXYDIR]
         for host_path, target in spec.ro_binds.items():
             argv += ["--ro-bind", os.path.abspath(host_path), target]
+        # On what the binds show, so after them.
+        argv += self.hide_in_binds
         if room is not None:
             # Read-only like the host directory it stands for; not recursive, so what is mounted in
             # it stays as it is.
@@ -158,6 +233,12 @@ class BwrapSandbox(Sandbox):
         argv += ["--die-with-parent", "--new-session", "--cap-drop", "ALL"]
         chdir = self.workdir if backend.as_root else None
         inner = ["/bin/sh", "-c", start_script(spec, backend.socat or "socat", forwarders, chdir), "sh"]
+        # The command's environment is set last, by `env -i` right before the command: the launcher,
+        # bwrap, setpriv (as root these are host root processes) and the start script (whose stderr
+        # must begin with the readiness marker) run with `LAUNCH_ENV`, so that no LD_PRELOAD or other
+        # variable of the command acts in them. It comes in a file (`_run` adds it), not on a command
+        # line: host users can read every process's command line.
+        inner += ["/bin/sh", "-c", ENV_EXEC, "sh"]
         if backend.as_root:
             argv += [arg for cap in SWITCH_CAPS for arg in ("--cap-add", cap)]
             uid, gid = backend.owner
@@ -207,10 +288,14 @@ class BwrapSandbox(Sandbox):
         stdin_path = os.path.join(self.hostdir.dir, f"run{n}.in")
         status_r, status_w = os.pipe()
         argv_full = list(bwrap_argv)
+        if "=" in argv[0]:
+            # env would take a program named a=b for one more variable: a shell runs it instead.
+            argv = ["/bin/sh", "-c", 'exec "$@"', "sh"] + argv
         # bwrap writes {"child-pid": N} (the namespace's init, as the host sees it) to this fd.
         i = argv_full.index("--die-with-parent")
         argv_full[i:i] = ["--json-status-fd", str(status_w)]
         capture = Capture(self.spec.limits.max_output_bytes)
+        filter_r = env_r = None
         try:
             stdin_f = None
             if stdin is not None:
@@ -226,19 +311,31 @@ class BwrapSandbox(Sandbox):
                 try:
                     if self._closed:
                         raise SandboxError("sandbox is closed")
+                    env_r = env_file(self.backend.env, full_env)
+                    # Readable by the sandbox's user, whose own environment it holds; the run's /run
+                    # is its own tmpfs, so no other run sees it.
+                    argv_full[i:i] = ["--perms", "0444", "--file", str(env_r), ENV_FILE]
+                    pass_fds = [status_w, env_r]
+                    if self.backend.seccomp is not None:
+                        filter_r = seccomp_pipe(self.backend.seccomp)
+                        argv_full[i:i] = ["--seccomp", str(filter_r)]
+                        pass_fds.append(filter_r)
                     proc = subprocess.Popen(
                         argv_full + argv,
                         stdin=stdin_f if stdin_f is not None else subprocess.DEVNULL,
                         stdout=capture.out_w,
                         stderr=capture.err_w,
-                        env=full_env,
-                        pass_fds=(status_w,),
+                        env=LAUNCH_ENV,
+                        pass_fds=pass_fds,
                         start_new_session=True,
                     )
                 except OSError as exc:
                     raise SandboxError(f"cannot start bwrap: {exc}") from exc
                 finally:
                     os.close(status_w)
+                    for fd in (filter_r, env_r):
+                        if fd is not None:
+                            os.close(fd)
                     capture.close_write_ends()
                     if stdin_f is not None:
                         stdin_f.close()
@@ -246,15 +343,17 @@ class BwrapSandbox(Sandbox):
                 self._running[n] = (proc, status)
             try:
                 timed_out = not capture.pump_until_exit(proc, t0 + timeout)
-                with self._lock:
-                    # The cgroup holds every run of the sandbox: kill through it only when this run is
-                    # the only one, else the PID namespace's init (this run's alone) does it.
-                    alone = len(self._running) == 1
-                cgroup = self.cgroup if alone else None
                 if timed_out:
-                    kill_tree(proc, status, cgroup)
-                wait_namespace_gone(status, cgroup)
+                    self._kill_run(proc, status)
+                # After the command exited by itself, its namespace's init takes the rest of the run
+                # with it (--die-with-parent): no cgroup kill here, the cgroup holds other threads'
+                # runs too.
+                wait_namespace_gone(status)
                 capture.drain(time.monotonic() + KILL_GRACE_S)
+            except BaseException:
+                # Whatever went wrong here (KeyboardInterrupt included), the run must not outlive it.
+                self._kill_run(proc, status)
+                raise
             finally:
                 with self._lock:
                     self._running.pop(n, None)
@@ -288,6 +387,16 @@ class BwrapSandbox(Sandbox):
             limit=self._limit_hit(counts, returncode, timed_out),
         )
 
+    def _kill_run(self, proc: subprocess.Popen, status: StatusPipe) -> None:
+        """End one run (its timeout, or an error while it ran) and whatever it started."""
+        kill_tree(proc, status, None)
+        with self._lock:
+            # An init that bwrap had not reported yet escapes `kill_tree`; the cgroup holds it. The
+            # cgroup holds every run of the sandbox, so it is killed only while this run is the only
+            # one registered, and under the lock a new run starts under, so none joins meanwhile.
+            if self.cgroup is not None and list(self._running.values()) == [(proc, status)]:
+                self.cgroup.kill_all(KILL_GRACE_S)
+
     def _limit_counts(self) -> tuple[int, int]:
         """The cgroup's OOM kills and refused forks so far (zeros without a cgroup)."""
         if self.cgroup is None:
@@ -316,13 +425,14 @@ class BwrapSandbox(Sandbox):
 
 class BwrapBackend(ForwardingBackend):
     """Options:
-    base_dir: where sandbox directories are made (default: the system temp dir). It is never visible
-        inside. A tmpfs such as /dev/shm makes create+destroy cheaper where the disk is slow (each
+    base_dir: where sandbox directories are made (default: the system temp dir; a relative one is made
+        absolute at once). It is never visible inside. A tmpfs such as /dev/shm makes create+destroy cheaper where the disk is slow (each
         rmdir was ~2.4 ms on this machine's ext4).
     use_cgroup: create a per-sandbox cgroup for memory/process/CPU limits when the host allows it.
     probe: start `true` in every new sandbox so that `create` fails (SandboxError) rather than the
         first real command; costs one sandbox start (see bench/bench_sandbox.py).
-    hide_paths: host paths inside the visible system directories to cover with an empty tmpfs.
+    hide_paths: host paths to cover wherever the sandbox would show them (see the module docstring;
+        ValueError for one that cannot be hidden).
     uid: the host uid (and gid) sandboxed processes run as when this process is root.
     system_paths: the host directories shown read-only (see `clawfast.sandbox.view`).
     """
@@ -349,12 +459,21 @@ class BwrapBackend(ForwardingBackend):
                 raise ValueError(f"hide_paths: {path!r} must be an absolute path other than /")
         if not isinstance(uid, int) or isinstance(uid, bool) or not 0 < uid < 2**32 - 1:
             raise ValueError(f"uid must be a non-zero host uid, got {uid!r}")
-        self.hide_paths = tuple(hide_paths)
+        self.hide_paths = tuple(os.path.normpath(p) for p in hide_paths)
         self.use_cgroup = use_cgroup
         self.probe = probe
         self.as_root = os.geteuid() == 0
         # Who the sandbox runs as: (uid, gid) to hand its files to, or None for this process's own user.
         self.owner = (uid, uid) if self.as_root else None
+        # The filter every sandbox runs under (`clawfast.sandbox.seccomp`); None on an architecture
+        # it does not know, said once here.
+        self.seccomp = seccomp_program()
+        if self.seccomp is None:
+            log.warning("clawfast bwrap backend: kernel keyrings NOT closed (no seccomp filter for %s)",
+                        platform.machine())
+        self.env = shutil.which("env", path="/usr/bin:/bin")
+        if self.env is None:
+            raise SandboxError("the bwrap backend needs env (coreutils) in /usr/bin or /bin")
         self.setpriv = None
         if self.as_root:
             self.setpriv = shutil.which("setpriv", path="/usr/bin:/bin")
@@ -368,6 +487,9 @@ class BwrapBackend(ForwardingBackend):
                 log.warning("clawfast bwrap backend: %s", message)
         if not self.as_root:
             log.warning("clawfast bwrap backend: disk quota NOT enforced (mounting a sized tmpfs needs root)")
+        # Absolute: a relative one would name another directory once the process changed directory
+        # (every run would fail, and close() would leave the quota mounts).
+        base_dir = None if base_dir is None else os.path.abspath(base_dir)
         sweep_stale_dirs(base_dir, "clawfast-sandbox-")
         self.base_dir = tempfile.mkdtemp(prefix=f"clawfast-sandbox-{os.getpid()}-", dir=base_dir)
         try:
@@ -375,8 +497,9 @@ class BwrapBackend(ForwardingBackend):
             os.mkdir(view_dir)
             uid_inside = uid if self.as_root else os.getuid()
             self.view = RootView(view_dir, uid_inside, uid_inside if self.as_root else os.getgid(), system_paths)
+            hide_argv(self.hide_paths, self.view, {})  # a path that cannot be hidden: ValueError now
         except BaseException:
-            shutil.rmtree(self.base_dir, ignore_errors=True)
+            remove_tree(self.base_dir)
             raise
         super().__init__()
 

@@ -17,7 +17,7 @@ import time
 
 from clawfast.sandbox.cgroup import Cgroup
 from clawfast.sandbox.hostdir import READY
-from clawfast.sandbox.process import wait_exit
+from clawfast.sandbox.process import MAX_WAIT_MS, wait_exit
 
 KILL_GRACE_S = 5.0
 
@@ -72,9 +72,10 @@ class Capture:
             poller.register(fd, select.POLLIN)
         if pidfd is not None:
             poller.register(pidfd, select.POLLIN)
-        wait_ms = max(0.0, deadline - time.monotonic()) * 1000
+        # Capped: poll() takes at most ~24 days (an int of ms) and a timeout may be longer, even inf.
+        wait_ms = min(max(0.0, deadline - time.monotonic()) * 1000, tick_ms or MAX_WAIT_MS)
         exited = False
-        for fd, _ in poller.poll(wait_ms if tick_ms is None else min(wait_ms, tick_ms)):
+        for fd, _ in poller.poll(wait_ms):
             if fd == pidfd:
                 exited = True
                 continue
@@ -147,15 +148,14 @@ def kill_tree(proc: subprocess.Popen, status: StatusPipe, cgroup: Cgroup | None)
         proc.wait()
 
 
-def wait_namespace_gone(status: StatusPipe, cgroup: Cgroup | None) -> None:
+def wait_namespace_gone(status: StatusPipe) -> None:
     """Return once no process of the run's namespace is left.
 
     bwrap exits as soon as the command does; only then does its init get SIGKILL (--die-with-parent)
     and the kernel kill the rest of the namespace, a moment later (seen: background processes still
     alive right after bwrap was reaped). The init becomes a zombie only after every other process of
-    its namespace is gone, so waiting for the init to exit (a pidfd turns readable) is exactly enough."""
-    if cgroup is not None:
-        cgroup.kill_all(KILL_GRACE_S)
+    its namespace is gone, so waiting for the init to exit (a pidfd turns readable) is exactly enough.
+    (The sandbox's cgroup is no help here: it holds the runs of other threads too.)"""
     pid = status.child_pid()
     if pid is None:
         return

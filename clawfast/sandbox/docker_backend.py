@@ -324,6 +324,8 @@ class DockerBackend(ForwardingBackend):
         # What an owner killed before close() left: its containers (the label names its pid) first,
         # then its directories and quota mounts.
         _remove_stale_containers(self.client)
+        # Absolute: a relative one would name another directory once the process changed directory.
+        base_dir = None if base_dir is None else os.path.abspath(base_dir)
         sweep_stale_dirs(base_dir, "clawfast-docker-")
         self.image = image
         self.probe = probe

@@ -33,12 +33,13 @@ import re
 import shlex
 import shutil
 import stat
+import sys
 import tempfile
 from collections.abc import Callable, Mapping
 
 from clawfast.sandbox.base import SandboxBackend, SandboxError
 from clawfast.sandbox.forward import HostForwarder, inner_forwarders_script, socat_check
-from clawfast.sandbox.spec import DEFAULT_PATH, HOMEDIR, PROXYDIR, SandboxSpec, check_env_entry
+from clawfast.sandbox.spec import DEFAULT_PATH, HOMEDIR, PROXYDIR, SandboxSpec, check_env_entry, name_label
 from clawfast.sandbox.workspace import populate
 
 READY = b"clawfast-sandbox-ready\n"
@@ -91,7 +92,7 @@ class HostDir:
         io_dir: bool = False,
         owner: tuple[int, int] | None = None,
     ) -> None:
-        self.dir = tempfile.mkdtemp(prefix=spec.name + "-", dir=base_dir)
+        self.dir = tempfile.mkdtemp(prefix=name_label(spec.name) + "-", dir=base_dir)
         self.data = os.path.join(self.dir, "data")
         self.workspace = os.path.join(self.data, "ws")
         self.home = os.path.join(self.data, "home")
@@ -149,7 +150,43 @@ class HostDir:
                 if self.quota is not None:
                     unmount(self.data)
             finally:
-                shutil.rmtree(self.dir, ignore_errors=True)
+                remove_tree(self.dir)
+
+
+def remove_tree(path: str) -> None:
+    """Remove `path` and everything in it, as far as possible (nothing is raised).
+
+    Not root, a directory the sandbox closed to its owner (`chmod 000 d`: unreadable, or without
+    write permission) would stop `shutil.rmtree`; the sandbox's files belong to this process's user,
+    so the directory's rights are given back (u+rwx) and the step retried."""
+
+    def retry(func, failed: str, exc) -> None:
+        error = exc if isinstance(exc, BaseException) else exc[1]  # onexc, or onerror's exc_info
+        if not isinstance(error, PermissionError):
+            return
+        try:
+            if func in (os.unlink, os.rmdir, os.remove):
+                # The parent has no write (or search) permission.
+                _grant_owner(os.path.dirname(failed))
+                func(failed)
+            else:
+                # The directory itself could not be opened or listed: open it up, remove it whole.
+                _grant_owner(os.path.dirname(failed))
+                _grant_owner(failed)
+                shutil.rmtree(failed, **{handler: retry})
+        except OSError:
+            pass
+
+    # `onerror` is deprecated from Python 3.12 on, in favour of `onexc` (an exception, not exc_info).
+    handler = "onexc" if sys.version_info >= (3, 12) else "onerror"
+    shutil.rmtree(path, **{handler: retry})
+
+
+def _grant_owner(directory: str) -> None:
+    """u+rwx on `directory` if it is one (never through a link)."""
+    st = os.lstat(directory)
+    if stat.S_ISDIR(st.st_mode):
+        os.chmod(directory, stat.S_IMODE(st.st_mode) | stat.S_IRWXU)
 
 
 def _chown_tree(root: str, uid: int, gid: int) -> None:
@@ -209,7 +246,7 @@ class ForwardingBackend(SandboxBackend):
     def _release(self) -> None:
         if self._forwarder is not None:
             self._forwarder.close()
-        shutil.rmtree(self.base_dir, ignore_errors=True)
+        remove_tree(self.base_dir)
 
 
 def start_script(spec: SandboxSpec, socat: str, forwarders: bool = True, chdir: str | None = None) -> str:
@@ -251,6 +288,6 @@ def sweep_stale_dirs(parent: str | None, prefix: str) -> list[str]:
             path = os.path.join(parent, entry)
             for point in mounts_under(path):
                 unmount(point)
-            shutil.rmtree(path, ignore_errors=True)
+            remove_tree(path)
             removed.append(path)
     return removed

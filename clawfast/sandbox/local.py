@@ -13,23 +13,23 @@ without a mount namespace the workspace cannot appear at an absolute path.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import tempfile
 import time
 from collections.abc import Mapping
 
 from clawfast.sandbox.base import Sandbox, SandboxBackend, SandboxError
+from clawfast.sandbox.hostdir import remove_tree
 from clawfast.sandbox.process import kill_group, wait_exit
 from clawfast.sandbox.result import RunResult, capped_result
-from clawfast.sandbox.spec import DEFAULT_PATH, SandboxSpec, check_env_entry, rlimit_enforced
+from clawfast.sandbox.spec import DEFAULT_PATH, SandboxSpec, check_env_entry, name_label, rlimit_enforced
 from clawfast.sandbox.workspace import populate
 
 
 class LocalSandbox(Sandbox):
     def __init__(self, backend: LocalBackend, spec: SandboxSpec) -> None:
         super().__init__(backend, spec)
-        self.dir = tempfile.mkdtemp(prefix=spec.name + "-", dir=backend.base_dir)
+        self.dir = tempfile.mkdtemp(prefix=name_label(spec.name) + "-", dir=backend.base_dir)
         self.host_workdir = self.workdir = os.path.join(self.dir, "ws")
         self.home = self.host_home = os.path.join(self.dir, "home")
         self.enforced = {"wall": "SIGKILL of the process group at the timeout"}
@@ -99,7 +99,7 @@ class LocalSandbox(Sandbox):
             kill_group(proc)
 
     def _remove(self) -> None:
-        shutil.rmtree(self.dir, ignore_errors=True)
+        remove_tree(self.dir)
 
 
 class LocalBackend(SandboxBackend):
@@ -109,6 +109,8 @@ class LocalBackend(SandboxBackend):
     def __init__(self, *, allow_unsafe: bool = False, base_dir: str | None = None) -> None:
         if not allow_unsafe:
             raise ValueError("the local backend does not isolate anything; pass allow_unsafe=True to use it")
+        # Absolute: a relative one would name another directory once the process changed directory.
+        base_dir = None if base_dir is None else os.path.abspath(base_dir)
         self.base_dir = tempfile.mkdtemp(prefix=f"clawfast-local-{os.getpid()}-", dir=base_dir)
         super().__init__()
 
@@ -121,4 +123,4 @@ class LocalBackend(SandboxBackend):
             )
 
     def _release(self) -> None:
-        shutil.rmtree(self.base_dir, ignore_errors=True)
+        remove_tree(self.base_dir)

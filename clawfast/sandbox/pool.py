@@ -15,7 +15,9 @@ Guaranteed:
 - every sandbox is destroyed when its `with` block ends, however it ends, and `close()` destroys any
   still open and then the backend (its temp directory, forwarder thread, cgroups): after `close()`
   no process, mount, cgroup or temporary directory of the pool remains;
-- an asyncio task cancelled while its sandbox starts does not leak it: it is destroyed once started.
+- an asyncio task cancelled while its sandbox starts does not leak it: it is destroyed once started,
+  and its slot is given back only then (so the cap holds meanwhile);
+- `close()` destroys every sandbox even when one of them fails to go (its OSError is raised after).
 Not guaranteed: FIFO order among waiters (async waiters poll every <= 20 ms).
 
 Warm sandboxes: with `warm=N, warm_spec=S` a background thread keeps N idle sandboxes started from S
@@ -131,28 +133,42 @@ class SandboxPool:
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.02)
         loop = asyncio.get_running_loop()
+        slot_handed_off = False
         try:
             starting = loop.run_in_executor(self.executor, self._start, spec)
             try:
                 sandbox = await asyncio.shield(starting)
             except asyncio.CancelledError:
-                # The start goes on in its thread: destroy what it makes rather than leak it.
+                # The start goes on in its thread: destroy what it makes rather than leak it, and
+                # keep the slot until then, so that the sandbox still counts against the cap.
                 starting.add_done_callback(self._destroy_started)
+                slot_handed_off = True
                 raise
             try:
                 yield sandbox
             finally:
                 await loop.run_in_executor(self.executor, self._destroy, sandbox)
         finally:
-            self._slots.release()
+            if not slot_handed_off:
+                self._slots.release()
 
     def _destroy_started(self, starting: asyncio.Future) -> None:
+        """Destroy the sandbox a cancelled `asandbox` was starting, then give its slot back."""
         if starting.cancelled() or starting.exception() is not None:
+            self._slots.release()
             return
+        sandbox = starting.result()
+
+        def destroy() -> None:
+            try:
+                self._destroy(sandbox)
+            finally:
+                self._slots.release()
+
         try:
-            self.executor.submit(self._destroy, starting.result())
+            self.executor.submit(destroy)
         except RuntimeError:  # executor shut down: close() destroyed it already
-            pass
+            self._slots.release()
 
     # -- shared --------------------------------------------------------------------------------
 
@@ -254,12 +270,20 @@ class SandboxPool:
             self._refill.notify_all()
         if self._warmer is not None:
             self._warmer.join()  # it may be starting one sandbox; it closes that itself
-        for sandbox in idle:
-            sandbox.close()
-        for sandbox in still_open:
-            self._destroy(sandbox)
-        self.backend.close()
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        # Each is destroyed even when one before it raised (OSError: something would not go away);
+        # the first error is raised once the backend is closed too.
+        errors = []
+        for destroy, sandbox in [(Sandbox.close, sb) for sb in idle] + [(self._destroy, sb) for sb in still_open]:
+            try:
+                destroy(sandbox)
+            except OSError as exc:
+                errors.append(exc)
+        try:
+            self.backend.close()
+        finally:
+            self.executor.shutdown(wait=False, cancel_futures=True)
+        if errors:
+            raise errors[0]
 
     def __enter__(self) -> SandboxPool:
         return self

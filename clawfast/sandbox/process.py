@@ -8,6 +8,9 @@ import signal
 import subprocess
 import time
 
+# The longest single wait in poll(); the loops around it go on until their deadline.
+MAX_WAIT_MS = 60_000
+
 
 def wait_exit(proc: subprocess.Popen, timeout: float) -> bool:
     """Wait for `proc` to exit (and reap it); False if it still runs after `timeout` seconds.
@@ -26,7 +29,8 @@ def wait_exit(proc: subprocess.Popen, timeout: float) -> bool:
         poller = select.poll()
         poller.register(fd, select.POLLIN)
         deadline = time.monotonic() + timeout
-        while not poller.poll(max(0.0, deadline - time.monotonic()) * 1000):
+        # Each wait capped: poll() takes at most ~24 days (an int of ms), and a timeout may be inf.
+        while not poller.poll(min(max(0.0, deadline - time.monotonic()) * 1000, MAX_WAIT_MS)):
             if time.monotonic() >= deadline:
                 return False
     finally:

@@ -40,8 +40,8 @@ class Limits:
     memory_bytes: memory of all processes together (a cgroup memory limit; the OOM killer ends the
         largest process when it is exceeded).
     max_processes: number of processes/threads alive at once (a pids cgroup).
-    max_file_bytes: largest file any process may write (RLIMIT_FSIZE; captured stdout/stderr count too,
-        a process that exceeds it gets SIGXFSZ).
+    max_file_bytes: largest file any process may write (RLIMIT_FSIZE: a process that exceeds it gets
+        SIGXFSZ). stdout and stderr are pipes, not files: `max_output_bytes` bounds them instead.
     disk_bytes: size of each filesystem the sandbox can write: the workspace and private home together
         (one sized tmpfs on the host), and its /tmp and /dev/shm (each its own). A write past it fails
         with ENOSPC. The pages are RAM, charged to the sandbox's memory limit when it writes them.
@@ -95,12 +95,15 @@ class SandboxSpec:
         same port on its own 127.0.0.1 (IPv4 only: give harnesses `http://127.0.0.1:PORT`, not
         `localhost`, which Node may resolve to ::1). Nothing else on the network is reachable.
     ro_binds: host path -> absolute path inside, bound read-only (e.g. the harness install at
-        /run/harness). Not allowed on /, nor on or under /run/ws, /run/home, /run/proxy.
+        /run/harness). Not allowed on /, nor on or under /run/ws, /run/home, /run/proxy. bwrap also
+        refuses (ValueError from `create`) a target missing on the host inside a read-only system
+        directory (/usr/local/harness where the host has none): use /opt/... or /run/... instead.
     env: environment of every command (the host environment is never inherited); `run(env=...)` adds
         to it. PATH, HOME and TMPDIR have defaults.
     limits: see `Limits`.
     default_timeout: seconds, for `run` calls that give none.
-    name: a label (e.g. the rollout id) used in temporary directory and container names.
+    name: a label (e.g. the rollout id) used in temporary directory and container names; only its first
+        32 bytes are (`name_label`: a longer one would not fit in a directory name or a socket path).
     workdir: the absolute path inside where the workspace is mounted read-write and where commands
         start (None: /run/ws), for tasks whose files name their workspace's absolute path (e.g.
         /root/.openclaw/workspace). It must be normalised, and may not be / or /tmp or /run themselves
@@ -108,11 +111,14 @@ class SandboxSpec:
         above /run/home, /run/proxy or a `ro_binds` target. The local backend refuses it (it cannot
         place a workspace at an absolute path); the others leave the rest of the sandbox's filesystem
         as it is without one (see each backend's docstring).
-    hide_paths: host directories the sandbox must not see (a task suite's own folder, which holds
-        its verifiers' files); absolute and normalised, not /. bwrap's minimal root shows no host
-        directory outside its system paths anyway (docs/SANDBOX.md); one inside them is covered by an
-        empty tmpfs. A path that does not exist on the host has nothing to hide and is skipped. A
-        docker container sees its image, and the local backend (no isolation) sees everything.
+    hide_paths: host paths the sandbox must not see (a task suite's own folder, which holds its
+        verifiers' files); absolute and normalised, not /. bwrap's minimal root shows no host path
+        outside its system paths and `ro_binds` anyway (docs/SANDBOX.md); bwrap resolves each path
+        on the host and covers it wherever it shows it (in a system directory, inside a `ro_binds`
+        source at the bind's target): a directory with an empty tmpfs, a file with an unreadable
+        empty one. A path that does not exist has nothing to hide; one that resolves to / is refused
+        (ValueError from `create`). A docker container sees its image, and the local backend (no
+        isolation) sees everything.
     """
 
     files: Mapping[str, bytes | str] = field(default_factory=dict)
@@ -163,6 +169,17 @@ class SandboxSpec:
         if not self.name or "/" in self.name or "\0" in self.name:
             raise ValueError(f"SandboxSpec.name {self.name!r} must be a non-empty label without '/'")
         self.limits.validate()
+
+
+# How much of `SandboxSpec.name`, in bytes of UTF-8, names a sandbox's directory (and so its container
+# and proxy sockets): a Unix socket path holds at most 107 bytes, and the default base directory
+# (/tmp/clawfast-sandbox-<pid>-XXXXXXXX), the random suffix and /proxy/<port>.sock take ~60 of them.
+NAME_LABEL_BYTES = 32
+
+
+def name_label(name: str) -> str:
+    """The start of `name` (whole characters) that a sandbox's directory name begins with."""
+    return name.encode()[:NAME_LABEL_BYTES].decode(errors="ignore")
 
 
 def check_relative_path(path: str, *, what: str = "path") -> PurePosixPath:

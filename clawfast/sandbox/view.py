@@ -82,7 +82,8 @@ class RootView:
         self.system_paths = tuple(p for p in system_paths if os.path.lexists(p))
         self.mounted = tuple(p for p in self.system_paths if not os.path.islink(p))
         passwd, group = identity_files(directory, uid, gid)
-        blank = os.path.join(directory, "covered")
+        # The unreadable empty file that covers a file (the /etc secrets, `hide_paths`).
+        self.blank = blank = os.path.join(directory, "covered")
         with open(blank, "w"):
             pass
         os.chmod(blank, 0)

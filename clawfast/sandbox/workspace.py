@@ -1,8 +1,10 @@
 """The host's side of a workspace: files written into it and read back from it, never through a link.
 
-A sandbox can plant symbolic links in its workspace between two commands: `write_files` refuses to
-write through one and `read_file` / `read_head` / `read_tree` never follow one, so the host neither
-writes nor reads outside the workspace on a sandbox's behalf.
+A sandbox can plant symbolic links in its workspace, between two commands or while one runs:
+`write_files` never writes through one (it walks by directory descriptors, so a directory swapped for a
+link meanwhile is caught too) and `read_file` / `read_head` / `read_tree` never follow one, so the host
+neither writes nor reads outside the workspace on a sandbox's behalf. A FIFO or other special file in
+a file's place is refused without blocking, and reads are bounded by the files' sizes (`max_bytes`).
 """
 
 from __future__ import annotations
@@ -17,18 +19,42 @@ from clawfast.sandbox.spec import check_relative_path
 
 
 def write_files(root: str, files: Mapping[str, bytes | str]) -> None:
-    """Write `files` under `root`, refusing to follow symlinks the sandbox may have planted."""
+    """Write `files` under `root` without following any symlink (ValueError if a component is a link
+    or not a directory, or the file itself is a link or not a regular file).
+
+    A command may run meanwhile and swap a directory for a link: the walk goes by directory
+    descriptors, each component opened (or made) relative to its parent with O_NOFOLLOW, so no path
+    is resolved twice. The file is opened with O_NONBLOCK, so that a FIFO planted in its place cannot
+    block the host (it is refused by fstat)."""
     for rel, content in files.items():
         p = check_relative_path(rel)
-        parent = root
-        for part in p.parts[:-1]:
-            parent = os.path.join(parent, part)
-            if os.path.islink(parent):
-                raise ValueError(f"cannot write {rel!r}: {part!r} is a symbolic link")
-            os.makedirs(parent, exist_ok=True)
         data = content.encode() if isinstance(content, str) else content
-        fd = os.open(os.path.join(root, *p.parts), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+        dir_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            for part in p.parts[:-1]:
+                try:
+                    os.mkdir(part, 0o755, dir_fd=dir_fd)
+                except FileExistsError:
+                    pass  # a directory, or something _open_dir refuses
+                nxt = _open_dir(dir_fd, part, rel)
+                os.close(dir_fd)
+                dir_fd = nxt
+            flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+            try:
+                fd = os.open(p.parts[-1], flags, 0o644, dir_fd=dir_fd)
+            except OSError as exc:
+                # ELOOP: a link; ENXIO: a FIFO nobody reads or a socket; EISDIR: a directory.
+                if exc.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
+                    raise ValueError(f"cannot write {rel!r}: it exists and is not a regular file") from None
+                raise
+        finally:
+            os.close(dir_fd)
         with os.fdopen(fd, "wb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise ValueError(f"cannot write {rel!r}: it exists and is not a regular file")
+            os.set_blocking(fd, True)
+            # Truncated only now that it is known to be a regular file.
+            f.truncate(0)
             f.write(data)
 
 
@@ -39,6 +65,20 @@ def populate(root: str, source_dir: str | None, files: Mapping[str, bytes | str]
     write_files(root, files)
 
 
+def _open_dir(dir_fd: int, part: str, path: str) -> int:
+    """The directory `part` of `dir_fd`, opened without following a link (ValueError naming `path`
+    when it is a link or not a directory)."""
+    try:
+        return os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError as exc:
+        # Linux answers ENOTDIR (or ELOOP) for a link opened with O_DIRECTORY | O_NOFOLLOW.
+        if exc.errno in (errno.ENOTDIR, errno.ELOOP):
+            is_link = stat.S_ISLNK(os.stat(part, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+            what = "a symbolic link" if is_link else "not a directory"
+            raise ValueError(f"{path!r}: {part!r} is {what}") from None
+        raise
+
+
 def _open_regular(root: str, path: str) -> int:
     """A read-only descriptor of the regular file `path` under `root`, opened without following any
     symlink (FileNotFoundError if absent, ValueError if it is not a regular file or a component is a
@@ -47,15 +87,7 @@ def _open_regular(root: str, path: str) -> int:
     dir_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
     try:
         for part in p.parts[:-1]:
-            try:
-                nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dir_fd)
-            except OSError as exc:
-                # Linux answers ENOTDIR (or ELOOP) for a link opened with O_DIRECTORY | O_NOFOLLOW.
-                if exc.errno in (errno.ENOTDIR, errno.ELOOP):
-                    is_link = stat.S_ISLNK(os.stat(part, dir_fd=dir_fd, follow_symlinks=False).st_mode)
-                    what = "a symbolic link" if is_link else "not a directory"
-                    raise ValueError(f"{path!r}: {part!r} is {what}") from None
-                raise
+            nxt = _open_dir(dir_fd, part, path)
             os.close(dir_fd)
             dir_fd = nxt
         try:
@@ -72,11 +104,19 @@ def _open_regular(root: str, path: str) -> int:
     return fd
 
 
-def read_file(root: str, path: str) -> bytes:
+def read_file(root: str, path: str, max_bytes: int | None = None) -> bytes:
     """Read one regular file under `root` without following any symlink (FileNotFoundError if absent,
-    ValueError if it is not a regular file or a component is a link)."""
+    ValueError if it is not a regular file, a component is a link, or it holds more than `max_bytes`).
+    The size is judged by fstat before reading (a sparse file costs its sandbox nothing and the host
+    its full size) and again by what is read (the file may grow meanwhile)."""
     with os.fdopen(_open_regular(root, path), "rb") as f:
-        return f.read()
+        if max_bytes is None:
+            return f.read()
+        size = os.fstat(f.fileno()).st_size
+        data = f.read(max_bytes + 1) if size <= max_bytes else b""
+        if size > max_bytes or len(data) > max_bytes:
+            raise ValueError(f"{path!r} holds more than {max_bytes} bytes")
+        return data
 
 
 def read_head(root: str, path: str, max_bytes: int) -> tuple[bytes, int]:
@@ -97,9 +137,9 @@ def read_tree(root: str, max_total_bytes: int) -> dict[str, bytes]:
             st = os.lstat(full)
             if not stat.S_ISREG(st.st_mode):
                 continue
-            total += st.st_size
-            if total > max_total_bytes:
+            if total + st.st_size > max_total_bytes:
                 raise ValueError(f"workspace holds more than {max_total_bytes} bytes; read files by path")
             rel = os.path.relpath(full, root)
-            out[rel] = read_file(root, rel)
+            out[rel] = read_file(root, rel, max_total_bytes - total)
+            total += len(out[rel])
     return out

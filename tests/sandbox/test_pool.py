@@ -19,7 +19,7 @@ PY = "/usr/bin/python3"
 
 class FailingStarts(BwrapBackend):
     """Fault injection around the real backend: the first `failures` creates fail like a sandbox that
-    cannot start (a real bwrap start failure: an impossible mount), later ones are normal."""
+    cannot start (a real bwrap start failure: a directory bound onto a file), later ones are normal."""
 
     def __init__(self, failures: int) -> None:
         super().__init__()
@@ -29,7 +29,7 @@ class FailingStarts(BwrapBackend):
     def create(self, spec):
         self.attempts += 1
         if self.attempts <= self.failures:
-            spec = SandboxSpec(ro_binds={"/etc/hostname": "/usr/clawfast/nonexistent/x"})
+            spec = SandboxSpec(ro_binds={"/etc": "/etc/hostname"})
         return super().create(spec)
 
 

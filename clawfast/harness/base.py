@@ -179,7 +179,9 @@ class Harness(abc.ABC):
 
     @abc.abstractmethod
     def command(self, task_instruction: str, layout: RunLayout) -> list[str]:
-        """The argv that runs the harness headless on `task_instruction` in `layout.workspace_inside`."""
+        """The argv that runs the harness headless on `task_instruction` in `layout.workspace_inside`.
+        The instruction is data: one starting with '-' must still be the prompt (after `--`, or as the
+        value of an option, never a bare argument among the options)."""
 
     def artifacts(self, layout: RunLayout) -> list[Path]:
         """Host paths of the trajectory/session files the run left in HOME (kept with the rollout)."""

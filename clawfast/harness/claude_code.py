@@ -7,6 +7,8 @@ small-fast and subagent models), non-essential traffic, telemetry and auto-updat
 ``IS_SANDBOX=1`` (as root it otherwise refuses ``--dangerously-skip-permissions``). The per-request
 attribution header (a nonce in ``system[0]`` that would break the token prefix between calls) is
 turned off with ``CLAUDE_CODE_ATTRIBUTION_HEADER=0``; the proxy strips it as well.
+Run headless with ``claude -p --dangerously-skip-permissions --output-format json --max-turns N -- TASK``
+(TASK after ``--``, so one starting with '-' is the prompt, not an option).
 Session transcripts land in ``$HOME/.claude/projects/<workspace slug>/<session>.jsonl``.
 """
 
@@ -80,10 +82,12 @@ class ClaudeCode(Harness):
         return PreparedRun(env=env)
 
     def command(self, task_instruction: str, layout: RunLayout) -> list[str]:
+        # The instruction is the prompt argument after `--`: an instruction starting with '-' would
+        # otherwise be read as an option (`-p --version` prints the version and exits 0).
         return [
-            str(self.installation.executable), "-p", task_instruction,
+            str(self.installation.executable), "-p",
             "--dangerously-skip-permissions", "--output-format", "json",
-            "--max-turns", str(self.max_turns),
+            "--max-turns", str(self.max_turns), "--", task_instruction,
         ]  # fmt: skip
 
     def artifacts(self, layout: RunLayout) -> list[Path]:

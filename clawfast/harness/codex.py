@@ -3,9 +3,10 @@ Responses API only, streaming; `exec_command` runs shell commands.
 
 Configured by its own config file, ``$CODEX_HOME/config.toml``: a model provider ``policy`` pointing at
 the proxy (``/v1``, ``wire_api = "responses"``) whose key is read from ``POLICY_KEY``. Run headless
-with ``codex exec TASK --skip-git-repo-check --json --sandbox danger-full-access`` (our sandbox
-isolates it; Codex's own Landlock sandbox would fight bubblewrap), standard input closed by the
-runner. Session logs land in ``$CODEX_HOME/sessions/YYYY/MM/DD/rollout-*.jsonl``.
+with ``codex exec --skip-git-repo-check --json --sandbox danger-full-access -- TASK`` (our sandbox
+isolates it; Codex's own Landlock sandbox would fight bubblewrap; TASK after ``--``, so one starting
+with '-' is the prompt, not an option), standard input closed by the runner. Session logs land in
+``$CODEX_HOME/sessions/YYYY/MM/DD/rollout-*.jsonl``.
 """
 
 from __future__ import annotations
@@ -75,9 +76,11 @@ class Codex(Harness):
         return PreparedRun(env=env, files=written)
 
     def command(self, task_instruction: str, layout: RunLayout) -> list[str]:
+        # The instruction is the prompt argument after `--`: one starting with '-' would otherwise be
+        # read as an option.
         return [
-            str(self.installation.executable), "exec", task_instruction,
-            "--skip-git-repo-check", "--json", "--sandbox", "danger-full-access",
+            str(self.installation.executable), "exec",
+            "--skip-git-repo-check", "--json", "--sandbox", "danger-full-access", "--", task_instruction,
         ]  # fmt: skip
 
     def artifacts(self, layout: RunLayout) -> list[Path]:

@@ -3,7 +3,9 @@ litellm, one `bash` tool, non-streaming calls.
 
 Configured with the harness's own mechanisms only: ``MSWEA_*`` environment variables (no first-run
 wizard, no cost look-ups, global config dir inside the sandbox HOME) and ``-c`` config layers: the
-builtin ``mini.yaml``, a small YAML file of overrides written into HOME (model name, API base and
+builtin ``mini.yaml`` (named by its absolute path in the install: mini-swe-agent looks a bare name up in
+the working directory, the task's workspace, first, so a workspace file named ``mini.yaml`` would
+replace it), a small YAML file of overrides written into HOME (model name, API base and
 key, step limit) and, when ``instance_template`` is given, one more layer replacing the builtin's
 long ``agent.instance_template`` (the first user message). A run ends when the model runs
 ``echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT``; the trajectory is written to ``$HOME/mini.traj.json``.
@@ -21,6 +23,9 @@ SUBMIT_COMMAND = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
 _OVERRIDES = ".clawfast/mini-overrides.yaml"
 _TEMPLATE_LAYER = ".clawfast/mini-instance-template.yaml"
 _TRAJECTORY = "mini.traj.json"
+# The builtin config inside the package: passed by its absolute path, since mini-swe-agent resolves a
+# bare `-c mini.yaml` against the cwd (the task's workspace) before this folder.
+_BUILTIN_CONFIG = "minisweagent/config/mini.yaml"
 
 
 class MiniSweAgent(Harness):
@@ -75,11 +80,21 @@ class MiniSweAgent(Harness):
         )
         return PreparedRun(env=env, files=written)
 
+    def builtin_config(self) -> Path:
+        """The install's own ``mini.yaml``: the install is mounted at the same path inside the sandbox,
+        so this path names it there too. RuntimeError if the install holds none or several."""
+        root = self.installation.root
+        found = sorted(root.glob(f"lib/python*/site-packages/{_BUILTIN_CONFIG}"))
+        if len(found) != 1:
+            raise RuntimeError(f"{root}: expected one lib/python*/site-packages/{_BUILTIN_CONFIG}, found "
+                               f"{len(found)}: the mini-swe-agent install is incomplete or mixed")
+        return found[0]
+
     def command(self, task_instruction: str, layout: RunLayout) -> list[str]:
         argv = [
             str(self.installation.executable), "-m", "minisweagent",
             "-t", task_instruction, "-y", "--exit-immediately",
-            "-c", "mini.yaml", "-c", f"{layout.home_inside}/{_OVERRIDES}",
+            "-c", str(self.builtin_config()), "-c", f"{layout.home_inside}/{_OVERRIDES}",
             "-o", f"{layout.home_inside}/{_TRAJECTORY}",
         ]  # fmt: skip
         if self.instance_template is not None:

@@ -186,11 +186,18 @@ class OpenClaw(Harness):
         return texts
 
     def exit_reason(self, stdout: str) -> str | None:
-        # `agent --json` writes one JSON document; a failed run's meta.error has its kind and message.
+        # `agent --json` writes one JSON document. A run that failed in the agent has its kind and message
+        # in meta.error; one the CLI refused before any run (config, auth, the proxy) is
+        # {"ok": false, "error": {"type", "message"}} at the top level.
         document = json_value(stdout)
-        meta = document.get("meta") if isinstance(document, dict) else None
+        if not isinstance(document, dict):
+            return None
+        meta = document.get("meta")
         error = meta.get("error") if isinstance(meta, dict) else None
-        return reason_text(error.get("kind"), error.get("message")) if isinstance(error, dict) else None
+        if isinstance(error, dict):
+            return reason_text(error.get("kind"), error.get("message"))
+        error = document.get("error")
+        return reason_text(error.get("type"), error.get("message")) if isinstance(error, dict) else None
 
     def scripted_turns(self, oracle_commands: list[str], final_text: str) -> list[ScriptedTurn]:
         turns = [

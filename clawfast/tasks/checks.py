@@ -25,14 +25,23 @@ do-nothing solution scores 0). Check types (paths relative to the workspace):
 - ``symlink``: ``path`` is a symbolic link whose target string is ``target``.
 - ``python_tests``: the plain-assert test file ``file`` (in the verifier directory) passes: every
   ``test_*`` function returns without raising. It runs in a child process (workspace on
-  ``sys.path``) with a ``timeout`` (default 5 s), so agent code that loops or exits cannot hang or
-  fake the verifier; its stdout never reaches ours.
+  ``sys.path``) with a ``timeout`` (default 5 s), so agent code that loops or exits cannot hang the
+  verifier; its stdout never reaches ours. The child's report counts only if it echoes a fresh random
+  nonce this script hands it on stdin (read to the end before any workspace code is imported) and is
+  the last line the child wrote, after every test ran: code under test that prints, exits early, or
+  writes a report line to a descriptor it inherited (the child's report channel) fails the check.
 - ``command_output``: ``bash -c command`` in the workspace exits 0 and prints exactly ``equals``
   (one trailing newline ignored) within ``timeout`` seconds (default 5).
 
 Guarantees: only regular files are read (a FIFO or device planted by the agent fails the check rather
 than blocking), at most 1 MiB of each. Not guaranteed: isolation. Checks that run workspace code
 (``python_tests``, ``command_output``) are only as contained as the sandbox this script runs in.
+Not guaranteed either: that code written to defeat the checker fails. ``python_tests`` runs the code
+under test in the same interpreter as the tests and the runner that reports on them, so such code can
+still pass: return objects whose ``__eq__`` is always true, patch the runner, or read the nonce out of
+the runner's frame. The nonce closes the channel a bug or a blind guess can reach (an inherited
+descriptor); only tests that compare serialized outputs in a process the code cannot reach could close
+the rest, and these tests are plain asserts. The score is sound for code that tries to solve the task.
 """
 
 from __future__ import annotations
@@ -42,6 +51,7 @@ import io
 import json
 import math
 import os
+import secrets
 import stat
 import subprocess
 import sys
@@ -157,26 +167,32 @@ def _check_symlink(check: dict) -> None:
         raise CheckFailed(f"{path}: points to {target!r}, want {check['target']!r}")
 
 
-def _run_child(argv: list, timeout: float, label: str) -> subprocess.CompletedProcess:
+def _run_child(argv: list, timeout: float, label: str, stdin: str = "") -> subprocess.CompletedProcess:
+    """Run `argv` with `stdin` as its whole input (then end of file), its output captured."""
     try:
-        return subprocess.run(argv, capture_output=True, text=True, errors="replace", timeout=timeout,
-                              stdin=subprocess.DEVNULL)
+        return subprocess.run(argv, input=stdin, capture_output=True, text=True, errors="replace",
+                              timeout=timeout)
     except subprocess.TimeoutExpired:
         raise CheckFailed(f"{label}: timed out after {timeout} s") from None
 
 
 def _check_python_tests(check: dict, verifier_dir: str) -> None:
     test_file = os.path.join(verifier_dir, check["file"])
+    nonce = secrets.token_hex(16)
     # -S: the tests and the code under test use the standard library only; skipping site saves
     # start-up time (see VERIFIER_COMMAND in mini.py).
     proc = _run_child([sys.executable, "-S", os.path.abspath(__file__), "--run-tests", test_file],
-                      float(check.get("timeout", 5)), check["file"])
+                      float(check.get("timeout", 5)), check["file"], stdin=nonce + "\n")
     lines = proc.stdout.strip().splitlines()
     try:
         report = json.loads(lines[-1])
     except (IndexError, json.JSONDecodeError):
-        raise CheckFailed(f"{check['file']}: test run died (exit {proc.returncode}): "
-                          f"{proc.stderr.strip()[-300:]}") from None
+        report = None
+    # The runner writes the nonce's report last, after the last test: any other last line (none, a
+    # line the code under test wrote, a report with another nonce) means the run did not end there.
+    if not isinstance(report, dict) or report.get("nonce") != nonce:
+        raise CheckFailed(f"{check['file']}: test run ended without its report (exit {proc.returncode}): "
+                          f"{proc.stderr.strip()[-300:]}")
     if report["failed"]:
         raise CheckFailed(f"{check['file']}: {len(report['failed'])} of {report['total']} tests "
                           f"failed: {report['failed'][:3]}")
@@ -247,13 +263,18 @@ def run_test_file(test_file: str) -> dict:
 
 
 def _run_tests_main(test_file: str) -> int:
+    # The nonce, read to end of file before any workspace code is imported: that code finds stdin
+    # empty, and a report line it writes lacks the nonce.
+    nonce = sys.stdin.read().strip()
+    # Bound before the code under test can replace them in their modules.
+    dumps, write = json.dumps, os.write
     # The code under test may print (print, os.write(1), child processes, atexit hooks): point fd 1
     # at /dev/null for good and write the one report line to a private duplicate of it.
     report_fd = os.dup(1)
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)
     report = run_test_file(test_file)
-    os.write(report_fd, (json.dumps(report) + "\n").encode())
+    write(report_fd, (dumps({**report, "nonce": nonce}) + "\n").encode())
     return 0
 
 

@@ -36,6 +36,7 @@ skipped silently. Files are not read into memory: tasks refer to their folders, 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any, Callable
 
@@ -101,6 +102,12 @@ def load_rubric(path: Path, workdir: str) -> Rubric:
         where = f"rules[{i}]"
         if not isinstance(rule, dict) or not isinstance(rule.get("name"), str) or not isinstance(rule.get("scores"), dict):
             raise field_error(path, where, "must be an object with a name and a scores object")
+        # The judge reads each rule by its heading and grades against its levels: a blank name or no
+        # levels leaves it nothing to grade by.
+        if not rule["name"].strip():
+            raise field_error(path, f"{where}.name", "must be a non-blank string")
+        if not rule["scores"]:
+            raise field_error(path, f"{where}.scores", "must hold at least one score level")
         file_path = rule.get("file_path")
         if file_path is not None:
             if not isinstance(file_path, str) or not file_path:
@@ -114,17 +121,18 @@ def load_rubric(path: Path, workdir: str) -> Rubric:
         lines.append(f"### {rule['name']}" + (f" (file: {file_path})" if file_path else ""))
         for level, text in sorted(rule["scores"].items(), key=lambda kv: float(kv[0]) if _number(kv[0]) else 2.0):
             if not _number(level) or not isinstance(text, str):
-                raise field_error(path, f"{where}.scores", f"levels must be numbers with descriptions, got {level!r}")
+                raise field_error(path, f"{where}.scores", f"levels must be finite numbers with descriptions, "
+                                                           f"got {level!r}")
             lines.append(f"**Score {level}**: {text}")
     return Rubric(text="\n".join(lines), weight=RUBRIC_WEIGHT, files=tuple(dict.fromkeys(files)))
 
 
 def _number(text: str) -> bool:
+    """Whether `text` is a finite number (``float`` also reads "NaN", "Infinity" and "1e999")."""
     try:
-        float(text)
+        return math.isfinite(float(text))
     except ValueError:
         return False
-    return True
 
 
 def load_clawgym_task(folder: Path | str, split: str | Callable[[str], str], suite: Path | None = None) -> Task:

@@ -11,10 +11,12 @@ closes: the rubric's files are read there) and travels in the rollout's info as 
 judge is asked later, in the process that runs the evaluation (`clawfast.tasks.scoring`).
 
 The judge is told to answer one JSON object ``{"scores": {criterion: s}, "total": t, "notes": "..."}``
-(PinchBench's shape). `parse_verdict` reads the last JSON object of the answer (a fenced ``json``
-block first): ``total`` when it is a number in [0, 1], else the mean of ``scores``. Anything else (no
-JSON, a score outside [0, 1], no total and no scores) is a verdict with ``error`` set and no score,
-never a guessed one.
+(PinchBench's shape). `parse_verdict` reads the answer without its reasoning (``<think>`` blocks; an
+unterminated one to the end), and there the last fenced ``json`` block holding ``total`` or ``scores``,
+else the last such JSON object: ``total`` when it is a number in [0, 1], else the mean of ``scores``.
+Anything else (no JSON, a score outside [0, 1] or past a float's range, no total and no scores, an
+answer that ends inside an unfinished JSON object, i.e. cut short) is a verdict with ``error`` set and
+no score, never a guessed one; `ask` never raises for what a judge answers.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import codecs
 import json
-import math
 import os
 import re
 from dataclasses import asdict, dataclass, field
@@ -31,12 +32,16 @@ from typing import Any, Protocol
 
 from clawfast.tasks.task import Task
 from clawfast.tasks.transcript import summarize
+from clawfast.tasks.verify import finite_number, short_repr
 
 # Bytes of one workspace file a judge reads; a rubric's files are reports and summaries.
 FILE_PREVIEW_BYTES = 16384
 # Characters of the transcript summary a judge reads (its end is kept: the run's outcome is there).
 TRANSCRIPT_CHARS = 24000
-_FENCED_JSON = re.compile(r"```json\s*(.*?)```", re.DOTALL)
+# A fenced json block: from a line that opens it to the next line that is only a fence (a ``` inside
+# the JSON, in a note, does not end it).
+_FENCED_JSON = re.compile(r"^[ \t]*```json[ \t]*\n(.*?)^[ \t]*```[ \t]*$", re.DOTALL | re.MULTILINE)
+_THINK_BLOCK = re.compile(r"<think>.*?</think>", re.DOTALL)
 
 
 def _file_section(workspace: Path, rel: str) -> str:
@@ -107,31 +112,74 @@ class Verdict:
         return asdict(self)
 
 
-def _json_objects(text: str) -> list[Any]:
-    """Every top-level JSON object in `text`, fenced ``json`` blocks first, then in order of their end."""
-    found = []
-    for block in _FENCED_JSON.findall(text):
-        try:
-            found.append(json.loads(block))
-        except ValueError:
-            pass
+def _without_reasoning(text: str) -> str:
+    """`text` without the model's reasoning: every ``<think>...</think>`` block; everything up to a
+    ``</think>`` whose ``<think>`` was in the prompt (a chat template that opens it); and an unterminated
+    ``<think>`` with all after it (an answer cut short while reasoning). Drafts written while reasoning
+    are not the verdict."""
+    text = _THINK_BLOCK.sub("", text)
+    if "</think>" in text:
+        text = text.rsplit("</think>", 1)[1]
+    return text.split("<think>", 1)[0]
+
+
+def _parse(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):  # RecursionError: nested too deep to parse
+        return None
+
+
+def _unfinished(text: str, start: int) -> bool:
+    """Whether the JSON-like value opening at `text[start]` is still open where `text` ends (its strings
+    and brackets never all close): an answer cut short inside it."""
+    depth, in_string, escaped = 0, False, False
+    for ch in text[start:]:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 0:
+                return False
+    return True
+
+
+def _json_objects(text: str) -> tuple[list[Any], list[tuple[int, Any]], list[int]]:
+    """The JSON values of `text`'s fenced ``json`` blocks; its top-level JSON values with where each
+    starts, in order; and where a ``{`` opens a value left unfinished where `text` ends."""
+    fenced = [_parse(block) for block in _FENCED_JSON.findall(text)]
+    found, unfinished = [], []
     decoder = json.JSONDecoder()
     i = text.find("{")
     while i != -1:
         try:
             value, end = decoder.raw_decode(text, i)
-        except ValueError:
+        except (ValueError, RecursionError):
+            if _unfinished(text, i):
+                unfinished.append(i)
             i = text.find("{", i + 1)
             continue
-        found.append(value)
+        found.append((i, value))
         i = text.find("{", end)
-    return found
+    return fenced, found, unfinished
 
 
 def _unit(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        return None
-    return float(value) if 0.0 <= value <= 1.0 else None
+    number = finite_number(value)
+    return number if number is not None and 0.0 <= number <= 1.0 else None
+
+
+def _is_verdict(value: Any) -> bool:
+    return isinstance(value, dict) and ("total" in value or "scores" in value)
 
 
 def parse_verdict(prompt: str, response: str, *, judge: str = "") -> Verdict:
@@ -139,7 +187,15 @@ def parse_verdict(prompt: str, response: str, *, judge: str = "") -> Verdict:
     def failed(error: str) -> Verdict:
         return Verdict(prompt, response, None, error=error, judge=judge)
 
-    objects = [o for o in _json_objects(response) if isinstance(o, dict) and ("total" in o or "scores" in o)]
+    fenced, bare, unfinished = _json_objects(_without_reasoning(response))
+    # An object still open where the answer ends, after every complete verdict-shaped one (those may sit
+    # inside it), is an answer cut short: its final word is lost, and an earlier object is not it.
+    last_verdict = max((start for start, value in bare if _is_verdict(value)), default=-1)
+    if any(start > last_verdict for start in unfinished):
+        return failed("the answer ends inside an unfinished JSON object (cut short?)")
+    # A fenced block is the judge marking its answer: prose objects after it are examples or restated
+    # formats. Without one, the last object is the final word.
+    objects = [o for o in fenced if _is_verdict(o)] or [o for _, o in bare if _is_verdict(o)]
     if not objects:
         return failed("the answer holds no JSON object with 'total' or 'scores'")
     answer = objects[-1]
@@ -148,19 +204,27 @@ def parse_verdict(prompt: str, response: str, *, judge: str = "") -> Verdict:
         return failed(f"'scores' must be an object, got {type(scores).__name__}")
     parsed = {}
     for name, value in scores.items():
-        if _unit(value) is None:
-            return failed(f"criterion {name!r}: {value!r} is not a score in [0, 1]")
-        parsed[str(name)] = float(value)
+        score = _unit(value)
+        if score is None:
+            return failed(f"criterion {name!r}: {short_repr(value)} is not a score in [0, 1]")
+        parsed[str(name)] = score
     if "total" in answer and answer["total"] is not None:
         total = _unit(answer["total"])
         if total is None:
-            return failed(f"'total' {answer['total']!r} is not a score in [0, 1]")
+            return failed(f"'total' {short_repr(answer['total'])} is not a score in [0, 1]")
     elif parsed:
         total = sum(parsed.values()) / len(parsed)
     else:
         return failed("the answer has neither a total nor criterion scores")
     notes = answer.get("notes", "")
-    return Verdict(prompt, response, total, parsed, notes if isinstance(notes, str) else json.dumps(notes), judge=judge)
+    if not isinstance(notes, str):
+        try:
+            # Strict JSON, as the record that keeps the verdict: NaN or Infinity in the notes must not
+            # fail that record later.
+            notes = json.dumps(notes, allow_nan=False)
+        except ValueError:
+            notes = "(notes not representable as JSON)"
+    return Verdict(prompt, response, total, parsed, notes, judge=judge)
 
 
 class Judge(Protocol):
@@ -179,7 +243,11 @@ def ask(judge: Judge, prompt: str) -> Verdict:
         response = judge(prompt)
     except Exception as exc:  # one failed judge call must not lose the evaluation
         return Verdict(prompt, "", None, error=f"judge failed: {type(exc).__name__}: {exc}", judge=judge.name)
-    return parse_verdict(prompt, response, judge=judge.name)
+    try:
+        return parse_verdict(prompt, response, judge=judge.name)
+    except Exception as exc:  # nor one answer that the parser cannot read
+        return Verdict(prompt, response, None, error=f"cannot read the answer: {type(exc).__name__}: {exc}",
+                       judge=judge.name)
 
 
 class UrlJudge:

@@ -11,7 +11,8 @@ suite's root, or ``{path, content}`` written inline) and, for hybrid tasks, opti
 ``grading_weights: {automated: a, llm_judge: b}`` (default 0.5 / 0.5, as PinchBench scores them).
 The body's ``## `` sections: ``Prompt`` (what the harness is told), ``Expected Behavior``,
 ``Grading Criteria``, ``Automated Checks`` (automated and hybrid: a fenced Python block defining
-``grade(transcript, workspace_path) -> dict``, run by `GradeFunctionVerifier`) and ``LLM Judge
+``grade(transcript, workspace_path) -> dict``, run by `GradeFunctionVerifier`; as in Markdown, only a
+line that is just backticks closes the fence, so a ``` inside the code is code) and ``LLM Judge
 Rubric`` (llm_judge and hybrid; without one the judge reads the grading criteria, as PinchBench's
 runner does). A horizontal rule (``---``) closing a section is not part of it.
 
@@ -50,7 +51,10 @@ _KEYS = {"id", "name", "category", "grading_type", "timeout_seconds", "workspace
 _FRONT_MATTER = re.compile(r"\A---[ \t]*\r?\n(.*?)\r?\n---[ \t]*(?:\r?\n|\Z)(.*)\Z", re.DOTALL)
 _SECTION = re.compile(r"^## +(.+?)\s*$")
 _RULE = re.compile(r"^\s*(?:-{3,}|\*{3,}|_{3,})\s*$")
-_PYTHON_BLOCK = re.compile(r"```python[^\n]*\n(.*?)```", re.DOTALL)
+# A fence closes only on a line that is just backticks (Markdown's rule): a ``` inside the code, in a
+# string say, is code.
+_FENCE_CLOSE = re.compile(r"^[ \t]*```+[ \t]*$")
+_PYTHON_BLOCK = re.compile(r"^[ \t]*```python[^\n]*\n(.*?)^[ \t]*```+[ \t]*$", re.DOTALL | re.MULTILINE)
 
 
 def parse_spec(spec: str) -> tuple[Path, float | None, frozenset[str]]:
@@ -67,8 +71,10 @@ def split_sections(body: str) -> dict[str, str]:
     current: list[str] | None = None
     fenced = False
     for line in body.splitlines():
-        if line.lstrip().startswith("```"):
-            fenced = not fenced
+        if not fenced and line.lstrip().startswith("```"):
+            fenced = True
+        elif fenced and _FENCE_CLOSE.match(line):
+            fenced = False
         match = None if fenced else _SECTION.match(line)
         if match:
             current = sections.setdefault(match.group(1), [])

@@ -13,7 +13,8 @@ fails to start raises `SandboxError` (an infrastructure fault, not a score): cal
 ``sandbox_error``. Everything the command does is a `CommandResult`, which `run_verifier` turns into
 a score or a ``verifier_error``. Unlike `SubprocessRunner`, which keeps the end of the output, the
 sandbox keeps the first `Limits.max_output_bytes` (1 MiB here) of stdout: a verifier that prints
-more than that before its score line gets ``verifier_error``.
+more than that gets ``verifier_error`` (`CommandResult.stdout_lost`), whatever it printed last, since
+the line kept last is then not its score line.
 
 With `workdir` (a task whose workspace has a fixed absolute path), the staged workspace is the
 sandbox's workspace at that path and the command starts there; the verifier files, if any, are bound
@@ -73,12 +74,17 @@ class SandboxRunner:
                 if verifier_dir is not None:
                     run_env["VERIFIER_DIR"] = VERIFIER_INSIDE if workdir else f"{sandbox.workdir}/verifier"
                 res = sandbox.run(argv, env=run_env, timeout=timeout)
+        # The sandbox keeps the head of stdout: past the cap, the last line kept is some line from the
+        # middle (perhaps a workspace file the verifier printed), never the score line.
+        lost = (f"verifier stdout exceeded {self.limits.max_output_bytes} bytes; its end, with the score line, "
+                f"was dropped") if res.stdout_truncated else None
         return CommandResult(
             returncode=None if res.timed_out else res.exit_code,
             stdout=_tail(res.stdout, STDOUT_TAIL_BYTES),
             stderr=_tail(res.stderr, STDERR_TAIL_BYTES),
             timed_out=res.timed_out,
             duration_s=res.duration_s,
+            stdout_lost=lost,
         )
 
     def close(self) -> None:

@@ -16,7 +16,12 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Callable, Mapping
 
 SPLITS = ("train", "eval")
-ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+# Matched in full (`fullmatch`): with `match` and `$`, an id ending in a newline would pass.
+ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+# Every harness gets the instruction as one argv string, which exec refuses if it holds a NUL or, on Linux,
+# if it is MAX_ARG_STRLEN (32 pages: 128 KiB with its terminating NUL) or longer: such a task would load
+# and then fail every rollout at exec.
+MAX_INSTRUCTION_BYTES = 128 * 1024 - 1
 DEFAULT_TASK_TIMEOUT = 600.0
 DEFAULT_VERIFIER_TIMEOUT = 60.0
 
@@ -74,6 +79,21 @@ def _check_dir(where: str, field_name: str, directory: Path | str | None) -> Pat
     if not directory.is_dir():
         raise field_error(where, field_name, f"{directory} is not a directory")
     return directory
+
+
+def _check_instruction(where: str, instruction: str) -> None:
+    """An instruction that an argv string can carry (`MAX_INSTRUCTION_BYTES`)."""
+    if "\0" in instruction:
+        raise field_error(where, "instruction", f"holds a NUL character at index {instruction.index(chr(0))}: "
+                                                f"no argv string can carry one")
+    try:
+        size = len(instruction.encode("utf-8"))
+    except UnicodeEncodeError as exc:
+        raise field_error(where, "instruction", f"is not valid Unicode text ({exc.reason} at index {exc.start})"
+                          ) from None
+    if size > MAX_INSTRUCTION_BYTES:
+        raise field_error(where, "instruction", f"is {size} bytes in UTF-8; a harness's argv string holds at most "
+                                                f"{MAX_INSTRUCTION_BYTES} (Linux's MAX_ARG_STRLEN)")
 
 
 def _check_timeout(where: str, field_name: str, value: object) -> float:
@@ -287,10 +307,11 @@ class Task:
 
     def __post_init__(self) -> None:
         where = f"task {self.id!r}"
-        if not isinstance(self.id, str) or not ID_PATTERN.match(self.id):
-            raise field_error(where, "id", f"must match {ID_PATTERN.pattern}")
+        if not isinstance(self.id, str) or not ID_PATTERN.fullmatch(self.id):
+            raise field_error(where, "id", f"must match {ID_PATTERN.pattern} (the whole id)")
         if not isinstance(self.instruction, str) or not self.instruction.strip():
             raise field_error(where, "instruction", "must be a non-empty string")
+        _check_instruction(where, self.instruction)
         if self.rubric is not None and not isinstance(self.rubric, Rubric):
             raise field_error(where, "rubric", f"must be a Rubric, got {type(self.rubric).__name__}")
         judge_only = self.rubric is not None and self.rubric.weight == 1.0

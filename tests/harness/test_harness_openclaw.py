@@ -132,3 +132,26 @@ def test_openclaw_writes_a_file_and_every_call_is_captured(openclaw_install, ren
     decoded = [renderer.decode(c.output_ids) for c in main]
     write_at = next(i for i, t in enumerate(decoded) if '"name":"write"' in t)
     assert any(FINAL in t for t in decoded[write_at + 1 :])
+
+
+def test_a_cli_level_failure_is_named_by_exit_reason(openclaw_install, tmp_path):
+    """OpenClaw refuses a run before it starts (config, auth, the proxy) with a top-level
+    ``{"ok": false, "error": {"type", "message"}}`` on stdout, not meta.error: the adapter's exit_reason
+    reads it. Here: a primary model no provider has, which the real CLI refuses at once."""
+    from clawfast.harness import RunLayout, get_harness
+
+    harness = get_harness("openclaw")
+    assert harness.installation.root == openclaw_install  # the pinned install this module's fixture made
+    layout = RunLayout(tmp_path / "home", tmp_path / "ws")
+    layout.home.mkdir()
+    layout.workspace.mkdir()
+    env = harness.prepare(layout, "http://127.0.0.1:9", TOKEN, "policy").env
+    path = layout.home / ".openclaw" / "openclaw.json"
+    config = json.loads(path.read_text())
+    config["agents"]["defaults"]["model"]["primary"] = "nosuch/model"
+    path.write_text(json.dumps(config))
+    proc = subprocess.run(harness.command("hi", layout), env=env, cwd=layout.workspace, capture_output=True,
+                          text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert proc.returncode != 0, proc.stdout
+    reason = harness.exit_reason(proc.stdout)
+    assert reason is not None and reason.startswith("cli_error: ") and "nosuch/model" in reason, proc.stdout

@@ -443,6 +443,14 @@ def test_a_hybrid_task_scores_seven_tenths_code_and_three_tenths_rubric(runner, 
     ({**RUBRIC, "rules": [{"name": "x", "file_path": "/etc/passwd", "scores": {"1": "y"}}]}, "hybrid",
      r"field 'rules\[0\].file_path': '/etc/passwd' is not inside the workspace"),
     ({**RUBRIC, "rules": [{"name": "x", "scores": {"high": "y"}}]}, "hybrid", r"field 'rules\[0\].scores'"),
+    # A blank name, no levels, or levels float() reads but that are no score: nothing to grade by.
+    ({**RUBRIC, "rules": [{"name": "  ", "scores": {"1": "y"}}]}, "hybrid",
+     r"field 'rules\[0\].name': must be a non-blank"),
+    ({**RUBRIC, "rules": [{"name": "x", "scores": {}}]}, "hybrid",
+     r"field 'rules\[0\].scores': must hold at least one"),
+    ({**RUBRIC, "rules": [{"name": "x", "scores": {"0": "n", "NaN": "y"}}]}, "hybrid", r"got 'NaN'"),
+    ({**RUBRIC, "rules": [{"name": "x", "scores": {"Infinity": "y"}}]}, "hybrid", r"got 'Infinity'"),
+    ({**RUBRIC, "rules": [{"name": "x", "scores": {"1e999": "y"}}]}, "hybrid", r"got '1e999'"),
     (RUBRIC, "automated", "is 'automated' but reward/rubric.json exists"),
 ])
 def test_bad_rubrics_are_errors_naming_the_file_and_field(tmp_path, rubric, grading, message):

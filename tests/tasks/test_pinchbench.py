@@ -106,6 +106,29 @@ def test_missing_asset_front_matter_and_multi_session(tmp_path):
     assert [t.id for t in load_pinchbench(f"pinchbench:{root}?exclude=task_02_report")] == ["task_01_total", "task_03_haiku"]
 
 
+def test_a_fence_closes_only_on_a_line_that_is_just_backticks(tmp_path):
+    """A grade function that looks for a Markdown code fence in the agent's file holds ``` in a string
+    (and a line that opens one, with an info string, inside a multi-line string): neither ends the block."""
+    grade = ('def grade(transcript, workspace_path):\n'
+             '    from pathlib import Path\n'
+             '    p = Path(workspace_path) / "README.md"\n'
+             '    text = p.read_text() if p.exists() else ""\n'
+             '    example = """\n```bash\n## not a section\n"""\n'
+             '    return {"exists": float(p.exists()), "has_fence": float("```bash" in text)}\n')
+    root = tmp_path / "suite"
+    (root / "tasks").mkdir(parents=True)
+    (root / "tasks" / "task_01_readme.md").write_text(
+        "---\nid: task_01_readme\nname: README\ncategory: writing\ngrading_type: automated\ntimeout_seconds: 120\n"
+        "---\n## Prompt\nWrite README.md with a fenced bash example.\n\n## Automated Checks\n"
+        f"```python\n{grade}```\n")
+    [task] = load_pinchbench(f"pinchbench:{root}")
+    assert task.verifier.code == grade
+    ws = task.materialize(tmp_path / "ws")
+    (ws / "README.md").write_text("# Demo\n\n```bash\necho hi\n```\n")
+    result = run_verifier(task, ws)
+    assert (result.status, result.score) == ("ok", 1.0), result
+
+
 def test_sections_ignore_headings_inside_code_and_closing_rules():
     body = "# Title\n\n## Prompt\n\nDo it.\n\n---\n\n## Automated Checks\n\n```python\n## not a section\n```\n"
     assert split_sections(body) == {"Prompt": "Do it.", "Automated Checks": "```python\n## not a section\n```"}
@@ -188,11 +211,43 @@ def test_judge_prompt_never_reads_through_a_link_the_agent_left(tmp_path):
     ('{"scores": {"a": 2}, "total": 1.0}', None, {}, "criterion 'a': 2 is not a score"),
     ('{"total": -0.1}', None, {}, "'total' -0.1 is not a score"),
     ('{"scores": {}, "notes": "?"}', None, {}, "neither a total nor criterion scores"),
+    # The fenced block is the answer: an object after it (an example, the format restated) is not.
+    ('```json\n{"scores": {"t": 0.2}, "total": 0.2}\n```\nA correct run would be {"scores": {"t": 1.0}, "total": 1.0}.',
+     0.2, {"t": 0.2}, None),
+    ('```json\n{"total": 0.9}\n```\nOn reflection:\n```json\n{"total": 0.4}\n```', 0.4, {}, None),
+    # Only a line that is just a fence closes one; a fence inside the notes does not.
+    ('```json\n{"total": 0.5, "notes": "no ```bash block"}\n```', 0.5, {}, None),
+    # Reasoning is not the answer: not a draft in a <think> block, ...
+    ('<think>Maybe {"total": 0.9}?</think>\n{"scores": {"r": 0.1}, "total": 0.1}', 0.1, {"r": 0.1}, None),
+    # ... nor before a </think> whose <think> the chat template opened, nor in one never closed.
+    ('Maybe {"total": 0.9}?</think>{"total": 0.3}', 0.3, {}, None),
+    ('<think>The format is {"scores": {"c": 0.0}, "total": 0.0}. Maybe {"total": 0.9', None, {}, "no JSON object"),
+    # An answer cut short inside its verdict is no verdict, not an earlier object's.
+    ('<think>Maybe {"total": 0.9}?</think>\n{"scores": {"report": 0.1}, "total": 0.', None, {}, "cut short"),
+    ('{"total": 0.8}\nRevised: {"scores": {"a": 0.1}, "notes": "the run', None, {}, "cut short"),
+    # Braces in prose before the verdict are not an unfinished object.
+    ('Answer in the {format} { given: {"total": 0.7}', 0.7, {}, None),
+    # Numbers no float holds, and NaN: an error, never an exception.
+    ('{"scores": {"q": 1' + "0" * 320 + '}, "total": 1}', None, {}, "criterion 'q'"),
+    ('{"total": NaN}', None, {}, "'total' nan is not a score"),
+    ('{"total": 1e999}', None, {}, "'total' inf is not a score"),
+    ('{"total": 0.5, "notes": {"x": NaN}}', 0.5, {}, None),
+    ('{"total": ' + "[" * 100_000, None, {}, "cut short"),
 ])
 def test_parse_verdict(response, total, scores, error):
     verdict = parse_verdict("PROMPT", response, judge="j")
     assert (verdict.total, verdict.scores, verdict.prompt, verdict.response) == (total, scores, "PROMPT", response)
     assert (verdict.error is None) if error is None else error in verdict.error
+
+
+def test_ask_never_raises_for_an_answer():
+    from clawfast.records import encode_result
+    from clawfast.tasks.judge import ask
+
+    for answer in ['{"scores": {"quality": 1' + "0" * 320 + '}, "total": 1}', '{"total": 0.5, "notes": [NaN]}']:
+        verdict = ask(ScriptedJudge(answer), "p")
+        assert verdict.response == answer
+        encode_result(0.0, "ok", {"judge": verdict.to_json()})  # the record that keeps it holds it
 
 
 def _verdict(total):

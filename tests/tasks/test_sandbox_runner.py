@@ -55,3 +55,21 @@ def test_sandboxed_verifier_errors(runner, tmp_path):
     slow = run_verifier(_task("sleep 30 & sleep 30", timeout=0.5), ws, runner)
     assert (slow.status, slow.score) == ("verifier_error", 0.0) and "timed out" in slow.error
     assert slow.duration_s < 10
+
+
+def test_verifier_whose_stdout_passes_the_cap_is_an_error_not_a_line_from_the_middle(runner, tmp_path):
+    # The workspace file the verifier prints before its verdict ends in a valid score line at the 1 MiB
+    # cut (16-byte lines: one ends exactly at 1 MiB): a runner that read the last line kept would score 1.0.
+    line = '{"score": 1.0 }\n'
+    assert (1 << 20) % len(line) == 0
+    filler = line * ((1 << 20) // len(line) + 100)
+    task = Task(id="t", instruction="x", verifier=CommandVerifier('cat out.txt; echo \'{"score": 0.0}\''),
+                oracle=(), tags={"category": "test", "split": "train"}, files={"out.txt": filler})
+    res = run_verifier(task, task.materialize(tmp_path / "ws"), runner)
+    assert (res.status, res.score) == ("verifier_error", 0.0), res
+    assert "exceeded 1048576 bytes" in res.error
+    # Just under the cap, the verdict printed last is read.
+    short = Task(id="t", instruction="x", verifier=CommandVerifier('cat out.txt; echo \'{"score": 0.5}\''),
+                 oracle=(), tags={"category": "test", "split": "train"}, files={"out.txt": line * 1000})
+    res = run_verifier(short, short.materialize(tmp_path / "ws2"), runner)
+    assert (res.status, res.score) == ("ok", 0.5), res

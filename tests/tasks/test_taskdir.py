@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
 import textwrap
 from pathlib import Path
 
@@ -108,6 +109,10 @@ def test_suite_lookup_and_split_filter(task_root):
     ("oracle = [\"sed -i 's/a - b/a + b/' calc.py\"]", "oracle = ['ok', 2]", "'oracle[1]': must be a bash"),
     ("[verifier]", "[verifierr]", "unknown key"),
     ('id = "fix-add"', 'id = "fix-add', "invalid TOML"),
+    # `$` also matches before a final newline: the id is matched in full.
+    ('id = "fix-add"', 'id = "fix-add\\n"', "'id': must match"),
+    # Loads, then fails every rollout at exec: no argv string can carry a NUL.
+    ('instruction = "Fix add()', 'instruction = "Fix\\u0000 add()', "'instruction': holds a NUL character at index 3"),
 ])
 def test_malformed_task_toml_names_the_field(task_root, old, new, field):
     toml = task_root / "fix-add" / "task.toml"
@@ -131,8 +136,49 @@ def test_structural_errors(task_root, tmp_path):
     with pytest.raises(TaskFormatError, match="'fix-add' is also the id of"):
         load_task_dir(task_root)
     (dup / "task.toml").unlink()
+    dup.rmdir()
     (task_root / "fix-add" / "verifier" / "score.py").unlink()
     (task_root / "fix-add" / "verifier").rmdir()
     (task_root / "fix-add" / "verifier").write_text("oops")
     with pytest.raises(TaskFormatError, match="verifier/ must be a directory"):
+        load_task_dir(task_root)
+
+
+def test_an_instruction_longer_than_one_argv_string_is_refused_at_load(task_root):
+    from clawfast.tasks.task import MAX_INSTRUCTION_BYTES
+
+    toml = task_root / "fix-add" / "task.toml"
+    text = toml.read_text()
+    old = 'instruction = "Fix add() in calc.py so that the tests pass."'
+    # 'é' is two bytes in UTF-8: the limit is on bytes, as exec counts them.
+    for size, ok in [(MAX_INSTRUCTION_BYTES, True), (MAX_INSTRUCTION_BYTES + 1, False)]:
+        instruction = "é" * (size // 2) + "x" * (size % 2)
+        toml.write_text(text.replace(old, f'instruction = "{instruction}"'))
+        if ok:
+            [task] = [t for t in load_task_dir(task_root) if t.id == "fix-add"]
+            # What sandbox.run ends up exec'ing: one argv string of that size, which exec takes.
+            assert subprocess.run(["/bin/true", task.instruction]).returncode == 0
+        else:
+            with pytest.raises(TaskFormatError, match=f"'instruction': is {size} bytes in UTF-8"):
+                load_task_dir(task_root)
+
+
+def test_a_task_toml_that_is_not_utf8_names_its_file(task_root):
+    toml = task_root / "fix-add" / "task.toml"
+    toml.write_bytes(toml.read_bytes() + b"# caf\xe9\n")
+    with pytest.raises(TaskFormatError, match=f"^{toml}: not UTF-8 text: byte 0xe9"):
+        load_task_dir(task_root)
+
+
+def test_a_sub_folder_without_task_toml_is_an_error_not_a_skip(task_root):
+    # Hidden folders and plain files are passed over (README.txt is in the fixture).
+    (task_root / ".git").mkdir()
+    assert [t.id for t in load_task_dir(task_root)] == ["fix-add", "make-link"]
+    typo = task_root / "copy"
+    _write(typo / "Task.toml", (task_root / "fix-add" / "task.toml").read_text())
+    with pytest.raises(TaskFormatError, match=f"^{typo}: not a task folder: no task.toml$"):
+        load_task_dir(task_root)
+    # A folder of suites says which one to use.
+    _write(typo / "inner" / "task.toml", "")
+    with pytest.raises(TaskFormatError, match=f"holds task folders itself: point the suite at {typo}"):
         load_task_dir(task_root)

@@ -55,6 +55,13 @@ def test_parse_takes_the_last_non_empty_line():
     ('{"score": 1.5}', "[0, 1]"),
     ('{"score": -0.1}', "[0, 1]"),
     ('{"score": 1, "details": [1]}', "details must be an object"),
+    # An integer no float holds: math.isfinite would raise OverflowError, not answer.
+    ('{"score": 1' + "0" * 400 + "}", "finite number"),
+    # Anything in the line a strict-JSON record cannot hold, details included.
+    ('{"score": 1, "details": {"loss": NaN}}', "NaN is not a finite number"),
+    ('{"score": 1, "details": {"loss": -Infinity}}', "Infinity is not a finite number"),
+    ('{"score": 1, "details": {"loss": 1e999}}', "past a float's range"),
+    ('{"score": 1, "details": ' + "[" * 100_000, "not JSON"),  # too deep for json to parse
 ])
 def test_parse_rejects_malformed_output(stdout, why):
     with pytest.raises(ValueError, match=why.replace("[", r"\[").replace("]", r"\]")):
@@ -125,6 +132,25 @@ def test_verifier_timeout_kills_its_whole_process_group(tmp_path):
     assert not marker.exists()
 
 
+def test_verifier_lines_no_record_can_hold_are_verifier_errors(tmp_path):
+    from clawfast.records import encode_result
+
+    lines = ['{"score": 1' + "0" * 400 + "}", '{"score": 1.0, "details": {"passed": 3, "loss": NaN}}']
+    for i, line in enumerate(lines):
+        res = _score(_task(f"echo '{line}'"), tmp_path / str(i))
+        assert (res.status, res.score) == ("verifier_error", 0.0), res
+        encode_result(res.score, res.status, {"verifier": res.to_json()})  # the rollout record holds it
+
+
+def test_subscores_reject_what_a_float_cannot_hold():
+    from clawfast.tasks.verify import parse_subscores
+
+    assert parse_subscores('{"a": 1, "b": true, "c": 0.5}') == {"a": 1.0, "b": 1.0, "c": 0.5}
+    for line in ['{"a": 1' + "0" * 400 + "}", '{"a": NaN}', '{"a": 1e999}']:
+        with pytest.raises(ValueError, match="finite number"):
+            parse_subscores(line)
+
+
 def test_huge_output_is_bounded(tmp_path):
     res = _score(_task("head -c 5000000 /dev/zero | tr '\\0' x >&2; echo '{\"score\": 1}'"), tmp_path)
     assert res.score == 1.0 and 0 < len(res.stderr) <= 8192
@@ -161,6 +187,9 @@ def test_callable_verifier_forms(tmp_path):
     (lambda ws: "1.0", "[0, 1]"),
     (lambda ws: VerifierResult(score=0.3, status="weird"), "status"),
     (lambda ws: VerifierResult(score=1.0, status="verifier_error", error="own error"), "own error"),
+    (lambda ws: 10 ** 400, "[0, 1]"),
+    (lambda ws: VerifierResult(score=1.0, details={"loss": math.nan}), "NaN"),
+    (lambda ws: VerifierResult(score=1.0, details={"path": Path("x")}), "not JSON"),
 ])
 def test_callable_verifier_failures(tmp_path, fn, error):
     res = _score(_task(fn=fn), tmp_path)
@@ -182,6 +211,11 @@ TESTS = "from mod import f\n\n\ndef test_f():\n    assert f() == 1\n"
     ("def f():\n    return 2\n", 0.0),
     # Code under test that prints a fake passing report and exits cannot fake the verifier.
     ('import os\nos.write(1, b\'{"total": 1, "failed": []}\\n\')\nos._exit(0)\n', 0.0),
+    # ... nor can one that writes it to the runner's report descriptor (a duplicate of its stdout), or
+    # to every descriptor it holds, then exits: the report must echo the nonce the runner read on stdin.
+    ('import os\nos.write(3, b\'{"total": 1, "failed": []}\\n\')\nos._exit(0)\n', 0.0),
+    ('import os, sys\nfor fd in range(20):\n    try:\n        os.write(fd, b\'{"total": 1, "failed": [], '
+     '"nonce": "\' + sys.stdin.read().encode() + b\'"}\\n\')\n    except OSError:\n        pass\nos._exit(0)\n', 0.0),
     ('print(\'{"score": 1.0}\')\ndef f():\n    return 2\n', 0.0),
     ("import sys\nsys.exit(0)\n", 0.0),
     ("while True:\n    pass\n", 0.0),

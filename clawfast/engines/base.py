@@ -16,8 +16,11 @@ import numpy as np
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """max_tokens: output budget. temperature 0 means greedy (infer_logprobs are then of the greedy token
-    under the untempered distribution). stop_token_ids end generation and are included in the output."""
+    """max_tokens: output budget, at least 1. temperature (>= 0): 0 means greedy (infer_logprobs are
+    then of the greedy token under the untempered distribution). top_p in (0, 1] (1: no nucleus
+    truncation); top_k >= 0 (0: none). stop_token_ids end generation and are included in the output.
+    Values outside these bounds are a ValueError naming the parameter here, before any engine sees
+    them (one bad call must not fail the calls batched with it)."""
 
     max_tokens: int = 256
     temperature: float = 1.0
@@ -25,6 +28,17 @@ class SamplingParams:
     top_k: int = 0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        # `not x >= 0` rather than `x < 0`: NaN fails every comparison and must be refused too.
+        if not self.max_tokens >= 1:
+            raise ValueError(f"SamplingParams: max_tokens must be at least 1, got {self.max_tokens}")
+        if not self.temperature >= 0:
+            raise ValueError(f"SamplingParams: temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingParams: top_p must lie in (0, 1], got {self.top_p}")
+        if not self.top_k >= 0:
+            raise ValueError(f"SamplingParams: top_k must be >= 0 (0: no top-k), got {self.top_k}")
 
 
 @dataclass(frozen=True)

@@ -46,18 +46,24 @@ class Pieces:
         self.pieces.append(Piece(ids, lps, int(version)))
 
     @property
+    def left(self) -> int:
+        """What is left of the call's budget (0: spent, and no next request is made)."""
+        return self.base_params.max_tokens - self.sampled
+
+    @property
     def prompt(self) -> list[int]:
         """The next request's prompt: the call's prompt and every token sampled so far."""
         return self.base_prompt + [int(t) for p in self.pieces for t in p.output_ids]
 
     @property
     def params(self) -> SamplingParams:
-        """The call's sampling parameters for what is left of its budget. A seeded call's next
-        piece gets a seed of its own: the first would replay the random draws of its first tokens."""
+        """The call's sampling parameters for what is left of its budget (`left`, which must be at
+        least 1: SamplingParams refuses less). A seeded call's next piece gets a seed of its own: the
+        first would replay the random draws of its first tokens."""
         seed = self.base_params.seed
         if seed is not None and self.pieces:
             seed = (seed + len(self.pieces) * 0x9E3779B97F4A7C15) % 2**63
-        return dataclasses.replace(self.base_params, max_tokens=self.base_params.max_tokens - self.sampled, seed=seed)
+        return dataclasses.replace(self.base_params, max_tokens=self.left, seed=seed)
 
     def joined(self, finish_reason: str, timings: dict[str, float]) -> Generation:
         """The call's answer: the pieces in order, ending with `finish_reason` (the last piece's)."""

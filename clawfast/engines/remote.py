@@ -227,8 +227,6 @@ class RemoteEngine(Engine):
             raise ValueError(f"prompt_ids must be a non-empty 1-D integer array, got shape {ids.shape} dtype {ids.dtype}")
         if ids.min() < 0:
             raise ValueError(f"prompt_ids holds a negative id {ids.min()}")
-        if params.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {params.max_tokens}")
         call = Pieces([int(i) for i in ids], params)
         self._http()
         assert self._open is not None and self._drained is not None
@@ -250,7 +248,7 @@ class RemoteEngine(Engine):
                     self._drained.set()
             call.add(output_ids, logprobs, version)
             if finish == "abort" and self._updates != updates:  # an update aborted it: go on afterwards
-                if call.params.max_tokens > 0:
+                if call.left > 0:
                     self.continued_calls += 1
                     continue
                 finish = "length"
@@ -330,25 +328,31 @@ class RemoteEngine(Engine):
         with self._update_lock:
             written_dtypes: dict[str, Any] = {}
             target = self._write_checkpoint(state_dict, int(version), written_dtypes)
+
+            def served() -> None:
+                # The server serves the new weights from here on, whatever fails after (its prefix
+                # cache reset, its version label): the version and the directory change with them.
+                self.weight_version = int(version)
+                self._base_dtypes.update(written_dtypes)
+                previous, self._written = self._written, target
+                if previous is not None and previous != target:
+                    shutil.rmtree(previous, ignore_errors=True)  # the server no longer reads it
+
             with self._calls_paused(loop):
                 try:
                     with httpx.Client(base_url=self.base_url, headers=self._headers, timeout=self._timeout) as http:
                         if self.api == "vllm":
                             load = ("clawfast_load_dir", {"path": str(target.resolve())}) if self.takes_deltas else \
                                 ("reload_weights", {"weights_path": str(target.resolve())})
-                            self._paused_vllm(http, int(version), lambda: _rpc(http, *load))
+                            self._paused_vllm(http, int(version), lambda: _rpc(http, *load), served)
                         else:
                             self._reload_sglang(http, target, int(version))
-                    self.weight_version = int(version)
-                    self._base_dtypes.update(written_dtypes)
+                            served()
                 except BaseException:
                     self._base_dtypes.clear()  # the server's base copy may hold part of this update
                     if target != self._written:
                         shutil.rmtree(target, ignore_errors=True)
                     raise
-            previous, self._written = self._written, target
-            if previous is not None and previous != target:
-                shutil.rmtree(previous, ignore_errors=True)  # the server no longer reads it
 
     def _write_checkpoint(self, state_dict: Mapping[str, Any] | Iterable[tuple[str, Any]], version: int,
                           dtypes: dict[str, Any]) -> Path:
@@ -396,12 +400,16 @@ class RemoteEngine(Engine):
             raise
         return target
 
-    def _paused_vllm(self, http: httpx.Client, version: int, work: Callable[[], Any]) -> Any:
-        """Pause the server, do `work` (a reload or an adapter load), reset its prefix cache and set
-        its version; resume it whatever happened. Returns what `work` returned."""
+    def _paused_vllm(self, http: httpx.Client, version: int, work: Callable[[], Any],
+                     served: Callable[[], None] | None = None) -> Any:
+        """Pause the server, do `work` (a reload or an adapter load), call `served` (the server serves
+        what `work` loaded from then on, whatever fails after), reset its prefix cache and set its
+        version; resume it whatever happened. Returns what `work` returned."""
         _checked(http.post("/pause", params={"mode": "wait"}), "pause (is VLLM_SERVER_DEV_MODE=1 set?)")
         try:
             answer = work()
+            if served is not None:
+                served()
             _checked(http.post("/reset_prefix_cache"), "reset_prefix_cache")
             _checked(http.post("/update_weight_version", json={"new_version": str(version)}), "update_weight_version")
             return answer
@@ -436,19 +444,22 @@ class RemoteEngine(Engine):
                                                      "is_3d_lora_weight": is_3d}),
                                      "load_lora_adapter (is the server started with --enable-lora and "
                                      "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1?)")
+                            # Calls ask for the new adapter from here on, whatever fails after (the
+                            # old one's unload, the prefix cache reset): its name, files and version
+                            # change together.
                             old, self._adapter = self._adapter, name
+                            previous, self._adapter_dir = self._adapter_dir, target
+                            self.weight_version = int(version)
                             if old is not None:
                                 _checked(http.post("/v1/unload_lora_adapter", json={"lora_name": old}), "unload_lora_adapter")
+                            if previous is not None and previous != target:
+                                shutil.rmtree(previous, ignore_errors=True)  # unloaded: the server no longer reads it
 
                         self._paused_vllm(http, int(version), swap)
-                    self.weight_version = int(version)
                 except BaseException:
                     if self._adapter != name:
                         shutil.rmtree(target, ignore_errors=True)
                     raise
-            previous, self._adapter_dir = self._adapter_dir, target
-            if previous is not None and previous != target:
-                shutil.rmtree(previous, ignore_errors=True)  # unloaded: the server no longer reads it
 
     @contextlib.contextmanager
     def _calls_paused(self, loop: asyncio.AbstractEventLoop | None) -> Iterator[None]:
@@ -457,8 +468,10 @@ class RemoteEngine(Engine):
         if loop is None:
             yield
             return
-        asyncio.run_coroutine_threadsafe(self._pause(), loop).result()
+        # `_pause` closes the gate before it asks the server to abort: if that fails, the gate must
+        # open again, or every later call waits for it forever.
         try:
+            asyncio.run_coroutine_threadsafe(self._pause(), loop).result()
             yield
         finally:
             asyncio.run_coroutine_threadsafe(self._resume(), loop).result()

@@ -188,6 +188,10 @@ class TorchEngine(Engine):
         self._no_update = threading.Event()
         self._no_update.set()
         self._interrupt = threading.Event()  # an update waits that does not let the running batch finish
+        # Updates started and not done: the two events above are reset only when the last one ends, so a
+        # second update waiting for the weights lock keeps calls from joining (and the batch paused).
+        self._updates_waiting = 0
+        self._updates_lock = threading.Lock()
         # transformers 5.x renamed past_key_values to cache; accept both generations of the API.
         self._cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self.max_batch = max_batch
@@ -222,10 +226,16 @@ class TorchEngine(Engine):
         if self._closed:
             raise RuntimeError("engine is closed")
         if self._broken is not None:
-            raise RuntimeError(f"TorchEngine serves no weights: {self._broken}; push the full weights")
-        prompt = np.asarray(prompt_ids, dtype=np.int64)
-        if prompt.ndim != 1 or prompt.size == 0:
-            raise ValueError("prompt_ids must be a non-empty 1-D sequence")
+            raise self._broken_error()
+        prompt = np.asarray(prompt_ids)
+        if prompt.ndim != 1 or prompt.size == 0 or not np.issubdtype(prompt.dtype, np.integer):
+            raise ValueError(f"prompt_ids must be a non-empty 1-D integer sequence, got shape {prompt.shape} "
+                             f"dtype {prompt.dtype}")
+        # Checked here, for this call alone: an id outside the embedding fails the whole batch's forward.
+        vocab = self.model.get_input_embeddings().num_embeddings
+        if prompt.min() < 0 or prompt.max() >= vocab:
+            raise ValueError(f"prompt_ids outside [0, {vocab}): min {prompt.min()}, max {prompt.max()}")
+        prompt = prompt.astype(np.int64)
         loop = asyncio.get_running_loop()
         pending = _Pending(prompt, params, loop.create_future(), loop)
         with self._queue_lock:
@@ -244,7 +254,10 @@ class TorchEngine(Engine):
             while True:
                 self._no_update.wait()
                 with self._weights_lock:
-                    self._run(self._join(None))
+                    if self._broken is not None:
+                        self._fail_queued(self._broken_error())
+                    else:
+                        self._run(self._join(None))
                 with self._queue_lock:
                     if not self._queue:
                         self._serving = False
@@ -253,6 +266,17 @@ class TorchEngine(Engine):
             with self._queue_lock:
                 self._serving = False
             raise
+
+    def _broken_error(self) -> RuntimeError:
+        return RuntimeError(f"TorchEngine serves no weights: {self._broken}; push the full weights")
+
+    def _fail_queued(self, exc: BaseException) -> None:
+        """Fail every queued call, those an update set aside mid-answer included: the weights they
+        would decode on are no pushed version's."""
+        with self._queue_lock:
+            queued, self._queue = self._queue, []
+        for p in queued:
+            _settle(p, exc)
 
     def _run(self, batch: _Batch | None) -> None:
         """Decode `batch` until its last row leaves, or an update aborts it. Called under the weights
@@ -320,7 +344,7 @@ class TorchEngine(Engine):
     def _prefill(self, taken: list[_Pending]) -> _Batch:
         """Run the contexts of `taken` (prompts, and the tokens a call set aside by an update had
         sampled) up to each one's last token, in groups by the cached prefix each extends furthest
-        (`_cache_groups`), stacked into one batch; a call asking for no token is answered at once."""
+        (`_cache_groups`), stacked into one batch."""
         self.batches_run += 1
         now = time.monotonic()
         rows = [p.row or _Row(p, torch.Generator().manual_seed(self._seed(p.params)), now) for p in taken]
@@ -399,9 +423,6 @@ class TorchEngine(Engine):
             params = row.pending.params
             if row.pending.future.cancelled():
                 continue  # nobody reads this row
-            if params.max_tokens <= 0:
-                _settle(row.pending, self._result(row))
-                continue
             logp = sampling_logprobs(batch.last[i], params.temperature, params.top_k, params.top_p)
             if params.temperature <= 0:
                 token = int(torch.argmax(logp))
@@ -532,18 +553,47 @@ class TorchEngine(Engine):
         ran = len(row.pending.prompt) + len(row.outputs) - 1
         if len(row.outputs) < 2 or ran > self.prefix_cache_tokens or not _paddable(batch.cache):
             return
+        # The row's columns are where its mask is 1: not only the last `ran`, for a row prefilled from
+        # a shared prefix lies [shared prefix | its left padding | its suffix | decoded], and a stack
+        # pads on the left of that again.
+        columns = batch.mask[i].nonzero().flatten()
+        if len(columns) != ran:  # the mask does not hold this row's context as run: cache nothing
+            return
         kv = DynamicCache()
-        for layer_idx, layer in enumerate(batch.cache.layers):  # a row's columns are the last `ran` (left padding)
-            kv.update(layer.keys[i:i + 1, :, -ran:].clone(), layer.values[i:i + 1, :, -ran:].clone(), layer_idx)
+        for layer_idx, layer in enumerate(batch.cache.layers):
+            kv.update(layer.keys[i:i + 1].index_select(-2, columns), layer.values[i:i + 1].index_select(-2, columns),
+                      layer_idx)
         tokens = np.concatenate([row.pending.prompt, np.asarray(row.outputs[:-1], dtype=row.pending.prompt.dtype)])
         self._remember(tokens, kv, np.concatenate(row.routing) if row.routing else None)
 
     def update_weights(self, state_dict: Mapping[str, Any] | Iterable[tuple[str, Any]], version: int) -> None:
-        """Load `state_dict` (strict: every parameter, matching shapes) and set the version, once the
-        running batch has stopped (``on_update`` "continue", "abort") or finished ("finish"); no
-        call joins meanwhile."""
+        """Load `state_dict` (strict: every tensor of ``model.state_dict()``, nothing else, matching
+        shapes) and set the version, once the running batch has stopped (``on_update`` "continue",
+        "abort") or finished ("finish"); no call joins meanwhile. Names or shapes that do not match
+        are a ValueError before anything changes; a load that fails once it has begun copying leaves
+        the engine serving nothing (RuntimeError, calls set aside by the update included) until a
+        full update succeeds."""
         state_dict = dict(state_dict)  # a stream (a sharded trainer's gathers) is read before generation pauses
-        self._paused_load(lambda: self.model.load_state_dict(state_dict, strict=True), version)
+        served = self.model.state_dict()
+        missing, unexpected = sorted(served.keys() - state_dict.keys()), sorted(state_dict.keys() - served.keys())
+        if missing or unexpected:
+            raise ValueError(f"update_weights: state_dict lacks {len(missing)} of the model's tensors "
+                             f"(e.g. {missing[:3]}) and has {len(unexpected)} it does not (e.g. {unexpected[:3]})")
+        for name, tensor in state_dict.items():
+            # load_state_dict copies every tensor it can before it raises: check every one first.
+            if not isinstance(tensor, torch.Tensor) or tensor.shape != served[name].shape:
+                got = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+                raise ValueError(f"update_weights: state_dict[{name!r}] is {got}, the model's is "
+                                 f"{tuple(served[name].shape)}")
+
+        def load() -> None:
+            try:
+                self.model.load_state_dict(state_dict, strict=True)
+            except BaseException as exc:
+                self._broken = f"a weight update failed after it began copying: {exc}"
+                raise
+
+        self._paused_load(load, version)
 
     def apply_delta(self, delta: WeightDelta) -> None:
         """Write a `WeightDelta` into the served tensors in place and serve ``delta.version``, paused
@@ -566,9 +616,11 @@ class TorchEngine(Engine):
     def _paused_load(self, load: Callable[[], Any], version: int) -> None:
         """Run `load` under the weights lock once generation has paused (``on_update``), then serve
         `version`; the prefix cache is emptied (its KV came from the old weights)."""
-        self._no_update.clear()
-        if self.on_update != "finish":
-            self._interrupt.set()
+        with self._updates_lock:
+            self._updates_waiting += 1
+            self._no_update.clear()
+            if self.on_update != "finish":
+                self._interrupt.set()
         try:
             with self._weights_lock:
                 load()
@@ -576,8 +628,11 @@ class TorchEngine(Engine):
                 self._prefixes.clear()
                 self._broken = None
         finally:
-            self._interrupt.clear()
-            self._no_update.set()
+            with self._updates_lock:
+                self._updates_waiting -= 1
+                if self._updates_waiting == 0:
+                    self._interrupt.clear()
+                    self._no_update.set()
 
     async def close(self) -> None:
         self._closed = True

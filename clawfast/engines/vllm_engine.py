@@ -308,8 +308,6 @@ class VLLMEngine(Engine):
             raise ValueError(f"prompt_ids must hold integers, got dtype {ids.dtype}")
         if ids.min() < 0 or ids.max() >= self.vocab_size:
             raise ValueError(f"prompt_ids outside [0, {self.vocab_size}): min {ids.min()}, max {ids.max()}")
-        if params.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {params.max_tokens}")
         if ids.size + params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"prompt of {ids.size} tokens + max_tokens {params.max_tokens} exceeds max_model_len {self.max_model_len}"
@@ -359,7 +357,7 @@ class VLLMEngine(Engine):
             call.add(output_ids, [step[int(tok)].logprob for step, tok in zip(completion.logprobs, output_ids)], version)
             finish = completion.finish_reason
             if finish == "abort" and interrupted:
-                if call.params.max_tokens > 0:
+                if call.left > 0:
                     self.continued_calls += 1
                     continue
                 finish = "length"  # the budget ran out as the abort came
@@ -446,12 +444,14 @@ class VLLMEngine(Engine):
             except Exception as exc:  # vLLM reports a bad adapter as whatever its loader raised
                 shutil.rmtree(served, ignore_errors=True)
                 raise ValueError(f"vLLM refused the adapter in {directory}: {exc}") from exc
+            # Calls ask for the new adapter from here on, whatever fails after (the old one's removal,
+            # the prefix cache reset): its request and version change together.
             old, self._adapter = self._adapter, adapter
+            self.weight_version = int(version)
             if old is not None:
                 self._call(self._llm.remove_lora(old.lora_int_id))
                 shutil.rmtree(old.lora_path, ignore_errors=True)
             self._call(self._llm.reset_prefix_cache())
-            self.weight_version = int(version)
 
     def apply_delta(self, delta: WeightDelta) -> None:
         """Apply a `WeightDelta` (built in the dtype of the last full push) through the workers'
@@ -496,8 +496,10 @@ class VLLMEngine(Engine):
         """One update at a time, from any thread; within the block no request starts and the running
         ones finish or stop to continue (`on_update`), and after it they go on."""
         with self._update_lock:
-            self._call(self._pause())
+            # `_pause` closes the gate before it aborts the running requests: if that fails, the gate
+            # must open again, or every later call waits for it forever.
             try:
+                self._call(self._pause())
                 yield
             finally:
                 self._call(self._resume())

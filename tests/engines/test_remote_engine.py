@@ -195,23 +195,31 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def reference_server(model):
+@contextlib.contextmanager
+def _serving(app, name: str):
+    """`app` served by uvicorn on a free loopback port, for the block; yields its URL."""
     import uvicorn
 
-    server = _ReferenceServer(model)
     port = _free_port()
-    uv = uvicorn.Server(uvicorn.Config(server.app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
+    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
     thread = threading.Thread(target=uv.run, daemon=True)
     thread.start()
     deadline = time.time() + 30
     while not uv.started:
-        assert time.time() < deadline and thread.is_alive(), "reference server did not start"
+        assert time.time() < deadline and thread.is_alive(), f"{name} did not start"
         time.sleep(0.01)
-    server.url = f"http://127.0.0.1:{port}"
-    yield server
-    uv.should_exit = True
-    thread.join(timeout=10)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        uv.should_exit = True
+        thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def reference_server(model):
+    server = _ReferenceServer(model)
+    with _serving(server.app, "reference server") as server.url:
+        yield server
 
 
 def _generate_all(engine, prompts, params):
@@ -414,6 +422,110 @@ def test_constructor_and_protocol_errors(reference_server):
     finally:
         uv.should_exit = True
         thread.join(timeout=10)
+
+
+# -- update steps that fail, against a stand-in of vLLM's dev routes (runs everywhere) ------------------
+
+
+class _DevServer:
+    """vLLM's dev and LoRA routes as the engine calls them, each answering 200 unless its path is in
+    `failing` (then 500); ``/v1/completions`` answers one token after `delay` seconds, and every
+    path asked for is kept in `paths` (completions with the model they asked for)."""
+
+    def __init__(self) -> None:
+        self.failing: set[str] = set()
+        self.delay = 0.0
+        self.paths: list[str] = []
+
+    async def __call__(self, scope, receive, send) -> None:
+        request = Request(scope, receive)
+        path = request.url.path
+        if path == "/v1/models":
+            response = JSONResponse({"data": [{"id": "base", "max_model_len": MAX_LEN}]})
+        elif path in self.failing:
+            self.paths.append(path)
+            response = JSONResponse({"error": {"message": f"{path} failed"}}, 500)
+        elif path == "/v1/completions":
+            body = await request.json()
+            self.paths.append(f"{path}:{body['model']}")
+            await asyncio.sleep(self.delay)
+            logprobs = {"token_logprobs": [-1.0], "tokens": ["token_id:5"]}
+            response = JSONResponse({"choices": [{"token_ids": [5], "finish_reason": "length", "logprobs": logprobs}]})
+        else:
+            self.paths.append(path)
+            response = JSONResponse({})
+        await response(scope, receive, send)
+
+
+@pytest.fixture
+def dev_server():
+    server = _DevServer()
+    with _serving(server, "dev server") as server.url:
+        yield server
+
+
+def test_a_refused_abort_pause_reopens_the_engine(dev_server, tmp_path):
+    """``on_update="continue"`` closes the engine's gate, then asks the server to abort: when that
+    fails, the update fails and the gate opens again (the call in flight ends, later calls run)
+    rather than every later call waiting forever."""
+    dev_server.failing.add("/pause")
+    dev_server.delay = 0.5
+    engine = RemoteEngine(dev_server.url, model="base", reload_dir=tmp_path, on_update="continue", timeout=10)
+    params = SamplingParams(max_tokens=1)
+
+    async def run():
+        try:
+            in_flight = asyncio.ensure_future(engine.generate(np.array([1, 2, 3]), params))
+            while engine._inflight == 0:
+                await asyncio.sleep(0.01)
+            with pytest.raises(RuntimeError, match="pause"):
+                await asyncio.to_thread(engine.update_weights, {"w": torch.zeros(2)}, 1)
+            dev_server.delay = 0.0
+            later = await asyncio.wait_for(engine.generate(np.array([1, 2, 3]), params), timeout=10)
+            return await in_flight, later
+        finally:
+            await engine.close()
+
+    for gen in asyncio.run(run()):
+        assert gen.output_ids.tolist() == [5] and gen.weight_version == 0
+
+
+@pytest.mark.parametrize("failing, served", [("/v1/load_lora_adapter", False), ("/v1/unload_lora_adapter", True),
+                                             ("/reset_prefix_cache", True), ("/update_weight_version", True)])
+def test_an_adapter_and_its_version_change_together(dev_server, tmp_path, failing, served):
+    """Whichever step of an adapter push fails, the adapter later calls ask for and the version they
+    are recorded under agree: the old pair if the server did not load the new adapter, else the new."""
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    engine = RemoteEngine(dev_server.url, model="base", reload_dir=tmp_path / "reload", adapters=True)
+    engine.load_adapter(adapter, 1)
+    dev_server.failing.add(failing)
+    with pytest.raises(RuntimeError, match=failing.split("/")[-1]):
+        engine.load_adapter(adapter, 2)
+    dev_server.failing.clear()
+    gen = asyncio.run(engine.generate(np.array([1, 2, 3]), SamplingParams(max_tokens=1)))
+    version = 2 if served else 1
+    assert dev_server.paths[-1] == f"/v1/completions:clawfast-v{version}"
+    assert gen.weight_version == engine.weight_version == version
+    assert (tmp_path / "reload" / f"a{version}").is_dir()  # the served adapter's files stay
+    if not served:
+        assert not (tmp_path / "reload" / "a2").exists()  # the refused adapter's files are gone
+
+
+@pytest.mark.parametrize("failing, served", [("/collective_rpc", False), ("/reset_prefix_cache", True),
+                                             ("/update_weight_version", True)])
+def test_a_reload_and_its_version_change_together(dev_server, tmp_path, failing, served):
+    """A whole push whose reload succeeded serves the new weights, whatever fails after: the version
+    is the new one and its directory stays; a reload that failed leaves the old version and files."""
+    engine = RemoteEngine(dev_server.url, model="base", reload_dir=tmp_path)
+    engine.update_weights({"w": torch.zeros(2)}, 1)
+    dev_server.failing.add(failing)
+    with pytest.raises(RuntimeError, match=failing.strip("/")):
+        engine.update_weights({"w": torch.ones(2)}, 2)
+    version = 2 if served else 1
+    assert engine.weight_version == version
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"v{version}"]
 
 
 # -- against a real vLLM server ---------------------------------------------------------------------

@@ -78,6 +78,36 @@ def test_a_moe_model_samples_with_the_log_probs_of_a_plain_forward(family):
                                    atol=1e-4)
 
 
+@pytest.mark.parametrize("bad, name", [(dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
+                                       (dict(top_k=-1), "top_k"), (dict(temperature=-0.1), "temperature"),
+                                       (dict(temperature=float("nan")), "temperature"),
+                                       (dict(max_tokens=0), "max_tokens")])
+def test_sampling_params_out_of_bounds_are_refused(bad, name):
+    # top_p 0 keeps no token (the sampler would draw from NaN); a negative top_k fails torch.topk.
+    with pytest.raises(ValueError, match=name):
+        SamplingParams(**bad)
+
+
+def test_a_call_with_ids_outside_the_vocabulary_fails_alone(engine):
+    """Token ids the embedding does not hold are a ValueError for that call, before it joins a batch:
+    the calls made with it are answered as they would be alone."""
+    vocab = engine.model.get_input_embeddings().num_embeddings
+    prompts = [np.arange(20, 32), np.arange(40, 47)]
+    params = SamplingParams(max_tokens=5, seed=3)
+
+    async def run():
+        return await asyncio.gather(*[engine.generate(p, params) for p in prompts],
+                                    engine.generate(np.array([5, vocab]), params),
+                                    engine.generate(np.array([-1, 5]), params), return_exceptions=True)
+
+    *good, too_big, negative = asyncio.run(run())
+    for bad in (too_big, negative):
+        assert isinstance(bad, ValueError) and "prompt_ids outside" in str(bad)
+    for prompt, got in zip(prompts, good):
+        alone = asyncio.run(engine.generate(prompt, params))
+        np.testing.assert_array_equal(got.output_ids, alone.output_ids)
+
+
 def test_sampling_logprobs_truncation():
     logits = torch.tensor([3.0, 2.0, 1.0, 0.0, -1.0])
     top1 = sampling_logprobs(logits, 1.0, 1, 1.0)
@@ -103,9 +133,104 @@ def test_update_weights_changes_outputs_and_version(embedded_dir):
     second = asyncio.run(engine.generate(prompt, params))
     assert second.weight_version == 3
     assert not np.array_equal(first.output_ids, second.output_ids) or not np.allclose(first.infer_logprobs, second.infer_logprobs)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(ValueError, match="state_dict lacks"):
         engine.update_weights({"nope": torch.zeros(1)}, 4)
     assert engine.weight_version == 3
+
+
+def test_an_update_that_does_not_fit_changes_nothing(embedded_dir):
+    """Missing, unknown or misshapen tensors are a ValueError before any tensor is copied (strict
+    load_state_dict copies every tensor it can, then raises); the old weights serve on."""
+    engine = TorchEngine.from_pretrained(embedded_dir)
+    old = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    new = {k: v + 1.0 for k, v in old.items()}
+    name = "model.layers.0.mlp.down_proj.weight"
+    bad = [({k: v for k, v in new.items() if k != name}, "lacks 1"),
+           ({**new, "extra.weight": torch.zeros(1)}, "has 1 it does not"),
+           ({**new, name: new[name][:, :1]}, "down_proj"),
+           ({**new, name: new[name].numpy()}, "ndarray")]
+    for state, match in bad:
+        with pytest.raises(ValueError, match=match):
+            engine.update_weights(state, 1)
+        assert engine.weight_version == 0 and engine._broken is None
+        assert all(torch.equal(v, old[k]) for k, v in engine.model.state_dict().items())
+
+
+def test_a_load_that_fails_midway_stops_serving_until_a_full_update(embedded_dir, monkeypatch):
+    """A load that fails once copying began leaves weights of no version: the engine serves nothing
+    (RuntimeError) until a full update succeeds."""
+    engine = TorchEngine.from_pretrained(embedded_dir)
+    state = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    real_load = engine.model.load_state_dict
+
+    def load_then_fail(state_dict, strict=True):
+        next(iter(engine.model.parameters())).data.add_(1.0)  # copied part of the update
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(engine.model, "load_state_dict", load_then_fail)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        engine.update_weights(state, 1)
+    assert engine.weight_version == 0
+    params = SamplingParams(max_tokens=2)
+    with pytest.raises(RuntimeError, match="serves no weights"):
+        asyncio.run(engine.generate(np.arange(3, 9), params))
+    monkeypatch.setattr(engine.model, "load_state_dict", real_load)
+    engine.update_weights(state, 2)
+    assert len(asyncio.run(engine.generate(np.arange(3, 9), params)).output_ids) == 2
+
+
+def test_a_second_update_keeps_calls_paused_until_it_is_done(embedded_dir):
+    """Two updates at once: the first to end must not reopen the engine while the second still waits
+    for the weights, or calls would join (and decode) in between."""
+    import threading
+
+    engine = TorchEngine.from_pretrained(embedded_dir)
+    loading = [threading.Event(), threading.Event()]
+    release = [threading.Event(), threading.Event()]
+
+    def load(i: int) -> None:
+        loading[i].set()
+        release[i].wait()
+
+    updates = [threading.Thread(target=engine._paused_load, args=(lambda i=i: load(i), i + 1)) for i in range(2)]
+    updates[0].start()
+    loading[0].wait()
+    updates[1].start()
+    while engine._updates_waiting < 2:  # the second has paused the engine too, and waits for the weights
+        time.sleep(0.001)
+    release[0].set()
+    updates[0].join()
+    assert not engine._no_update.is_set()  # the second is loading or about to: nothing may join
+    loading[1].wait()
+    release[1].set()
+    updates[1].join()
+    assert engine._no_update.is_set() and not engine._interrupt.is_set() and engine.weight_version == 2
+
+
+def test_calls_set_aside_by_a_failed_delta_fail_with_it(embedded_dir):
+    """``on_update="continue"``: a delta that fails after it began writing (a checksum mismatch) leaves
+    weights of no version, so the call it set aside mid-answer fails too rather than decoding on
+    them under the old version."""
+    from clawfast.engines.weight_delta import DeltaMismatch, TensorDelta, WeightDelta
+
+    engine = TorchEngine.from_pretrained(embedded_dir, seed=0, on_update="continue")
+    name = "model.embed_tokens.weight"
+    weight = engine.model.state_dict()[name]
+    written = (weight + 0.5).reshape(-1)
+    delta = WeightDelta(0, 1, [TensorDelta(name, tuple(weight.shape), weight.dtype, "dense", written, checksum=1)])
+
+    async def run():
+        call = asyncio.ensure_future(engine.generate(np.arange(20, 36), SamplingParams(max_tokens=400, seed=5)))
+        start = engine.decode_steps
+        while engine.decode_steps < start + 3:  # decoding now
+            await asyncio.sleep(0.001)
+        with pytest.raises(DeltaMismatch):
+            await asyncio.to_thread(engine.apply_delta, delta)
+        return (await asyncio.gather(call, return_exceptions=True))[0]
+
+    got = asyncio.run(run())
+    assert engine.continued_calls == 1  # it was set aside, then failed
+    assert isinstance(got, RuntimeError) and "serves no weights" in str(got)
 
 
 def test_torch_engine_behind_the_proxy(embedded_dir, renderer, tmp_path):
@@ -384,6 +509,31 @@ def test_shared_and_cached_prefixes_sample_what_a_plain_forward_gives(embedded_d
                                    reference_logprobs(cached.model, prompt, engine_out.output_ids, params), atol=1e-4)
     for a, b in zip(first + [second], generate_all(plain, params, prompts) + generate_all(plain, params, [follow])):
         np.testing.assert_array_equal(a.output_ids, b.output_ids)
+
+
+def test_a_padded_row_of_a_shared_prefix_group_is_cached_without_its_padding(embedded_dir):
+    """Two calls sharing a system prompt, with suffixes of different lengths, prefilled together: the
+    short one's cache row is [shared prefix | left padding | suffix | decoded]. Its next turn runs on
+    the KV kept from that row, which must be its own columns only: the follow-up's greedy tokens and
+    log-probs are a plain forward's."""
+    rng = np.random.default_rng(5)
+    system = rng.integers(10, 3000, size=40)
+    long_, short = (np.concatenate([system, rng.integers(10, 3000, size=n)]) for n in (30, 3))
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    engine = TorchEngine.from_pretrained(embedded_dir, seed=0, max_batch=4)
+    _, first = generate_all(engine, params, [long_, short])
+    follow = np.concatenate([short, first.output_ids, rng.integers(10, 3000, size=5)])
+    before = engine.prefill_tokens
+    [second] = generate_all(engine, params, [follow])
+    assert engine.prefill_tokens - before == 1 + 5  # it ran on the kept KV
+    ids = list(follow)
+    with torch.no_grad():  # greedy by plain uncached forwards
+        for _ in range(params.max_tokens):
+            ids.append(int(engine.model(torch.tensor([ids])).logits[0, -1].argmax()))
+    np.testing.assert_array_equal(second.output_ids, ids[len(follow):])
+    # fp32 on CPU: a cached, padded forward differs from the plain one by float rounding only.
+    np.testing.assert_allclose(second.infer_logprobs,
+                               reference_logprobs(engine.model, follow, second.output_ids, params), atol=1e-4)
 
 
 def test_calls_prefilled_together_each_start_from_their_own_cached_prefix(embedded_dir):

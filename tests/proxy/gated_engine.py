@@ -1,4 +1,5 @@
-"""A slow engine for tests of what happens while a call generates (keep-alives, disconnects, closes)."""
+"""Scripted engines for proxy tests: a slow one, for what happens while a call generates (keep-alives,
+disconnects, closes), and one that keeps what reached it."""
 
 from __future__ import annotations
 
@@ -34,3 +35,15 @@ def wait_for(predicate, timeout=10.0):
     while not predicate():
         assert time.time() < deadline, "timed out"
         time.sleep(0.01)
+
+
+class RecordingEngine(ScriptedEngine):
+    """The scripted engine, keeping the `SamplingParams` of every call."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.params = []
+
+    async def generate(self, prompt_ids, params):
+        self.params.append(params)
+        return await super().generate(prompt_ids, params)

@@ -16,7 +16,7 @@ import pytest
 from clawfast.engines.base import Sampling
 from clawfast.engines.scripted import ScriptedEngine
 from clawfast.proxy import ProxyConfig
-from gated_engine import GatedScriptedEngine, wait_for
+from gated_engine import GatedScriptedEngine, RecordingEngine, wait_for
 
 
 def test_calls_beyond_the_budget_are_refused_in_each_protocol(proxy_factory, tmp_path):
@@ -142,18 +142,6 @@ def test_budget_must_be_positive_in_the_train_config():
     assert RolloutSection(max_model_calls=12).max_model_calls == 12
     with pytest.raises(ValidationError, match="max_model_calls"):
         RolloutSection(max_model_calls=0)
-
-
-class RecordingEngine(ScriptedEngine):
-    """The scripted engine, keeping the `SamplingParams` of every call."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.params = []
-
-    async def generate(self, prompt_ids, params):
-        self.params.append(params)
-        return await super().generate(prompt_ids, params)
 
 
 def test_each_rollout_samples_with_its_own_sampling(proxy_factory, tmp_path):

@@ -23,10 +23,19 @@ when present, so a call without them is byte for byte what older writers wrote:
 same frame and checksum. A reader that knows no routing refuses such a call (its body is longer than
 its arrays), never misreads it.
 
-Guaranteed: lossless round trip of every field (arrays bit for bit); a truncated or corrupted file
-raises `RecordFormatError` naming the byte offset, unless the caller asks to keep the complete frames
-before a torn tail (crash recovery). Not guaranteed: concurrent writers to one file (one writer per
-rollout; the proxy serialises appends).
+Guaranteed: lossless round trip of every field (arrays bit for bit). For that a record refuses, when it
+is built (ValueError naming the field and key path), what JSON would not hand back as it was:
+`metadata`, `timings` and `info` must be dicts of str keys, lists, str, int, bool, None and finite
+floats (no tuple, int key, NaN, numpy integer or float32); `call_index`, `weight_version` and
+`sample_index` become Python ints (a numpy integer or integral float converts; a bool, a fraction or a
+non-finite value is refused) and `reward` a finite Python float. A truncated or corrupted file raises
+`RecordFormatError` naming the byte offset, unless the caller asks for crash recovery
+(``recover=True``): reading then stops at the first frame that is cut short or fails its checksum,
+wherever it lies, keeps the frames before it and notes the drop in ``info["torn_tail"]``; it never skips
+a damaged frame to read later ones (a crash damages only the end, so good frames after a bad one mean
+corruption, and the bad frame's length cannot be trusted to find them). One file per rollout id
+(`rollout_path`); ids that map to one file name are refused, never written over each other. Not
+guaranteed: concurrent writers to one file (one writer per rollout; the proxy serialises appends).
 """
 
 from __future__ import annotations
@@ -86,6 +95,67 @@ def _as_array(values: Any, dtype: type, name: str) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=dtype)
 
 
+def _as_int(value: Any, name: str) -> int:
+    """`value` as a Python int. A numpy integer or an integral float converts (the JSON encoder refuses a
+    numpy scalar, and would write 3.0 for 3); a bool, a fraction, NaN or an infinity is refused."""
+    if isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name} must be an integer, got the bool {value!r}")
+    if isinstance(value, (int, np.integer)):
+        return int(value)
+    if isinstance(value, (float, np.floating)) and float(value).is_integer():
+        return int(value)
+    raise ValueError(f"{name} must be an integer, got {value!r}")
+
+
+def _as_float(value: Any, name: str) -> float:
+    """`value` as a finite Python float (a numpy number converts; a bool is 0.0 or 1.0, a pass/fail)."""
+    if not isinstance(value, (int, float, np.integer, np.floating, np.bool_)):
+        raise ValueError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    number = float(value)
+    if not math.isfinite(number):
+        raise ValueError(f"{name} must be finite, got {number}")
+    return number
+
+
+def json_problem(value: Any, where: str) -> str | None:
+    """Why `value` would not read back from a record's JSON as it is, or None. `where` names it (a field
+    and key path, e.g. ``metadata['headers']``) in the answer.
+
+    What reads back equal: dicts with str keys, lists, str, int, bool, None and finite floats. Anything else
+    is refused rather than changed on the way: a tuple would read back as a list and an int key as a str
+    key; NaN, infinities and numpy scalars cannot be written at all."""
+    if value is None or isinstance(value, (str, int)):  # a bool is an int; an int or str subclass writes as one
+        return None
+    if isinstance(value, float):  # np.float64 is a float and reads back equal
+        return None if math.isfinite(value) else f"{where} is {value}: JSON holds finite numbers only"
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            problem = json_problem(item, f"{where}[{i}]")
+            if problem:
+                return problem
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                return (f"{where} has the key {key!r} ({type(key).__name__}): JSON keys are strings, so it would "
+                        f"read back changed")
+            problem = json_problem(item, f"{where}[{key!r}]")
+            if problem:
+                return problem
+        return None
+    if isinstance(value, tuple):
+        return f"{where} is a tuple: it would read back as a list (pass a list)"
+    return (f"{where} is {type(value).__name__} {value!r:.80}, which JSON cannot hold (convert numpy numbers "
+            f"with int() / float(), arrays with .tolist())")
+
+
+def _json_dict_problem(value: Any, name: str) -> str | None:
+    """Why the dict field `name` (metadata, timings, info) would not round-trip through the file, or None."""
+    if not isinstance(value, dict):
+        return f"{name} must be a dict, got {type(value).__name__}"
+    return json_problem(value, name)
+
+
 @dataclass
 class CallRecord:
     """One model call, token in and token out.
@@ -135,6 +205,14 @@ class CallRecord:
         self.output_ids = _as_array(self.output_ids, np.int32, "output_ids")
         self.infer_logprobs = _as_array(self.infer_logprobs, np.float32, "infer_logprobs")
         try:
+            # Checked here, not when the record is written: a call the proxy cannot write fails where
+            # it was made, and what is written reads back equal (`equals`).
+            self.call_index = _as_int(self.call_index, "call_index")
+            self.weight_version = _as_int(self.weight_version, "weight_version")
+            for name in ("timings", "metadata"):
+                problem = _json_dict_problem(getattr(self, name), name)
+                if problem:
+                    raise ValueError(problem)
             self.output_versions = checked_versions(self.output_versions, self.weight_version, len(self.output_ids))
             self.routing = _native_routing(self.routing)
             if isinstance(self.routing_start, np.integer):
@@ -249,8 +327,14 @@ class RolloutResult:
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
             raise ValueError(f"rollout {self.rollout_id!r}: unknown status {self.status!r}; expected one of {STATUSES}")
-        if not math.isfinite(self.reward):
-            raise ValueError(f"rollout {self.rollout_id!r}: non-finite reward {self.reward}")
+        try:  # as in CallRecord: what cannot be written, or would read back changed, fails here
+            self.sample_index = _as_int(self.sample_index, "sample_index")
+            self.reward = _as_float(self.reward, "reward")
+            problem = _json_dict_problem(self.info, "info")
+            if problem:
+                raise ValueError(problem)
+        except ValueError as exc:
+            raise ValueError(f"rollout {self.rollout_id!r}: {exc}") from None
 
     def header(self) -> dict[str, Any]:
         return {
@@ -412,27 +496,35 @@ def _decode_call(payload: bytes, offset: int) -> CallRecord:
         raise RecordFormatError(f"call frame at byte {offset}: invalid record ({exc})") from exc
 
 
-def _iter_frames(data: bytes, recover: bool) -> Iterator[tuple[int, bytes, int]]:
+def _iter_frames(data: bytes, torn: dict[str, Any] | None) -> Iterator[tuple[int, bytes, int]]:
+    """(kind, payload, offset) of each frame after the magic. A frame cut short or failing its checksum
+    raises RecordFormatError when `torn` is None. Otherwise (recovery) it ends the reading, wherever it
+    lies: `torn` gets its offset, the bytes dropped from there to the end and why, and no later frame is
+    read. Its length cannot be trusted to find the next frame, and a crash leaves damage only at the end
+    (a frame cut short, or, after a power loss, zeros or a frame's first bytes then zeros), so a good frame
+    past a bad one is not a crash's tail: reading on would hide the damage."""
     pos = len(MAGIC)
     while pos < len(data):
         start = pos
+        problem = None
         if pos + _FRAME_HEAD.size > len(data):
-            if recover:
-                return
-            raise RecordFormatError(f"truncated frame header at byte {start}")
-        kind, length = _FRAME_HEAD.unpack_from(data, pos)
-        pos += _FRAME_HEAD.size
-        end = pos + length + _CRC.size
-        if end > len(data):
-            if recover:
-                return
-            raise RecordFormatError(f"truncated frame at byte {start}: needs {length} payload bytes")
-        payload = data[pos : pos + length]
-        (crc,) = _CRC.unpack_from(data, pos + length)
-        if crc != zlib.crc32(payload, zlib.crc32(data[start : start + _FRAME_HEAD.size])):
-            if recover and end == len(data):
-                return
-            raise RecordFormatError(f"checksum mismatch in frame at byte {start}")
+            problem = f"truncated frame header at byte {start}"
+        else:
+            kind, length = _FRAME_HEAD.unpack_from(data, pos)
+            pos += _FRAME_HEAD.size
+            end = pos + length + _CRC.size
+            if end > len(data):
+                problem = f"truncated frame at byte {start}: needs {length} payload bytes"
+            else:
+                payload = data[pos : pos + length]
+                (crc,) = _CRC.unpack_from(data, pos + length)
+                if crc != zlib.crc32(payload, zlib.crc32(data[start : start + _FRAME_HEAD.size])):
+                    problem = f"checksum mismatch in frame at byte {start}"
+        if problem is not None:
+            if torn is None:
+                raise RecordFormatError(problem)
+            torn.update(at_byte=start, bytes=len(data) - start, reason=problem)
+            return
         yield kind, payload, start
         pos = end
 
@@ -454,15 +546,20 @@ def _json_object(payload: bytes, what: str, offset: int) -> dict[str, Any]:
 
 
 def decode_rollout(data: bytes, *, recover: bool = False, source: str = "<bytes>") -> RolloutResult:
-    """Decode one rollout file. With ``recover=True`` a torn tail (the writer died mid-append) is
-    dropped and the rollout is returned with status ``running`` if no result frame was written."""
+    """Decode one rollout file. With ``recover=True`` (crash recovery, a live log) reading stops at the
+    first frame that is cut short or fails its checksum, wherever it lies: the frames before it are
+    returned, it and everything after it are dropped (never skipped over to read later frames), and
+    ``info["torn_tail"]`` says so: ``{"at_byte", "bytes" (dropped), "reason"}``. The rollout has status
+    ``running`` if no result frame was read. A frame whose checksum holds but whose content is invalid
+    raises in either mode: the writer wrote it so."""
     if not data.startswith(MAGIC):
         raise RecordFormatError(f"{source}: not a clawfast record file (bad magic)")
     header = None
     calls: list[CallRecord] = []
     result = None
+    torn: dict[str, Any] | None = {} if recover else None
     try:
-        for kind, payload, offset in _iter_frames(data, recover):
+        for kind, payload, offset in _iter_frames(data, torn):
             if kind == _KIND_HEADER and header is None:
                 header = _json_object(payload, "header", offset)
             elif kind == _KIND_CALL and header is not None and result is None:
@@ -481,6 +578,7 @@ def decode_rollout(data: bytes, *, recover: bool = False, source: str = "<bytes>
         raise RecordFormatError(f"{source}: truncated: no result frame (pass recover=True to read a live log)")
     result = result or {"reward": 0.0, "status": "running", "info": {}}
     try:
+        info = {**result["info"], "torn_tail": torn} if torn else result["info"]
         return RolloutResult(
             rollout_id=header["rollout_id"],
             task_id=header["task_id"],
@@ -489,7 +587,7 @@ def decode_rollout(data: bytes, *, recover: bool = False, source: str = "<bytes>
             reward=float(result["reward"]),
             status=result["status"],
             calls=calls,
-            info=result["info"],
+            info=info,
         )
     except (KeyError, ValueError, TypeError) as exc:
         raise RecordFormatError(f"{source}: invalid rollout ({exc})") from None
@@ -500,13 +598,43 @@ def decode_rollout(data: bytes, *, recover: bool = False, source: str = "<bytes>
 
 
 def rollout_path(directory: str | os.PathLike, rollout_id: str) -> Path:
+    """``<directory>/<id>.cfr``, each character of the id but letters, digits and ``-_.`` written ``_``.
+    Two ids can map to one path ('a/b', 'a_b', 'a:b'): the writers refuse the second rather than let it
+    replace the first (`write_rollout`, `write_rollouts`; `RolloutLog` never replaces a file)."""
     safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in rollout_id)
     return Path(directory) / f"{safe}{FILE_SUFFIX}"
 
 
+def _rollout_id_in(path: Path) -> Any:
+    """The rollout id in the header frame of the file at `path`, or None if it holds no readable header.
+    Reads the header alone: a file can hold gigabytes of calls after it."""
+    with open(path, "rb") as fh:
+        head = fh.read(len(MAGIC) + _FRAME_HEAD.size)
+        if len(head) < len(MAGIC) + _FRAME_HEAD.size or not head.startswith(MAGIC):
+            return None
+        _, length = _FRAME_HEAD.unpack_from(head, len(MAGIC))
+        # A header is a few hundred bytes; a damaged length must not make this read the whole file.
+        rest = fh.read(min(length, 1 << 20) + _CRC.size)
+    try:
+        for kind, payload, offset in _iter_frames(head + rest, None):
+            return _json_object(payload, "header", offset).get("rollout_id") if kind == _KIND_HEADER else None
+    except RecordFormatError:
+        return None
+    return None
+
+
 def write_rollout(path: str | os.PathLike, rollout: RolloutResult) -> Path:
-    """Write one rollout atomically (temp file + rename) and return its path."""
+    """Write one rollout atomically (temp file + rename) and return its path. A file already at `path`
+    is replaced only if its header holds the same rollout id: two ids that `rollout_path` maps to one
+    name must not silently overwrite each other (ValueError naming both)."""
     path = Path(path)
+    if path.exists():
+        held = _rollout_id_in(path)
+        if held != rollout.rollout_id:
+            holds = f"rollout {held!r}" if held is not None else "no readable rollout header"
+            raise ValueError(f"{path} holds {holds}: not replacing it with rollout {rollout.rollout_id!r} "
+                             f"(rollout ids that differ only in characters other than letters, digits "
+                             f"and -_. map to one file name)")
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as fh:
         fh.write(encode_rollout(rollout))
@@ -522,9 +650,19 @@ def read_rollout(path: str | os.PathLike, *, recover: bool = False) -> RolloutRe
 
 
 def write_rollouts(directory: str | os.PathLike, rollouts: Iterable[RolloutResult]) -> list[Path]:
+    """Write each rollout to `rollout_path` in `directory`. Raises ValueError, before writing any, if two
+    of them map to one path (the same id twice, or ids that `rollout_path` writes alike), and, as
+    `write_rollout` does, for a file already there that holds another rollout."""
     directory = Path(directory)
+    rollouts = list(rollouts)
+    paths = [rollout_path(directory, r.rollout_id) for r in rollouts]
+    first_id: dict[Path, str] = {}
+    for path, r in zip(paths, rollouts):
+        if path in first_id:
+            raise ValueError(f"rollouts {first_id[path]!r} and {r.rollout_id!r} both map to {path}")
+        first_id[path] = r.rollout_id
     directory.mkdir(parents=True, exist_ok=True)
-    return [write_rollout(rollout_path(directory, r.rollout_id), r) for r in rollouts]
+    return [write_rollout(path, r) for path, r in zip(paths, rollouts)]
 
 
 def read_rollouts(directory: str | os.PathLike, *, recover: bool = False) -> list[RolloutResult]:
@@ -539,6 +677,10 @@ def load_rollouts(path: str | os.PathLike, *, recover: bool = False) -> list[Rol
     """A rollout file or a directory of them."""
     path = Path(path)
     return read_rollouts(path, recover=recover) if path.is_dir() else [read_rollout(path, recover=recover)]
+
+
+class LogClosed(ValueError):
+    """An append to a `RolloutLog` that is closed (its rollout ended while the call ran)."""
 
 
 class RolloutLog:
@@ -562,7 +704,7 @@ class RolloutLog:
 
     def append(self, call: CallRecord) -> None:
         if self._closed:
-            raise ValueError(f"{self.path}: log is closed")
+            raise LogClosed(f"{self.path}: log is closed")
         self._write(*_call_parts(call))
 
     def close(self, reward: float = 0.0, status: str = "ok", info: dict[str, Any] | None = None) -> None:
@@ -570,7 +712,11 @@ class RolloutLog:
             return
         if status not in STATUSES:
             raise ValueError(f"unknown status {status!r}")
-        self._write(encode_result(float(reward), status, info or {}))
+        reward, info = _as_float(reward, "reward"), info or {}
+        problem = _json_dict_problem(info, "info")  # as `RolloutResult` checks it: the file reads back as one
+        if problem:
+            raise ValueError(f"{self.path}: {problem}")
+        self._write(encode_result(reward, status, info))
         self._fh.close()
         self._closed = True
 

@@ -35,7 +35,7 @@ from clawfast.proxy.render import ChatRenderer, RenderedPrompt, RolloutPrompts
 from clawfast.proxy.rollouts import Rollout
 from clawfast.proxy.stops import before_stop, cut_at_stop
 from clawfast.proxy.tagging import Tagging, classify
-from clawfast.records import CallRecord
+from clawfast.records import CallRecord, LogClosed
 from clawfast.serving import ProxyConfig  # defined below the proxy: the trainer writes one too
 
 log = logging.getLogger(__name__)
@@ -231,7 +231,7 @@ class ProxyCore:
                 tags=(call.tagging.tag,),
                 metadata=metadata,
             )
-        except ValueError as exc:  # the log was closed: the rollout ended while this call ran
+        except LogClosed as exc:  # the rollout ended while this call ran (any other error is a bug: it raises)
             log.warning("dropped a call of closed rollout %s: %s", call.rollout.rollout_id, exc)
             return None
 

@@ -291,18 +291,15 @@ class RolloutRegistry:
         in-memory list if it does so before the log closes, and is otherwise dropped (the log is closed
         under the rollout's lock). The result's info (returned and written) is `info` plus, if any
         request of the rollout was refused, ``"refusals"`` and ``"refusals_dropped"`` (the proxy's
-        own, replacing keys of those names in `info`; `info` itself is not changed)."""
+        own, replacing keys of those names in `info`; `info` itself is not changed). A result no record
+        can hold (an unknown status, a reward that is no finite number, info that would not read back)
+        is a ValueError, and the rollout stays open."""
         with self._lock:
-            rollout = self._by_id.pop(rollout_id, None)
-            if rollout is None:
-                raise KeyError(f"no open rollout {rollout_id!r}")
-            self._by_key.pop(rollout.key, None)
-        rollout._cancel_generations()
-        info = dict(info or {})
-        with rollout._lock:  # closed now: no refusal is added any more
-            if rollout.refusals or rollout.refusals_dropped:
-                info["refusals"] = list(rollout.refusals)
-                info["refusals_dropped"] = rollout.refusals_dropped
+            rollout = self._by_id.get(rollout_id)
+        if rollout is None:
+            raise KeyError(f"no open rollout {rollout_id!r}")
+        # Built before the rollout is taken out: a result no record can hold (an unknown status, a reward
+        # that is no finite number, info that would not read back) is a ValueError and leaves it open.
         result = RolloutResult(
             rollout_id=rollout_id,
             task_id=rollout.task_id,
@@ -310,10 +307,18 @@ class RolloutRegistry:
             sample_index=rollout.sample_index,
             reward=reward,
             status=status,
-            info=info,
+            info=dict(info or {}),
         )
-        with rollout._lock:
-            rollout.log.close(reward=reward, status=status, info=info)
+        with self._lock:
+            if self._by_id.pop(rollout_id, None) is None:  # another thread closed it meanwhile
+                raise KeyError(f"no open rollout {rollout_id!r}")
+            self._by_key.pop(rollout.key, None)
+        rollout._cancel_generations()
+        with rollout._lock:  # closed now: no refusal is added any more
+            if rollout.refusals or rollout.refusals_dropped:
+                result.info["refusals"] = list(rollout.refusals)
+                result.info["refusals_dropped"] = rollout.refusals_dropped
+            rollout.log.close(reward=result.reward, status=status, info=result.info)
             result.calls = list(rollout.calls)
         return result
 

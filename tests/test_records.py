@@ -185,3 +185,127 @@ def test_a_header_or_result_frame_that_is_not_a_json_object_is_a_format_error(tm
     for recover in (False, True):
         with pytest.raises(RecordFormatError, match=f"^{path}: {frame} frame at byte "):
             read_rollout(path, recover=recover)
+
+
+def _synced_log(path, calls):
+    """A log whose writer fsync'd each call and then died: header and calls, no result frame."""
+    log = RolloutLog(path, {"rollout_id": "r0", "task_id": "t", "harness": "h", "sample_index": 0}, fsync=True)
+    for c in calls:
+        log.append(c)
+    log._fh.close()
+    return path
+
+
+@pytest.mark.parametrize("tail", ["zeros", "frame prefix then zeros", "zeros shorter than a frame head"])
+def test_recovery_keeps_the_synced_calls_before_a_power_loss_tail(tmp_path, tail):
+    """After a power loss the file can end in zeros (its size grew, its last pages were never written)
+    or in a frame's first bytes then zeros; the calls synced before are kept and the drop is noted."""
+    from clawfast.records import encode_call
+
+    rng = np.random.default_rng(8)
+    calls = [_call(i, rng) for i in range(4)]
+    path = _synced_log(tmp_path / "live.cfr", calls[:3])
+    synced = path.stat().st_size
+    frame = encode_call(calls[3])
+    junk = {"zeros": b"\0" * 4096, "frame prefix then zeros": frame[:20] + b"\0" * 4096,
+            "zeros shorter than a frame head": b"\0" * 5}[tail]
+    with open(path, "ab") as fh:
+        fh.write(junk)
+    with pytest.raises(RecordFormatError, match=f"at byte {synced}"):
+        read_rollout(path)  # strict without recover
+    back = read_rollout(path, recover=True)
+    assert back.status == "running" and len(back.calls) == 3
+    assert all(a.equals(b) for a, b in zip(back.calls, calls))
+    assert back.info["torn_tail"]["at_byte"] == synced and back.info["torn_tail"]["bytes"] == len(junk)
+
+
+def test_recovery_stops_at_a_damaged_frame_in_the_middle_and_never_reads_past_it():
+    """A bad frame followed by good ones: recovery keeps the frames before it and drops it and all after
+    it (noted with the byte count), rather than skipping over the damage to later frames."""
+    from clawfast.records import encode_call, encode_header
+
+    r = _rollout(np.random.default_rng(9), 4)
+    data = bytearray(encode_rollout(r))
+    second = len(encode_header(r.header())) + len(encode_call(r.calls[0]))
+    data[second + 20] ^= 0x01  # inside call 1's frame; calls 2, 3 and the result are intact
+    with pytest.raises(RecordFormatError, match=f"checksum mismatch in frame at byte {second}"):
+        decode_rollout(bytes(data))
+    back = decode_rollout(bytes(data), recover=True)
+    assert len(back.calls) == 1 and back.calls[0].equals(r.calls[0])
+    assert back.status == "running" and back.reward == 0.0  # the result frame lay past the damage
+    assert back.info["torn_tail"] == {"at_byte": second, "bytes": len(data) - second,
+                                      "reason": f"checksum mismatch in frame at byte {second}"}
+    # An undamaged file notes nothing.
+    assert "torn_tail" not in decode_rollout(encode_rollout(r), recover=True).info
+
+
+def test_numpy_scalars_become_python_numbers_when_the_record_is_built(tmp_path):
+    """Numpy indices, versions and rewards (what array code hands over) are stored as Python numbers,
+    so they write and read back equal instead of failing in the JSON encoder at write time."""
+    c = CallRecord("r", np.int64(3), "h", [1, 2], [3], [-0.5], weight_version=np.int32(2))
+    r = RolloutResult("r", "t", "h", sample_index=np.int64(1), reward=np.float32(0.5), calls=[c])
+    assert type(c.call_index) is int and type(c.weight_version) is int
+    assert type(r.sample_index) is int and type(r.reward) is float and r.reward == 0.5
+    assert read_rollout(write_rollout(tmp_path / "n.cfr", r)).equals(r)
+    assert CallRecord("r", 2.0, "h", [1], [], []).call_index == 2  # an integral float is that integer
+
+
+@pytest.mark.parametrize(
+    "build, match",
+    [
+        (lambda c: c(call_index=True), "call_index must be an integer, got the bool True"),
+        (lambda c: c(call_index=1.5), "call_index must be an integer, got 1.5"),
+        (lambda c: c(weight_version=float("nan")), "weight_version must be an integer"),
+        (lambda c: RolloutResult("r", "t", "h", sample_index="0"), "sample_index must be an integer"),
+        (lambda c: RolloutResult("r", "t", "h", reward=np.float32("nan")), "reward must be finite"),
+        (lambda c: RolloutResult("r", "t", "h", reward="1"), "reward must be a number"),
+        (lambda c: c(metadata={1: "a"}), r"metadata has the key 1 \(int\)"),
+        (lambda c: c(metadata={"h": {"k": [1, (2, 3)]}}), r"metadata\['h'\]\['k'\]\[1\] is a tuple"),
+        (lambda c: c(metadata={"n": np.int64(4)}), r"metadata\['n'\] is int64"),
+        (lambda c: c(metadata=[("a", 1)]), "metadata must be a dict, got list"),
+        (lambda c: c(timings={"t": float("nan")}), r"timings\['t'\] is nan"),
+        (lambda c: RolloutResult("r", "t", "h", info={"x": [float("inf")]}), r"info\['x'\]\[0\] is inf"),
+    ],
+)
+def test_fields_that_would_not_round_trip_are_refused_when_the_record_is_built(build, match):
+    """What the file cannot hold, or would hand back changed ({1: 'a'} as {'1': 'a'}, a tuple as a
+    list), is a ValueError naming the field and key path at construction, not at write time."""
+    def call(**kw):
+        return CallRecord(**{**dict(rollout_id="r", call_index=0, harness="h", prompt_ids=[1], output_ids=[],
+                                    infer_logprobs=[]), **kw})
+
+    with pytest.raises(ValueError, match=match):
+        build(call)
+
+
+def test_rollout_ids_that_map_to_one_file_are_refused_not_overwritten(tmp_path):
+    """'task/1:s0' and 'task_1_s0' both write task_1_s0.cfr: writing both is refused (before either
+    is written), and so is writing one over the file the other left; the same rollout may be rewritten."""
+    from clawfast.records import read_rollouts, rollout_path
+
+    def rollout(rid, reward=0.0):
+        return RolloutResult(rid, "t", "h", reward=reward, calls=[CallRecord(rid, 0, "h", [1, 2], [3], [-0.1])])
+
+    with pytest.raises(ValueError, match="rollouts 'task/1:s0' and 'task_1_s0' both map to"):
+        write_rollouts(tmp_path / "a", [rollout("task/1:s0"), rollout("task_1_s0")])
+    assert not list((tmp_path / "a").glob("*.cfr"))
+
+    write_rollouts(tmp_path / "b", [rollout("task/1:s0")])
+    with pytest.raises(ValueError, match="holds rollout 'task/1:s0': not replacing it with rollout 'task_1_s0'"):
+        write_rollouts(tmp_path / "b", [rollout("task_1_s0")])
+    write_rollout(rollout_path(tmp_path / "b", "task/1:s0"), rollout("task/1:s0", reward=1.0))  # same id: replaced
+    (back,) = read_rollouts(tmp_path / "b")
+    assert back.rollout_id == "task/1:s0" and back.reward == 1.0
+
+    (tmp_path / "b" / "junk.cfr").write_bytes(b"not a record")
+    with pytest.raises(ValueError, match="holds no readable rollout header"):
+        write_rollout(tmp_path / "b" / "junk.cfr", rollout("junk"))
+
+
+def test_a_live_log_refuses_a_result_info_that_would_not_read_back(tmp_path):
+    log = RolloutLog(tmp_path / "l.cfr", {"rollout_id": "r0", "task_id": "t", "harness": "h", "sample_index": 0})
+    with pytest.raises(ValueError, match=r"info\['k'\] is a tuple"):
+        log.close(info={"k": (1, 2)})
+    log.close(reward=np.float32(0.5), info={"k": [1, 2]})  # the refused close wrote nothing: this one closes it
+    back = read_rollout(tmp_path / "l.cfr")
+    assert back.reward == 0.5 and back.info == {"k": [1, 2]} and "torn_tail" not in back.info

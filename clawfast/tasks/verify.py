@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Protocol, Sequence
 
+from clawfast.records import json_problem
 from clawfast.tasks.task import (
     CallableVerifier,
     CommandVerifier,
@@ -375,12 +376,11 @@ def _run_callable_verifier(verifier: CallableVerifier, workspace: Path) -> Verif
     number = finite_number(score)
     if number is None or not 0.0 <= number <= 1.0:
         return _error(f"score must be a number in [0, 1], got {short_repr(score)}", duration=duration)
-    try:
-        # The rollout record holds the details as strict JSON; what it cannot hold fails here, as the
-        # verifier's error, rather than when the record is written.
-        json.dumps(details, allow_nan=False)
-    except (TypeError, ValueError) as exc:
-        return _error(f"details are not JSON without NaN or Infinity: {exc}", duration=duration)
+    # The rollout's record holds the details as JSON that must read back as they are; what it cannot
+    # hold fails here, as the verifier's error, rather than when the rollout is closed.
+    problem = json_problem(details, "details")
+    if problem:
+        return _error(problem, duration=duration)
     return VerifierResult(score=number, details=dict(details), duration_s=duration)
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from clawfast.proxy.rollouts import RolloutRegistry
-from clawfast.records import read_rollout, rollout_path
+from clawfast.records import LogClosed, read_rollout, rollout_path
 
 
 def fields(i: int) -> dict:
@@ -65,7 +65,7 @@ def test_append_after_close_is_refused(tmp_path):
     o = reg.open("z")
     rollout = reg.lookup(o.key)
     reg.close("z")
-    with pytest.raises(ValueError):
+    with pytest.raises(LogClosed):  # what the proxy drops as a late call; any other ValueError is a bug
         rollout.append(**fields(0))
 
 
@@ -109,3 +109,18 @@ def test_close_cancels_tracked_generations_from_another_thread(tmp_path):
     assert not task_b.done()  # left pending on a closed loop
     result = reg.close(b.rollout_id, status="proxy_error")
     assert result.status == "proxy_error"
+
+
+@pytest.mark.parametrize("bad", [{"info": {"loss": float("nan")}}, {"info": {"pair": (1, 2)}},
+                                 {"reward": float("inf")}, {"status": "fine"}])
+def test_a_result_no_record_can_hold_leaves_the_rollout_open(tmp_path, bad):
+    # Refused before the rollout is taken out, so the caller can close it again: it used to be gone
+    # from the registry with its file never closed (no result frame).
+    reg = RolloutRegistry(tmp_path)
+    opened = reg.open("r", task_id="t", harness="h")
+    with pytest.raises(ValueError, match="rollout 'r'"):
+        reg.close("r", **bad)
+    assert reg.lookup(opened.key) is not None
+    reg.close("r", reward=1.0, info={"loss": 0.5})
+    result = read_rollout(rollout_path(tmp_path, "r"))
+    assert (result.status, result.reward, result.info) == ("ok", 1.0, {"loss": 0.5})

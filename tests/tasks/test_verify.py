@@ -188,8 +188,9 @@ def test_callable_verifier_forms(tmp_path):
     (lambda ws: VerifierResult(score=0.3, status="weird"), "status"),
     (lambda ws: VerifierResult(score=1.0, status="verifier_error", error="own error"), "own error"),
     (lambda ws: 10 ** 400, "[0, 1]"),
-    (lambda ws: VerifierResult(score=1.0, details={"loss": math.nan}), "NaN"),
-    (lambda ws: VerifierResult(score=1.0, details={"path": Path("x")}), "not JSON"),
+    (lambda ws: VerifierResult(score=1.0, details={"loss": math.nan}), "details['loss'] is nan"),
+    (lambda ws: VerifierResult(score=1.0, details={"path": Path("x")}), "which JSON cannot hold"),
+    (lambda ws: VerifierResult(score=1.0, details={"pair": (1, 2)}), "details['pair'] is a tuple"),
 ])
 def test_callable_verifier_failures(tmp_path, fn, error):
     res = _score(_task(fn=fn), tmp_path)

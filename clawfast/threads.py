@@ -7,36 +7,43 @@ every place where the main thread does not continue exactly. The rules (docs/HAR
 as a table, with the shapes seen on each harness and the failure modes) rest on two patterns: a call
 holds m's *turn* when it holds the end of m's prompt followed by the start of m's answer (the
 conversation goes on from m), and *quotes* m's answer when it holds the answer's text elsewhere (a
-tool result, a summary).
+tool result, a summary): its middle, or a piece of its head followed by one of its tail (the answer
+cut in the middle, as tool-output truncation does).
 
 1. **Probe**: at most one token sampled, stopped on length: ``quota``.
 2. **Links**, each call against the earlier ones: *extends* p (replays p's whole prompt, up to the
-   tokens all prompts end with, and p's turn); a *fork* (replays p's prompt but not its turn:
+   ending most distinct prompts share, and p's turn); a *fork* (replays p's prompt but not its turn:
    continues nothing, or, if nothing takes up p's answer, is a retry of p); a *retry* (p's very
-   prompt: continues what p continues); *edited* (holds the turn of a later call m past the prefix
-   it shares, agreeing with m as far, and keeps the first prompt of m's thread: the harness rewrote
-   the history and went on from m; a call that keeps less, or that the proxy hinted as a side call,
-   starts a thread of its own), unless m's history later goes on without it.
+   prompt: continues what p continues; if both answers are taken up, the harness started two
+   threads alike, and it is linked as p is, in a thread of its own); *edited* (holds the turn of a
+   later call m past the prefix it shares, agreeing with m as far, and keeps the first prompt of m's
+   thread: the harness rewrote the history and went on from m; a call that keeps less, or that the
+   proxy hinted as a side call, starts a thread of its own), unless m's history later goes on
+   without it.
 3. **Compaction**: a call that continues no call whole quotes the answer of a call k that nothing
    continued, and shares at least half of the first prompt of the thread k was given (for a k that
-   continues nothing, the thread whose turns or answers it re-read): k is a ``compaction``; the call
-   restarts that thread.
+   continues nothing, the thread whose turns or answers it re-read, following a quoted partial
+   summary back to what that read): k is a ``compaction``; the call restarts that thread. The
+   partial summaries k merges (calls that continue nothing, whose answers only k took up, that read
+   that thread: a compaction in stages) are ``compaction`` too.
 4. **Subagent**: a chain whose last answer is quoted, past the shared prefix, by a later call of
    another chain that continues it (or by a compaction call).
-5. **Main**: the longest other chain, preferring chains that did not start by re-reading another
-   chain's turns or answers; in it, an edited one-off its chain went on without, and a call that
-   extends the history with a message of its own the chain then replaced (a next-speaker check), are
-   ``summary``.
+5. **Main**: the longest other chain (ties: the one that sampled more tokens, then the one shown
+   the longest prompt, then the one ending last), preferring chains that did not start by
+   re-reading another chain's turns or answers; in it, an edited one-off its chain went on without,
+   and a call that extends the history with a message of its own the chain then replaced (a
+   next-speaker check), are ``summary``.
    A one-call side chain is a ``title`` (holds no earlier answer) or a ``summary``; a longer one is
    ``other-side``.
 6. **Hints**: the proxy's tags decide only what the structure cannot (a hinted side chain is main
-   only if nothing else is; a hinted subagent; a compaction hint on the main chain's last call, or
-   on a call whose answer is too plain to quote, held whole by a restart; a one-off's hinted kind).
+   only if nothing else is; a chain most of whose calls are hinted subagent; a compaction hint on
+   the main chain's last call, or on a call whose answer is too plain to quote, held whole by a
+   restart; a one-off's hinted kind).
 7. **Links** (`Link`): a subagent's last call ``returns`` into the call its answer comes back in; a
    compaction call ``restarts`` the thread, and the main thread's last call before the restart
    ``resumes`` in it; a compaction whose summary another compaction call summarises again (Claude
-   Code compacting in pieces after a context refusal) ``restarts`` in that call. PPO's GAE follows
-   them when the side kind is trained (`algorithm.train_threads`).
+   Code compacting in pieces after a context refusal, a partial summary merged) ``restarts`` in that
+   call. PPO's GAE follows them when the side kind is trained (`algorithm.train_threads`).
 
 Guaranteed: every call gets one `CallThread`; a call's `extends` is an earlier call. Continuity
 counts, for each main call that extends a main call, whether its prompt starts with all of that
@@ -60,6 +67,7 @@ from clawfast.records import TAGS, CallRecord
 KINDS = TAGS  # a call's kind is the tag training excludes it by (every kind but main)
 CAUSES = ("history edit", "compaction", "template re-render")
 MIN_ANSWER = 6  # tokens of an answer's middle to look for in later prompts; fewer would match by chance
+ANSWER_END = 2 * MIN_ANSWER  # tokens of each piece kept from an answer's head and tail when its middle is cut
 TURN_TOKENS = 6  # tokens on each side of where a replayed answer begins
 _HINTED_SIDE = {"subagent", "compaction", "title", "quota"}
 
@@ -142,12 +150,32 @@ def shared_with_path(prompt: np.ndarray, p_prompt: np.ndarray, p_output: np.ndar
     return s + _lcp(prompt[s:], p_output)
 
 
-def _common_suffix(prompts: list[np.ndarray]) -> int:
-    shortest = min(len(p) for p in prompts)
-    n = 0
-    while n < shortest - 1 and all(p[-1 - n] == prompts[0][-1 - n] for p in prompts):
-        n += 1
-    return n
+def _ending_slack(prompts: list[np.ndarray], keys: list[bytes]) -> list[int]:
+    """For each prompt, how many of its last tokens are the ending that most prompts share (the
+    generation prompt; a later prompt may render it otherwise where it replays the turn), at most all
+    but its first token. Most: more than half of the distinct prompts, so that a call of another
+    shape (another template, a raw completion) does not take the ending from all the others, and the
+    retries of one prompt do not make it theirs. `keys`: the prompts as bytes, to tell them apart."""
+    distinct = list(dict(zip(keys, prompts)).values())
+    ending: list[int] = []  # the shared ending, last token first
+    alive = distinct if len(distinct) > 1 else []  # one prompt (and its retries): nothing to compare
+    while True:
+        k = len(ending)
+        alive = [p for p in alive if len(p) > k]
+        if not alive:
+            break
+        values, counts = np.unique([int(p[-1 - k]) for p in alive], return_counts=True)
+        if 2 * counts.max() <= len(distinct):
+            break
+        ending.append(int(values[counts.argmax()]))
+        alive = [p for p in alive if p[-1 - k] == ending[-1]]
+    out = []
+    for p in prompts:
+        n = 0
+        while n < min(len(ending), len(p) - 1) and p[-1 - n] == ending[n]:
+            n += 1
+        out.append(n)
+    return out
 
 
 def token_position(haystack: bytes, needle: bytes, start_token: int = 0) -> int:
@@ -171,11 +199,12 @@ class _Rollout:
         self.prompts = [np.ascontiguousarray(c.prompt_ids, np.int32) for c in calls]
         self.outputs = [np.ascontiguousarray(c.output_ids, np.int32) for c in calls]
         self.bytes = [p.tobytes() for p in self.prompts]
-        self.slack = _common_suffix(self.prompts) if n > 1 else 0
+        self.slack = _ending_slack(self.prompts, self.bytes)
         self.quota = [len(o) <= 1 and c.finish_reason == "length" for c, o in zip(calls, self.outputs)]
         self.side_hint = [any(t in _HINTED_SIDE for t in c.tags) for c in calls]
         self.turns = [self._turn(i) for i in range(n)]
         self.answers = [self._answer(i) for i in range(n)]
+        self.ends = [self._ends(i) for i in range(n)]
         self.parent: list[int | None] = [None] * n
         self.link = [""] * n  # "extends" | "edited" | "retry" | "" (continues nothing)
         self.shared = [0] * n  # tokens shared with the parent's prompt + output
@@ -200,6 +229,14 @@ class _Rollout:
         # from asked something else of that history (a title, a compaction request): it continues nothing.
         # Of several such forks, the ones something continues, else the last, are the harness's.
         taken_up = {self.parent[j] for j in range(n) if self.link[j] in ("extends", "edited")}
+        # A call asked on the very prompt of an earlier one, where both answers are taken up, did not
+        # replace it: the harness started two threads alike (parallel subagents given the same
+        # task). It is linked as the earlier call is, as a thread of its own.
+        for i in range(n):
+            e = self.retry_of[i]
+            if e is not None and e in taken_up and i in taken_up:
+                self.parent[i], self.link[i], self.shared[i] = self.parent[e], self.link[e], self.shared[e]
+                self.replayed[i], self.forked_from[i], self.retry_of[i] = self.replayed[e], self.forked_from[e], None
         forks: dict[int, list[int]] = {}
         for i in range(n):
             if self.forked_from[i] is not None and self.forked_from[i] not in taken_up and self.link[i] == "":
@@ -242,6 +279,19 @@ class _Rollout:
                 return needle
         return None
 
+    def _ends(self, m: int) -> tuple[bytes, bytes] | None:
+        """A piece from the head and one from the tail of m's answer (`ANSWER_END` tokens each, off
+        the rewrapped edges), for a quote that a harness truncated in the middle (tool output cut to
+        its first and last part), which removes the middle `_answer` looks for; None for an answer
+        too short for two such pieces or whose pieces repeat text m was shown."""
+        out = self.outputs[m]
+        if len(out) < 2 * ANSWER_END + 3:
+            return None
+        head, tail = out[1: 1 + ANSWER_END].tobytes(), out[len(out) - 2 - ANSWER_END: len(out) - 2].tobytes()
+        if _find(self.bytes[m], head) or _find(self.bytes[m], tail):
+            return None
+        return head, tail
+
     def _link(self, i: int, by_length: list[tuple[int, int]]) -> None:
         prompt = self.prompts[i]
         best, best_s = None, -1
@@ -249,7 +299,7 @@ class _Rollout:
             if -neg_len <= best_s:
                 break
             p = -neg_p
-            need = max(len(self.prompts[p]) - self.slack, 1)
+            need = max(len(self.prompts[p]) - self.slack[p], 1)
             if len(prompt) < need or prompt[need - 1] != self.prompts[p][need - 1]:
                 continue
             s = shared_with_path(prompt, self.prompts[p], self.outputs[p])
@@ -273,7 +323,7 @@ class _Rollout:
                 # of its own (a memory extractor, a side request), whatever it replays after that.
                 # Where it does keep it, an edit and a side call that re-read the history look the
                 # same: the proxy's side hint (a header, a summary instruction) decides.
-                if shared < max(len(self.prompts[self.head(m)]) - self.slack, 1) or self.side_hint[i]:
+                if shared < max(len(self.prompts[self.head(m)]) - self.slack[self.head(m)], 1) or self.side_hint[i]:
                     continue
                 self.parent[i], self.link[i], self.shared[i] = m, "edited", shared
                 return
@@ -293,9 +343,22 @@ class _Rollout:
     def holds_turn(self, i: int, m: int, start: int = 0) -> bool:
         return self.turns[m] is not None and _find(self.bytes[i], self.turns[m], start)
 
+    def quote_at(self, i: int, m: int, start: int = 0) -> int:
+        """The token position in call i's prompt (from `start`) of m's answer's middle, else of its
+        head piece followed by its tail piece (the answer truncated in the middle); -1 if neither."""
+        if self.answers[m] is None:
+            return -1
+        at = token_position(self.bytes[i], self.answers[m], start)
+        if at != -1 or self.ends[m] is None:
+            return at
+        head, tail = self.ends[m]
+        at = token_position(self.bytes[i], head, start)
+        # Both pieces, the tail after the head: two pieces found by chance are far less likely than one.
+        return at if at != -1 and _find(self.bytes[i], tail, at + ANSWER_END) else -1
+
     def quotes(self, i: int, m: int, start: int = 0) -> bool:
         """Whether call i holds m's answer other than as m's turn (inside another message)."""
-        return self.answers[m] is not None and _find(self.bytes[i], self.answers[m], start) and not self.holds_turn(i, m)
+        return self.quote_at(i, m, start) != -1 and not self.holds_turn(i, m)
 
 
 def reconstruct(calls: Sequence[CallRecord]) -> RolloutThreads:
@@ -324,19 +387,47 @@ def reconstruct(calls: Sequence[CallRecord]) -> RolloutThreads:
     def compacted_thread(c: int, k: int) -> int | None:
         """The call whose thread c restarts from k's summary: the one c continues, which must be the
         one whose history k was given; else k's parent; for a k that continues nothing (its own
-        system prompt), the latest call whose turn k holds, else whose answer it quotes, else the
-        one c shares most with."""
+        system prompt), the call it read (`read_from`), else the one c shares most with."""
         q = r.parent[k]
         if extends[c] is not None:  # an edited c restarts only the thread k was given
             return extends[c] if q is not None and thread_root[q] == thread_root[extends[c]] else None
         if q is not None:
             return q
-        held = ([q for q in range(k) if kind[q] is None and r.holds_turn(k, q)]
-                or [q for q in range(k) if kind[q] is None and r.quotes(k, q)])
-        if held:
-            return held[-1]
+        q = read_from(k)
+        if q is not None:
+            return q
         others = [q for q in range(c) if q != k and kind[q] is None]
         return max(others, key=lambda q: (shared_with_path(r.prompts[c], r.prompts[q], r.outputs[q]), q), default=None)
+
+    def read_from(k: int) -> int | None:
+        """The latest call whose turn k holds, else whose answer it quotes. A quoted call that
+        continues nothing and that nothing continued is a partial summary (a compaction in stages:
+        chunks of the history summarised apart, then merged): it is followed back to what it read."""
+        held = [q for q in range(k) if kind[q] is None and r.holds_turn(k, q)]
+        if held:
+            return held[-1]
+        quoted = [q for q in range(k) if kind[q] is None and r.quotes(k, q)]
+        if not quoted:
+            return None
+        q = quoted[-1]
+        if r.parent[q] is None and q not in continued and q not in restart_of:
+            src = read_from(q)
+            return q if src is None else src
+        return q
+
+    merged_into: dict[int, int] = {}  # a partial summary -> the compaction call that summarises it again
+
+    def mark_pieces(k: int, head: int) -> None:
+        """The partial summaries compaction call k merges: calls that continue nothing, whose answers
+        nothing else took up or quoted before k, and that read the thread k compacted."""
+        for j in range(k):
+            if (kind[j] is None and r.parent[j] is None and j not in continued and j not in restart_of
+                    and r.quotes(k, j) and not any(r.quotes(m, j) for m in range(j + 1, k))):
+                src = read_from(j)
+                if src is not None and thread_root[src] == head:
+                    kind[j], reason[j] = "compaction", f"a partial summary that call {calls[k].call_index} merges"
+                    merged_into[j] = k
+                    mark_pieces(j, head)
 
     for c in range(n):
         if r.retry_of[c] is not None and r.retry_of[c] in restart_of:  # a restart asked again
@@ -351,7 +442,7 @@ def reconstruct(calls: Sequence[CallRecord]) -> RolloutThreads:
         # answer an earlier call already quoted came back before (a subagent's report) and summarises
         # nothing.
         edited = extends[c] if extends[c] is not None else -1
-        quoted = [(token_position(r.bytes[c], r.answers[k]), k) for k in range(edited + 1, c)
+        quoted = [(r.quote_at(c, k), k) for k in range(edited + 1, c)
                   if kind[k] is None and k not in continued and r.quotes(c, k)
                   and not any(r.quotes(j, k) for j in range(k + 1, c))]
         k = min(quoted)[1] if quoted else None
@@ -367,6 +458,7 @@ def reconstruct(calls: Sequence[CallRecord]) -> RolloutThreads:
             restart_of[c], extends[c] = q, None
             compaction_of[c] = k
             thread_root[c] = head
+            mark_pieces(k, head)
             continue
         if extends[c] is not None:
             thread_root[c] = thread_root[extends[c]]
@@ -399,7 +491,10 @@ def reconstruct(calls: Sequence[CallRecord]) -> RolloutThreads:
                 subagent_of[head] = c
                 break
     for head, group in members.items():
-        if any(hint[i] == "subagent" for i in group):
+        # A subagent hint tags one call (an agent-id header, a tool list short of main's that a
+        # dropped tool also gives): it names the chain only if most of its calls carry it, as for
+        # the ranking below, so one odd call cannot turn the main chain into a subagent.
+        if sum(hint[i] == "subagent" for i in group) * 2 > len(group):
             subagent_of.setdefault(head, -1)
 
     # Main: the longest chain that is not a subagent (hinted side chains only if nothing else), and
@@ -409,7 +504,12 @@ def reconstruct(calls: Sequence[CallRecord]) -> RolloutThreads:
         hinted = sum(hint[i] is not None for i in group) * 2 > len(group)
         derived = any(kind[m] is None and root(m) != head and (r.holds_turn(head, m) or r.quotes(head, m))
                       for m in range(head))
-        return (head not in subagent_of, not hinted, not derived, len(group), group[-1])
+        # Of chains as long, the one that did more (side calls ask for a few tokens: a title, a
+        # label), then the one shown more (the harness's system prompt and tools); the order the
+        # calls finished in says nothing of which thread did the task, so it comes last.
+        sampled = sum(len(r.outputs[i]) for i in group)
+        shown = max(len(r.prompts[i]) for i in group)
+        return (head not in subagent_of, not hinted, not derived, len(group), sampled, shown, group[-1])
 
     def asked_aside(i: int, group: list[int]) -> bool:
         """Whether a later call of the chain goes on from the call i extends, replacing what i added
@@ -423,7 +523,7 @@ def reconstruct(calls: Sequence[CallRecord]) -> RolloutThreads:
 
     def took_up(j: int, i: int) -> bool:
         """Whether call j holds i's answer, as i's turn or anywhere (the turn may have been edited)."""
-        return r.holds_turn(j, i) or (r.answers[i] is not None and _find(r.bytes[j], r.answers[i]))
+        return r.holds_turn(j, i) or r.quote_at(j, i) != -1
 
     main_head = max(members, key=rank) if members else None
     thread = [""] * n
@@ -495,6 +595,9 @@ def reconstruct(calls: Sequence[CallRecord]) -> RolloutThreads:
     for head, c in subagent_of.items():
         if c >= 0 and kind[head] == "subagent":
             found[("returns", members[head][-1])] = c
+    for j, k in merged_into.items():
+        if kind[k] == "compaction":
+            found[("restarts", j)] = k
     for c, k in compaction_of.items():
         # c restarts the thread, or is a compaction call summarising k's summary again (compacting in
         # pieces): the chain goes on there

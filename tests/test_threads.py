@@ -509,3 +509,119 @@ def test_rejects_mixed_rollouts_and_duplicate_indices():
     with pytest.raises(ValueError, match="duplicate"):
         reconstruct([s.calls[0], dataclasses.replace(s.calls[1], call_index=0)])
     assert reconstruct([]).calls == [] and reconstruct([]).continuity == 1.0
+
+
+def test_one_call_hinted_subagent_does_not_turn_the_main_chain_into_one():
+    """The proxy hints `subagent` when a call's tool list is a strict subset of main's, which one
+    main call can show (a tool server dropping out for a call): a hint decides a chain only where
+    most of its calls carry it, so the main chain stays main and the title a title."""
+    s = Session(50)
+    system, task = s.text(300), s.text(30)
+    s.ask(s.msg(SYSTEM, s.text(20)) + s.msg(USER, task), s.text(7) + [END])  # a title, asked first
+    main_session(s, 8, system, task)
+    hinted = [dataclasses.replace(c, tags=("subagent",)) if c.call_index == 5 else c for c in s.calls]
+    assert kinds(hinted) == ["title"] + ["main"] * 8
+    most = [dataclasses.replace(c, tags=("subagent",)) if c.call_index >= 4 else c for c in s.calls]
+    assert kinds(most)[1:] == ["subagent"] * 8  # most of the chain hinted: the hint decides
+
+
+def test_a_subagent_report_truncated_in_the_middle_still_returns():
+    """A long report put in the main thread's tool result cut to its head and tail (tool-output
+    truncation removes the middle): its head and tail pieces are found, so the subagent, longer than
+    the main thread, is still the subagent."""
+    s = Session(90)
+    system = s.text(300)
+    history = s.msg(SYSTEM, system) + s.msg(USER, s.text(30))
+    history = history + s.ask(history)  # delegates
+    sub = s.msg(SYSTEM, system[:50] + s.text(40)) + s.msg(USER, s.text(25))
+    for k in range(6):
+        a = s.ask(sub, s.text(300) + [END]) if k == 5 else s.ask(sub)
+        sub = sub + a + s.msg(TOOL, s.text(15))
+    report = a[2:-1]
+    history = history + s.msg(TOOL, report[:100] + s.text(3) + report[-100:])  # "... [truncated] ..."
+    for _ in range(3):
+        history = history + s.ask(history) + s.msg(TOOL, s.text(20))
+    rt = reconstruct(s.calls)
+    got = [(t.call_index, t.kind, t.reason) for t in rt.calls]
+    assert kinds(s.calls) == ["main"] + ["subagent"] * 6 + ["main"] * 3, got
+    assert [(lk.kind, lk.source, lk.target) for lk in rt.links] == [("returns", 6, 7)]
+
+
+@pytest.mark.parametrize("title_first", [False, True])
+def test_a_one_call_main_thread_beside_a_title_is_main_whichever_ends_last(title_first):
+    """A task answered in one call, and a title asked from the task: two one-call chains. The one
+    that sampled more is main, not the one that happened to come last."""
+    s = Session(60)
+    system, task = s.text(300), s.text(30)
+    if title_first:
+        s.ask(s.msg(SYSTEM, s.text(20)) + s.msg(USER, task), s.text(7) + [END])
+    s.ask(s.msg(SYSTEM, system) + s.msg(USER, task), s.text(40) + [END])
+    if not title_first:
+        s.ask(s.msg(SYSTEM, s.text(20)) + s.msg(USER, task), s.text(7) + [END])
+    assert kinds(s.calls) == (["title", "main"] if title_first else ["main", "title"])
+
+
+def test_parallel_subagents_given_the_same_first_prompt_are_two_threads():
+    """Two subagents started at once on the same prompt (the same task twice): the second first call
+    is no retry of the first, since both answers are taken up; each thread returns its report."""
+    s = Session(30)
+    system = s.text(300)
+    history = s.msg(SYSTEM, system) + s.msg(USER, s.text(30))
+    history = history + s.ask(history)  # delegates twice at once
+    first = s.msg(SYSTEM, system[:40] + s.text(30)) + s.msg(USER, s.text(25))
+    subs, answers = [list(first), list(first)], [None, None]
+    for _ in range(3):
+        for j in range(2):
+            answers[j] = s.ask(subs[j])
+            subs[j] = subs[j] + answers[j] + s.msg(TOOL, s.text(15))
+    history = history + s.msg(TOOL, answers[0][2:-1]) + s.msg(TOOL, answers[1][2:-1])
+    history = history + s.ask(history) + s.msg(TOOL, s.text(10))
+    s.ask(history)
+    rt = reconstruct(s.calls)
+    assert kinds(s.calls) == ["main"] + ["subagent"] * 6 + ["main"] * 2
+    assert [rt.calls[i].thread for i in range(1, 7)] == ["subagent:1", "subagent:2"] * 3
+    assert [(lk.kind, lk.source, lk.target) for lk in rt.links] == [("returns", 5, 7), ("returns", 6, 7)]
+
+
+@pytest.mark.parametrize("seed", [2, 7, 9, 12])
+def test_a_call_of_another_template_does_not_change_the_others(seed):
+    """One call whose prompt shares nothing with the others and does not end with the generation
+    prompt (another template, a raw completion): the ending the other prompts share, which a call
+    replaying one of them may render otherwise, is still theirs, so no other call changes kind."""
+    calls, truth, _ = random_session(seed)
+    at = len(calls) // 2
+    odd = CallRecord("r", at, "h", np.array([START, SYSTEM] + list(range(6000, 6040)) + [END, 9, 9]),
+                     np.array(list(range(7000, 7010)) + [END]), -np.ones(11))
+    calls = [dataclasses.replace(c, call_index=c.call_index + (c.call_index >= at)) for c in calls]
+    got = kinds(calls[:at] + [odd] + calls[at:])
+    assert got[:at] + got[at + 1:] == truth and got[at] == "title"
+
+
+@pytest.mark.parametrize("stages", ["parallel", "sequential"])
+def test_a_compaction_in_stages_follows_the_partial_summaries_back_to_the_main_thread(stages):
+    """OpenClaw's summariser in stages (its own system prompt, no tools): chunks of the transcript
+    summarised apart, then merged (or each chunk summarised behind the summary so far). The merge
+    quotes only the partial summaries; they are followed back to the main thread whose turns they
+    read, each partial summary ``restarts`` in the call that merges it."""
+    s = Session(100)
+    system, task = s.text(300), s.text(30)
+    history = main_session(s, 4, system, task)
+    summariser = s.msg(SYSTEM, s.text(40))
+    body = history[len(s.msg(SYSTEM, system)):]
+    half = len(body) // 2
+    p1 = s.ask(summariser + s.msg(USER, body[:half]))
+    if stages == "parallel":
+        p2 = s.ask(summariser + s.msg(USER, body[half:]))
+        final = s.ask(summariser + s.msg(USER, s.text(5) + p1[2:-1] + s.text(3) + p2[2:-1]))
+    else:
+        final = s.ask(summariser + s.msg(USER, s.text(4) + p1[2:-1]) + s.msg(USER, body[half:]))
+    history = s.msg(SYSTEM, system) + s.msg(USER, task + final[2:-1])
+    for _ in range(2):
+        history = history + s.ask(history) + s.msg(TOOL, s.text(20))
+    rt = reconstruct(s.calls)
+    pieces = 3 if stages == "parallel" else 2
+    got = [(t.call_index, t.kind, t.reason) for t in rt.calls]
+    assert kinds(s.calls) == ["main"] * 4 + ["compaction"] * pieces + ["main"] * 2, got
+    merge, restart = 3 + pieces, 4 + pieces
+    want = [("restarts", j, merge) for j in range(4, merge)] + [("restarts", merge, restart), ("resumes", 3, restart)]
+    assert sorted((lk.kind, lk.source, lk.target) for lk in rt.links) == sorted(want)

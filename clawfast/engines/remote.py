@@ -263,6 +263,7 @@ class RemoteEngine(Engine):
             "top_p": params.top_p,
             "top_k": params.top_k if params.top_k > 0 else -1,
             "stop_token_ids": list(params.stop_token_ids),
+            "ignore_eos": True,  # only stop_token_ids end a call (the engine contract), not the model's EOS
             "logprobs": 0,
             "return_token_ids": True,
             "return_tokens_as_token_ids": True,
@@ -291,6 +292,7 @@ class RemoteEngine(Engine):
             "top_p": params.top_p,
             "top_k": params.top_k if params.top_k > 0 else -1,
             "stop_token_ids": list(params.stop_token_ids),
+            "ignore_eos": True,  # as for vLLM
             "skip_special_tokens": False,
             "no_stop_trim": True,
         }

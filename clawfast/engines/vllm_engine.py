@@ -295,6 +295,9 @@ class VLLMEngine(Engine):
             top_k=params.top_k if params.top_k > 0 else -1,
             seed=params.seed,
             stop_token_ids=list(params.stop_token_ids),
+            # Only stop_token_ids end a call (the engine contract), not also the model's own EOS ids
+            # from its generation config: what the torch engine and the remote engine do too.
+            ignore_eos=True,
             logprobs=0,
             detokenize=False,
             skip_special_tokens=False,

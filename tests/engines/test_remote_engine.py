@@ -82,6 +82,12 @@ def _greedy(model, prompt: list[int], max_tokens: int, stop: set[int]) -> tuple[
     return out, lps, "length"
 
 
+def _stops(sampling: dict) -> set[int]:
+    """The ids a request's generation stops at, as vLLM and SGLang decide: its stop_token_ids, and
+    the model's EOS unless it asks to ignore it."""
+    return set(sampling["stop_token_ids"]) | (set() if sampling.get("ignore_eos") else {EOS})
+
+
 def _reference_logprobs(model, prompt: np.ndarray, output: np.ndarray) -> np.ndarray:
     ids = torch.as_tensor(np.concatenate([prompt, output]).astype(np.int64))[None]
     with torch.no_grad():
@@ -129,7 +135,7 @@ class _ReferenceServer:
             return bad
         if body.get("temperature") != 0.0:
             return JSONResponse({"error": {"message": "this stand-in only decodes greedily", "code": 400}}, 400)
-        out, lps, finish = _greedy(self.model, body["prompt"], body["max_tokens"], set(body["stop_token_ids"]) | {EOS})
+        out, lps, finish = _greedy(self.model, body["prompt"], body["max_tokens"], _stops(body))
         tokens = [f"token_id:{t}" for t in out]
         choice = {
             "index": 0,
@@ -155,7 +161,7 @@ class _ReferenceServer:
         bad = self._check(body["input_ids"], sp["max_new_tokens"])
         if bad is not None:
             return bad
-        out, lps, finish = _greedy(self.model, body["input_ids"], sp["max_new_tokens"], set(sp["stop_token_ids"]) | {EOS})
+        out, lps, finish = _greedy(self.model, body["input_ids"], sp["max_new_tokens"], _stops(sp))
         reason = {"type": "stop", "matched": out[-1]} if finish == "stop" else {"type": "length", "length": len(out)}
         meta = {
             "prompt_tokens": len(body["input_ids"]),
@@ -242,7 +248,7 @@ def test_ids_and_logprobs_are_the_servers_own(reference_server, model, api):
     engine = RemoteEngine(reference_server.url, api=api, weight_version=3)
     gens = _generate_all(engine, prompts, SamplingParams(max_tokens=9, temperature=0.0))
     for prompt, gen in zip(prompts, gens):
-        out, lps, finish = _greedy(model, prompt.tolist(), 9, {EOS})
+        out, lps, finish = _greedy(model, prompt.tolist(), 9, set())  # only stop_token_ids end a call
         np.testing.assert_array_equal(gen.output_ids, np.asarray(out, dtype=np.int32))
         np.testing.assert_allclose(gen.infer_logprobs, _reference_logprobs(model, prompt, gen.output_ids), atol=ATOL)
         assert gen.finish_reason == finish and gen.weight_version == 3
@@ -252,9 +258,10 @@ def test_ids_and_logprobs_are_the_servers_own(reference_server, model, api):
     if api == "vllm":
         assert body["model"] == "tiny"  # discovered through /v1/models
         assert body["logprobs"] == 0 and body["return_token_ids"] and body["return_tokens_as_token_ids"]
-        assert body["skip_special_tokens"] is False
+        assert body["skip_special_tokens"] is False and body["ignore_eos"] is True
     else:
         assert body["return_logprob"] is True and body["sampling_params"]["no_stop_trim"] is True
+        assert body["sampling_params"]["ignore_eos"] is True  # only stop_token_ids end a call
 
 
 @pytest.mark.parametrize("api", ["vllm", "sglang"])
@@ -368,7 +375,8 @@ def test_sglang_reload_from_disk_switches_weights_and_version(reference_server, 
     finally:
         model.load_state_dict(original)
     assert first.weight_version == 3 and second.weight_version == 4 and engine.weight_version == 4
-    np.testing.assert_array_equal(second.output_ids, np.asarray(_greedy(new, prompt.tolist(), 8, {EOS})[0], dtype=np.int32))
+    want = _greedy(new, prompt.tolist(), 8, set())[0]  # only stop_token_ids end a call
+    np.testing.assert_array_equal(second.output_ids, np.asarray(want, dtype=np.int32))
     assert not np.array_equal(first.output_ids, second.output_ids)
 
 
@@ -596,7 +604,7 @@ def test_real_vllm_server(vllm_server, model):
     assert engine.max_model_len == MAX_LEN  # the server's --max-model-len, as its /v1/models lists it
     greedy = _generate_all(engine, prompts, SamplingParams(max_tokens=8, temperature=0.0))
     for prompt, gen in zip(prompts, greedy):
-        out, _, finish = _greedy(model, prompt.tolist(), 8, {EOS})
+        out, _, finish = _greedy(model, prompt.tolist(), 8, set())  # only stop_token_ids end a call
         np.testing.assert_array_equal(gen.output_ids, np.asarray(out, dtype=np.int32))
         np.testing.assert_allclose(gen.infer_logprobs, _reference_logprobs(model, prompt, gen.output_ids), atol=ATOL)
         assert gen.finish_reason == finish
@@ -634,7 +642,7 @@ def test_real_vllm_server_reloads_weights_from_disk(vllm_server, model, tmp_path
     try:
         (after,) = _generate_all(engine, [prompt], params)
         assert before.weight_version == 0 and after.weight_version == 1
-        out, _, _ = _greedy(new, prompt.tolist(), 8, {EOS})
+        out, _, _ = _greedy(new, prompt.tolist(), 8, set())  # only stop_token_ids end a call
         np.testing.assert_array_equal(after.output_ids, np.asarray(out, dtype=np.int32))
         np.testing.assert_allclose(after.infer_logprobs, _reference_logprobs(new, prompt, after.output_ids), atol=ATOL)
         assert httpx.get(f"{vllm_server}/weight_info", timeout=10).json()["weight_version"] == "1"
@@ -692,7 +700,7 @@ def test_real_vllm_server_takes_delta_files(vllm_server, model, model_dir, tmp_p
 
     def serves(reference):
         (gen,) = _generate_all(engine, [prompt], SamplingParams(max_tokens=8, temperature=0.0))
-        out, _, _ = _greedy(reference, prompt.tolist(), 8, {EOS})
+        out, _, _ = _greedy(reference, prompt.tolist(), 8, set())  # only stop_token_ids end a call
         np.testing.assert_array_equal(gen.output_ids, np.asarray(out, dtype=np.int32))
         np.testing.assert_allclose(gen.infer_logprobs, _reference_logprobs(reference, prompt, gen.output_ids), atol=ATOL)
         return gen

@@ -90,7 +90,9 @@ def test_greedy_follows_reference_argmax(engine, model_dir):
     ref = transformers.Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     prompt = np.random.default_rng(11).integers(0, VOCAB - 3, size=17).astype(np.int32)
     gen = _run(engine.generate(prompt, SamplingParams(max_tokens=10, temperature=0.0)))
-    expected = _reference_greedy(ref, prompt, len(gen.output_ids))
+    # No stop_token_ids: nothing ends the call before its budget, not the model's EOS either.
+    assert len(gen.output_ids) == 10 and gen.finish_reason == "length"
+    expected = _reference_greedy(ref, prompt, 10)
     np.testing.assert_array_equal(gen.output_ids, expected)
     np.testing.assert_allclose(gen.infer_logprobs, _reference_logprobs(ref, prompt, gen.output_ids), atol=LOGPROB_ATOL)
 

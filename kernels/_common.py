@@ -114,7 +114,10 @@ def check_range(name: str, t: torch.Tensor, low: int, high: int) -> None:
 def first_derivative_only(op: str):
     """Decorates an autograd Function's hand-written backward: a backward asked for a graph
     (``create_graph=True``, the grad mode autograd runs it in) raises, where the gradient it returned
-    would carry no graph and a second derivative through `op` would silently be missing."""
+    would carry no graph and a second derivative through `op` would silently be missing. Stricter than
+    torch's ``once_differentiable``, which raises only when the incoming gradient requires grad: a
+    gradient penalty's upstream gradient often does not, and its second derivative then lost `op`'s
+    part without a word (the tree-attention term of a penalty came out 0)."""
 
     def decorate(backward):
         @functools.wraps(backward)

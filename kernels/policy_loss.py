@@ -27,7 +27,8 @@ at all the loss is 0 (still attached to the graph, so backward gives zero gradie
 must be >= 0 (weight finite where mask > 0): a negative or NaN weight is an error, not a dropped target.
 
 Gradients reach ``logprobs`` and ``entropy`` only, on every backend: ``old_logprobs``, ``advantages``,
-``ref_logprobs`` and the IS weights are constants of the loss even if they require grad. On the
+``ref_logprobs``, ``mask``, ``weight`` and the IS weights are constants of the loss even if they
+require grad. On the
 Triton path the loss is differentiable once (its backward is hand-written; a second derivative raises).
 
 ``grpo_advantages`` turns one reward per rollout into group-relative advantages (group key: task,
@@ -213,11 +214,11 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor | None,
     m = logprobs.shape[0]
     dt = acc_dtype(logprobs.dtype)
     dev = logprobs.device
-    a = torch.ones(m, dtype=dt, device=dev) if mask is None else mask.to(dt)
+    a = torch.ones(m, dtype=dt, device=dev) if mask is None else mask.detach().to(dt)
     if bool((a < 0).any()):
         raise ValueError("mask must be >= 0")
     if weight is not None:
-        w = weight.to(dt)
+        w = weight.detach().to(dt)
         if bool(((a > 0) & ~(torch.isfinite(w) & (w >= 0))).any()):
             raise ValueError("weight must be finite and >= 0 where mask > 0")
         a = a * w

@@ -55,7 +55,7 @@ class MessagesRequest(_Model):
     tools: Optional[list[Any]] = None  # each a Tool
     stream: bool = False
     temperature: Optional[float] = Field(default=None, ge=0.0, le=2.0)
-    top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
+    top_p: Optional[float] = Field(default=None, ge=0.0, le=1.0)
     top_k: Optional[int] = Field(default=None, ge=0)
     stop_sequences: Optional[list[str]] = None
 

@@ -64,7 +64,7 @@ class ChatRequest(_Model):
     max_tokens: Optional[int] = Field(default=None, ge=1)
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)
     temperature: Optional[float] = Field(default=None, ge=0.0, le=2.0)
-    top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
+    top_p: Optional[float] = Field(default=None, ge=0.0, le=1.0)
     top_k: Optional[int] = Field(default=None, ge=-1)
     n: Optional[int] = Field(default=None, ge=1, le=1)
     stop: Union[str, list[str], None] = None

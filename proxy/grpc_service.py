@@ -128,7 +128,9 @@ class RolloutControlService(pb_grpc.RolloutControlServicer):
         )
 
     def CloseRollout(self, request: pb.CloseRolloutRequest, context: grpc.ServicerContext) -> pb.CloseRolloutReply:
-        # Validate before closing: the registry revokes the key before it builds the result.
+        # What a caller may ask (a closing status, a finite reward, an info object) is checked here; what
+        # no record can hold (info that would not read back: NaN, 1e999) the registry refuses before it
+        # takes the rollout out, leaving it open for a corrected close.
         status = request.status or "ok"
         if status not in CLOSE_STATUSES:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"status {status!r} is not one of {CLOSE_STATUSES}")
@@ -144,6 +146,8 @@ class RolloutControlService(pb_grpc.RolloutControlServicer):
             result = self.registry.close(request.rollout_id, reward=request.reward, status=status, info=info)
         except KeyError:
             context.abort(grpc.StatusCode.NOT_FOUND, f"no open rollout {request.rollout_id!r}")
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         self._count_closed(result)
         return pb.CloseRolloutReply(rollout=records.encode_rollout(result), num_calls=len(result.calls))
 

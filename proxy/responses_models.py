@@ -53,5 +53,5 @@ class ResponsesRequest(_Model):
     stream: bool = False
     max_output_tokens: Optional[int] = Field(default=None, ge=1)
     temperature: Optional[float] = Field(default=None, ge=0.0, le=2.0)
-    top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
+    top_p: Optional[float] = Field(default=None, ge=0.0, le=1.0)
     previous_response_id: Optional[str] = None  # refused: the proxy keeps no responses (`ResponsesFront.parse`)

@@ -73,15 +73,22 @@ class Sampling:
         `top_k` (None: asks nothing), served under the output bound `cap` with `default_max_tokens`
         for a call that names no budget. The output budget is the call's (else the default), capped by
         `cap` and by this `max_tokens`; this temperature and top_p win over the call's (neither: 1.0);
-        top_k is the call's (none: 0). This is the one merge rule: the proxy passes its cap already
+        top_k is the call's (none: 0); a call's top_p 0, where it is the one used, is top_k 1. This is
+        the one merge rule: the proxy passes its cap already
         bounded by the room its context leaves."""
         if self.max_tokens is not None:
             cap = min(self.max_tokens, cap)
+        top_p = next(v for v in (self.top_p, top_p, 1.0) if v is not None)
+        top_k = top_k or 0
+        if top_p == 0:
+            # A call's top_p 0 (the APIs accept it): the nucleus of least mass is the most likely token
+            # alone, which top_k 1 keeps (SamplingParams takes top_p in (0, 1] only).
+            top_p, top_k = 1.0, 1
         return SamplingParams(
             max_tokens=min(max_tokens or default_max_tokens, cap),
             temperature=next(v for v in (self.temperature, temperature, 1.0) if v is not None),
-            top_p=next(v for v in (self.top_p, top_p, 1.0) if v is not None),
-            top_k=top_k or 0,
+            top_p=top_p,
+            top_k=top_k,
             seed=seed,
             stop_token_ids=stop_token_ids,
         )

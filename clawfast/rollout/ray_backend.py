@@ -464,8 +464,10 @@ class RayRolloutPool:
                 except ray.exceptions.RayTaskError as exc:
                     # The actor's run raised: a bug, which stops the run as it stops the local
                     # scheduler's (the rollout closed as `RolloutWorker.execute` closes it).
-                    close_rollout(control, job.spec, job.rollout_id, 0.0, "harness_error",
-                                  {"error": f"internal error: {getattr(exc, 'cause', exc)!r}"}, job.t0)
+                    info = {"error": f"internal error: {getattr(exc, 'cause', exc)!r}"}
+                    if self._nodes[job.actor] is not None:
+                        info["ray_node_id"] = self._nodes[job.actor]
+                    close_rollout(control, job.spec, job.rollout_id, 0.0, "harness_error", info, job.t0)
                     raise
                 except Exception as exc:  # the actor or its node died: no outcome to trust
                     outcome = {"status": "sandbox_error", "reward": 0.0,

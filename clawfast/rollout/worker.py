@@ -59,7 +59,7 @@ from clawfast.engines.base import Sampling
 from clawfast.harness.base import Harness, RunLayout, copy_artifacts
 from clawfast.harness_install import host_runtime
 from clawfast.proxy.rollouts import OpenedRollout
-from clawfast.records import RolloutResult
+from clawfast.records import RolloutResult, json_problem
 from clawfast.rollout.spec import RolloutSpec
 from clawfast.sandbox import Limits, RunResult, Sandbox, SandboxBackend, SandboxError, SandboxSpec
 from clawfast.sandbox.result import limit_message
@@ -145,15 +145,23 @@ def rollout_transcript(task: Task, harness: Harness, layout: RunLayout, opened: 
 
 def close_rollout(control: RolloutControl, spec: RolloutSpec, rollout_id: str, reward: float, status: str,
                   info: dict[str, Any], t0: float) -> RolloutResult:
-    """Close an opened rollout with its outcome; a close that fails is a ``proxy_error`` result."""
+    """Close an opened rollout with its outcome; a close that fails is a ``proxy_error`` result, and
+    the rollout is closed as that where it is still open."""
     t = time.monotonic()
     try:
         result = control.close(rollout_id, reward=reward, status=status, info=info)
     except Exception as exc:
-        info["error"] = f"close rollout: {type(exc).__name__}: {exc}"
+        # The proxy may have refused the outcome itself (info no record can hold), leaving the rollout
+        # open: it is closed again as a proxy_error, with what of `info` a record can hold.
+        failed = {**(info if json_problem(info, "info") is None else {}),
+                  "error": f"close rollout: {type(exc).__name__}: {exc}"}
+        try:
+            control.close(rollout_id, reward=0.0, status="proxy_error", info=failed)
+        except Exception:  # closed after all, or the proxy is gone: nothing is left open to close
+            pass
         return RolloutResult(
             rollout_id=rollout_id, task_id=spec.task.id, harness=spec.harness,
-            sample_index=spec.sample_index, reward=reward, status="proxy_error", info=info,
+            sample_index=spec.sample_index, reward=0.0, status="proxy_error", info=failed,
         )  # fmt: skip
     # The proxy wrote `info` into its log before these two timings existed; the returned result
     # carries them (the durable copy differs only in these timings).

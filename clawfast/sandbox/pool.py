@@ -41,6 +41,10 @@ from clawfast.sandbox.base import Sandbox, SandboxBackend, SandboxError
 from clawfast.sandbox.spec import SandboxSpec, warm_key
 
 
+def _close(sandbox: Sandbox) -> None:
+    sandbox.close()  # the sandbox's own close (a backend's subclass may extend it)
+
+
 @dataclass
 class PoolStats:
     """created: sandboxes handed out; start_failures: failed start attempts (each retry counts, warm
@@ -273,7 +277,7 @@ class SandboxPool:
         # Each is destroyed even when one before it raised (OSError: something would not go away);
         # the first error is raised once the backend is closed too.
         errors = []
-        for destroy, sandbox in [(Sandbox.close, sb) for sb in idle] + [(self._destroy, sb) for sb in still_open]:
+        for destroy, sandbox in [(_close, sb) for sb in idle] + [(self._destroy, sb) for sb in still_open]:
             try:
                 destroy(sandbox)
             except OSError as exc:

@@ -140,13 +140,16 @@ def use_tree_attention(lm: torch.nn.Module) -> None:
     """Switch ``lm``'s attention implementation (and its sub-configs') from ``"sdpa"`` / ``"eager"``
     to the tree-attention one over it; a model already switched stays as it is. ValueError for a
     model with layers a tree batch cannot compute (`TREE_LAYER_TYPES`)."""
+    # The decoder's layers run the tree batch; an encoder's sub-config (an audio tower's chunked
+    # attention) does not.
+    text = lm.config.get_text_config()
+    kinds = set(getattr(text, "layer_types", None) or ()) - TREE_LAYER_TYPES
+    if getattr(text, "attention_chunk_size", None):
+        kinds.add("chunked_attention")
+    if kinds:
+        raise ValueError(f"{type(lm).__name__} has {sorted(kinds)} layers, which tree attention does not "
+                         f"model (it computes {sorted(TREE_LAYER_TYPES)} along each path)")
     for config in _configs(lm.config):
-        kinds = set(getattr(config, "layer_types", None) or ()) - TREE_LAYER_TYPES
-        if getattr(config, "attention_chunk_size", None):
-            kinds.add("chunked_attention")
-        if kinds:
-            raise ValueError(f"{type(lm).__name__} has {sorted(kinds)} layers, which tree attention does not "
-                             f"model (it computes {sorted(TREE_LAYER_TYPES)} along each path)")
         impl = config._attn_implementation_internal
         if impl in IMPLEMENTATIONS.values():
             continue

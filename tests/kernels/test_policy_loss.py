@@ -285,13 +285,15 @@ def test_gradients_reach_logprobs_and_entropy_alone_on_every_backend(backend, re
     device = request.getfixturevalue("triton_device") if backend == "triton" else "cpu"
     inputs = {k: v.to(device) for k, v in _targets(40, 9).items()}
     grads = {k: inputs.pop(k).clone().requires_grad_()
-             for k in ("logprobs", "old_logprobs", "advantages", "ref_logprobs", "entropy")}
+             for k in ("logprobs", "old_logprobs", "advantages", "ref_logprobs", "entropy", "mask", "weight")}
     loss, _ = policy_loss(grads["logprobs"], grads["old_logprobs"], grads["advantages"],
-                          ref_logprobs=grads["ref_logprobs"], entropy=grads["entropy"], kl_coef=0.1,
-                          entropy_coef=0.01, aggregation="seq-mean-token-mean", backend=backend, **inputs)
+                          ref_logprobs=grads["ref_logprobs"], entropy=grads["entropy"], mask=grads["mask"],
+                          weight=grads["weight"], kl_coef=0.1, entropy_coef=0.01, aggregation="seq-mean-token-mean",
+                          backend=backend, **inputs)
     loss.backward()
     assert {k: t.grad is not None for k, t in grads.items()} == {
-        "logprobs": True, "old_logprobs": False, "advantages": False, "ref_logprobs": False, "entropy": True}
+        "logprobs": True, "old_logprobs": False, "advantages": False, "ref_logprobs": False, "entropy": True,
+        "mask": False, "weight": False}
 
 
 @pytest.mark.triton

@@ -142,7 +142,7 @@ def test_close_errors_are_python_errors_and_leave_the_rollout_open(server, clien
         client.close_rollout(opened.rollout_id, reward=float("nan"))
     with grpc.insecure_channel(server.address) as channel:
         stub = pb_grpc.RolloutControlStub(channel)
-        for bad_info in ("[1]", "{not json"):
+        for bad_info in ("[1]", "{not json", '{"loss": NaN}', '{"big": 1e999}'):  # the last two: no record holds
             with pytest.raises(grpc.RpcError) as info:
                 stub.CloseRollout(
                     pb.CloseRolloutRequest(rollout_id=opened.rollout_id, info_json=bad_info),

@@ -25,3 +25,18 @@ def test_refusals_reach_the_returned_result(tmp_path):
     assert result.info["verifier"] == {"score": 1.0} and set(result.info["timings"]) == {"close", "total"}
     on_disk = read_rollout(rollout_path(tmp_path, opened.rollout_id))
     assert on_disk.info["refusals"] == result.info["refusals"]
+
+
+def test_an_outcome_no_record_can_hold_closes_as_a_proxy_error(tmp_path):
+    # The registry refuses the outcome and leaves the rollout open; close_rollout closes it again as a
+    # proxy_error instead of raising (which stopped the whole run) or leaving it open.
+    registry = RolloutRegistry(tmp_path)
+    opened = registry.open(task_id="t", harness="h", sample_index=0)
+    spec = RolloutSpec(Task(id="t", instruction="do it", verifier=CallableVerifier(lambda workspace: 1.0), oracle=(),
+                            tags={"category": "test", "split": "train"}), "h", 0)
+    result = close_rollout(registry, spec, opened.rollout_id, 1.0, "ok", {"span": (1, 2)}, time.monotonic())
+    assert (result.status, result.reward) == ("proxy_error", 0.0)
+    assert "info['span'] is a tuple" in result.info["error"] and "span" not in result.info
+    assert registry.open_ids() == []
+    on_disk = read_rollout(rollout_path(tmp_path, opened.rollout_id))
+    assert (on_disk.status, on_disk.info) == ("proxy_error", result.info)

@@ -340,3 +340,15 @@ def test_layers_a_tree_batch_cannot_compute_are_refused():
         linear_value_head_dim=8))
     with pytest.raises(ValueError, match=r"Qwen3NextForCausalLM has \['linear_attention'\] layers"):
         Policy(linear)
+
+
+def test_an_encoders_chunked_attention_does_not_refuse_the_decoder():
+    # Gemma 4's audio tower attends in chunks; its text decoder, which runs the tree batch, does not.
+    config = tf.Gemma4Config(audio_config=tf.Gemma4AudioConfig(), vision_config=tf.Gemma4VisionConfig())
+    assert config.audio_config.attention_chunk_size
+    holder = torch.nn.Module()
+    holder.config = config
+    for sub in attention_module._configs(config):
+        sub._attn_implementation_internal = "sdpa"
+    use_tree_attention(holder)
+    assert config.get_text_config()._attn_implementation_internal == IMPLEMENTATION

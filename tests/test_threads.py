@@ -279,14 +279,13 @@ def test_a_subagent_with_its_own_system_prompt_started_mid_session_returns_its_a
     assert [(lk.kind, lk.source, lk.target) for lk in rt.links] == [("returns", 6, 8)]
 
 
-def test_parallel_subagents_interleaved_return_together():
-    """Two subagents delegated at once (their calls interleaved), both reports in one main turn."""
-    s = Session(30)
+def _delegate_twice(s: Session, first_prompts) -> None:
+    """Main delegates two subagents at once, their prompts `first_prompts(main's system text)`; their
+    three calls each interleave, both reports come back in one main turn, and main goes on twice."""
     system = s.text(300)
     history = s.msg(SYSTEM, system) + s.msg(USER, s.text(30))
     history = history + s.ask(history)  # delegates twice at once
-    subs = [s.msg(SYSTEM, system[:40] + s.text(30)) + s.msg(USER, s.text(25)) for _ in range(2)]
-    answers = [None, None]
+    subs, answers = first_prompts(system), [None, None]
     for _ in range(3):
         for j in range(2):
             answers[j] = s.ask(subs[j])
@@ -294,6 +293,13 @@ def test_parallel_subagents_interleaved_return_together():
     history = history + s.msg(TOOL, answers[0][2:-1]) + s.msg(TOOL, answers[1][2:-1])
     history = history + s.ask(history) + s.msg(TOOL, s.text(10))
     s.ask(history)
+
+
+def test_parallel_subagents_interleaved_return_together():
+    """Two subagents delegated at once (their calls interleaved), both reports in one main turn."""
+    s = Session(30)
+    _delegate_twice(s, lambda system: [s.msg(SYSTEM, system[:40] + s.text(30)) + s.msg(USER, s.text(25))
+                                       for _ in range(2)])
     rt = reconstruct(s.calls)
     got = kinds(s.calls)
     assert got == ["main"] + ["subagent"] * 6 + ["main"] * 2, [(t.call_index, t.kind, t.reason) for t in rt.calls]
@@ -565,18 +571,12 @@ def test_parallel_subagents_given_the_same_first_prompt_are_two_threads():
     """Two subagents started at once on the same prompt (the same task twice): the second first call
     is no retry of the first, since both answers are taken up; each thread returns its report."""
     s = Session(30)
-    system = s.text(300)
-    history = s.msg(SYSTEM, system) + s.msg(USER, s.text(30))
-    history = history + s.ask(history)  # delegates twice at once
-    first = s.msg(SYSTEM, system[:40] + s.text(30)) + s.msg(USER, s.text(25))
-    subs, answers = [list(first), list(first)], [None, None]
-    for _ in range(3):
-        for j in range(2):
-            answers[j] = s.ask(subs[j])
-            subs[j] = subs[j] + answers[j] + s.msg(TOOL, s.text(15))
-    history = history + s.msg(TOOL, answers[0][2:-1]) + s.msg(TOOL, answers[1][2:-1])
-    history = history + s.ask(history) + s.msg(TOOL, s.text(10))
-    s.ask(history)
+
+    def same_first(system):
+        first = s.msg(SYSTEM, system[:40] + s.text(30)) + s.msg(USER, s.text(25))
+        return [list(first), list(first)]
+
+    _delegate_twice(s, same_first)
     rt = reconstruct(s.calls)
     assert kinds(s.calls) == ["main"] + ["subagent"] * 6 + ["main"] * 2
     assert [rt.calls[i].thread for i in range(1, 7)] == ["subagent:1", "subagent:2"] * 3

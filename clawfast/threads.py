@@ -14,8 +14,8 @@ cut in the middle, as tool-output truncation does).
 2. **Links**, each call against the earlier ones: *extends* p (replays p's whole prompt, up to the
    ending most distinct prompts share, and p's turn); a *fork* (replays p's prompt but not its turn:
    continues nothing, or, if nothing takes up p's answer, is a retry of p); a *retry* (p's very
-   prompt: continues what p continues; if both answers are taken up, the harness started two
-   threads alike, and it is linked as p is, in a thread of its own); *edited* (holds the turn of a
+   prompt: continues what p continues; if both answers were used, taken up or quoted back, the
+   harness started two threads alike, and it is linked as p is, in a thread of its own); *edited* (holds the turn of a
    later call m past the prefix it shares, agreeing with m as far, and keeps the first prompt of m's
    thread: the harness rewrote the history and went on from m; a call that keeps less, or that the
    proxy hinted as a side call, starts a thread of its own), unless m's history later goes on
@@ -28,8 +28,8 @@ cut in the middle, as tool-output truncation does).
    that thread: a compaction in stages) are ``compaction`` too.
 4. **Subagent**: a chain whose last answer is quoted, past the shared prefix, by a later call of
    another chain that continues it (or by a compaction call).
-5. **Main**: the longest other chain (ties: the one that sampled more tokens, then the one shown
-   the longest prompt, then the one ending last), preferring chains that did not start by
+5. **Main**: the longest other chain (ties: the one shown the longest prompt, then the one that
+   sampled more tokens, then the one ending last), preferring chains that did not start by
    re-reading another chain's turns or answers; in it, an edited one-off its chain went on without,
    and a call that extends the history with a message of its own the chain then replaced (a
    next-speaker check), are ``summary``.
@@ -152,7 +152,8 @@ def shared_with_path(prompt: np.ndarray, p_prompt: np.ndarray, p_output: np.ndar
 
 def _ending_slack(prompts: list[np.ndarray], keys: list[bytes]) -> list[int]:
     """For each prompt, how many of its last tokens are the ending that most prompts share (the
-    generation prompt; a later prompt may render it otherwise where it replays the turn), at most all
+    generation prompt, and what comes before it alike in most prompts, such as the end of a message
+    frame; a later prompt may render it otherwise where it replays the turn), at most all
     but its first token. Most: more than half of the distinct prompts, so that a call of another
     shape (another template, a raw completion) does not take the ending from all the others, and the
     retries of one prompt do not make it theirs. `keys`: the prompts as bytes, to tell them apart."""
@@ -229,12 +230,16 @@ class _Rollout:
         # from asked something else of that history (a title, a compaction request): it continues nothing.
         # Of several such forks, the ones something continues, else the last, are the harness's.
         taken_up = {self.parent[j] for j in range(n) if self.link[j] in ("extends", "edited")}
-        # A call asked on the very prompt of an earlier one, where both answers are taken up, did not
-        # replace it: the harness started two threads alike (parallel subagents given the same
-        # task). It is linked as the earlier call is, as a thread of its own.
+        # A call asked on the very prompt of an earlier one, where both answers were used (taken up,
+        # or quoted back: a subagent done in one call), did not replace it: the harness started two
+        # threads alike (parallel subagents given the same task). It is linked as the earlier call
+        # is, as a thread of its own.
+        def used(m: int) -> bool:  # the conversation went on from m's answer, or it came back quoted
+            return m in taken_up or any(self.quote_at(j, m) != -1 for j in range(m + 1, n))
+
         for i in range(n):
             e = self.retry_of[i]
-            if e is not None and e in taken_up and i in taken_up:
+            if e is not None and used(e) and used(i):
                 self.parent[i], self.link[i], self.shared[i] = self.parent[e], self.link[e], self.shared[e]
                 self.replayed[i], self.forked_from[i], self.retry_of[i] = self.replayed[e], self.forked_from[e], None
         forks: dict[int, list[int]] = {}
@@ -504,12 +509,13 @@ def reconstruct(calls: Sequence[CallRecord]) -> RolloutThreads:
         hinted = sum(hint[i] is not None for i in group) * 2 > len(group)
         derived = any(kind[m] is None and root(m) != head and (r.holds_turn(head, m) or r.quotes(head, m))
                       for m in range(head))
-        # Of chains as long, the one that did more (side calls ask for a few tokens: a title, a
-        # label), then the one shown more (the harness's system prompt and tools); the order the
-        # calls finished in says nothing of which thread did the task, so it comes last.
+        # Of chains as long, the one shown more (the harness's system prompt and tools: a side call
+        # is asked with a short prompt of its own), then the one that did more (side calls ask for a
+        # few tokens, though a main answer may be shorter still: "4"); the order the calls finished
+        # in says nothing of which thread did the task, so it comes last.
         sampled = sum(len(r.outputs[i]) for i in group)
         shown = max(len(r.prompts[i]) for i in group)
-        return (head not in subagent_of, not hinted, not derived, len(group), sampled, shown, group[-1])
+        return (head not in subagent_of, not hinted, not derived, len(group), shown, sampled, group[-1])
 
     def asked_aside(i: int, group: list[int]) -> bool:
         """Whether a later call of the chain goes on from the call i extends, replacing what i added

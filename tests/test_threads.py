@@ -279,18 +279,21 @@ def test_a_subagent_with_its_own_system_prompt_started_mid_session_returns_its_a
     assert [(lk.kind, lk.source, lk.target) for lk in rt.links] == [("returns", 6, 8)]
 
 
-def _delegate_twice(s: Session, first_prompts) -> None:
-    """Main delegates two subagents at once, their prompts `first_prompts(main's system text)`; their
-    three calls each interleave, both reports come back in one main turn, and main goes on twice."""
+def _delegate(s: Session, first_prompts, steps=(3, 3)) -> None:
+    """Main delegates len(steps) subagents at once, their prompts `first_prompts(main's system
+    text)`; subagent j makes steps[j] calls, interleaved with the others'; every report comes back in
+    one main turn, and main goes on twice."""
     system = s.text(300)
     history = s.msg(SYSTEM, system) + s.msg(USER, s.text(30))
-    history = history + s.ask(history)  # delegates twice at once
-    subs, answers = first_prompts(system), [None, None]
-    for _ in range(3):
-        for j in range(2):
-            answers[j] = s.ask(subs[j])
-            subs[j] = subs[j] + answers[j] + s.msg(TOOL, s.text(15))
-    history = history + s.msg(TOOL, answers[0][2:-1]) + s.msg(TOOL, answers[1][2:-1])
+    history = history + s.ask(history)  # delegates them all at once
+    subs, answers = first_prompts(system), [None] * len(steps)
+    for k in range(max(steps)):
+        for j, n in enumerate(steps):
+            if k < n:
+                answers[j] = s.ask(subs[j])
+                subs[j] = subs[j] + answers[j] + s.msg(TOOL, s.text(15))
+    for answer in answers:
+        history = history + s.msg(TOOL, answer[2:-1])
     history = history + s.ask(history) + s.msg(TOOL, s.text(10))
     s.ask(history)
 
@@ -298,8 +301,8 @@ def _delegate_twice(s: Session, first_prompts) -> None:
 def test_parallel_subagents_interleaved_return_together():
     """Two subagents delegated at once (their calls interleaved), both reports in one main turn."""
     s = Session(30)
-    _delegate_twice(s, lambda system: [s.msg(SYSTEM, system[:40] + s.text(30)) + s.msg(USER, s.text(25))
-                                       for _ in range(2)])
+    _delegate(s, lambda system: [s.msg(SYSTEM, system[:40] + s.text(30)) + s.msg(USER, s.text(25))
+                                 for _ in range(2)])
     rt = reconstruct(s.calls)
     got = kinds(s.calls)
     assert got == ["main"] + ["subagent"] * 6 + ["main"] * 2, [(t.call_index, t.kind, t.reason) for t in rt.calls]
@@ -554,14 +557,16 @@ def test_a_subagent_report_truncated_in_the_middle_still_returns():
 
 
 @pytest.mark.parametrize("title_first", [False, True])
-def test_a_one_call_main_thread_beside_a_title_is_main_whichever_ends_last(title_first):
+@pytest.mark.parametrize("answer_tokens", [40, 3])
+def test_a_one_call_main_thread_beside_a_title_is_main_whichever_ends_last(title_first, answer_tokens):
     """A task answered in one call, and a title asked from the task: two one-call chains. The one
-    that sampled more is main, not the one that happened to come last."""
+    shown the harness's system prompt is main, not the one that happened to come last, nor the one
+    that said more (a main answer may be shorter than a title: "4")."""
     s = Session(60)
     system, task = s.text(300), s.text(30)
     if title_first:
         s.ask(s.msg(SYSTEM, s.text(20)) + s.msg(USER, task), s.text(7) + [END])
-    s.ask(s.msg(SYSTEM, system) + s.msg(USER, task), s.text(40) + [END])
+    s.ask(s.msg(SYSTEM, system) + s.msg(USER, task), s.text(answer_tokens) + [END])
     if not title_first:
         s.ask(s.msg(SYSTEM, s.text(20)) + s.msg(USER, task), s.text(7) + [END])
     assert kinds(s.calls) == (["title", "main"] if title_first else ["main", "title"])
@@ -576,7 +581,7 @@ def test_parallel_subagents_given_the_same_first_prompt_are_two_threads():
         first = s.msg(SYSTEM, system[:40] + s.text(30)) + s.msg(USER, s.text(25))
         return [list(first), list(first)]
 
-    _delegate_twice(s, same_first)
+    _delegate(s, same_first)
     rt = reconstruct(s.calls)
     assert kinds(s.calls) == ["main"] + ["subagent"] * 6 + ["main"] * 2
     assert [rt.calls[i].thread for i in range(1, 7)] == ["subagent:1", "subagent:2"] * 3
@@ -625,3 +630,21 @@ def test_a_compaction_in_stages_follows_the_partial_summaries_back_to_the_main_t
     merge, restart = 3 + pieces, 4 + pieces
     want = [("restarts", j, merge) for j in range(4, merge)] + [("restarts", merge, restart), ("resumes", 3, restart)]
     assert sorted((lk.kind, lk.source, lk.target) for lk in rt.links) == sorted(want)
+
+
+@pytest.mark.parametrize("steps", [(1, 3), (3, 1), (1, 1), (2, 1, 2)])
+def test_parallel_subagents_given_the_same_first_prompt_are_as_many_threads_however_long(steps):
+    """A subagent done in one call is never extended, only quoted back: it is still no retry of a
+    sibling given the same first prompt. Each is a thread of its own and returns its report."""
+    s = Session(31)
+
+    def same_first(system):
+        first = s.msg(SYSTEM, system[:40] + s.text(30)) + s.msg(USER, s.text(25))
+        return [list(first) for _ in steps]
+
+    _delegate(s, same_first, steps)
+    rt = reconstruct(s.calls)
+    subagent_calls = [t for t in rt.calls if t.kind == "subagent"]
+    assert len(subagent_calls) == sum(steps) and len({t.thread for t in subagent_calls}) == len(steps)
+    report_turn = 1 + sum(steps)
+    assert sorted((lk.kind, lk.target) for lk in rt.links) == [("returns", report_turn)] * len(steps)

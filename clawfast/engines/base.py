@@ -19,7 +19,8 @@ class SamplingParams:
     """max_tokens: output budget, at least 1. temperature (>= 0): 0 means greedy (infer_logprobs are
     then of the greedy token under the untempered distribution). top_p in (0, 1] (1: no nucleus
     truncation); top_k >= 0 (0: none). stop_token_ids end generation and are included in the output;
-    nothing else does (not the model's own EOS ids: vLLM and remote servers are asked to ignore them).
+    nothing else does (not the model's own EOS ids: vLLM is asked to ignore them; SGLang, which then
+    ignores stop ids too, only where there are none).
     Values outside these bounds are a ValueError naming the parameter here, before any engine sees
     them (one bad call must not fail the calls batched with it)."""
 

@@ -292,7 +292,9 @@ class RemoteEngine(Engine):
             "top_p": params.top_p,
             "top_k": params.top_k if params.top_k > 0 else -1,
             "stop_token_ids": list(params.stop_token_ids),
-            "ignore_eos": True,  # as for vLLM
+            # SGLang's ignore_eos also turns off stop_token_ids: asked only where there are none, so
+            # that nothing ends such a call; with stop ids, the model's EOS ids end a call too.
+            "ignore_eos": not params.stop_token_ids,
             "skip_special_tokens": False,
             "no_stop_trim": True,
         }

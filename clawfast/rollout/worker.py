@@ -4,8 +4,10 @@ workspace, close the rollout. The asyncio scheduler calls `RolloutWorker.run`; a
 
 Status (one per rollout):
 
-- ``proxy_error``: the proxy could not open the rollout, or could not close it (then no calls are
-  returned; the proxy's own log file may still hold them).
+- ``proxy_error``: the proxy could not open the rollout, or could not close it with its outcome (an
+  outcome no record can hold: it is closed again as this, with the calls, ``info["error"]`` and the
+  entries of the outcome's info a record can hold; a proxy that cannot be reached: no calls are
+  returned, and its own log file may still hold them).
 - ``sandbox_error``: no sandbox started after `RolloutConfig.sandbox_start_attempts` tries (or the
   backend refused the task outright, e.g. a `Task.workdir` the local backend cannot place:
   ``info["sandbox_refused"]``, which no retry can help), or the sandbox died or lost its forwarder
@@ -152,17 +154,17 @@ def close_rollout(control: RolloutControl, spec: RolloutSpec, rollout_id: str, r
         result = control.close(rollout_id, reward=reward, status=status, info=info)
     except Exception as exc:
         # The proxy may have refused the outcome itself (info no record can hold), leaving the rollout
-        # open: it is closed again as a proxy_error, with what of `info` a record can hold.
-        failed = {**(info if json_problem(info, "info") is None else {}),
-                  "error": f"close rollout: {type(exc).__name__}: {exc}"}
+        # open: it is closed again as a proxy_error, with the entries of `info` a record can hold.
+        failed = {key: value for key, value in info.items()
+                  if isinstance(key, str) and json_problem(value, f"info[{key!r}]") is None}
+        failed["error"] = f"close rollout: {type(exc).__name__}: {exc}"
         try:
-            control.close(rollout_id, reward=0.0, status="proxy_error", info=failed)
+            return control.close(rollout_id, reward=0.0, status="proxy_error", info=failed)
         except Exception:  # closed after all, or the proxy is gone: nothing is left open to close
-            pass
-        return RolloutResult(
-            rollout_id=rollout_id, task_id=spec.task.id, harness=spec.harness,
-            sample_index=spec.sample_index, reward=0.0, status="proxy_error", info=failed,
-        )  # fmt: skip
+            return RolloutResult(
+                rollout_id=rollout_id, task_id=spec.task.id, harness=spec.harness,
+                sample_index=spec.sample_index, reward=0.0, status="proxy_error", info=failed,
+            )  # fmt: skip
     # The proxy wrote `info` into its log before these two timings existed; the returned result
     # carries them (the durable copy differs only in these timings).
     timings = info.setdefault("timings", {})

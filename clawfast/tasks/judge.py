@@ -15,8 +15,8 @@ The judge is told to answer one JSON object ``{"scores": {criterion: s}, "total"
 unterminated one to the end), and there the last fenced ``json`` block holding ``total`` or ``scores``,
 else the last such JSON object: ``total`` when it is a number in [0, 1], else the mean of ``scores``.
 Anything else (no JSON, a score outside [0, 1] or past a float's range, no total and no scores, an
-answer with no fenced verdict that ends inside an unfinished JSON object, i.e. cut short) is a
-verdict with ``error`` set and no score, never a guessed one; `ask` never raises for what a judge answers.
+answer that ends inside a JSON object opened after its last verdict, i.e. cut short) is a verdict
+with ``error`` set and no score, never a guessed one; `ask` never raises for what a judge answers.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ TRANSCRIPT_CHARS = 24000
 # the JSON, in a note, does not end it).
 _FENCED_JSON = re.compile(r"^[ \t]*```json[ \t]*\n(.*?)^[ \t]*```[ \t]*$", re.DOTALL | re.MULTILINE)
 _THINK_BLOCK = re.compile(r"<think>.*?</think>", re.DOTALL)
-_OPENS_OBJECT = re.compile(r'\{\s*"')  # a brace that opens a JSON object: a key follows
+_OPENS_OBJECT = re.compile(r'\{\s*("|$)')  # a brace that opens a JSON object: a key, or the end, follows
 
 
 def _file_section(workspace: Path, rel: str) -> str:
@@ -191,14 +191,13 @@ def parse_verdict(prompt: str, response: str, *, judge: str = "") -> Verdict:
     text = _without_reasoning(response)
     fenced, bare, unfinished = _json_objects(text)
     fenced = [o for o in fenced if _is_verdict(o)]
-    if not fenced:
-        # An object still open where the answer ends, after every complete verdict-shaped one (those
-        # may sit inside it), is an answer cut short: its final word is lost, and an earlier object is
-        # not it. Only a brace that opens a JSON object (a key follows) counts: prose may hold a lone
-        # one (code quoted in a note). A fenced verdict is the judge's marked answer, whatever follows.
-        last_verdict = max((start for start, value in bare if _is_verdict(value)), default=-1)
-        if any(start > last_verdict and _OPENS_OBJECT.match(text, start) for start in unfinished):
-            return failed("the answer ends inside an unfinished JSON object (cut short?)")
+    # An object still open where the answer ends, after every complete verdict-shaped one (fenced or
+    # not; those may sit inside it), is an answer cut short: its final word is lost, and an earlier
+    # object is not it. Only a brace that opens a JSON object (a key, or the end, follows) counts:
+    # prose may hold a lone one (code quoted in a note).
+    last_verdict = max((start for start, value in bare if _is_verdict(value)), default=-1)
+    if any(start > last_verdict and _OPENS_OBJECT.match(text, start) for start in unfinished):
+        return failed("the answer ends inside an unfinished JSON object (cut short?)")
     # A fenced block is the judge marking its answer: prose objects after it are examples or restated
     # formats. Without one, the last object is the final word.
     objects = fenced or [o for _, o in bare if _is_verdict(o)]

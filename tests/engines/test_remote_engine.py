@@ -82,10 +82,12 @@ def _greedy(model, prompt: list[int], max_tokens: int, stop: set[int]) -> tuple[
     return out, lps, "length"
 
 
-def _stops(sampling: dict) -> set[int]:
-    """The ids a request's generation stops at, as vLLM and SGLang decide: its stop_token_ids, and
-    the model's EOS unless it asks to ignore it."""
-    return set(sampling["stop_token_ids"]) | (set() if sampling.get("ignore_eos") else {EOS})
+def _stops(sampling: dict, api: str) -> set[int]:
+    """The ids a request's generation stops at, as the server decides: vLLM, its stop_token_ids and
+    the model's EOS unless it asks to ignore that; SGLang, both or (ignore_eos) neither."""
+    if sampling.get("ignore_eos"):
+        return set(sampling["stop_token_ids"]) if api == "vllm" else set()
+    return set(sampling["stop_token_ids"]) | {EOS}
 
 
 def _reference_logprobs(model, prompt: np.ndarray, output: np.ndarray) -> np.ndarray:
@@ -135,7 +137,7 @@ class _ReferenceServer:
             return bad
         if body.get("temperature") != 0.0:
             return JSONResponse({"error": {"message": "this stand-in only decodes greedily", "code": 400}}, 400)
-        out, lps, finish = _greedy(self.model, body["prompt"], body["max_tokens"], _stops(body))
+        out, lps, finish = _greedy(self.model, body["prompt"], body["max_tokens"], _stops(body, "vllm"))
         tokens = [f"token_id:{t}" for t in out]
         choice = {
             "index": 0,
@@ -161,7 +163,7 @@ class _ReferenceServer:
         bad = self._check(body["input_ids"], sp["max_new_tokens"])
         if bad is not None:
             return bad
-        out, lps, finish = _greedy(self.model, body["input_ids"], sp["max_new_tokens"], _stops(sp))
+        out, lps, finish = _greedy(self.model, body["input_ids"], sp["max_new_tokens"], _stops(sp, "sglang"))
         reason = {"type": "stop", "matched": out[-1]} if finish == "stop" else {"type": "length", "length": len(out)}
         meta = {
             "prompt_tokens": len(body["input_ids"]),
@@ -261,7 +263,7 @@ def test_ids_and_logprobs_are_the_servers_own(reference_server, model, api):
         assert body["skip_special_tokens"] is False and body["ignore_eos"] is True
     else:
         assert body["return_logprob"] is True and body["sampling_params"]["no_stop_trim"] is True
-        assert body["sampling_params"]["ignore_eos"] is True  # only stop_token_ids end a call
+        assert body["sampling_params"]["ignore_eos"] is True  # no stop ids: nothing ends the call
 
 
 @pytest.mark.parametrize("api", ["vllm", "sglang"])
@@ -274,6 +276,9 @@ def test_stop_token_is_kept_and_finish_is_stop(reference_server, model, api):
     (gen,) = _generate_all(engine, [prompt], SamplingParams(max_tokens=6, temperature=0.0, stop_token_ids=(stop,)))
     np.testing.assert_array_equal(gen.output_ids, np.asarray(greedy[:cut], dtype=np.int32))
     assert gen.finish_reason == "stop"
+    # SGLang's ignore_eos would switch the stop ids off too: it is asked only of a call without any.
+    kind, body = reference_server.requests[-1]
+    assert (body if kind == "vllm" else body["sampling_params"])["ignore_eos"] is (kind == "vllm")
 
 
 @pytest.mark.parametrize("api", ["vllm", "sglang"])

@@ -30,6 +30,18 @@ from .tiny_qwen3 import MAX_LEN, VOCAB, tiny_qwen3  # noqa: E402
 
 
 @pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """The tiny Qwen3 (`tiny_qwen3(seed=1)`), its generation config naming every token an EOS id: only
+    stop_token_ids may end a call (the engine asks vLLM to ignore these), so a call that ends on its
+    own before its budget fails the tests that count its tokens."""
+    path = tmp_path_factory.mktemp("tiny-qwen3-eos")
+    model = tiny_qwen3(seed=1)
+    model.generation_config.eos_token_id = list(range(VOCAB))
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
 def engine(model_dir):
     from clawfast.engines.vllm_engine import VLLMEngine
 

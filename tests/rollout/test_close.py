@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
+
 from clawfast.proxy.rollouts import RolloutRegistry, refusal
 from clawfast.records import read_rollout, rollout_path
 from clawfast.rollout.spec import RolloutSpec
@@ -34,9 +36,14 @@ def test_an_outcome_no_record_can_hold_closes_as_a_proxy_error(tmp_path):
     opened = registry.open(task_id="t", harness="h", sample_index=0)
     spec = RolloutSpec(Task(id="t", instruction="do it", verifier=CallableVerifier(lambda workspace: 1.0), oracle=(),
                             tags={"category": "test", "split": "train"}), "h", 0)
-    result = close_rollout(registry, spec, opened.rollout_id, 1.0, "ok", {"span": (1, 2)}, time.monotonic())
-    assert (result.status, result.reward) == ("proxy_error", 0.0)
+    registry.get(opened.rollout_id).append(
+        prompt_ids=np.arange(5, dtype=np.int32), output_ids=np.arange(3, dtype=np.int32),
+        infer_logprobs=np.full(3, -0.5, np.float32), weight_version=0)
+    result = close_rollout(registry, spec, opened.rollout_id, 1.0, "ok", {"span": (1, 2), "verifier": {"score": 1.0}},
+                           time.monotonic())
+    assert (result.status, result.reward, len(result.calls)) == ("proxy_error", 0.0, 1)  # the calls are kept
     assert "info['span'] is a tuple" in result.info["error"] and "span" not in result.info
+    assert result.info["verifier"] == {"score": 1.0}  # what a record can hold of the outcome stays
     assert registry.open_ids() == []
     on_disk = read_rollout(rollout_path(tmp_path, opened.rollout_id))
     assert (on_disk.status, on_disk.info) == ("proxy_error", result.info)

@@ -226,10 +226,11 @@ def test_judge_prompt_never_reads_through_a_link_the_agent_left(tmp_path):
     ('<think>Maybe {"total": 0.9}?</think>\n{"scores": {"report": 0.1}, "total": 0.', None, {}, "cut short"),
     ('{"total": 0.8}\nRevised: {"scores": {"a": 0.1}, "notes": "the run', None, {}, "cut short"),
     # Braces in prose before the verdict are not an unfinished object, nor are braces after it that open
-    # no JSON object (code quoted in a note), nor anything after a fenced verdict.
+    # no JSON object (code quoted in a note); an object opened after a fenced verdict is one.
     ('Answer in the {format} { given: {"total": 0.7}', 0.7, {}, None),
     ('{"total": 0.6}\nIt printed f"{name without closing it.', 0.6, {}, None),
-    ('```json\n{"total": 0.4}\n```\nA verdict reads {"total": 1.0, "notes": "...', 0.4, {}, None),
+    ('```json\n{"total": 0.4}\n```\nRevised:\n```json\n{"total": 0.', None, {}, "cut short"),
+    ('{"total": 0.8}\nRevised:\n{\n', None, {}, "cut short"),
     # Numbers no float holds, and NaN: an error, never an exception.
     ('{"scores": {"q": 1' + "0" * 320 + '}, "total": 1}', None, {}, "criterion 'q'"),
     ('{"total": NaN}', None, {}, "'total' nan is not a score"),

@@ -185,7 +185,9 @@ def test_instance_template_is_one_more_config_layer(tmp_path):
     layer = json.loads((tmp_path / "home" / MINI_LAYER).read_text())
     assert layer == {"agent": {"instance_template": "Do: {{task}}"}}
     argv = harness.command("a task", layout)
-    assert argv[-2:] == ["-c", f"/run/home/{MINI_LAYER}"] and argv.index("mini.yaml") < len(argv) - 2
+    # The override layer comes last, after the built-in config (named by its absolute path).
+    builtin = next(i for i, arg in enumerate(argv) if arg.endswith("/minisweagent/config/mini.yaml"))
+    assert argv[-2:] == ["-c", f"/run/home/{MINI_LAYER}"] and argv[builtin - 1] == "-c" and builtin < len(argv) - 2
     assert tmp_path / "home" / MINI_LAYER in prepared.files
     assert harness.max_turns == 5
 

@@ -49,6 +49,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import math
+import numbers
 import threading
 import time
 from concurrent.futures import Executor
@@ -158,12 +160,15 @@ def close_rollout(control: RolloutControl, spec: RolloutSpec, rollout_id: str, r
         failed = {key: value for key, value in info.items()
                   if isinstance(key, str) and json_problem(value, f"info[{key!r}]") is None}
         failed["error"] = f"close rollout: {type(exc).__name__}: {exc}"
+        # The outcome's reward stays on the record where it is a finite number (the default
+        # algorithm.keep_statuses trains ok rollouts alone, so a proxy_error's reward is information).
+        kept = float(reward) if isinstance(reward, numbers.Real) and math.isfinite(reward) else 0.0
         try:
-            return control.close(rollout_id, reward=0.0, status="proxy_error", info=failed)
+            return control.close(rollout_id, reward=kept, status="proxy_error", info=failed)
         except Exception:  # closed after all, or the proxy is gone: nothing is left open to close
             return RolloutResult(
                 rollout_id=rollout_id, task_id=spec.task.id, harness=spec.harness,
-                sample_index=spec.sample_index, reward=0.0, status="proxy_error", info=failed,
+                sample_index=spec.sample_index, reward=kept, status="proxy_error", info=failed,
             )  # fmt: skip
     # The proxy wrote `info` into its log before these two timings existed; the returned result
     # carries them (the durable copy differs only in these timings).

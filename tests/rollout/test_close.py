@@ -41,7 +41,7 @@ def test_an_outcome_no_record_can_hold_closes_as_a_proxy_error(tmp_path):
         infer_logprobs=np.full(3, -0.5, np.float32), weight_version=0)
     result = close_rollout(registry, spec, opened.rollout_id, 1.0, "ok", {"span": (1, 2), "verifier": {"score": 1.0}},
                            time.monotonic())
-    assert (result.status, result.reward, len(result.calls)) == ("proxy_error", 0.0, 1)  # the calls are kept
+    assert (result.status, result.reward, len(result.calls)) == ("proxy_error", 1.0, 1)  # the calls are kept
     assert "info['span'] is a tuple" in result.info["error"] and "span" not in result.info
     assert result.info["verifier"] == {"score": 1.0}  # what a record can hold of the outcome stays
     assert registry.open_ids() == []

@@ -616,11 +616,10 @@ def _rollout_id_in(path: Path) -> Any:
         # A header is a few hundred bytes; a damaged length must not make this read the whole file.
         rest = fh.read(min(length, 1 << 20) + _CRC.size)
     try:
-        for kind, payload, offset in _iter_frames(head + rest, None):
-            return _json_object(payload, "header", offset).get("rollout_id") if kind == _KIND_HEADER else None
+        kind, payload, offset = next(_iter_frames(head + rest, None), (None, b"", 0))
+        return _json_object(payload, "header", offset).get("rollout_id") if kind == _KIND_HEADER else None
     except RecordFormatError:
         return None
-    return None
 
 
 def write_rollout(path: str | os.PathLike, rollout: RolloutResult) -> Path:

@@ -239,9 +239,9 @@ class _Rollout:
 
         for i in range(n):
             e = self.retry_of[i]
-            if e is not None and used(e) and used(i):
-                self.parent[i], self.link[i], self.shared[i] = self.parent[e], self.link[e], self.shared[e]
-                self.replayed[i], self.forked_from[i], self.retry_of[i] = self.replayed[e], self.forked_from[e], None
+            if e is not None and used(e) and used(i):  # parent and shared are e's already
+                self.link[i], self.replayed[i] = self.link[e], self.replayed[e]
+                self.forked_from[i], self.retry_of[i] = self.forked_from[e], None
         forks: dict[int, list[int]] = {}
         for i in range(n):
             if self.forked_from[i] is not None and self.forked_from[i] not in taken_up and self.link[i] == "":
@@ -328,7 +328,8 @@ class _Rollout:
                 # of its own (a memory extractor, a side request), whatever it replays after that.
                 # Where it does keep it, an edit and a side call that re-read the history look the
                 # same: the proxy's side hint (a header, a summary instruction) decides.
-                if shared < max(len(self.prompts[self.head(m)]) - self.slack[self.head(m)], 1) or self.side_hint[i]:
+                h = self.head(m)
+                if shared < max(len(self.prompts[h]) - self.slack[h], 1) or self.side_hint[i]:
                     continue
                 self.parent[i], self.link[i], self.shared[i] = m, "edited", shared
                 return
@@ -408,17 +409,25 @@ def reconstruct(calls: Sequence[CallRecord]) -> RolloutThreads:
         """The latest call whose turn k holds, else whose answer it quotes. A quoted call that
         continues nothing and that nothing continued is a partial summary (a compaction in stages:
         chunks of the history summarised apart, then merged): it is followed back to what it read."""
-        held = [q for q in range(k) if kind[q] is None and r.holds_turn(k, q)]
-        if held:
-            return held[-1]
-        quoted = [q for q in range(k) if kind[q] is None and r.quotes(k, q)]
-        if not quoted:
+        earlier = range(k - 1, -1, -1)
+        held = next((q for q in earlier if kind[q] is None and r.holds_turn(k, q)), None)
+        if held is not None:
+            return held
+        q = next((q for q in earlier if kind[q] is None and r.quotes(k, q)), None)
+        if q is None:
             return None
-        q = quoted[-1]
-        if r.parent[q] is None and q not in continued and q not in restart_of:
+        if loose(q):
             src = read_from(q)
             return q if src is None else src
         return q
+
+    def loose(q: int) -> bool:
+        """Whether q is an unclassified call that continues nothing and that nothing continued."""
+        return kind[q] is None and r.parent[q] is None and q not in continued and q not in restart_of
+
+    def quoted_between(j: int, k: int) -> bool:
+        """Whether a call after j and before k quotes j's answer (it came back before k)."""
+        return any(r.quotes(m, j) for m in range(j + 1, k))
 
     merged_into: dict[int, int] = {}  # a partial summary -> the compaction call that summarises it again
 
@@ -426,8 +435,7 @@ def reconstruct(calls: Sequence[CallRecord]) -> RolloutThreads:
         """The partial summaries compaction call k merges: calls that continue nothing, whose answers
         nothing else took up or quoted before k, and that read the thread k compacted."""
         for j in range(k):
-            if (kind[j] is None and r.parent[j] is None and j not in continued and j not in restart_of
-                    and r.quotes(k, j) and not any(r.quotes(m, j) for m in range(j + 1, k))):
+            if loose(j) and r.quotes(k, j) and not quoted_between(j, k):
                 src = read_from(j)
                 if src is not None and thread_root[src] == head:
                     kind[j], reason[j] = "compaction", f"a partial summary that call {calls[k].call_index} merges"
@@ -447,9 +455,12 @@ def reconstruct(calls: Sequence[CallRecord]) -> RolloutThreads:
         # answer an earlier call already quoted came back before (a subagent's report) and summarises
         # nothing.
         edited = extends[c] if extends[c] is not None else -1
-        quoted = [(r.quote_at(c, k), k) for k in range(edited + 1, c)
-                  if kind[k] is None and k not in continued and r.quotes(c, k)
-                  and not any(r.quotes(j, k) for j in range(k + 1, c))]
+        quoted = []
+        for k in range(edited + 1, c):
+            if kind[k] is None and k not in continued:
+                at = r.quote_at(c, k)
+                if at != -1 and not r.holds_turn(c, k) and not quoted_between(k, c):
+                    quoted.append((at, k))
         k = min(quoted)[1] if quoted else None
         if k is None:  # an answer too plain to quote (text its own prompt held): a compaction hint decides
             hinted = [k for k in range(edited + 1, c) if kind[k] is None and k not in continued

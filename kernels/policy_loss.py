@@ -185,6 +185,15 @@ def _check(logprobs, old_logprobs, advantages, mask, weight, extra, seq_ids, agg
         raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
 
 
+def _raise_first(checks: list[tuple[str, torch.Tensor]]) -> None:
+    """Raise ValueError with the message of the first check whose flag (a 0-d bool tensor) is set.
+    The flags come back from the device in one read: a `bool()` each would wait on the device once
+    per check."""
+    for (message, _), bad in zip(checks, torch.stack([flag for _, flag in checks]).tolist()):
+        if bad:
+            raise ValueError(message)
+
+
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor | None,
                 advantages: torch.Tensor, *, mask: torch.Tensor | None = None,
                 weight: torch.Tensor | None = None, infer_logprobs: torch.Tensor | None = None,
@@ -215,17 +224,19 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor | None,
     dt = acc_dtype(logprobs.dtype)
     dev = logprobs.device
     a = torch.ones(m, dtype=dt, device=dev) if mask is None else mask.detach().to(dt)
-    if bool((a < 0).any()):
-        raise ValueError("mask must be >= 0")
+    checks = [("mask must be >= 0", (a < 0).any())]
     if weight is not None:
         w = weight.detach().to(dt)
-        if bool(((a > 0) & ~(torch.isfinite(w) & (w >= 0))).any()):
-            raise ValueError("weight must be finite and >= 0 where mask > 0")
+        checks.append(("weight must be finite and >= 0 where mask > 0",
+                       ((a > 0) & ~(torch.isfinite(w) & (w >= 0))).any()))
         a = a * w
     valid = a > 0
     for name, t in (("advantages", advantages), ("old_logprobs", old_logprobs), *extra):
-        if t is not None and bool((valid & ~torch.isfinite(t)).any()):
-            raise ValueError(f"{name} holds non-finite value(s) where mask > 0")
+        if t is not None:
+            checks.append((f"{name} holds non-finite value(s) where mask > 0", (valid & ~torch.isfinite(t)).any()))
+    if is_weights is not None:
+        checks.append(("is_weights must be >= 0 where mask > 0", (valid & (is_weights < 0)).any()))
+    _raise_first(checks)
     a = torch.where(valid, a, 0.0)
     lp = torch.where(valid, logprobs.to(dt), 0.0)
     # Gradients flow to logprobs (and entropy) alone, whatever else requires grad, on every backend:
@@ -237,8 +248,6 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor | None,
         is_w, is_vec = importance_weights_device(old, infer_logprobs, a, config=is_config,
                                                  paths=paths, backend=backend)
     elif is_weights is not None:
-        if bool((valid & (is_weights < 0)).any()):
-            raise ValueError("is_weights must be >= 0 where mask > 0")
         is_w, is_vec = torch.where(valid, is_weights.detach().to(dt), 0.0), None
     else:
         is_w, is_vec = torch.ones(m, dtype=dt, device=dev), None
@@ -253,7 +262,7 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor | None,
     zero = torch.zeros((), dtype=dt, device=dev)
     if backend == "triton":
         pg_loss, kl_mean, flags = PolicyLossFunction.apply(
-            lp, old.detach().contiguous(), adv.contiguous(), is_w.detach().contiguous(),
+            lp, old.contiguous(), adv.contiguous(), is_w.detach().contiguous(),
             coef.contiguous(), ref, float(clip_low), float(clip_high), dual_clip)
         clipped, dual = (flags & 1) > 0, (flags & 2) > 0
     else:

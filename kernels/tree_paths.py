@@ -101,9 +101,11 @@ class TreePaths:
         check_range("target_rows", rows_t, 0, max(n, 1))
         # Token ids key each child as row * width + id: a negative id (a -100 padding label) would
         # read as the previous row's child.
-        for name, t in (("input_ids", ids), ("target_ids", tids)):
-            if t.numel() and int(t.min()) < 0:
-                raise ValueError(f"{name} must be token ids (>= 0), got {int(t.min())}")
+        all_ids = torch.cat([ids, tids])
+        lo, hi = torch.stack(torch.aminmax(all_ids)).tolist() if (n + m) else (0, 0)  # one device read
+        if lo < 0:
+            name, t = ("input_ids", ids) if ids.numel() and int(ids.min()) < 0 else ("target_ids", tids)
+            raise ValueError(f"{name} must be token ids (>= 0), got {int(t.min())}")
         group_t = (torch.zeros(m, dtype=torch.long, device=dev) if target_rollout is None
                    else target_rollout.long())
         check_1d("target_rollout", group_t, m)
@@ -118,7 +120,7 @@ class TreePaths:
         check_1d("leaf_rollout", group_l, leaf.shape[0])
 
         # the child row of each target: the row whose (parent, token) is (target_row, target_id)
-        width = int(torch.cat([ids, tids]).max()) + 1 if (n + m) else 1
+        width = int(hi) + 1
         has_parent = torch.nonzero(parent >= 0).view(-1)
         child_keys = parent[has_parent] * width + ids[has_parent]
         sorted_keys, perm = torch.sort(child_keys)

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import hmac
 import json
-import math
 import threading
 import time
 from concurrent import futures
@@ -128,14 +127,12 @@ class RolloutControlService(pb_grpc.RolloutControlServicer):
         )
 
     def CloseRollout(self, request: pb.CloseRolloutRequest, context: grpc.ServicerContext) -> pb.CloseRolloutReply:
-        # What a caller may ask (a closing status, a finite reward, an info object) is checked here; what
-        # no record can hold (info that would not read back: NaN, 1e999) the registry refuses before it
+        # What a caller may ask (a closing status, an info object) is checked here; what no record can
+        # hold (a reward or info that would not read back: NaN, 1e999) the registry refuses before it
         # takes the rollout out, leaving it open for a corrected close.
         status = request.status or "ok"
         if status not in CLOSE_STATUSES:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"status {status!r} is not one of {CLOSE_STATUSES}")
-        if not math.isfinite(request.reward):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"reward must be finite, got {request.reward}")
         try:
             info = json.loads(request.info_json) if request.info_json else {}
         except json.JSONDecodeError as exc:

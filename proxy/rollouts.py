@@ -296,22 +296,21 @@ class RolloutRegistry:
         is a ValueError, and the rollout stays open."""
         with self._lock:
             rollout = self._by_id.get(rollout_id)
-        if rollout is None:
-            raise KeyError(f"no open rollout {rollout_id!r}")
-        # Built before the rollout is taken out: a result no record can hold (an unknown status, a reward
-        # that is no finite number, info that would not read back) is a ValueError and leaves it open.
-        result = RolloutResult(
-            rollout_id=rollout_id,
-            task_id=rollout.task_id,
-            harness=rollout.harness,
-            sample_index=rollout.sample_index,
-            reward=reward,
-            status=status,
-            info=dict(info or {}),
-        )
-        with self._lock:
-            if self._by_id.pop(rollout_id, None) is None:  # another thread closed it meanwhile
+            if rollout is None:
                 raise KeyError(f"no open rollout {rollout_id!r}")
+            # Built before the rollout is taken out: a result no record can hold (an unknown status, a
+            # reward that is no finite number, info that would not read back) is a ValueError and leaves
+            # it open.
+            result = RolloutResult(
+                rollout_id=rollout_id,
+                task_id=rollout.task_id,
+                harness=rollout.harness,
+                sample_index=rollout.sample_index,
+                reward=reward,
+                status=status,
+                info=dict(info or {}),
+            )
+            del self._by_id[rollout_id]
             self._by_key.pop(rollout.key, None)
         rollout._cancel_generations()
         with rollout._lock:  # closed now: no refusal is added any more

@@ -348,7 +348,12 @@ class RemoteEngine(Engine):
                         if self.api == "vllm":
                             load = ("clawfast_load_dir", {"path": str(target.resolve())}) if self.takes_deltas else \
                                 ("reload_weights", {"weights_path": str(target.resolve())})
-                            self._paused_vllm(http, int(version), lambda: _rpc(http, *load), served)
+
+                            def reload() -> None:
+                                _rpc(http, *load)
+                                served()
+
+                            self._paused_vllm(http, int(version), reload)
                         else:
                             self._reload_sglang(http, target, int(version))
                             served()
@@ -404,16 +409,13 @@ class RemoteEngine(Engine):
             raise
         return target
 
-    def _paused_vllm(self, http: httpx.Client, version: int, work: Callable[[], Any],
-                     served: Callable[[], None] | None = None) -> Any:
-        """Pause the server, do `work` (a reload or an adapter load), call `served` (the server serves
-        what `work` loaded from then on, whatever fails after), reset its prefix cache and set its
-        version; resume it whatever happened. Returns what `work` returned."""
+    def _paused_vllm(self, http: httpx.Client, version: int, work: Callable[[], Any]) -> Any:
+        """Pause the server, do `work` (a reload or an adapter load, with the engine's own state that
+        changes with what the server serves), reset its prefix cache and set its version; resume it
+        whatever happened. Returns what `work` returned."""
         _checked(http.post("/pause", params={"mode": "wait"}), "pause (is VLLM_SERVER_DEV_MODE=1 set?)")
         try:
             answer = work()
-            if served is not None:
-                served()
             _checked(http.post("/reset_prefix_cache"), "reset_prefix_cache")
             _checked(http.post("/update_weight_version", json={"new_version": str(version)}), "update_weight_version")
             return answer

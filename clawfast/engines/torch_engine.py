@@ -586,14 +586,7 @@ class TorchEngine(Engine):
                 raise ValueError(f"update_weights: state_dict[{name!r}] is {got}, the model's is "
                                  f"{tuple(served[name].shape)}")
 
-        def load() -> None:
-            try:
-                self.model.load_state_dict(state_dict, strict=True)
-            except BaseException as exc:
-                self._broken = f"a weight update failed after it began copying: {exc}"
-                raise
-
-        self._paused_load(load, version)
+        self._paused_load(lambda: self.model.load_state_dict(state_dict, strict=True), version, what="a weight update")
 
     def apply_delta(self, delta: WeightDelta) -> None:
         """Write a `WeightDelta` into the served tensors in place and serve ``delta.version``, paused
@@ -602,20 +595,15 @@ class TorchEngine(Engine):
         checksum that differs after applying is `DeltaMismatch`, and the engine then serves nothing
         (RuntimeError) until a full `update_weights`."""
         params = self.model.state_dict()  # the served tensors themselves (detached views)
+        self._paused_load(lambda: write_delta(delta, params), delta.version, what="a delta push",
+                          check=lambda: check_delta(delta, self.weight_version, params))
 
-        def load() -> None:
-            check_delta(delta, self.weight_version, params)
-            try:
-                write_delta(delta, params)
-            except BaseException as exc:
-                self._broken = f"a delta push failed after it began writing: {exc}"
-                raise
-
-        self._paused_load(load, delta.version)
-
-    def _paused_load(self, load: Callable[[], Any], version: int) -> None:
-        """Run `load` under the weights lock once generation has paused (``on_update``), then serve
-        `version`; the prefix cache is emptied (its KV came from the old weights)."""
+    def _paused_load(self, write: Callable[[], Any], version: int, *, what: str,
+                     check: Callable[[], None] | None = None) -> None:
+        """Under the weights lock, once generation has paused (``on_update``): `check` (a ValueError
+        there changes nothing), then `write`, then serve `version`; the prefix cache is emptied (its KV
+        came from the old weights). A `write` that fails leaves weights no version is made of: the
+        engine serves nothing (`_broken`, naming `what`) until a whole update succeeds."""
         with self._updates_lock:
             self._updates_waiting += 1
             self._no_update.clear()
@@ -623,7 +611,13 @@ class TorchEngine(Engine):
                 self._interrupt.set()
         try:
             with self._weights_lock:
-                load()
+                if check is not None:
+                    check()
+                try:
+                    write()
+                except BaseException as exc:
+                    self._broken = f"{what} failed after it began writing: {exc}"
+                    raise
                 self.weight_version = int(version)
                 self._prefixes.clear()
                 self._broken = None

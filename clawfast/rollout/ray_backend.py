@@ -461,19 +461,18 @@ class RayRolloutPool:
                     outcome = ray.get(done[0])
                     if self._nodes[job.actor] is None:
                         self._nodes[job.actor] = outcome["info"].get("ray_node_id")
-                except ray.exceptions.RayTaskError as exc:
-                    # The actor's run raised: a bug, which stops the run as it stops the local
-                    # scheduler's (the rollout closed as `RolloutWorker.execute` closes it).
-                    info = {"error": f"internal error: {getattr(exc, 'cause', exc)!r}"}
-                    if self._nodes[job.actor] is not None:
-                        info["ray_node_id"] = self._nodes[job.actor]
-                    close_rollout(control, job.spec, job.rollout_id, 0.0, "harness_error", info, job.t0)
-                    raise
-                except Exception as exc:  # the actor or its node died: no outcome to trust
+                except Exception as exc:
+                    node = self._nodes[job.actor]
+                    where = {} if node is None else {"ray_node_id": node}
+                    if isinstance(exc, ray.exceptions.RayTaskError):
+                        # The actor's run raised: a bug, which stops the run as it stops the local
+                        # scheduler's (the rollout closed as `RolloutWorker.execute` closes it).
+                        info = {"error": f"internal error: {getattr(exc, 'cause', exc)!r}", **where}
+                        close_rollout(control, job.spec, job.rollout_id, 0.0, "harness_error", info, job.t0)
+                        raise
+                    # The actor or its node died: no outcome to trust.
                     outcome = {"status": "sandbox_error", "reward": 0.0,
-                               "info": {"error": f"rollout actor failed: {type(exc).__name__}: {exc}"}}
-                    if self._nodes[job.actor] is not None:
-                        outcome["info"]["ray_node_id"] = self._nodes[job.actor]
+                               "info": {"error": f"rollout actor failed: {type(exc).__name__}: {exc}", **where}}
                     if isinstance(exc, ray.exceptions.RayActorError):
                         outcome["info"]["actor_died"] = True
                         self._actor_died(job.actor)

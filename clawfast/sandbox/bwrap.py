@@ -100,29 +100,26 @@ from clawfast.sandbox.cgroup import Cgroup, CgroupHost, sweep_stale
 from clawfast.sandbox.hostdir import (ForwardingBackend, HostDir, log, merge_env, remove_tree, split_ready,
                                       start_script, sweep_stale_dirs)
 from clawfast.sandbox.result import EXIT_FILE_SIZE, RunResult
-from clawfast.sandbox.seccomp import program as seccomp_program
+from clawfast.sandbox.seccomp import DENIED, program as seccomp_program
 from clawfast.sandbox.spec import HOMEDIR, PROXYDIR, WORKDIR, SandboxSpec, rlimit_enforced
 from clawfast.sandbox.view import SYSTEM_PATHS, RootView
 
 
 # What the host-side launcher (/bin/sh, bwrap, setpriv) runs with: fixed, nothing of the command's.
 LAUNCH_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
-# Where each run's environment file lies inside (bwrap writes it there from an fd: `env_file`), and
+# Where each run's environment file lies inside (bwrap writes it there: `env_exec_line`), and
 # what runs last, in place of the command, to exec the command under exactly that environment.
 ENV_FILE = "/run/.clawfast-env"
 ENV_EXEC = f". {ENV_FILE}"
 
 
-def env_file(env_path: str, env: Mapping[str, str]) -> int:
-    """An anonymous in-memory file (no size limit, unlike a pipe written before its reader starts)
-    holding the line `ENV_EXEC` sources: exec the command ("$@") under `env` alone. bwrap copies it
-    to `ENV_FILE` (``--file``, on the run's own /run tmpfs) and closes it. Only this exec of `env`
-    holds the values on its command line, for the instant before it execs the command; bwrap's,
-    setpriv's and the shells' command lines never do."""
-    fd = os.memfd_create("clawfast-env", os.MFD_CLOEXEC)
+def memory_file(name: str, data: bytes) -> int:
+    """A descriptor of an anonymous in-memory file holding `data`, at its start: what bwrap's
+    ``--file FD`` and ``--seccomp FD`` read to their end (no size limit, unlike a pipe written in full
+    before its reader starts)."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
     try:
-        pairs = " ".join(shlex.quote(f"{key}={value}") for key, value in env.items())
-        os.write(fd, f'exec {shlex.quote(env_path)} -i -- {pairs} "$@"\n'.encode())
+        os.write(fd, data)
         os.lseek(fd, 0, os.SEEK_SET)
     except BaseException:
         os.close(fd)
@@ -130,18 +127,13 @@ def env_file(env_path: str, env: Mapping[str, str]) -> int:
     return fd
 
 
-def seccomp_pipe(program: bytes) -> int:
-    """A pipe's read end holding `program` for bwrap's `--seccomp FD`, which reads it to its end: one
-    per run, written in full before bwrap starts (a few hundred bytes, far below a pipe's capacity)."""
-    filter_r, filter_w = os.pipe()
-    try:
-        os.write(filter_w, program)
-    except BaseException:
-        os.close(filter_r)
-        raise
-    finally:
-        os.close(filter_w)
-    return filter_r
+def env_exec_line(env_path: str, env: Mapping[str, str]) -> bytes:
+    """The line `ENV_EXEC` sources: exec the command ("$@") under `env` alone. bwrap writes it to
+    `ENV_FILE` (``--file``, on the run's own /run tmpfs). Only this exec of `env` holds the values on
+    its command line, for the instant before it execs the command; bwrap's, setpriv's and the
+    shells' command lines never do."""
+    pairs = " ".join(shlex.quote(f"{key}={value}") for key, value in env.items())
+    return f'exec {shlex.quote(env_path)} -i -- {pairs} "$@"\n'.encode()
 
 
 class BwrapSandbox(Sandbox):
@@ -182,7 +174,7 @@ class BwrapSandbox(Sandbox):
                 self.enforced.update(self.cgroup.enforced)
         self.enforced.update(rlimit_enforced(self.spec.limits))
         if self.backend.seccomp is not None:
-            self.enforced["keyring"] = "seccomp: add_key, request_key, keyctl fail with EPERM"
+            self.enforced["keyring"] = f"seccomp: {', '.join(DENIED)} fail with EPERM"
         self._argv = self._launch_argv(forwarders=True)
         if self.backend.probe:
             # The probe checks that bwrap starts with these mounts and namespaces and that socat
@@ -311,13 +303,13 @@ class BwrapSandbox(Sandbox):
                 try:
                     if self._closed:
                         raise SandboxError("sandbox is closed")
-                    env_r = env_file(self.backend.env, full_env)
+                    env_r = memory_file("clawfast-env", env_exec_line(self.backend.env, full_env))
                     # Readable by the sandbox's user, whose own environment it holds; the run's /run
                     # is its own tmpfs, so no other run sees it.
                     argv_full[i:i] = ["--perms", "0444", "--file", str(env_r), ENV_FILE]
                     pass_fds = [status_w, env_r]
                     if self.backend.seccomp is not None:
-                        filter_r = seccomp_pipe(self.backend.seccomp)
+                        filter_r = memory_file("clawfast-seccomp", self.backend.seccomp)
                         argv_full[i:i] = ["--seccomp", str(filter_r)]
                         pass_fds.append(filter_r)
                     proc = subprocess.Popen(
@@ -487,11 +479,10 @@ class BwrapBackend(ForwardingBackend):
                 log.warning("clawfast bwrap backend: %s", message)
         if not self.as_root:
             log.warning("clawfast bwrap backend: disk quota NOT enforced (mounting a sized tmpfs needs root)")
+        sweep_stale_dirs(base_dir, "clawfast-sandbox-")
         # Absolute: a relative one would name another directory once the process changed directory
         # (every run would fail, and close() would leave the quota mounts).
-        base_dir = None if base_dir is None else os.path.abspath(base_dir)
-        sweep_stale_dirs(base_dir, "clawfast-sandbox-")
-        self.base_dir = tempfile.mkdtemp(prefix=f"clawfast-sandbox-{os.getpid()}-", dir=base_dir)
+        self.base_dir = os.path.abspath(tempfile.mkdtemp(prefix=f"clawfast-sandbox-{os.getpid()}-", dir=base_dir))
         try:
             view_dir = os.path.join(self.base_dir, "view")
             os.mkdir(view_dir)

@@ -324,8 +324,6 @@ class DockerBackend(ForwardingBackend):
         # What an owner killed before close() left: its containers (the label names its pid) first,
         # then its directories and quota mounts.
         _remove_stale_containers(self.client)
-        # Absolute: a relative one would name another directory once the process changed directory.
-        base_dir = None if base_dir is None else os.path.abspath(base_dir)
         sweep_stale_dirs(base_dir, "clawfast-docker-")
         self.image = image
         self.probe = probe
@@ -336,7 +334,8 @@ class DockerBackend(ForwardingBackend):
         self.user_spec = f"{self.user[0]}:{self.user[1]}"
         # Who to hand the workspace to (nothing to hand over when commands run as this user).
         self.owner = self.user if as_root else None
-        self.base_dir = tempfile.mkdtemp(prefix=f"clawfast-docker-{os.getpid()}-", dir=base_dir)
+        # Absolute: a relative one would name another directory once the process changed directory.
+        self.base_dir = os.path.abspath(tempfile.mkdtemp(prefix=f"clawfast-docker-{os.getpid()}-", dir=base_dir))
         view = os.path.join(self.base_dir, "view")
         os.mkdir(view)
         self.passwd, self.group = identity_files(view, *self.user)

@@ -154,7 +154,8 @@ class HostDir:
 
 
 def remove_tree(path: str) -> None:
-    """Remove `path` and everything in it, as far as possible (nothing is raised).
+    """Remove `path` and everything in it, as far as possible: what cannot be removed is logged (a
+    warning), not raised, so that a close always gets to the rest of its cleanup.
 
     Not root, a directory the sandbox closed to its owner (`chmod 000 d`: unreadable, or without
     write permission) would stop `shutil.rmtree`; the sandbox's files belong to this process's user,
@@ -162,20 +163,20 @@ def remove_tree(path: str) -> None:
 
     def retry(func, failed: str, exc) -> None:
         error = exc if isinstance(exc, BaseException) else exc[1]  # onexc, or onerror's exc_info
-        if not isinstance(error, PermissionError):
-            return
-        try:
-            if func in (os.unlink, os.rmdir, os.remove):
-                # The parent has no write (or search) permission.
-                _grant_owner(os.path.dirname(failed))
-                func(failed)
-            else:
+        if isinstance(error, PermissionError):
+            try:
+                _grant_owner(os.path.dirname(failed))  # the parent may lack write or search permission
+                if func in (os.unlink, os.rmdir, os.remove):
+                    func(failed)
+                    return
                 # The directory itself could not be opened or listed: open it up, remove it whole.
-                _grant_owner(os.path.dirname(failed))
                 _grant_owner(failed)
                 shutil.rmtree(failed, **{handler: retry})
-        except OSError:
-            pass
+                return
+            except OSError as again:
+                error = again
+        if not isinstance(error, FileNotFoundError):  # gone meanwhile: nothing is left there
+            log.warning("could not remove %s: %s", failed, error)
 
     # `onerror` is deprecated from Python 3.12 on, in favour of `onexc` (an exception, not exc_info).
     handler = "onexc" if sys.version_info >= (3, 12) else "onerror"

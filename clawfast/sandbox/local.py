@@ -110,8 +110,7 @@ class LocalBackend(SandboxBackend):
         if not allow_unsafe:
             raise ValueError("the local backend does not isolate anything; pass allow_unsafe=True to use it")
         # Absolute: a relative one would name another directory once the process changed directory.
-        base_dir = None if base_dir is None else os.path.abspath(base_dir)
-        self.base_dir = tempfile.mkdtemp(prefix=f"clawfast-local-{os.getpid()}-", dir=base_dir)
+        self.base_dir = os.path.abspath(tempfile.mkdtemp(prefix=f"clawfast-local-{os.getpid()}-", dir=base_dir))
         super().__init__()
 
     def _check_spec(self, spec: SandboxSpec) -> None:

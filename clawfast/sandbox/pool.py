@@ -41,10 +41,6 @@ from clawfast.sandbox.base import Sandbox, SandboxBackend, SandboxError
 from clawfast.sandbox.spec import SandboxSpec, warm_key
 
 
-def _close(sandbox: Sandbox) -> None:
-    sandbox.close()  # the sandbox's own close (a backend's subclass may extend it)
-
-
 @dataclass
 class PoolStats:
     """created: sandboxes handed out; start_failures: failed start attempts (each retry counts, warm
@@ -264,30 +260,24 @@ class SandboxPool:
         sandbox.close()
 
     def close(self) -> None:
-        """Destroy every open sandbox, then the backend. Idempotent."""
+        """Destroy every sandbox, idle or handed out, then the backend. Idempotent."""
         with self._refill:
             if self._closed:
                 return
             self._closed = True
-            still_open = list(self._open)
-            idle, self._idle = self._idle, []
+            self.stats.active -= len(self._open)
+            self.stats.closed += len(self._open)
+            self._open.clear()  # what `_destroy` would do for each; the backend closes them below
+            self._idle = []
             self._refill.notify_all()
         if self._warmer is not None:
             self._warmer.join()  # it may be starting one sandbox; it closes that itself
-        # Each is destroyed even when one before it raised (OSError: something would not go away);
-        # the first error is raised once the backend is closed too.
-        errors = []
-        for destroy, sandbox in [(_close, sb) for sb in idle] + [(self._destroy, sb) for sb in still_open]:
-            try:
-                destroy(sandbox)
-            except OSError as exc:
-                errors.append(exc)
         try:
+            # Every sandbox of the pool is the backend's: its close closes each, even when one before
+            # it raised, and raises the first error at the end.
             self.backend.close()
         finally:
             self.executor.shutdown(wait=False, cancel_futures=True)
-        if errors:
-            raise errors[0]
 
     def __enter__(self) -> SandboxPool:
         return self

@@ -172,8 +172,9 @@ class SandboxSpec:
 
 
 # How much of `SandboxSpec.name`, in bytes of UTF-8, names a sandbox's directory (and so its container
-# and proxy sockets): a Unix socket path holds at most 107 bytes, and the default base directory
-# (/tmp/clawfast-sandbox-<pid>-XXXXXXXX), the random suffix and /proxy/<port>.sock take ~60 of them.
+# and proxy sockets): a Unix socket path holds at most 107 bytes, of which the rest of the longest
+# socket path takes 65: the default base directory /tmp/clawfast-sandbox-<pid>-XXXXXXXX (38, with a
+# 7-digit pid), the directory's own -XXXXXXXX suffix and its '/' (10), /proxy/65535.sock (17).
 NAME_LABEL_BYTES = 32
 
 

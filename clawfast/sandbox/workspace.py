@@ -14,6 +14,7 @@ import os
 import shutil
 import stat
 from collections.abc import Mapping
+from pathlib import PurePosixPath
 
 from clawfast.sandbox.spec import check_relative_path
 
@@ -29,16 +30,8 @@ def write_files(root: str, files: Mapping[str, bytes | str]) -> None:
     for rel, content in files.items():
         p = check_relative_path(rel)
         data = content.encode() if isinstance(content, str) else content
-        dir_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+        dir_fd = _open_parent(root, p, rel, make=True)
         try:
-            for part in p.parts[:-1]:
-                try:
-                    os.mkdir(part, 0o755, dir_fd=dir_fd)
-                except FileExistsError:
-                    pass  # a directory, or something _open_dir refuses
-                nxt = _open_dir(dir_fd, part, rel)
-                os.close(dir_fd)
-                dir_fd = nxt
             flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
             try:
                 fd = os.open(p.parts[-1], flags, 0o644, dir_fd=dir_fd)
@@ -65,11 +58,18 @@ def populate(root: str, source_dir: str | None, files: Mapping[str, bytes | str]
     write_files(root, files)
 
 
-def _open_dir(dir_fd: int, part: str, path: str) -> int:
+def _open_dir(dir_fd: int, part: str, path: str, *, make: bool = False) -> int:
     """The directory `part` of `dir_fd`, opened without following a link (ValueError naming `path`
-    when it is a link or not a directory)."""
+    when it is a link or not a directory); `make`: made first (mode 755) where nothing is there."""
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
-        return os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        try:
+            return os.open(part, flags, dir_fd=dir_fd)
+        except FileNotFoundError:
+            if not make:
+                raise
+            os.mkdir(part, 0o755, dir_fd=dir_fd)
+            return os.open(part, flags, dir_fd=dir_fd)
     except OSError as exc:
         # Linux answers ENOTDIR (or ELOOP) for a link opened with O_DIRECTORY | O_NOFOLLOW.
         if exc.errno in (errno.ENOTDIR, errno.ELOOP):
@@ -79,17 +79,29 @@ def _open_dir(dir_fd: int, part: str, path: str) -> int:
         raise
 
 
+def _open_parent(root: str, p: PurePosixPath, path: str, *, make: bool = False) -> int:
+    """A descriptor of the directory holding `p` under `root`, walked to component by component
+    relative to its parent (`_open_dir`), so that no path is resolved twice and no link is followed;
+    `make`: missing directories are made on the way."""
+    dir_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for part in p.parts[:-1]:
+            nxt = _open_dir(dir_fd, part, path, make=make)
+            os.close(dir_fd)
+            dir_fd = nxt
+    except BaseException:
+        os.close(dir_fd)
+        raise
+    return dir_fd
+
+
 def _open_regular(root: str, path: str) -> int:
     """A read-only descriptor of the regular file `path` under `root`, opened without following any
     symlink (FileNotFoundError if absent, ValueError if it is not a regular file or a component is a
     link)."""
     p = check_relative_path(path)
-    dir_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    dir_fd = _open_parent(root, p, path)
     try:
-        for part in p.parts[:-1]:
-            nxt = _open_dir(dir_fd, part, path)
-            os.close(dir_fd)
-            dir_fd = nxt
         try:
             fd = os.open(p.parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
         except OSError as exc:

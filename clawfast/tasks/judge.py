@@ -156,7 +156,8 @@ def _unfinished(text: str, start: int) -> bool:
 
 def _json_objects(text: str) -> tuple[list[Any], list[tuple[int, Any]], list[int]]:
     """The JSON values of `text`'s fenced ``json`` blocks; its top-level JSON values with where each
-    starts, in order; and where a ``{`` opens a value left unfinished where `text` ends."""
+    starts, in order; and where a ``{`` opens a JSON object (`_OPENS_OBJECT`) left unfinished where
+    `text` ends."""
     fenced = [_parse(block) for block in _FENCED_JSON.findall(text)]
     found, unfinished = [], []
     decoder = json.JSONDecoder()
@@ -165,7 +166,7 @@ def _json_objects(text: str) -> tuple[list[Any], list[tuple[int, Any]], list[int
         try:
             value, end = decoder.raw_decode(text, i)
         except (ValueError, RecursionError):
-            if _unfinished(text, i):
+            if _OPENS_OBJECT.match(text, i) and _unfinished(text, i):  # a lone brace in prose never counts
                 unfinished.append(i)
             i = text.find("{", i + 1)
             continue
@@ -196,7 +197,7 @@ def parse_verdict(prompt: str, response: str, *, judge: str = "") -> Verdict:
     # object is not it. Only a brace that opens a JSON object (a key, or the end, follows) counts:
     # prose may hold a lone one (code quoted in a note).
     last_verdict = max((start for start, value in bare if _is_verdict(value)), default=-1)
-    if any(start > last_verdict and _OPENS_OBJECT.match(text, start) for start in unfinished):
+    if any(start > last_verdict for start in unfinished):
         return failed("the answer ends inside an unfinished JSON object (cut short?)")
     # A fenced block is the judge marking its answer: prose objects after it are examples or restated
     # formats. Without one, the last object is the final word.

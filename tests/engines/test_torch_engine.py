@@ -192,7 +192,8 @@ def test_a_second_update_keeps_calls_paused_until_it_is_done(embedded_dir):
         loading[i].set()
         release[i].wait()
 
-    updates = [threading.Thread(target=engine._paused_load, args=(lambda i=i: load(i), i + 1)) for i in range(2)]
+    updates = [threading.Thread(target=engine._paused_load, args=(lambda i=i: load(i), i + 1),
+                                kwargs={"what": "an update"}) for i in range(2)]
     updates[0].start()
     loading[0].wait()
     updates[1].start()

@@ -4,8 +4,11 @@ at the host itself (/proc, mountinfo, cgroup directories, temp directories)."""
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import threading
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -98,3 +101,13 @@ def backend(leak_check):
 @pytest.fixture
 def host() -> Host:
     return Host()
+
+
+@pytest.fixture
+def outside_dir():
+    """A fresh, world-readable host directory outside /tmp and /run (which every sandbox covers with
+    its own anyway), so that only the backend's isolation can keep what a test puts there hidden."""
+    d = tempfile.mkdtemp(prefix="clawfast-outside-", dir="/var/tmp")
+    os.chmod(d, 0o755)
+    yield Path(d)
+    shutil.rmtree(d, ignore_errors=True)

@@ -7,11 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-import pathlib
-import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 
@@ -168,19 +165,10 @@ def test_parallel_runs_in_one_sandbox_never_kill_each_other(backend, monkeypatch
     assert results == {"a": [0] * 60, "b": [0] * 30}
 
 
-@pytest.fixture
-def var_tmp():
-    """A host directory outside /tmp (which every sandbox covers with its own), to show as a system path."""
-    path = tempfile.mkdtemp(dir="/var/tmp")
-    os.chmod(path, 0o755)
-    yield pathlib.Path(path)
-    shutil.rmtree(path)
-
-
-def test_hide_paths_cover_files_links_and_bind_sources(leak_check, var_tmp):
+def test_hide_paths_cover_files_links_and_bind_sources(leak_check, outside_dir):
     """A hidden file, a directory named through a link, and a directory inside a ro_binds source
     (shown at the bind's target) are all covered; a path that resolves to / is refused."""
-    tmp_path = var_tmp
+    tmp_path = outside_dir
     system = tmp_path / "sys"
     (system / "real" / "secrets").mkdir(parents=True)
     (system / "real" / "secrets" / "key").write_text("s3cret")
@@ -318,14 +306,16 @@ def test_pool_cancelled_start_keeps_its_slot_until_destroyed():
     assert asyncio.run(main()) == 1
 
 
-def test_sandbox_dirs_closed_by_the_sandbox_are_removed_without_root(var_tmp):
+def test_sandbox_dirs_closed_by_the_sandbox_are_removed_without_root(outside_dir):
     """Not root, a directory the sandbox made unreadable (chmod 000) is still removed, by close() and
-    by the sweep of a dead owner's directories."""
-    if os.geteuid() != 0:
-        pytest.skip("switches to an unprivileged uid with setpriv")
-    base = var_tmp / "base"
+    by the sweep of a dead owner's directories. As root the code runs as uid 1000 (setpriv); otherwise
+    it runs as this unprivileged user."""
+    base = outside_dir / "base"
     base.mkdir()
-    os.chown(base, 1000, 1000)
+    unprivileged = []
+    if os.geteuid() == 0:
+        os.chown(base, 1000, 1000)
+        unprivileged = ["setpriv", "--reuid=1000", "--regid=1000", "--clear-groups"]
     code = (
         "import os, sys\n"
         "sys.path.insert(0, sys.argv[2])\n"
@@ -339,8 +329,8 @@ def test_sandbox_dirs_closed_by_the_sandbox_are_removed_without_root(var_tmp):
         "print(sorted(os.listdir(base)))\n"
     )
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    r = subprocess.run(["setpriv", "--reuid=1000", "--regid=1000", "--clear-groups", sys.executable, "-c", code,
-                        str(base), repo], capture_output=True, text=True, timeout=60)
+    r = subprocess.run(unprivileged + [sys.executable, "-c", code, str(base), repo], capture_output=True,
+                       text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout == "[]\n"
 
@@ -393,16 +383,12 @@ def test_max_file_bytes_does_not_bound_output(backend):
         assert r.limit == "file size"
 
 
-def test_the_commands_environment_is_on_no_long_lived_command_line():
+def test_the_commands_environment_is_on_no_long_lived_command_line(backend):
     # Host users can read every process's command line: a secret in the environment must not sit on
     # bwrap's (which lives as long as the run) or on any shell's.
-    backend = BwrapBackend()
-    try:
-        with backend.create(SandboxSpec(env={"ROLLOUT_KEY": "sk-never-on-a-command-line"})) as sb:
-            result = sb.run(["sh", "-c", "printf %s \"$ROLLOUT_KEY\"; for f in /proc/[0-9]*/cmdline; do "
-                                         "tr '\\0' ' ' < $f; echo; done >&2; ls /proc/self/fd >&2"], timeout=30)
-            assert result.exit_code == 0 and result.stdout == b"sk-never-on-a-command-line"
-            assert b"sk-never" not in result.stderr  # every process the sandbox shows, bwrap's init included
-            assert result.stderr.split()[-4:] == [b"0", b"1", b"2", b"3"]  # the env file's fd is closed
-    finally:
-        backend.close()
+    with backend.create(SandboxSpec(env={"ROLLOUT_KEY": "sk-never-on-a-command-line"})) as sb:
+        result = sb.run(["sh", "-c", "printf %s \"$ROLLOUT_KEY\"; for f in /proc/[0-9]*/cmdline; do "
+                                     "tr '\\0' ' ' < $f; echo; done >&2; ls /proc/self/fd >&2"], timeout=30)
+        assert result.exit_code == 0 and result.stdout == b"sk-never-on-a-command-line"
+        assert b"sk-never" not in result.stderr  # every process the sandbox shows, bwrap's init included
+        assert result.stderr.split()[-4:] == [b"0", b"1", b"2", b"3"]  # the env file's fd is closed

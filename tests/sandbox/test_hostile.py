@@ -142,16 +142,6 @@ def bystander(any_backend):
     b.sb.close()
 
 
-@pytest.fixture
-def outside_dir():
-    """A fresh, world-readable host directory outside /tmp and /run (which every sandbox covers with
-    its own anyway), so that only the backend's isolation can keep what a test puts there hidden."""
-    d = tempfile.mkdtemp(prefix="clawfast-hostile-", dir="/var/tmp")
-    os.chmod(d, 0o755)
-    yield Path(d)
-    shutil.rmtree(d, ignore_errors=True)
-
-
 # -- helpers ------------------------------------------------------------------------------------
 
 

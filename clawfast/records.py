@@ -208,6 +208,8 @@ class CallRecord:
             # Checked here, not when the record is written: a call the proxy cannot write fails where
             # it was made, and what is written reads back equal (`equals`).
             self.call_index = _as_int(self.call_index, "call_index")
+            if self.call_index < 0:  # the call's place in its rollout: threads and trees order by it
+                raise ValueError(f"call_index must be >= 0, got {self.call_index}")
             self.weight_version = _as_int(self.weight_version, "weight_version")
             for name in ("timings", "metadata"):
                 problem = _json_dict_problem(getattr(self, name), name)
@@ -335,6 +337,7 @@ class RolloutResult:
                 raise ValueError(problem)
         except ValueError as exc:
             raise ValueError(f"rollout {self.rollout_id!r}: {exc}") from None
+        check_calls_of(self.rollout_id, self.calls)
 
     def header(self) -> dict[str, Any]:
         return {
@@ -352,6 +355,14 @@ class RolloutResult:
             and len(self.calls) == len(other.calls)
             and all(a.equals(b) for a, b in zip(self.calls, other.calls))
         )
+
+
+def check_calls_of(rollout_id: str, calls: Iterable[CallRecord]) -> None:
+    """ValueError if a call belongs to another rollout than `rollout_id`: a file holds one rollout,
+    and a reader would take the call for one of its calls."""
+    for call in calls:
+        if call.rollout_id != rollout_id:
+            raise ValueError(f"rollout {rollout_id!r}: call {call.call_index} belongs to rollout {call.rollout_id!r}")
 
 
 def _meta_of(call: CallRecord) -> dict[str, Any]:
@@ -441,6 +452,7 @@ def encode_result(reward: float, status: str, info: dict[str, Any]) -> bytes:
 
 
 def encode_rollout(rollout: RolloutResult) -> bytes:
+    check_calls_of(rollout.rollout_id, rollout.calls)  # `calls` may have been set after construction
     parts = [encode_header(rollout.header())]
     parts += [encode_call(c) for c in rollout.calls]
     parts.append(encode_result(rollout.reward, rollout.status, rollout.info))
@@ -634,9 +646,10 @@ def write_rollout(path: str | os.PathLike, rollout: RolloutResult) -> Path:
             raise ValueError(f"{path} holds {holds}: not replacing it with rollout {rollout.rollout_id!r} "
                              f"(rollout ids that differ only in characters other than letters, digits "
                              f"and -_. map to one file name)")
+    data = encode_rollout(rollout)  # before the temp file: a rollout that cannot be written leaves nothing
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as fh:
-        fh.write(encode_rollout(rollout))
+        fh.write(data)
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
@@ -689,7 +702,10 @@ class RolloutLog:
     """
 
     def __init__(self, path: str | os.PathLike, header: dict[str, Any], *, fsync: bool = False) -> None:
+        if "rollout_id" not in header:  # before the file is made: a reader could not tell whose it is
+            raise ValueError(f"{path}: a rollout log's header needs a rollout_id, got keys {sorted(header)}")
         self.path = Path(path)
+        self.rollout_id = header["rollout_id"]
         self._fsync = fsync
         self._fh = open(self.path, "xb")
         self._closed = False
@@ -704,6 +720,7 @@ class RolloutLog:
     def append(self, call: CallRecord) -> None:
         if self._closed:
             raise LogClosed(f"{self.path}: log is closed")
+        check_calls_of(self.rollout_id, [call])
         self._write(*_call_parts(call))
 
     def close(self, reward: float = 0.0, status: str = "ok", info: dict[str, Any] | None = None) -> None:

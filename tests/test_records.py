@@ -142,14 +142,14 @@ def test_per_token_versions_round_trip_and_old_files_read_as_one_version(tmp_pat
     assert (back.calls[0].token_versions == 3).all()
     # Uniform versions are the one-version case, stored the way files always were.
     same = CallRecord("r0", 0, "h", [1], [5, 6], [-0.1, -0.2], weight_version=2, output_versions=[2, 2])
-    assert same.output_versions is None and encode_rollout(RolloutResult("r", "t", "h", calls=[same])) == \
-        encode_rollout(RolloutResult("r", "t", "h", calls=[CallRecord("r0", 0, "h", [1], [5, 6], [-0.1, -0.2],
+    assert same.output_versions is None and encode_rollout(RolloutResult("r0", "t", "h", calls=[same])) == \
+        encode_rollout(RolloutResult("r0", "t", "h", calls=[CallRecord("r0", 0, "h", [1], [5, 6], [-0.1, -0.2],
                                                                       weight_version=2)]))
 
 
 def test_version_runs_that_do_not_cover_the_output_are_a_format_error():
     call = CallRecord("r0", 0, "h", [1], [5, 6, 7], [-0.1] * 3, weight_version=0, output_versions=[0, 1, 1])
-    data = encode_rollout(RolloutResult("r", "t", "h", calls=[call]))
+    data = encode_rollout(RolloutResult("r0", "t", "h", calls=[call]))
     bad = data.replace(b'"version_runs":[[0,0],[1,1]]', b'"version_runs":[[0,0],[5,1]]')
     assert bad != data
     import zlib
@@ -309,3 +309,29 @@ def test_a_live_log_refuses_a_result_info_that_would_not_read_back(tmp_path):
     log.close(reward=np.float32(0.5), info={"k": [1, 2]})  # the refused close wrote nothing: this one closes it
     back = read_rollout(tmp_path / "l.cfr")
     assert back.reward == 0.5 and back.info == {"k": [1, 2]} and "torn_tail" not in back.info
+
+
+def test_a_call_of_another_rollout_or_a_negative_index_is_refused(tmp_path):
+    def call(rollout_id="r0", call_index=0):
+        return CallRecord(rollout_id=rollout_id, call_index=call_index, harness="h", prompt_ids=[1, 2],
+                          output_ids=[3], infer_logprobs=[-0.5])
+
+    with pytest.raises(ValueError, match="call_index must be >= 0, got -1"):
+        call(call_index=-1)
+    with pytest.raises(ValueError, match="call 0 belongs to rollout 'r1'"):
+        RolloutResult(rollout_id="r0", task_id="t", harness="h", calls=[call("r1")])
+    # `calls` set after construction is checked where the rollout is written
+    result = RolloutResult(rollout_id="r0", task_id="t", harness="h")
+    result.calls = [call(), call("r1", 1)]
+    with pytest.raises(ValueError, match="call 1 belongs to rollout 'r1'"):
+        write_rollout(tmp_path / "r0.cfr", result)
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(ValueError, match="needs a rollout_id"):
+        RolloutLog(tmp_path / "nameless.cfr", {"task_id": "t"})
+    assert not (tmp_path / "nameless.cfr").exists()
+    log = RolloutLog(tmp_path / "live.cfr", {"rollout_id": "r0", "task_id": "t", "harness": "h", "sample_index": 0})
+    log.append(call())
+    with pytest.raises(ValueError, match="belongs to rollout 'r1'"):
+        log.append(call("r1", 1))
+    log.close()
+    assert [c.call_index for c in read_rollout(tmp_path / "live.cfr").calls] == [0]

@@ -91,15 +91,22 @@ class MiniSweAgent(Harness):
         return found[0]
 
     def command(self, task_instruction: str, layout: RunLayout) -> list[str]:
+        layers = [str(self.builtin_config()), f"{layout.home_inside}/{_OVERRIDES}"]
+        if self.instance_template is not None:
+            # Later `-c` layers override earlier ones, so this one replaces mini.yaml's template.
+            layers.append(f"{layout.home_inside}/{_TEMPLATE_LAYER}")
+        for layer in layers:
+            if "=" in layer:  # mini-swe-agent would read it as a setting and never open the file
+                raise ValueError(f"mini-swe-agent reads a -c value holding '=' as a key=value setting, not a "
+                                 f"config file: {layer!r}; install harnesses (CLAWFAST_HOME) and make sandboxes "
+                                 f"(base_dir) where paths hold no '='")
         argv = [
             str(self.installation.executable), "-m", "minisweagent",
             "-t", task_instruction, "-y", "--exit-immediately",
-            "-c", str(self.builtin_config()), "-c", f"{layout.home_inside}/{_OVERRIDES}",
             "-o", f"{layout.home_inside}/{_TRAJECTORY}",
         ]  # fmt: skip
-        if self.instance_template is not None:
-            # Later `-c` layers override earlier ones, so this one replaces mini.yaml's template.
-            argv += ["-c", f"{layout.home_inside}/{_TEMPLATE_LAYER}"]
+        for layer in layers:
+            argv += ["-c", layer]
         return argv
 
     def artifacts(self, layout: RunLayout) -> list[Path]:

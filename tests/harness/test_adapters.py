@@ -223,6 +223,17 @@ def test_mini_swe_agent_builtin_config_cannot_be_shadowed_by_the_workspace(layou
     assert "hijacked" not in resolved.read_text()
 
 
+def test_mini_swe_agent_config_path_holding_an_equals_sign_is_refused(layout, tmp_path):
+    """mini-swe-agent reads any `-c` value with '=' as a key=value setting: an install under such a
+    folder would run with no config at all, so the argv is refused, naming the path."""
+    odd = tmp_path / "home=x"
+    odd.mkdir()
+    harness = get_harness("mini-swe-agent", install=fake_install(odd, "mini"))
+    harness.prepare(layout, BASE, KEY, "policy")
+    with pytest.raises(ValueError, match=r"holding '=' .*home=x/install-mini/lib"):
+        harness.command("do it", layout)
+
+
 def test_mini_swe_agent_install_without_its_config_is_refused(layout, tmp_path):
     install = HarnessInstall("mini", "0", tmp_path / "empty", tmp_path / "empty" / "bin" / "python")
     with pytest.raises(RuntimeError, match="minisweagent/config/mini.yaml"):

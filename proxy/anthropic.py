@@ -23,7 +23,8 @@ from clawfast.proxy.canonical import (
     canonical_arguments,
 )
 from clawfast.proxy.front import (
-    Answer, Front, ProtocolError, load_body, random_id, require_list, stop_sequences, sse, validate_unit,
+    Answer, Front, ProtocolError, checked_tool_choice, load_body, random_id, require_list, stop_sequences, sse,
+    validate_unit,
 )
 from clawfast.proxy.incremental import UnitMemory
 
@@ -123,9 +124,12 @@ class AnthropicFront(Front):
 
     def parse(self, body: bytes, query: dict[str, str], memory: UnitMemory | None = None) -> Request:
         req = load_body(body, MessagesRequest, memory)
+        conv = conversation(req.system, req.messages, req.tools, memory)
+        choice = req.tool_choice
+        mode = "auto" if choice is None else {"any": "required"}.get(choice.type, choice.type)
         return Request(
             protocol=self.name,
-            conversation=conversation(req.system, req.messages, req.tools, memory),
+            conversation=conv,
             model=req.model,
             stream=req.stream,
             max_tokens=req.max_tokens,
@@ -133,6 +137,7 @@ class AnthropicFront(Front):
             top_p=req.top_p,
             top_k=req.top_k or None,
             stop=stop_sequences(req.stop_sequences, "stop_sequences"),
+            tool_choice=checked_tool_choice(mode, choice and choice.name, conv.tools, "tool_choice"),
             facts={"beta": query.get("beta")} if "beta" in query else {},
         )
 

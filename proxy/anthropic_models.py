@@ -12,7 +12,7 @@ must not turn a call into a 400.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, SkipValidation
 
@@ -47,6 +47,11 @@ class Tool(_Model):
     input_schema: Optional[dict[str, Any]] = None
 
 
+class ToolChoiceParam(_Model):
+    type: Literal["auto", "any", "tool", "none"]
+    name: Optional[str] = None  # for "tool"
+
+
 class MessagesRequest(_Model):
     model: str
     messages: SkipValidation[list[Any]]  # each a MessageParam
@@ -58,6 +63,7 @@ class MessagesRequest(_Model):
     top_p: Optional[float] = Field(default=None, ge=0.0, le=1.0)
     top_k: Optional[int] = Field(default=None, ge=0)
     stop_sequences: Optional[list[str]] = None
+    tool_choice: Optional[ToolChoiceParam] = None
 
 
 class CountTokensRequest(_Model):

@@ -112,6 +112,19 @@ class Conversation:
     messages: tuple[Message, ...]
 
 
+@dataclass(frozen=True)
+class ToolChoice:
+    """What a request allows of tool calls, in every protocol's terms: ``auto`` (the model decides),
+    ``none`` (the answer is text: tool-call markup the model writes comes back as text, as vLLM answers
+    it), ``required`` (a tool call, of a tool the model picks: Anthropic's ``any``) or ``tool`` (a call of
+    the tool `name`). The proxy forces a call by writing its opening, in the model's own tool-call
+    markup, after the generation prompt (`clawfast.proxy.parsers.forced_opening`): prompt tokens, never
+    sampled, so the call's tokens stay the policy's own samples."""
+
+    mode: str = "auto"  # "auto" | "none" | "required" | "tool"
+    name: str | None = None  # the tool, for mode "tool"
+
+
 @dataclass
 class Request:
     """One model call as a protocol front understood it."""
@@ -125,6 +138,7 @@ class Request:
     top_p: float | None = None
     top_k: int | None = None
     stop: tuple[str, ...] = ()  # stop sequences (`clawfast.proxy.stops`)
+    tool_choice: ToolChoice = ToolChoice()
     facts: dict[str, Any] = field(default_factory=dict)  # request facts kept in the record metadata
 
 

@@ -13,9 +13,10 @@ from __future__ import annotations
 import orjson
 
 from clawfast.proxy.canonical import Conversation, Message, Request, ToolCall, ToolSpec, canonical_arguments
-from clawfast.proxy.chat_models import ChatMessage, ChatRequest, ChatTool
+from clawfast.proxy.chat_models import ChatMessage, ChatRequest, ChatTool, NamedToolChoice
 from clawfast.proxy.front import (
-    Answer, Front, ProtocolError, load_body, random_id, require_list, stop_sequences, validate_unit,
+    Answer, Front, ProtocolError, checked_tool_choice, load_body, random_id, require_list, stop_sequences,
+    validate_unit,
 )
 from clawfast.proxy.incremental import UnitMemory
 
@@ -104,9 +105,12 @@ class ChatFront(Front):
     def parse(self, body: bytes, query: dict[str, str], memory: UnitMemory | None = None) -> Request:
         req = load_body(body, ChatRequest, memory)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        conv = _conversation(req.messages, req.tools, memory)
+        choice = req.tool_choice
+        mode, name = (choice or "auto", None) if not isinstance(choice, NamedToolChoice) else ("tool", choice.function.name)
         return Request(
             protocol=self.name,
-            conversation=_conversation(req.messages, req.tools, memory),
+            conversation=conv,
             model=req.model,
             stream=req.stream,
             max_tokens=req.max_completion_tokens or req.max_tokens,
@@ -114,6 +118,7 @@ class ChatFront(Front):
             top_p=req.top_p,
             top_k=req.top_k if req.top_k and req.top_k > 0 else None,
             stop=stop_sequences(req.stop, "stop"),
+            tool_choice=checked_tool_choice(mode, name, conv.tools, "tool_choice"),
             facts={"include_usage": True} if include_usage else {},
         )
 

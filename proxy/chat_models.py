@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, SkipValidation
 
@@ -52,6 +52,15 @@ class ChatTool(_Model):
     function: FunctionDef
 
 
+class NamedFunction(_Model):
+    name: str
+
+
+class NamedToolChoice(_Model):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class StreamOptions(_Model):
     include_usage: bool = False
 
@@ -69,3 +78,4 @@ class ChatRequest(_Model):
     n: Optional[int] = Field(default=None, ge=1, le=1)
     stop: Union[str, list[str], None] = None
     tools: Optional[list[Any]] = None  # each a ChatTool
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None

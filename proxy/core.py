@@ -30,7 +30,7 @@ from jinja2 import TemplateError
 from clawfast.engines.base import Engine, Generation, SamplingParams
 from clawfast.proxy.canonical import Conversation, Request, Turn
 from clawfast.proxy.front import Answer, Front, ProtocolError
-from clawfast.proxy.parsers import detect_parser, get_parser
+from clawfast.proxy.parsers import detect_parser, forced_opening, get_parser, parse_text
 from clawfast.proxy.render import ChatRenderer, RenderedPrompt, RolloutPrompts
 from clawfast.proxy.rollouts import Rollout
 from clawfast.proxy.stops import before_stop, cut_at_stop
@@ -64,6 +64,10 @@ class PreparedCall:
     t_received: float
     t_rendered: float
     path: str = ""  # the HTTP path it came on (for refusals)
+    # A forced tool call's opening (`forced_opening`): the end of `prompt.ids`, and the start of the
+    # answer's text and of the turn later prompts replay.
+    prefill_text: str = ""
+    prefill: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     committed: bool = False
     extra_metadata: dict[str, Any] = field(default_factory=dict)
 
@@ -81,7 +85,7 @@ class ProxyCore:
         self.renderer = renderer
         self.config = config or ProxyConfig()
         self.served_context = self.config.served_context(engine.max_model_len)
-        vocab = renderer.tokenizer.get_vocab()
+        self._vocab = vocab = renderer.tokenizer.get_vocab()
         self.parser_name = self.config.parser or detect_parser(vocab)
         self._parse = get_parser(self.parser_name)
         self._pending: set[asyncio.Task] = set()
@@ -122,6 +126,11 @@ class ProxyCore:
         if tagging.tag == "main" and main_tools is None and request.conversation.tools:
             rollout.state["main_tools"] = frozenset(t.name for t in request.conversation.tools)
         prompt = self._render(rollout, request.conversation, tagging.thread)
+        choice = request.tool_choice
+        prefill_text = forced_opening(self.parser_name, choice.name, self._vocab) if choice.mode in ("required", "tool") else ""
+        prefill = self.renderer.encode(prefill_text) if prefill_text else np.zeros(0, np.int32)
+        if prefill_text:
+            prompt = RenderedPrompt(np.concatenate([prompt.ids, prefill]), prompt.spliced_turns)
         cap = cfg.max_tokens_cap
         if self.served_context is not None:
             room = self.served_context - len(prompt.ids)
@@ -139,7 +148,8 @@ class ProxyCore:
                               stop_token_ids=self.renderer.stop_token_ids)
         answer = front.new_answer(request, len(prompt.ids))
         kept = {k: headers[k] for k in HEADERS_KEPT if k in headers}
-        return PreparedCall(rollout, front, request, prompt, params, tagging, answer, kept, t0, time.time(), path)
+        return PreparedCall(rollout, front, request, prompt, params, tagging, answer, kept, t0, time.time(), path,
+                            prefill_text, prefill)
 
     # -- generation ------------------------------------------------------------------------------
 
@@ -171,7 +181,8 @@ class ProxyCore:
 
     def parse(self, call: PreparedCall, gen: Generation) -> Turn:
         text, stop = before_stop(self.renderer.answer_text(gen.output_ids), call.request.stop)
-        turn = self._parse(text, gen.finish_reason, call.front.new_tool_call_id)
+        parse = parse_text if call.request.tool_choice.mode == "none" else self._parse
+        turn = parse(call.prefill_text + text, gen.finish_reason, call.front.new_tool_call_id)
         turn.stop_sequence = stop
         return turn
 
@@ -193,7 +204,8 @@ class ProxyCore:
         call.committed = True
         turn = call.answer.turn if call.answer.turn is not None else self.answer(call, gen)
         prompts = _rollout_prompts(call.rollout)
-        prompts.remember(self.renderer, gen.output_ids, turn.as_message().replay_key())
+        prompts.remember(self.renderer, np.concatenate([call.prefill, np.asarray(gen.output_ids, np.int32)]),
+                         turn.as_message().replay_key())
         metadata: dict[str, Any] = {
             "protocol": call.request.protocol,
             "model": call.request.model,
@@ -211,6 +223,10 @@ class ProxyCore:
             metadata["parse_error"] = turn.parse_error
         if turn.stop_sequence is not None:
             metadata["stop_sequence"] = turn.stop_sequence
+        if call.request.tool_choice.mode != "auto":
+            metadata["tool_choice"] = call.request.tool_choice.mode
+        if call.prefill_text:
+            metadata["prefill"] = call.prefill_text  # the prompt's last tokens, and the answer's text's start
         if disconnected:
             metadata["client_disconnected"] = True
         metadata.update(call.extra_metadata)

@@ -17,7 +17,7 @@ from typing import Sequence
 import orjson
 from pydantic import BaseModel, ValidationError
 
-from clawfast.proxy.canonical import Request, Turn
+from clawfast.proxy.canonical import Request, ToolChoice, ToolSpec, Turn
 from clawfast.proxy.incremental import UnitMemory
 
 def random_id(prefix: str) -> str:
@@ -80,6 +80,17 @@ def stop_sequences(value: str | Sequence[str] | None, param: str) -> tuple[str, 
     if any(s == "" for s in stops):
         raise ProtocolError(400, "invalid_request", "a stop sequence must not be empty", param)
     return stops
+
+
+def checked_tool_choice(mode: str, name: str | None, tools: Sequence[ToolSpec], param: str) -> ToolChoice:
+    """A request's tool choice; ProtocolError (400) naming `param` where it cannot be honoured, as the
+    real APIs answer it: a forced call with no tools, or of a tool the request does not offer."""
+    if mode in ("required", "tool") and not tools:
+        raise ProtocolError(400, "invalid_request", f"tool_choice {mode!r} needs tools, and the request has none", param)
+    if mode == "tool" and name not in {t.name for t in tools}:
+        raise ProtocolError(400, "invalid_request",
+                            f"tool_choice names the tool {name!r}, which is not among the request's tools", param)
+    return ToolChoice(mode, name if mode == "tool" else None)
 
 
 @dataclass

@@ -18,9 +18,11 @@ import orjson
 
 from clawfast.proxy.canonical import Conversation, Message, Request, ToolCall, ToolSpec, arguments_object, canonical_arguments
 from clawfast.proxy.chat import openai_error, openai_error_code, part_text
-from clawfast.proxy.front import Answer, Front, ProtocolError, load_body, random_id, require_list, sse, validate_unit
+from clawfast.proxy.front import (
+    Answer, Front, ProtocolError, checked_tool_choice, load_body, random_id, require_list, sse, validate_unit,
+)
 from clawfast.proxy.incremental import UnitMemory
-from clawfast.proxy.responses_models import Item, Part, ResponsesRequest, ToolDef
+from clawfast.proxy.responses_models import Item, Part, ResponsesRequest, ToolChoiceParam, ToolDef
 
 _CUSTOM_PARAMETERS = {"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"]}
 _ASSISTANT_ITEMS = ("reasoning", "function_call", "custom_tool_call")
@@ -120,6 +122,14 @@ def _conversation(req: ResponsesRequest, memory: UnitMemory | None) -> tuple[Con
     return Conversation("\n\n".join(system), tools, tuple(messages)), custom
 
 
+def _tool_choice_echo(request: Request) -> str | dict:
+    """The request's tool choice as the response object states it."""
+    choice = request.tool_choice
+    if choice.mode != "tool":
+        return choice.mode
+    return {"type": "custom" if choice.name in request.facts.get("custom_tools", ()) else "function", "name": choice.name}
+
+
 class ResponsesFront(Front):
     name = "responses"
     id_prefix = "resp_"
@@ -133,6 +143,15 @@ class ResponsesFront(Front):
                                 "this server stores no responses; send the whole conversation in input",
                                 "previous_response_id")
         conv, custom = _conversation(req, memory)
+        choice = req.tool_choice
+        if isinstance(choice, ToolChoiceParam):
+            if choice.type not in ("function", "custom") or choice.name is None:
+                raise ProtocolError(400, "invalid_request", f"tool_choice of type {choice.type!r} is not supported (this "
+                                    "server runs no hosted tools): give none, auto, required, or a function or custom "
+                                    "tool by name", "tool_choice")
+            mode, name = "tool", choice.name
+        else:
+            mode, name = choice or "auto", None
         return Request(
             protocol=self.name,
             conversation=conv,
@@ -141,6 +160,7 @@ class ResponsesFront(Front):
             max_tokens=req.max_output_tokens,
             temperature=req.temperature,
             top_p=req.top_p,
+            tool_choice=checked_tool_choice(mode, name, conv.tools, "tool_choice"),
             facts={"custom_tools": list(custom)} if custom else {},
         )
 
@@ -194,7 +214,7 @@ class ResponsesFront(Front):
             "parallel_tool_calls": True,
             "temperature": answer.request.temperature,
             "top_p": answer.request.top_p,
-            "tool_choice": "auto",
+            "tool_choice": _tool_choice_echo(answer.request),
             "tools": [],
             "usage": None,
         }

@@ -8,7 +8,7 @@ are validated lazily, each as an `Item` when it is new to the rollout (see
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, SkipValidation
 
@@ -45,11 +45,17 @@ class ToolDef(_Model):
     parameters: Optional[dict[str, Any]] = None
 
 
+class ToolChoiceParam(_Model):
+    type: str  # "function" or "custom" name one of the request's tools; hosted tools are refused
+    name: Optional[str] = None
+
+
 class ResponsesRequest(_Model):
     model: str
     input: SkipValidation[Union[str, list[Any]]]  # a user message, or items (each an Item; the front checks)
     instructions: Optional[str] = None
     tools: Optional[list[Any]] = None  # each a ToolDef
+    tool_choice: Union[Literal["none", "auto", "required"], ToolChoiceParam, None] = None
     stream: bool = False
     max_output_tokens: Optional[int] = Field(default=None, ge=1)
     temperature: Optional[float] = Field(default=None, ge=0.0, le=2.0)

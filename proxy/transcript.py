@@ -52,7 +52,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from clawfast.proxy.canonical import Turn, arguments_object
-from clawfast.proxy.parsers import get_parser
+from clawfast.proxy.parsers import get_parser, parse_text
 from clawfast.proxy.stops import before_stop
 from clawfast.records import CallRecord
 from clawfast.threads import reconstruct, shared_with_path
@@ -100,7 +100,12 @@ def transcript_events(
             events += _added_events(call.prompt_ids[shared:], prev.output_ids, prev_calls, decode, added)
         stop = call.metadata.get("stop_sequence")  # the harness saw the answer up to it
         text, _ = before_stop(decode_answer(call.output_ids), (stop,) if stop else ())
-        turn = parse(text, call.finish_reason)
+        # A forced tool call's opening was written into the prompt; a call allowed no tool is text.
+        text = call.metadata.get("prefill", "") + text
+        if call.metadata.get("tool_choice") == "none":
+            turn = parse_text(text, call.finish_reason, lambda: "")
+        else:
+            turn = parse(text, call.finish_reason)
         content: list[dict[str, Any]] = [{"type": "text", "text": turn.content}] if turn.content else []
         prev_calls = [
             {"type": "toolCall", "id": f"call_{call.call_index}_{k}", "name": tc.name,

@@ -1,0 +1,159 @@
+"""tool_choice through the official SDKs: a forced call (a named tool, or any tool) opens with the
+model's own tool-call markup written into the prompt, and the model's continuation is parsed as a
+call of it; ``none`` answers tool-call markup as text; what cannot be honoured is a 400. The record's
+prompt ends with the opening, and the next call's prompt continues the opening and the sampled tokens."""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import numpy as np
+import openai
+import pytest
+
+from clawfast.proxy.parsers import PARSERS, forced_opening, get_parser
+from clawfast.proxy.transcript import core_transcript
+from clawfast.threads import reconstruct
+
+TOOLS = [
+    {"name": "Bash", "description": "Run a shell command",
+     "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}}},
+    {"name": "Read", "description": "Read a file",
+     "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}}},
+]
+CHAT_TOOLS = [{"type": "function", "function": {"name": t["name"], "description": t["description"],
+                                                "parameters": t["input_schema"]}} for t in TOOLS]
+USER = {"role": "user", "content": "What files are here?"}
+
+
+def _ends_with(ids: np.ndarray, tail: np.ndarray) -> bool:
+    return len(ids) >= len(tail) and list(ids[len(ids) - len(tail):]) == list(tail)
+
+
+def test_anthropic_named_tool_is_forced_and_the_next_call_continues_its_tokens(proxy, renderer):
+    # The engine plays what follows the opening the proxy wrote: the arguments and the block's end.
+    proxy.engine.push('{"command": "ls"}}\n</tool_call>', "Two files: a.py and b.py.")
+    client = anthropic.Anthropic(base_url=proxy.url, api_key=proxy.key, max_retries=0)
+    reply = client.messages.create(model="policy", max_tokens=64, messages=[USER], tools=TOOLS,
+                                   tool_choice={"type": "tool", "name": "Bash"})
+    assert reply.stop_reason == "tool_use"
+    (use,) = [b for b in reply.content if b.type == "tool_use"]
+    assert (use.name, use.input) == ("Bash", {"command": "ls"})
+    first = proxy.calls()[0]
+    opening = '<tool_call>\n{"name": "Bash", "arguments": '
+    assert first.metadata["tool_choice"] == "tool" and first.metadata["prefill"] == opening
+    assert _ends_with(first.prompt_ids, renderer.encode(opening))  # prompt tokens, never sampled
+    assert reply.usage.input_tokens == len(first.prompt_ids)
+
+    history = [USER, {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in reply.content]},
+               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "a.py b.py"}]}]
+    client.messages.create(model="policy", max_tokens=64, messages=history, tools=TOOLS)
+    second = proxy.calls()[1]
+    path = np.concatenate([first.prompt_ids, first.output_ids])
+    np.testing.assert_array_equal(second.prompt_ids[:len(path)], path)
+    assert second.metadata["spliced_turns"] == 1 and "tool_choice" not in second.metadata
+    threads = reconstruct(proxy.calls())
+    assert [t.extends for t in threads.calls] == [None, 0] and threads.exact_pairs == threads.main_pairs == 1
+    # The transcript reads the forced call as the call the harness got.
+    (event,) = [e for e in core_transcript(proxy.core, proxy.calls()) if e["message"]["role"] == "assistant"][:1]
+    (call,) = [c for c in event["message"]["content"] if c["type"] == "toolCall"]
+    assert (call["name"], call["arguments"]) == ("Bash", {"command": "ls"})
+
+
+def test_openai_chat_required_lets_the_model_pick_the_tool(proxy, renderer):
+    proxy.engine.push('Read", "arguments": {"path": "a.py"}}\n</tool_call>')
+    client = openai.OpenAI(base_url=f"{proxy.url}/v1", api_key=proxy.key, max_retries=0)
+    reply = client.chat.completions.create(model="policy", messages=[USER], tools=CHAT_TOOLS, tool_choice="required")
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "Read" and json.loads(call.function.arguments) == {"path": "a.py"}
+    record = proxy.calls()[0]
+    assert record.metadata["tool_choice"] == "required"
+    assert _ends_with(record.prompt_ids, renderer.encode('<tool_call>\n{"name": "'))
+
+
+def test_openai_chat_named_function_and_none(proxy):
+    markup = '<tool_call>\n{"name": "Bash", "arguments": {"command": "ls"}}\n</tool_call>'
+    proxy.engine.push('{"command": "pwd"}}\n</tool_call>', markup)
+    client = openai.OpenAI(base_url=f"{proxy.url}/v1", api_key=proxy.key, max_retries=0)
+    named = client.chat.completions.create(model="policy", messages=[USER], tools=CHAT_TOOLS,
+                                           tool_choice={"type": "function", "function": {"name": "Bash"}})
+    (call,) = named.choices[0].message.tool_calls
+    assert call.function.name == "Bash" and json.loads(call.function.arguments) == {"command": "pwd"}
+    # none: what the model wrote comes back as text (as vLLM answers it), and nothing is written for it.
+    plain = client.chat.completions.create(model="policy", messages=[USER], tools=CHAT_TOOLS, tool_choice="none")
+    choice = plain.choices[0]
+    assert choice.message.tool_calls is None and choice.message.content == markup and choice.finish_reason == "stop"
+    record = proxy.calls()[1]
+    assert record.metadata["tool_choice"] == "none" and "prefill" not in record.metadata
+    assert record.metadata["tool_calls"] == []
+
+
+def test_a_streamed_forced_call_streams_the_call(proxy):
+    proxy.engine.push('{"path": "b.py"}}\n</tool_call>')
+    client = anthropic.Anthropic(base_url=proxy.url, api_key=proxy.key, max_retries=0)
+    with client.messages.stream(model="policy", max_tokens=64, messages=[USER], tools=TOOLS,
+                                tool_choice={"type": "tool", "name": "Read"}) as stream:
+        reply = stream.get_final_message()
+    (use,) = [b for b in reply.content if b.type == "tool_use"]
+    assert (use.name, use.input, reply.stop_reason) == ("Read", {"path": "b.py"}, "tool_use")
+
+
+def test_responses_named_function_is_forced_and_echoed(proxy):
+    proxy.engine.push('{"command": "ls"}}\n</tool_call>')
+    client = openai.OpenAI(base_url=f"{proxy.url}/v1", api_key=proxy.key, max_retries=0)
+    tools = [{"type": "function", "name": t["name"], "description": t["description"],
+              "parameters": t["input_schema"]} for t in TOOLS]
+    reply = client.responses.create(model="policy", input="What files are here?", tools=tools,
+                                    tool_choice={"type": "function", "name": "Bash"})
+    (item,) = [i for i in reply.output if i.type == "function_call"]
+    assert item.name == "Bash" and json.loads(item.arguments) == {"command": "ls"}
+    assert reply.tool_choice.type == "function" and reply.tool_choice.name == "Bash"
+
+
+def test_a_tool_choice_that_cannot_be_honoured_is_a_400(proxy):
+    chat = openai.OpenAI(base_url=f"{proxy.url}/v1", api_key=proxy.key, max_retries=0)
+    claude = anthropic.Anthropic(base_url=proxy.url, api_key=proxy.key, max_retries=0)
+    with pytest.raises(anthropic.BadRequestError, match="not among the request's tools"):
+        claude.messages.create(model="policy", max_tokens=8, messages=[USER], tools=TOOLS,
+                               tool_choice={"type": "tool", "name": "Write"})
+    with pytest.raises(anthropic.BadRequestError, match="needs tools"):
+        claude.messages.create(model="policy", max_tokens=8, messages=[USER], tool_choice={"type": "any"})
+    with pytest.raises(anthropic.BadRequestError, match="tool_choice"):
+        claude.messages.create(model="policy", max_tokens=8, messages=[USER], tools=TOOLS,
+                               tool_choice={"type": "sometimes"})
+    with pytest.raises(openai.BadRequestError, match="needs tools"):
+        chat.chat.completions.create(model="policy", messages=[USER], tool_choice="required")
+    with pytest.raises(openai.BadRequestError, match="runs no hosted tools"):
+        chat.responses.create(model="policy", input="hi", tools=[{"type": "web_search_preview"}],
+                              tool_choice={"type": "web_search_preview"})
+    assert proxy.calls() == [] and proxy.engine.calls == 0  # nothing reached the engine
+
+
+@pytest.mark.parametrize("parser", sorted(PARSERS))
+@pytest.mark.parametrize("name", ["Bash", 'odd "name" \u00fc'])
+def test_an_opening_and_its_continuation_parse_as_a_call_of_the_tool(parser, name):
+    """The continuation each family's model writes after the opening, parsed whole: the named tool
+    (its name JSON-escaped where the markup is JSON), with the arguments the model wrote."""
+    parse = get_parser(parser)
+    args = '{"command": "ls -l"}'
+    for vocab in ({}, {"[ARGS]": 1}):
+        named = forced_opening(parser, name, vocab)
+        rest = {"qwen3": "}\n</tool_call>", "hermes": "}\n</tool_call>", "llama3_json": "}", "mistral": "}]"}[parser]
+        if named.endswith("[ARGS]"):
+            rest = ""
+        turn = parse(named + args + rest, "stop", lambda: "id")
+        assert turn.parse_error is None, turn.parse_error
+        assert [(c.name, json.loads(c.arguments)) for c in turn.tool_calls] == [(name, {"command": "ls -l"})]
+        # Any tool: the model writes the name too.
+        anyone = forced_opening(parser, None, vocab)
+        if parser == "mistral":
+            written = (f"{name}[ARGS]{args}" if "[ARGS]" in vocab
+                       else json.dumps([{"name": name, "arguments": {"command": "ls -l"}}]))
+        else:
+            written = json.dumps(name)[1:] + f', "{"parameters" if parser == "llama3_json" else "arguments"}": {args}' \
+                + rest
+        turn = parse(anyone + written, "stop", lambda: "id")
+        assert [c.name for c in turn.tool_calls] == [name], (anyone + written, turn)

@@ -47,13 +47,16 @@ class SamplingParams:
 class Sampling:
     """What the caller of a rollout asks of every model call in it, travelling with the rollout;
     `params` merges it with what one call asks for into that call's `SamplingParams` (the proxy
-    does, per call; so does `clawfast.train.sampled`, which has no proxy). temperature / top_p:
-    override what the harness asks for (None: the request's, else 1.0). max_tokens: caps each
+    does, per call; so does `clawfast.train.sampled`, which has no proxy). temperature / top_p /
+    top_k: override what the harness asks for (None: the request's, else 1.0, 1.0 and 0; top_k 0 is
+    no top-k, the whole distribution: what a training run samples from whatever a harness asks, so
+    that its sampling log-probs are the policy's). max_tokens: caps each
     call's output (None: the server's cap alone). max_calls: the rollout's budget of model calls,
     side calls included; calls beyond it are refused in the caller's protocol (None: unlimited)."""
 
     temperature: float | None = None
     top_p: float | None = None
+    top_k: int | None = None
     max_tokens: int | None = None
     max_calls: int | None = None
 
@@ -62,6 +65,8 @@ class Sampling:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_p is not None and not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
+        if self.top_k is not None and not self.top_k >= 0:
+            raise ValueError(f"top_k must be >= 0 (0: no top-k), got {self.top_k}")
         for name in ("max_tokens", "max_calls"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -73,18 +78,19 @@ class Sampling:
         """The `SamplingParams` of one call that asks for `max_tokens`, `temperature`, `top_p` and
         `top_k` (None: asks nothing), served under the output bound `cap` with `default_max_tokens`
         for a call that names no budget. The output budget is the call's (else the default), capped by
-        `cap` and by this `max_tokens`; this temperature and top_p win over the call's (neither: 1.0);
-        top_k is the call's (none: 0); a call's top_p 0, where it is the one used, is top_k 1. This is
+        `cap` and by this `max_tokens`; this temperature, top_p and top_k win over the call's (neither:
+        1.0, 1.0, 0); a call's top_p 0, where it is the one used, is top_k 1 unless this top_k is set
+        (then it is top_p 1: this top_k decides). This is
         the one merge rule: the proxy passes its cap already
         bounded by the room its context leaves."""
         if self.max_tokens is not None:
             cap = min(self.max_tokens, cap)
         top_p = next(v for v in (self.top_p, top_p, 1.0) if v is not None)
-        top_k = top_k or 0
+        top_k = self.top_k if self.top_k is not None else top_k or 0
         if top_p == 0:
             # A call's top_p 0 (the APIs accept it): the nucleus of least mass is the most likely token
             # alone, which top_k 1 keeps (SamplingParams takes top_p in (0, 1] only).
-            top_p, top_k = 1.0, 1
+            top_p, top_k = 1.0, (1 if self.top_k is None else top_k)
         return SamplingParams(
             max_tokens=min(max_tokens or default_max_tokens, cap),
             temperature=next(v for v in (self.temperature, temperature, 1.0) if v is not None),

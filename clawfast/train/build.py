@@ -200,7 +200,8 @@ def harness_options(config: RunConfig, *, max_turns: int | None = None) -> dict[
 
 def rollout_sampling(config: RunConfig, temperature: float) -> Sampling:
     """What every call of the run's rollouts samples with, at `temperature`."""
-    return Sampling(temperature=temperature, top_p=config.engine.top_p, max_calls=config.rollout.max_model_calls)
+    return Sampling(temperature=temperature, top_p=config.engine.top_p, top_k=config.engine.top_k,
+                    max_calls=config.rollout.max_model_calls)
 
 
 def rollout_service(config: RunConfig, engine: Engine | str, model_dir: Path, records_dir: Path, *,

@@ -145,7 +145,9 @@ class EngineConfig(_Section):
     full_push_every: a whole push every N pushes (None: only the first, and after a refused delta).
     push_checksums: each delta carries crc32 checksums of the changed tensors, compared after
     applying (a mismatch: a whole push follows).
-    temperature / top_p: sampling for training rollouts (overrides what the harness asks for).
+    temperature / top_p / top_k: sampling for training rollouts (overrides what the harness asks for;
+    top_k 0: no top-k, so a harness asking for top_k does not make the sampler's log-probs those of
+    a truncated distribution the trainer never computes).
     max_tokens: cap on one call's output. max_batch: torch engine batch size. max_model_len:
     prompt + output limit: the proxy refuses a longer prompt as each API words a context overflow,
     and each harness with a ``context_window`` option is told it (None: the engine's own limit:
@@ -173,6 +175,7 @@ class EngineConfig(_Section):
     on_update: Literal["continue", "finish", "abort"] = "continue"
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
     max_tokens: int = Field(256, ge=1)
     max_batch: int = Field(8, ge=1)
     max_model_len: int | None = Field(None, ge=16)

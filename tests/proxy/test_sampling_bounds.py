@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import anthropic
 import openai
+import pytest
 
 from clawfast.engines.base import Sampling
 from gated_engine import RecordingEngine
@@ -34,6 +35,27 @@ def test_top_p_zero_is_the_most_likely_token_in_each_protocol(proxy_factory, tmp
 def test_the_rollouts_top_p_wins_over_a_calls_top_p_zero():
     assert Sampling(top_p=0.9).params(cap=8, default_max_tokens=8, top_p=0.0).top_p == 0.9
     assert Sampling().params(cap=8, default_max_tokens=8, top_p=0.0, top_k=5).top_k == 1
+
+
+def test_the_rollouts_top_k_wins_over_a_calls_top_k_and_top_p_zero():
+    """A training run samples the whole distribution (top_k 0) whatever a harness asks: its sampling
+    log-probs are then the policy's, which the trainer computes."""
+    whole = Sampling(top_k=0)
+    for asked in ({"top_k": 20}, {"top_p": 0.0}, {"top_p": 0.0, "top_k": 5}, {}):
+        params = whole.params(cap=8, default_max_tokens=8, **asked)
+        assert (params.top_k, params.top_p) == (0, 1.0), asked
+    assert Sampling(top_k=3).params(cap=8, default_max_tokens=8, top_k=20).top_k == 3
+    assert Sampling().params(cap=8, default_max_tokens=8, top_k=20).top_k == 20  # none set: the call's
+    with pytest.raises(ValueError, match="top_k must be >= 0"):
+        Sampling(top_k=-1)
+
+
+def test_a_training_run_samples_with_its_own_top_k():
+    from clawfast.train.build import rollout_sampling
+    from clawfast.train.config import RunConfig
+
+    assert rollout_sampling(RunConfig(), 1.0).top_k == 0
+    assert rollout_sampling(RunConfig.model_validate({"engine": {"top_k": 7}}), 1.0).top_k == 7
 
 
 def test_chat_top_k_minus_one_is_no_top_k(proxy_factory, tmp_path):

@@ -10,6 +10,8 @@ message_start, ping, per block content_block_start / _delta / _stop, message_del
 
 from __future__ import annotations
 
+import dataclasses
+
 import orjson
 
 from clawfast.proxy.anthropic_models import Block, CountTokensRequest, MessageParam, MessagesRequest, Tool
@@ -98,6 +100,20 @@ def _message(param: MessageParam, i: int) -> list[Message]:
     return out
 
 
+def split_prefill(conv: Conversation) -> tuple[Conversation, str]:
+    """A conversation that ends with an assistant message ends with the start of the answer (a
+    prefill), which the model is to continue: the conversation before it, and its text ("" for none).
+    As the API answers them, a prefill with trailing whitespace, or holding more than text, is a 400."""
+    if not conv.messages or conv.messages[-1].role != "assistant":
+        return conv, ""
+    last, where = conv.messages[-1], f"messages.{len(conv.messages) - 1}"
+    if last.tool_calls or last.reasoning:
+        raise ProtocolError(400, "invalid_request", "a final assistant message (a prefill) may hold text only", where)
+    if last.content != last.content.rstrip():
+        raise ProtocolError(400, "invalid_request", "final assistant content cannot end with trailing whitespace", where)
+    return dataclasses.replace(conv, messages=conv.messages[:-1]), last.content
+
+
 def _convert_message(raw: object, i: int) -> list[Message]:
     return _message(validate_unit(MessageParam, raw, f"messages.{i}"), i)
 
@@ -124,7 +140,7 @@ class AnthropicFront(Front):
 
     def parse(self, body: bytes, query: dict[str, str], memory: UnitMemory | None = None) -> Request:
         req = load_body(body, MessagesRequest, memory)
-        conv = conversation(req.system, req.messages, req.tools, memory)
+        conv, prefill = split_prefill(conversation(req.system, req.messages, req.tools, memory))
         choice = req.tool_choice
         mode = "auto" if choice is None else {"any": "required"}.get(choice.type, choice.type)
         return Request(
@@ -138,6 +154,7 @@ class AnthropicFront(Front):
             top_k=req.top_k or None,
             stop=stop_sequences(req.stop_sequences, "stop_sequences"),
             tool_choice=checked_tool_choice(mode, choice and choice.name, conv.tools, "tool_choice"),
+            prefill=prefill,
             facts={"beta": query.get("beta")} if "beta" in query else {},
         )
 

@@ -139,6 +139,9 @@ class Request:
     top_k: int | None = None
     stop: tuple[str, ...] = ()  # stop sequences (`clawfast.proxy.stops`)
     tool_choice: ToolChoice = ToolChoice()
+    # The start of the answer, written by the caller (Anthropic's prefill: a final assistant message):
+    # the model continues it, and the reply holds what follows it.
+    prefill: str = ""
     facts: dict[str, Any] = field(default_factory=dict)  # request facts kept in the record metadata
 
 

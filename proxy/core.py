@@ -19,6 +19,7 @@ no record: the server keeps it as a refusal of its rollout (`clawfast.proxy.roll
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -64,12 +65,22 @@ class PreparedCall:
     t_received: float
     t_rendered: float
     path: str = ""  # the HTTP path it came on (for refusals)
-    # A forced tool call's opening (`forced_opening`): the end of `prompt.ids`, and the start of the
-    # answer's text and of the turn later prompts replay.
+    # The request's prefill and a forced tool call's opening (`forced_opening`): the end of
+    # `prompt.ids`, and the start of the answer's text and of the turn later prompts replay.
     prefill_text: str = ""
     prefill: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    turn: Turn | None = None  # the whole answer, prefill included (`answer.turn`: what the reply holds)
     committed: bool = False
     extra_metadata: dict[str, Any] = field(default_factory=dict)
+
+
+def _after_prefill(turn: Turn, prefill: str) -> Turn:
+    """What a reply holds of `turn`: its text past the request's prefill, which the caller wrote (the
+    whole turn where its text does not start with the prefill: one that opened reasoning)."""
+    head = prefill.lstrip()  # as the parsed text, stripped
+    if not head or not turn.content.startswith(head):
+        return turn
+    return dataclasses.replace(turn, content=turn.content[len(head):])
 
 
 def _rollout_prompts(rollout: Rollout) -> RolloutPrompts:
@@ -127,7 +138,8 @@ class ProxyCore:
             rollout.state["main_tools"] = frozenset(t.name for t in request.conversation.tools)
         prompt = self._render(rollout, request.conversation, tagging.thread)
         choice = request.tool_choice
-        prefill_text = forced_opening(self.parser_name, choice.name, self._vocab) if choice.mode in ("required", "tool") else ""
+        opening = forced_opening(self.parser_name, choice.name, self._vocab) if choice.mode in ("required", "tool") else ""
+        prefill_text = request.prefill + opening
         prefill = self.renderer.encode(prefill_text) if prefill_text else np.zeros(0, np.int32)
         if prefill_text:
             prompt = RenderedPrompt(np.concatenate([prompt.ids, prefill]), prompt.spliced_turns)
@@ -189,8 +201,8 @@ class ProxyCore:
     def answer(self, call: PreparedCall, gen: Generation) -> Turn:
         """Parse the generation into `call.answer` (its turn and output tokens), which the reply is
         built from; `complete` records the call once its reply is built."""
-        turn = self.parse(call, gen)
-        call.answer.turn = turn
+        call.turn = turn = self.parse(call, gen)
+        call.answer.turn = _after_prefill(turn, call.request.prefill)
         call.answer.output_tokens = len(gen.output_ids)
         return turn
 
@@ -202,7 +214,7 @@ class ProxyCore:
         if call.committed:
             raise RuntimeError("call already completed")
         call.committed = True
-        turn = call.answer.turn if call.answer.turn is not None else self.answer(call, gen)
+        turn = call.turn if call.turn is not None else self.answer(call, gen)
         prompts = _rollout_prompts(call.rollout)
         prompts.remember(self.renderer, np.concatenate([call.prefill, np.asarray(gen.output_ids, np.int32)]),
                          turn.as_message().replay_key())

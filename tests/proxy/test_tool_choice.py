@@ -157,3 +157,38 @@ def test_an_opening_and_its_continuation_parse_as_a_call_of_the_tool(parser, nam
                 + rest
         turn = parse(anyone + written, "stop", lambda: "id")
         assert [c.name for c in turn.tool_calls] == [name], (anyone + written, turn)
+
+
+def test_anthropic_prefill_is_continued_and_the_reply_holds_what_follows_it(proxy, renderer):
+    """A final assistant message is the start of the answer: the model continues it (its tokens end
+    the prompt), the reply holds only the continuation, and the next call, replaying the whole
+    answer, continues the path."""
+    proxy.engine.push(' "files": ["a.py", "b.py"]}', "Done.")
+    client = anthropic.Anthropic(base_url=proxy.url, api_key=proxy.key, max_retries=0)
+    reply = client.messages.create(model="policy", max_tokens=64,
+                                   messages=[USER, {"role": "assistant", "content": "{"}])
+    assert [b.type for b in reply.content] == ["text"]
+    assert reply.content[0].text == ' "files": ["a.py", "b.py"]}' and reply.stop_reason == "end_turn"
+    first = proxy.calls()[0]
+    assert first.metadata["prefill"] == "{" and "tool_choice" not in first.metadata
+    assert _ends_with(first.prompt_ids, np.concatenate([renderer.generation_prompt_ids, renderer.encode("{")]))
+    whole = "{" + reply.content[0].text
+    client.messages.create(model="policy", max_tokens=64, messages=[
+        USER, {"role": "assistant", "content": whole}, {"role": "user", "content": "Thanks."}])
+    second = proxy.calls()[1]
+    path = np.concatenate([first.prompt_ids, first.output_ids])
+    np.testing.assert_array_equal(second.prompt_ids[:len(path)], path)
+    assert second.metadata["spliced_turns"] == 1
+    (event, _) = [e for e in core_transcript(proxy.core, proxy.calls()) if e["message"]["role"] == "assistant"]
+    assert event["message"]["content"] == [{"type": "text", "text": whole}]
+
+
+def test_a_prefill_the_api_would_refuse_is_a_400(proxy):
+    client = anthropic.Anthropic(base_url=proxy.url, api_key=proxy.key, max_retries=0)
+    with pytest.raises(anthropic.BadRequestError, match="trailing whitespace"):
+        client.messages.create(model="policy", max_tokens=8, messages=[USER, {"role": "assistant", "content": "So "}])
+    use = {"type": "tool_use", "id": "toolu_1", "name": "Bash", "input": {"command": "ls"}}
+    with pytest.raises(anthropic.BadRequestError, match="text only"):
+        client.messages.create(model="policy", max_tokens=8, tools=TOOLS,
+                               messages=[USER, {"role": "assistant", "content": [use]}])
+    assert proxy.engine.calls == 0

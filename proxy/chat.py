@@ -107,7 +107,10 @@ class ChatFront(Front):
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         conv = _conversation(req.messages, req.tools, memory)
         choice = req.tool_choice
-        mode, name = (choice or "auto", None) if not isinstance(choice, NamedToolChoice) else ("tool", choice.function.name)
+        if isinstance(choice, NamedToolChoice):
+            mode, name = "tool", choice.function.name
+        else:
+            mode, name = choice or "auto", None
         return Request(
             protocol=self.name,
             conversation=conv,

@@ -137,9 +137,9 @@ class ProxyCore:
         if tagging.tag == "main" and main_tools is None and request.conversation.tools:
             rollout.state["main_tools"] = frozenset(t.name for t in request.conversation.tools)
         prompt = self._render(rollout, request.conversation, tagging.thread)
-        choice = request.tool_choice
-        opening = forced_opening(self.parser_name, choice.name, self._vocab) if choice.mode in ("required", "tool") else ""
-        prefill_text = request.prefill + opening
+        prefill_text = request.prefill
+        if request.tool_choice.mode in ("required", "tool"):
+            prefill_text += forced_opening(self.parser_name, request.tool_choice.name, self._vocab)
         prefill = self.renderer.encode(prefill_text) if prefill_text else np.zeros(0, np.int32)
         if prefill_text:
             prompt = RenderedPrompt(np.concatenate([prompt.ids, prefill]), prompt.spliced_turns)

@@ -158,9 +158,10 @@ class AnthropicFront(Front):
             facts={"beta": query.get("beta")} if "beta" in query else {},
         )
 
-    def parse_count_tokens(self, body: bytes, memory: UnitMemory | None = None) -> Conversation:
+    def parse_count_tokens(self, body: bytes, memory: UnitMemory | None = None) -> tuple[Conversation, str]:
+        """The conversation to count and its prefill (`split_prefill`), as a `parse` of the same body."""
         req = load_body(body, CountTokensRequest, memory)
-        return conversation(req.system, req.messages, req.tools, memory)
+        return split_prefill(conversation(req.system, req.messages, req.tools, memory))
 
     def new_tool_call_id(self) -> str:
         return random_id("toolu_")

@@ -110,9 +110,10 @@ class ProxyCore:
             message = f"the chat template rejected the conversation: {exc}"
             raise ProtocolError(400, "invalid_request", message) from None
 
-    def count_tokens(self, rollout: Rollout, conversation: Conversation) -> int:
-        """The prompt's length in tokens; ProtocolError (400) if the chat template rejects it."""
-        return len(self._render(rollout, conversation, "count").ids)
+    def count_tokens(self, rollout: Rollout, conversation: Conversation, prefill: str = "") -> int:
+        """The prompt's length in tokens, with the `prefill` that ends it; ProtocolError (400) if the
+        chat template rejects it."""
+        return len(self._render(rollout, conversation, "count").ids) + (len(self.renderer.encode(prefill)) if prefill else 0)
 
     def prepare(self, front: Front, rollout: Rollout, request: Request, headers: dict[str, str],
                 path: str = "") -> PreparedCall:

@@ -172,6 +172,8 @@ def test_anthropic_prefill_is_continued_and_the_reply_holds_what_follows_it(prox
     first = proxy.calls()[0]
     assert first.metadata["prefill"] == "{" and "tool_choice" not in first.metadata
     assert _ends_with(first.prompt_ids, np.concatenate([renderer.generation_prompt_ids, renderer.encode("{")]))
+    prefilled = [USER, {"role": "assistant", "content": "{"}]
+    assert client.messages.count_tokens(model="policy", messages=prefilled).input_tokens == len(first.prompt_ids)
     whole = "{" + reply.content[0].text
     client.messages.create(model="policy", max_tokens=64, messages=[
         USER, {"role": "assistant", "content": whole}, {"role": "user", "content": "Thanks."}])

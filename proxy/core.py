@@ -113,7 +113,8 @@ class ProxyCore:
     def count_tokens(self, rollout: Rollout, conversation: Conversation, prefill: str = "") -> int:
         """The prompt's length in tokens, with the `prefill` that ends it; ProtocolError (400) if the
         chat template rejects it."""
-        return len(self._render(rollout, conversation, "count").ids) + (len(self.renderer.encode(prefill)) if prefill else 0)
+        prefilled = len(self.renderer.encode(prefill)) if prefill else 0
+        return len(self._render(rollout, conversation, "count").ids) + prefilled
 
     def prepare(self, front: Front, rollout: Rollout, request: Request, headers: dict[str, str],
                 path: str = "") -> PreparedCall:

@@ -14,12 +14,15 @@ import dataclasses
 
 import orjson
 
-from clawfast.proxy.anthropic_models import Block, CountTokensRequest, MessageParam, MessagesRequest, Tool
+from clawfast.proxy.anthropic_models import (
+    Block, CountTokensRequest, MessageParam, MessagesRequest, Tool, ToolChoiceParam,
+)
 from clawfast.proxy.canonical import (
     Conversation,
     Message,
     Request,
     ToolCall,
+    ToolChoice,
     ToolSpec,
     arguments_object,
     canonical_arguments,
@@ -114,6 +117,11 @@ def split_prefill(conv: Conversation) -> tuple[Conversation, str]:
     return dataclasses.replace(conv, messages=conv.messages[:-1]), last.content
 
 
+def _tool_choice(choice: ToolChoiceParam | None, conv: Conversation) -> ToolChoice:
+    mode = "auto" if choice is None else {"any": "required"}.get(choice.type, choice.type)
+    return checked_tool_choice(mode, choice and choice.name, conv.tools, "tool_choice")
+
+
 def _convert_message(raw: object, i: int) -> list[Message]:
     return _message(validate_unit(MessageParam, raw, f"messages.{i}"), i)
 
@@ -141,8 +149,6 @@ class AnthropicFront(Front):
     def parse(self, body: bytes, query: dict[str, str], memory: UnitMemory | None = None) -> Request:
         req = load_body(body, MessagesRequest, memory)
         conv, prefill = split_prefill(conversation(req.system, req.messages, req.tools, memory))
-        choice = req.tool_choice
-        mode = "auto" if choice is None else {"any": "required"}.get(choice.type, choice.type)
         return Request(
             protocol=self.name,
             conversation=conv,
@@ -153,15 +159,17 @@ class AnthropicFront(Front):
             top_p=req.top_p,
             top_k=req.top_k or None,
             stop=stop_sequences(req.stop_sequences, "stop_sequences"),
-            tool_choice=checked_tool_choice(mode, choice and choice.name, conv.tools, "tool_choice"),
+            tool_choice=_tool_choice(req.tool_choice, conv),
             prefill=prefill,
             facts={"beta": query.get("beta")} if "beta" in query else {},
         )
 
-    def parse_count_tokens(self, body: bytes, memory: UnitMemory | None = None) -> tuple[Conversation, str]:
-        """The conversation to count and its prefill (`split_prefill`), as a `parse` of the same body."""
+    def parse_count_tokens(self, body: bytes, memory: UnitMemory | None = None) -> Request:
+        """A count_tokens body as the request it counts: what `parse` reads of a messages body."""
         req = load_body(body, CountTokensRequest, memory)
-        return split_prefill(conversation(req.system, req.messages, req.tools, memory))
+        conv, prefill = split_prefill(conversation(req.system, req.messages, req.tools, memory))
+        return Request(protocol=self.name, conversation=conv, model=req.model, stream=False, max_tokens=None,
+                       tool_choice=_tool_choice(req.tool_choice, conv), prefill=prefill)
 
     def new_tool_call_id(self) -> str:
         return random_id("toolu_")

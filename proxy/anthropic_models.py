@@ -71,3 +71,4 @@ class CountTokensRequest(_Model):
     messages: SkipValidation[list[Any]]  # each a MessageParam
     system: Union[str, list[Block], None] = None
     tools: Optional[list[Any]] = None  # each a Tool
+    tool_choice: Optional[ToolChoiceParam] = None

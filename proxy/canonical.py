@@ -118,8 +118,9 @@ class ToolChoice:
     ``none`` (the answer is text: tool-call markup the model writes comes back as text, as vLLM answers
     it), ``required`` (a tool call, of a tool the model picks: Anthropic's ``any``) or ``tool`` (a call of
     the tool `name`). The proxy forces a call by writing its opening, in the model's own tool-call
-    markup, after the generation prompt (`clawfast.proxy.parsers.forced_opening`): prompt tokens, never
-    sampled, so the call's tokens stay the policy's own samples."""
+    markup as its chat template writes it, after the generation prompt
+    (`clawfast.proxy.render.ChatRenderer.tool_call_opening`): prompt tokens, never sampled, so the
+    call's tokens stay the policy's own samples."""
 
     mode: str = "auto"  # "auto" | "none" | "required" | "tool"
     name: str | None = None  # the tool, for mode "tool"

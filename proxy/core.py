@@ -31,7 +31,7 @@ from jinja2 import TemplateError
 from clawfast.engines.base import Engine, Generation, SamplingParams
 from clawfast.proxy.canonical import Conversation, Request, Turn
 from clawfast.proxy.front import Answer, Front, ProtocolError
-from clawfast.proxy.parsers import detect_parser, forced_opening, get_parser, parse_text
+from clawfast.proxy.parsers import detect_parser, get_parser, parse_text
 from clawfast.proxy.render import ChatRenderer, RenderedPrompt, RolloutPrompts
 from clawfast.proxy.rollouts import Rollout
 from clawfast.proxy.stops import before_stop, cut_at_stop
@@ -65,7 +65,7 @@ class PreparedCall:
     t_received: float
     t_rendered: float
     path: str = ""  # the HTTP path it came on (for refusals)
-    # The request's prefill and a forced tool call's opening (`forced_opening`): the end of
+    # The request's prefill or a forced tool call's opening (`ProxyCore.prefill_text`): the end of
     # `prompt.ids`, and the start of the answer's text and of the turn later prompts replay.
     prefill_text: str = ""
     prefill: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
@@ -96,7 +96,7 @@ class ProxyCore:
         self.renderer = renderer
         self.config = config or ProxyConfig()
         self.served_context = self.config.served_context(engine.max_model_len)
-        self._vocab = vocab = renderer.tokenizer.get_vocab()
+        vocab = renderer.tokenizer.get_vocab()
         self.parser_name = self.config.parser or detect_parser(vocab)
         self._parse = get_parser(self.parser_name)
         self._pending: set[asyncio.Task] = set()
@@ -110,11 +110,32 @@ class ProxyCore:
             message = f"the chat template rejected the conversation: {exc}"
             raise ProtocolError(400, "invalid_request", message) from None
 
-    def count_tokens(self, rollout: Rollout, conversation: Conversation, prefill: str = "") -> int:
-        """The prompt's length in tokens, with the `prefill` that ends it; ProtocolError (400) if the
-        chat template rejects it."""
+    def count_tokens(self, rollout: Rollout, request: Request) -> int:
+        """The length in tokens of the prompt `request` would be given, its prefill included;
+        ProtocolError (400) if the chat template rejects it or it could not be answered
+        (`prefill_text`)."""
+        prefill = self.prefill_text(request)
         prefilled = len(self.renderer.encode(prefill)) if prefill else 0
-        return len(self._render(rollout, conversation, "count").ids) + prefilled
+        return len(self._render(rollout, request.conversation, "count").ids) + prefilled
+
+    def prefill_text(self, request: Request) -> str:
+        """What the answer starts with, written after the generation prompt: the request's prefill,
+        or the opening of the tool call its tool choice forces, in this model's markup
+        (`ChatRenderer.tool_call_opening`). ProtocolError (400) where the template writes no opening
+        to force, and for a prefill with a forced call (the prefill's text would come before the call,
+        which not every markup parses)."""
+        choice = request.tool_choice
+        if choice.mode not in ("required", "tool"):
+            return request.prefill
+        if request.prefill:
+            raise ProtocolError(400, "invalid_request", "a prefill (a final assistant message) and a tool_choice that "
+                                "forces a tool call cannot be combined", "tool_choice")
+        opening = self.renderer.tool_call_opening(choice.name)
+        if opening is None:
+            raise ProtocolError(400, "invalid_request", f"tool_choice {choice.mode!r} cannot be forced for this "
+                                "model: its chat template writes no tool call that opens with the tool's name "
+                                "before its arguments", "tool_choice")
+        return opening
 
     def prepare(self, front: Front, rollout: Rollout, request: Request, headers: dict[str, str],
                 path: str = "") -> PreparedCall:
@@ -139,9 +160,7 @@ class ProxyCore:
         if tagging.tag == "main" and main_tools is None and request.conversation.tools:
             rollout.state["main_tools"] = frozenset(t.name for t in request.conversation.tools)
         prompt = self._render(rollout, request.conversation, tagging.thread)
-        prefill_text = request.prefill
-        if request.tool_choice.mode in ("required", "tool"):
-            prefill_text += forced_opening(self.parser_name, request.tool_choice.name, self._vocab)
+        prefill_text = self.prefill_text(request)
         prefill = self.renderer.encode(prefill_text) if prefill_text else np.zeros(0, np.int32)
         if prefill_text:
             prompt = RenderedPrompt(np.concatenate([prompt.ids, prefill]), prompt.spliced_turns)
@@ -193,8 +212,17 @@ class ProxyCore:
 
     # -- completion ------------------------------------------------------------------------------
 
+    def _continuation_text(self, call: PreparedCall, gen: Generation) -> str:
+        """The answer's text past its prefill, decoded after the prefill's tokens: a tokenizer may
+        decode a token's leading space only after a neighbour (SentencePiece strips it at the start)."""
+        if not len(call.prefill):
+            return self.renderer.answer_text(gen.output_ids)
+        head = self.renderer.decode(call.prefill)
+        whole = self.renderer.answer_text(np.concatenate([call.prefill, np.asarray(gen.output_ids, np.int32)]))
+        return whole[len(head):] if whole.startswith(head) else self.renderer.answer_text(gen.output_ids)
+
     def parse(self, call: PreparedCall, gen: Generation) -> Turn:
-        text, stop = before_stop(self.renderer.answer_text(gen.output_ids), call.request.stop)
+        text, stop = before_stop(self._continuation_text(call, gen), call.request.stop)
         parse = parse_text if call.request.tool_choice.mode == "none" else self._parse
         turn = parse(call.prefill_text + text, gen.finish_reason, call.front.new_tool_call_id)
         turn.stop_sequence = stop
@@ -240,7 +268,8 @@ class ProxyCore:
         if call.request.tool_choice.mode != "auto":
             metadata["tool_choice"] = call.request.tool_choice.mode
         if call.prefill_text:
-            metadata["prefill"] = call.prefill_text  # the prompt's last tokens, and the answer's text's start
+            # The prompt's last tokens (so many), and the start of the answer's text.
+            metadata["prefill"], metadata["prefill_tokens"] = call.prefill_text, len(call.prefill)
         if disconnected:
             metadata["client_disconnected"] = True
         metadata.update(call.extra_metadata)

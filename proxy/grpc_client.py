@@ -57,9 +57,10 @@ class ProxyHealth:
     version: str
 
 
-def decode_call_frame(frame: bytes, rollout_id: str = "") -> records.CallRecord:
-    """Decode one `records.encode_call` frame (CRC-checked), via the public rollout decoder: a
-    header frame in front makes it a live rollout file."""
+def decode_call_frame(frame: bytes, rollout_id: str) -> records.CallRecord:
+    """Decode one `records.encode_call` frame (CRC-checked) of the rollout `rollout_id`, via the public
+    rollout decoder: a header frame in front makes it a live rollout file (a call of another rollout
+    is a RecordFormatError)."""
     header = {
         "format_version": records.FORMAT_VERSION,
         "rollout_id": rollout_id,

@@ -156,23 +156,6 @@ def parse_text(text: str, finish_reason: str, new_id: NewId) -> Turn:
     return _finish(rest, reasoning, [], finish_reason)
 
 
-def forced_opening(parser: str, name: str | None, vocab: dict[str, int]) -> str:
-    """The text that opens a tool call in `parser`'s markup, written after the generation prompt to
-    force one: of the tool `name`, through to where its arguments begin; of a tool the model picks
-    (None), through to where its name begins. What the model writes next is parsed as it would be had
-    it written the opening itself."""
-    family = PARSERS[parser]
-    if family is parse_mistral:
-        if name is None:
-            return "[TOOL_CALLS]"
-        if "[ARGS]" in vocab:  # v11+ tokenizers: name[ARGS]{json}
-            return f"[TOOL_CALLS]{name}[ARGS]"
-        return f'[TOOL_CALLS][{{"name": {json.dumps(name)}, "arguments": '
-    args_key = "parameters" if family is parse_llama3_json else "arguments"
-    call = '{"name": "' if name is None else f'{{"name": {json.dumps(name)}, "{args_key}": '
-    return call if family is parse_llama3_json else "<tool_call>\n" + call
-
-
 PARSERS: dict[str, Callable[[str, str, NewId], Turn]] = {
     "qwen3": parse_qwen3,
     "hermes": parse_qwen3,

@@ -26,6 +26,7 @@ thread keep sharing their prefix, and it is what the engine saw, which is all tr
 
 from __future__ import annotations
 
+import json
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -33,11 +34,14 @@ from typing import Any
 
 import numpy as np
 
-from clawfast.proxy.canonical import Conversation, Message, ToolSpec
+from clawfast.proxy.canonical import Conversation, Message, ToolCall, ToolSpec
 from clawfast.proxy.incremental import common_prefix
 
 _PLACEHOLDER_SYSTEM = "\ue000"  # a private-use character no real system prompt starts with
 _SENTINEL = "\ue001"
+# A tool call the template renders to show where its markup puts a call's name and arguments (an id
+# of 9 letters and digits: Mistral's templates refuse any other).
+_PROBE_NAME, _PROBE_ARG, _PROBE_ID = "clawfast_probe_tool", "clawfast_probe_arg", "a1b2c3d4e"
 
 
 class TokenLRU:
@@ -97,6 +101,7 @@ class ChatRenderer:
         self._verbatim = self._verbatim_frames()
         self._assistant_tail = self._assistant_tail_text()
         self._tail_ids: dict[str, np.ndarray] = {}  # a handful of entries: one per stop token
+        self._openings: dict[str | None, str | None] = {}  # tool name (None: any) -> `tool_call_opening`
 
     # -- text ------------------------------------------------------------------------------------
 
@@ -151,6 +156,47 @@ class ChatRenderer:
             ):
                 frames[role] = (prefix, suffix)
         return frames
+
+    def tool_call_opening(self, name: str | None) -> str | None:
+        """The text this model's chat template writes after the generation prompt to open a call of
+        the tool `name`, through to where its arguments begin (None: of a tool the model picks, through
+        to where the name or the arguments begin, whichever comes first), as the template renders an
+        answer that is one tool call (with whatever it writes first, e.g. an empty think block); spaces
+        at its end are left to the model (a BPE tokenizer joins them to the next token). None where
+        the template writes no such place: no tool calls, or, for a named tool, the arguments before
+        the name. Derived from the template, so it is the model's own markup whatever its family."""
+        if name not in self._openings:  # one entry per tool name asked for
+            self._openings[name] = self._tool_call_opening(name)
+        return self._openings[name]
+
+    def _tool_call_opening(self, name: str | None) -> str | None:
+        probe = self._answer_with_call(_PROBE_NAME)
+        if probe is None or _PROBE_NAME not in probe:
+            return None
+        at_name, at_args = probe.index(_PROBE_NAME), probe.rfind("{", 0, probe.index(_PROBE_ARG))
+        if name is None:
+            return probe[:min(at_name, at_args)].rstrip(" ")
+        if at_name > at_args:
+            return None
+        text = self._answer_with_call(name)
+        return None if text is None else text[:text.rfind("{", 0, text.index(_PROBE_ARG))].rstrip(" ")
+
+    def _answer_with_call(self, name: str) -> str | None:
+        """What the template writes after the generation prompt for an answer (to a user message)
+        that is one call of `name` with the arguments ``{_PROBE_ARG: 1}``; None if the template
+        refuses it or does not write it after its generation prompt."""
+        from jinja2 import TemplateError
+
+        msgs = [*self._base_msgs, {"role": "user", "content": _SENTINEL}]
+        call = ToolCall(_PROBE_ID, name, json.dumps({_PROBE_ARG: 1}))
+        try:
+            before = self.render_text(msgs, add_generation_prompt=True)
+            text = self.render_text(msgs + [Message("assistant", "", (call,)).template_dict()])
+        except TemplateError:
+            return None
+        if not text.startswith(before) or _PROBE_ARG not in text[len(before):]:
+            return None
+        return text[len(before):]
 
     def _chunk_text(self, message: Message) -> str:
         frame = self._verbatim.get(message.role)

@@ -383,8 +383,8 @@ class ProxyApp:
         try:
             rollout = self._authorize(request.headers, request.scope)
             _check_length(request.headers)
-            conv, prefill = ANTHROPIC.parse_count_tokens(await request.body(), _memory(rollout, "count_tokens"))
-            n = self.core.count_tokens(rollout, conv, prefill)
+            counted = ANTHROPIC.parse_count_tokens(await request.body(), _memory(rollout, "count_tokens"))
+            n = self.core.count_tokens(rollout, counted)
         except ProtocolError as exc:
             _refused(request.scope, rollout, ANTHROPIC.name, exc)
             return JSONBytes(ANTHROPIC.error(exc), status_code=exc.status)

@@ -97,10 +97,13 @@ def transcript_events(
             continue
         if prev is not None:
             shared = shared_with_path(call.prompt_ids, prev.prompt_ids, prev.output_ids)
-            events += _added_events(call.prompt_ids[shared:], prev.output_ids, prev_calls, decode, added)
+            # What the harness added ends at the generation prompt: a prefill after it is the answer's.
+            end = len(call.prompt_ids) - call.metadata.get("prefill_tokens", 0)
+            events += _added_events(call.prompt_ids[shared:end], prev.output_ids, prev_calls, decode, added)
         stop = call.metadata.get("stop_sequence")  # the harness saw the answer up to it
         text, _ = before_stop(decode_answer(call.output_ids), (stop,) if stop else ())
-        # A forced tool call's opening was written into the prompt; a call allowed no tool is text.
+        # The prefill (the request's, or a forced call's opening) starts the answer; a call allowed no
+        # tool call is text.
         text = call.metadata.get("prefill", "") + text
         if call.metadata.get("tool_choice") == "none":
             turn = parse_text(text, call.finish_reason, lambda: "")

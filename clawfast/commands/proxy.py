@@ -28,7 +28,7 @@ import threading
 import time
 from pathlib import Path
 
-from clawfast.commands.arg_types import non_negative_float, port, positive_float, positive_int
+from clawfast.commands.arg_types import non_negative_float, non_negative_int, port, positive_float, positive_int, probability
 from clawfast.engines.base import Engine, Sampling
 
 PROG = "clawfast proxy serve"
@@ -64,6 +64,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     serve.add_argument("--parser", default=None, help="tool-call parser: qwen3, hermes, mistral, llama3_json")
     serve.add_argument("--temperature", type=non_negative_float, default=None,
                        help="override every request's temperature (0: greedy)")
+    serve.add_argument("--top-p", type=probability, default=None, help="override every request's top_p")
+    serve.add_argument("--top-k", type=non_negative_int, default=None,
+                       help="override every request's top_k (0: no top-k, the whole distribution, so that the "
+                            "recorded log-probs are the policy's whatever a harness asks)")
     serve.add_argument("--max-tokens-cap", type=positive_int, default=4096, metavar="N",
                        help="upper bound on any call's output tokens (default 4096)")
     serve.add_argument("--max-model-len", type=positive_int, default=None, metavar="N",
@@ -164,7 +168,8 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         flag = f"--vllm {args.vllm}" if args.vllm else f"--model {model_dir}"
         return _fail(f"{flag}: cannot build the engine: {_one_line(exc)}")
-    sampling = Sampling(temperature=args.temperature, max_calls=args.max_calls_per_rollout)
+    sampling = Sampling(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                        max_calls=args.max_calls_per_rollout)
     proxy = ProxyConfig(max_tokens_cap=args.max_tokens_cap, max_model_len=args.max_model_len, parser=args.parser,
                         keepalive_s=args.keepalive)
     endpoint = EndpointConfig(host=args.host, port=args.port, grpc_port=args.grpc_port, grpc_token=args.grpc_token,

@@ -255,6 +255,8 @@ def test_decode_call_frame_checks_the_crc():
     corrupt[20] ^= 0xFF
     with pytest.raises(records.RecordFormatError):
         decode_call_frame(bytes(corrupt), "r")
+    with pytest.raises(records.RecordFormatError, match="belongs to rollout 'r'"):
+        decode_call_frame(frame, "another")
 
 
 # -- status --------------------------------------------------------------------------------------

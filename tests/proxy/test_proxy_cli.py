@@ -58,6 +58,8 @@ BAD_ARGUMENTS = {  # {tmp}: the test's directory, holding script.json (valid) an
     "negative output cap": (["--max-tokens-cap", "-5"], "argument --max-tokens-cap: must be at least 1, got -5"),
     "zero output cap": (["--max-tokens-cap", "0"], "argument --max-tokens-cap: must be at least 1, got 0"),
     "negative temperature": (["--temperature", "-3"], "argument --temperature: must be a finite number >= 0"),
+    "zero top p": (["--top-p", "0"], "argument --top-p: must lie in (0, 1], got 0"),
+    "negative top k": (["--top-k", "-1"], "argument --top-k: must be at least 0, got -1"),
     "zero keepalive": (["--keepalive", "0"], "argument --keepalive: must be a finite number > 0, got 0"),
     "missing script": (["--scripted", "{tmp}/missing.json"], "--scripted {tmp}/missing.json: No such file"),
     "bad script": (["--scripted", "{tmp}/bad.json"], "--scripted {tmp}/bad.json: entry 1 is list"),

@@ -12,7 +12,6 @@ import numpy as np
 import openai
 import pytest
 
-from clawfast.proxy.parsers import PARSERS, forced_opening, get_parser
 from clawfast.proxy.transcript import core_transcript
 from clawfast.threads import reconstruct
 
@@ -33,7 +32,7 @@ def _ends_with(ids: np.ndarray, tail: np.ndarray) -> bool:
 
 def test_anthropic_named_tool_is_forced_and_the_next_call_continues_its_tokens(proxy, renderer):
     # The engine plays what follows the opening the proxy wrote: the arguments and the block's end.
-    proxy.engine.push('{"command": "ls"}}\n</tool_call>', "Two files: a.py and b.py.")
+    proxy.engine.push(' {"command": "ls"}}\n</tool_call>', "Two files: a.py and b.py.")
     client = anthropic.Anthropic(base_url=proxy.url, api_key=proxy.key, max_retries=0)
     reply = client.messages.create(model="policy", max_tokens=64, messages=[USER], tools=TOOLS,
                                    tool_choice={"type": "tool", "name": "Bash"})
@@ -41,10 +40,16 @@ def test_anthropic_named_tool_is_forced_and_the_next_call_continues_its_tokens(p
     (use,) = [b for b in reply.content if b.type == "tool_use"]
     assert (use.name, use.input) == ("Bash", {"command": "ls"})
     first = proxy.calls()[0]
-    opening = '<tool_call>\n{"name": "Bash", "arguments": '
+    opening = '<tool_call>\n{"name": "Bash", "arguments":'  # the space before the arguments is the model's
     assert first.metadata["tool_choice"] == "tool" and first.metadata["prefill"] == opening
     assert _ends_with(first.prompt_ids, renderer.encode(opening))  # prompt tokens, never sampled
     assert reply.usage.input_tokens == len(first.prompt_ids)
+    forced = {"type": "tool", "name": "Bash"}
+    assert client.messages.count_tokens(model="policy", messages=[USER], tools=TOOLS,
+                                        tool_choice=forced).input_tokens == len(first.prompt_ids)
+    with pytest.raises(anthropic.BadRequestError, match="not among the request's tools"):
+        client.messages.count_tokens(model="policy", messages=[USER], tools=TOOLS,
+                                     tool_choice={"type": "tool", "name": "Write"})
 
     history = [USER, {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in reply.content]},
                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "a.py b.py"}]}]
@@ -76,7 +81,7 @@ def test_openai_chat_required_lets_the_model_pick_the_tool(proxy, renderer):
 
 def test_openai_chat_named_function_and_none(proxy):
     markup = '<tool_call>\n{"name": "Bash", "arguments": {"command": "ls"}}\n</tool_call>'
-    proxy.engine.push('{"command": "pwd"}}\n</tool_call>', markup)
+    proxy.engine.push(' {"command": "pwd"}}\n</tool_call>', markup)
     client = openai.OpenAI(base_url=f"{proxy.url}/v1", api_key=proxy.key, max_retries=0)
     named = client.chat.completions.create(model="policy", messages=[USER], tools=CHAT_TOOLS,
                                            tool_choice={"type": "function", "function": {"name": "Bash"}})
@@ -92,7 +97,7 @@ def test_openai_chat_named_function_and_none(proxy):
 
 
 def test_a_streamed_forced_call_streams_the_call(proxy):
-    proxy.engine.push('{"path": "b.py"}}\n</tool_call>')
+    proxy.engine.push(' {"path": "b.py"}}\n</tool_call>')
     client = anthropic.Anthropic(base_url=proxy.url, api_key=proxy.key, max_retries=0)
     with client.messages.stream(model="policy", max_tokens=64, messages=[USER], tools=TOOLS,
                                 tool_choice={"type": "tool", "name": "Read"}) as stream:
@@ -102,7 +107,7 @@ def test_a_streamed_forced_call_streams_the_call(proxy):
 
 
 def test_responses_named_function_is_forced_and_echoed(proxy):
-    proxy.engine.push('{"command": "ls"}}\n</tool_call>')
+    proxy.engine.push(' {"command": "ls"}}\n</tool_call>')
     client = openai.OpenAI(base_url=f"{proxy.url}/v1", api_key=proxy.key, max_retries=0)
     tools = [{"type": "function", "name": t["name"], "description": t["description"],
               "parameters": t["input_schema"]} for t in TOOLS]
@@ -132,31 +137,65 @@ def test_a_tool_choice_that_cannot_be_honoured_is_a_400(proxy):
     assert proxy.calls() == [] and proxy.engine.calls == 0  # nothing reached the engine
 
 
-@pytest.mark.parametrize("parser", sorted(PARSERS))
-@pytest.mark.parametrize("name", ["Bash", 'odd "name" \u00fc'])
-def test_an_opening_and_its_continuation_parse_as_a_call_of_the_tool(parser, name):
-    """The continuation each family's model writes after the opening, parsed whole: the named tool
-    (its name JSON-escaped where the markup is JSON), with the arguments the model wrote."""
-    parse = get_parser(parser)
-    args = '{"command": "ls -l"}'
-    for vocab in ({}, {"[ARGS]": 1}):
-        named = forced_opening(parser, name, vocab)
-        rest = {"qwen3": "}\n</tool_call>", "hermes": "}\n</tool_call>", "llama3_json": "}", "mistral": "}]"}[parser]
-        if named.endswith("[ARGS]"):
-            rest = ""
-        turn = parse(named + args + rest, "stop", lambda: "id")
-        assert turn.parse_error is None, turn.parse_error
-        assert [(c.name, json.loads(c.arguments)) for c in turn.tool_calls] == [(name, {"command": "ls -l"})]
-        # Any tool: the model writes the name too.
-        anyone = forced_opening(parser, None, vocab)
-        if parser == "mistral":
-            written = (f"{name}[ARGS]{args}" if "[ARGS]" in vocab
-                       else json.dumps([{"name": name, "arguments": {"command": "ls -l"}}]))
-        else:
-            written = json.dumps(name)[1:] + f', "{"parameters" if parser == "llama3_json" else "arguments"}": {args}' \
-                + rest
-        turn = parse(anyone + written, "stop", lambda: "id")
-        assert [c.name for c in turn.tool_calls] == [name], (anyone + written, turn)
+# Minimal chat templates with the tool-call markups of other families, to derive their openings from.
+_FRAME = ("{%- for m in messages -%}<|im_start|>{{ m.role }}\n{% if m.tool_calls %}{% for c in m.tool_calls %}"
+          "@MARKUP@{% endfor %}{% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor -%}"
+          "{%- if add_generation_prompt %}<|im_start|>assistant\n@THINK@{% endif -%}")
+MARKUPS = {
+    # (markup, what the generation prompt holds after its header, opening of any tool, of Bash)
+    "hermes, name first": ('<tool_call>\n{"name": "@N@", "arguments": @A@}\n</tool_call>', "",
+                           '<tool_call>\n{"name": "', '<tool_call>\n{"name": "Bash", "arguments":'),
+    "mistral v3": ('[TOOL_CALLS] [{"name": "@N@", "arguments": @A@}]', "",
+                   '[TOOL_CALLS] [{"name": "', '[TOOL_CALLS] [{"name": "Bash", "arguments":'),
+    "mistral v11": ("[TOOL_CALLS]@N@[ARGS]@A@", "", "[TOOL_CALLS]", "[TOOL_CALLS]Bash[ARGS]"),
+    "llama 3": ('{"name": "@N@", "parameters": @A@}', "", '{"name": "', '{"name": "Bash", "parameters":'),
+    # The arguments before the name: any tool opens at the arguments; a named tool cannot be forced.
+    "hermes 2 pro, arguments first": ('<tool_call>\n{"arguments": @A@, "name": "@N@"}\n</tool_call>', "",
+                                      '<tool_call>\n{"arguments":', None),
+    # A thinking model's generation prompt opens the think block, which an answer closes first.
+    "think block": ("<think>\n\n</think>\n\n<tool_call>\n{\"name\": \"@N@\", \"arguments\": @A@}\n</tool_call>",
+                    "<think>\n", '\n</think>\n\n<tool_call>\n{"name": "',
+                    '\n</think>\n\n<tool_call>\n{"name": "Bash", "arguments":'),
+}
+
+
+def _renderer_with(template: str):
+    from transformers import AutoTokenizer
+
+    from clawfast.embedded import ensure_embedded_model
+    from clawfast.proxy import ChatRenderer
+
+    tokenizer = AutoTokenizer.from_pretrained(ensure_embedded_model())
+    tokenizer.chat_template = template
+    return ChatRenderer(tokenizer)
+
+
+@pytest.mark.parametrize("family", sorted(MARKUPS))
+def test_the_opening_is_what_the_template_writes_before_the_arguments(family):
+    """Derived from the chat template, not from a list of families: any tool opens where the name (or
+    the arguments) begins, a named tool where its arguments begin, spaces at the end left to the model."""
+    markup, think, anyone, bash = MARKUPS[family]
+    markup = markup.replace("@N@", "{{ c.function.name }}").replace("@A@", "{{ c.function.arguments }}")
+    renderer = _renderer_with(_FRAME.replace("@MARKUP@", markup).replace("@THINK@", think))
+    assert renderer.tool_call_opening(None) == anyone
+    assert renderer.tool_call_opening("Bash") == bash
+    if bash is not None:
+        # The opening and what the model writes after it are the template's own rendering of the call.
+        whole = renderer._answer_with_call("Bash")
+        assert whole.startswith(bash) and whole[len(bash):].lstrip(" ").startswith("{")
+
+
+def test_a_template_without_tool_calls_cannot_force_one(proxy_factory, tmp_path):
+    renderer = _renderer_with(_FRAME.replace("@MARKUP@", "").replace("@THINK@", ""))
+    assert renderer.tool_call_opening(None) is None and renderer.tool_call_opening("Bash") is None
+
+
+def test_a_forced_call_and_a_prefill_together_are_a_400(proxy):
+    client = anthropic.Anthropic(base_url=proxy.url, api_key=proxy.key, max_retries=0)
+    with pytest.raises(anthropic.BadRequestError, match="cannot be combined"):
+        client.messages.create(model="policy", max_tokens=8, tools=TOOLS, tool_choice={"type": "any"},
+                               messages=[USER, {"role": "assistant", "content": "I will"}])
+    assert proxy.engine.calls == 0
 
 
 def test_anthropic_prefill_is_continued_and_the_reply_holds_what_follows_it(proxy, renderer):
@@ -194,3 +233,29 @@ def test_a_prefill_the_api_would_refuse_is_a_400(proxy):
         client.messages.create(model="policy", max_tokens=8, tools=TOOLS,
                                messages=[USER, {"role": "assistant", "content": [use]}])
     assert proxy.engine.calls == 0
+
+
+def test_the_transcript_reads_what_the_harness_added_before_a_prefilled_call(proxy):
+    """The prefill's tokens end the prompt, after the generation prompt: what the harness added before
+    them (a tool result, a user message) reads as it would before any other call."""
+    proxy.engine.push({"tool_calls": [{"name": "Bash", "arguments": {"command": "ls"}}]}, ' {"command": "cat a.py"}}\n</tool_call>',
+                      "Sure.", ' "ok": true}')
+    client = anthropic.Anthropic(base_url=proxy.url, api_key=proxy.key, max_retries=0)
+    first = client.messages.create(model="policy", max_tokens=64, messages=[USER], tools=TOOLS)
+    (use,) = [b for b in first.content if b.type == "tool_use"]
+    history = [USER, {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
+               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "a.py b.py"}]}]
+    forced = client.messages.create(model="policy", max_tokens=64, messages=history, tools=TOOLS,
+                                    tool_choice={"type": "tool", "name": "Bash"})
+    (again,) = [b for b in forced.content if b.type == "tool_use"]
+    history += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in forced.content]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": again.id, "content": "x = 1"}]}]
+    said = client.messages.create(model="policy", max_tokens=64, messages=history, tools=TOOLS)
+    history += [{"role": "assistant", "content": said.content[0].text}, {"role": "user", "content": "JSON please"},
+                {"role": "assistant", "content": "{"}]
+    client.messages.create(model="policy", max_tokens=64, messages=history, tools=TOOLS)
+    events = core_transcript(proxy.core, proxy.calls())
+    texts = [(e["message"]["role"], [c.get("text") or c.get("name") for c in e["message"]["content"]]) for e in events]
+    assert texts == [("assistant", ["Bash"]), ("toolResult", ["a.py b.py"]), ("assistant", ["Bash"]),
+                     ("toolResult", ["x = 1"]), ("assistant", ["Sure."]), ("user", ["JSON please"]),
+                     ("assistant", ['{ "ok": true}'])]

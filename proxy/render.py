@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from jinja2 import TemplateError
 
 from clawfast.proxy.canonical import Conversation, Message, ToolCall, ToolSpec
 from clawfast.proxy.incremental import common_prefix
@@ -185,8 +186,6 @@ class ChatRenderer:
         """What the template writes after the generation prompt for an answer (to a user message)
         that is one call of `name` with the arguments ``{_PROBE_ARG: 1}``; None if the template
         refuses it or does not write it after its generation prompt."""
-        from jinja2 import TemplateError
-
         msgs = [*self._base_msgs, {"role": "user", "content": _SENTINEL}]
         call = ToolCall(_PROBE_ID, name, json.dumps({_PROBE_ARG: 1}))
         try:

@@ -443,7 +443,7 @@ MALFORMED = {
     "empty": [],
     "mixed rollouts": [call(0, [1], [2], rid="a"), call(1, [1], [2], rid="b")],
     "duplicate index": [call(3, [1], [2]), call(3, [1, 2], [5])],
-    "negative index": [call(-1, [1], [2])],
+    "negative index": _mutated("call_index", -1),  # CallRecord refuses it; a record changed after is caught too
     "negative token": _mutated("prompt_ids", np.array([1, -2], np.int32)),
     "logprob length": _mutated("infer_logprobs", np.zeros(1, np.float32)),
     "positive logprob": _mutated("infer_logprobs", np.array([-0.1, 0.5], np.float32)),

@@ -172,9 +172,9 @@ class SandboxSpec:
 
 
 # How much of `SandboxSpec.name`, in bytes of UTF-8, names a sandbox's directory (and so its container
-# and proxy sockets): a Unix socket path holds at most 107 bytes, of which the rest of the longest
-# socket path takes 65: the default base directory /tmp/clawfast-sandbox-<pid>-XXXXXXXX (38, with a
-# 7-digit pid), the directory's own -XXXXXXXX suffix and its '/' (10), /proxy/65535.sock (17).
+# and proxy sockets): a Unix socket path holds at most 107 bytes, and the longest one (the default base
+# directory of a 7-digit pid, the sandbox directory's own suffix, /proxy/65535.sock) must fit with it
+# (tests/sandbox/test_hardening.py checks it with the prefixes and suffixes tempfile makes).
 NAME_LABEL_BYTES = 32
 
 

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -19,6 +21,7 @@ from clawfast.sandbox.bwrap import BwrapBackend
 from clawfast.sandbox.bwrap_supervise import Capture
 from clawfast.sandbox.local import LocalBackend
 from clawfast.sandbox.seccomp import program
+from clawfast.sandbox.spec import NAME_LABEL_BYTES, name_label
 
 PY = "/usr/bin/python3"
 MiB = 1 << 20
@@ -371,6 +374,19 @@ def test_long_names_fit_directory_and_socket_paths(backend, echo_server):
     for name, ports in (("r" * 300, ()), ("r" * 80, (echo_server.port,)), ("é" * 100, ())):
         with backend.create(SandboxSpec(name=name, allow_ports=ports)) as sb:
             assert sb.run(["true"]).exit_code == 0
+
+
+def test_the_longest_socket_path_fits_a_unix_socket():
+    """What NAME_LABEL_BYTES leaves room for, made as the bwrap backend makes it: the default base
+    directory of a 7-digit pid, a sandbox directory named by the longest label, the highest port."""
+    base = tempfile.mkdtemp(prefix="clawfast-sandbox-9999999-")
+    try:
+        sandbox = tempfile.mkdtemp(prefix=name_label("é" * 100) + "-", dir=base)
+        path = os.path.join(sandbox, "proxy", "65535.sock")
+        assert len(name_label("é" * 100).encode()) == NAME_LABEL_BYTES
+        assert len(path.encode()) <= 107, path
+    finally:
+        shutil.rmtree(base)
 
 
 def test_max_file_bytes_does_not_bound_output(backend):

@@ -118,8 +118,10 @@ def split_prefill(conv: Conversation) -> tuple[Conversation, str]:
 
 
 def _tool_choice(choice: ToolChoiceParam | None, conv: Conversation) -> ToolChoice:
-    mode = "auto" if choice is None else {"any": "required"}.get(choice.type, choice.type)
-    return checked_tool_choice(mode, choice and choice.name, conv.tools, "tool_choice")
+    if choice is None:
+        return checked_tool_choice("auto", None, conv.tools, "tool_choice")
+    return checked_tool_choice({"any": "required"}.get(choice.type, choice.type), choice.name, conv.tools,
+                               "tool_choice", parallel=not choice.disable_parallel_tool_use)
 
 
 def _convert_message(raw: object, i: int) -> list[Message]:

@@ -50,6 +50,7 @@ class Tool(_Model):
 class ToolChoiceParam(_Model):
     type: Literal["auto", "any", "tool", "none"]
     name: Optional[str] = None  # for "tool"
+    disable_parallel_tool_use: Optional[bool] = None
 
 
 class MessagesRequest(_Model):

@@ -120,10 +120,13 @@ class ToolChoice:
     the tool `name`). The proxy forces a call by writing its opening, in the model's own tool-call
     markup as its chat template writes it, after the generation prompt
     (`clawfast.proxy.render.ChatRenderer.tool_call_opening`): prompt tokens, never sampled, so the
-    call's tokens stay the policy's own samples."""
+    call's tokens stay the policy's own samples. `parallel` False (Anthropic's
+    ``disable_parallel_tool_use``, OpenAI's ``parallel_tool_calls: false``): an answer holds at most one
+    call (`clawfast.proxy.parsers.parse_answer`)."""
 
     mode: str = "auto"  # "auto" | "none" | "required" | "tool"
     name: str | None = None  # the tool, for mode "tool"
+    parallel: bool = True
 
 
 @dataclass
@@ -156,6 +159,9 @@ class Turn:
     finish_reason: str  # "stop" | "length" | "tool_calls"
     parse_error: str | None = None
     stop_sequence: str | None = None  # the request's stop sequence the answer ended at, if it did
+    # Calls the model wrote past the first where the request allows one, in markup that holds every
+    # call in one JSON value (which cannot be cut after the first): dropped from the answer.
+    dropped_tool_calls: int = 0
 
     def as_message(self) -> Message:
         return Message("assistant", self.content, tuple(self.tool_calls), reasoning=self.reasoning)

@@ -121,7 +121,8 @@ class ChatFront(Front):
             top_p=req.top_p,
             top_k=req.top_k if req.top_k and req.top_k > 0 else None,
             stop=stop_sequences(req.stop, "stop"),
-            tool_choice=checked_tool_choice(mode, name, conv.tools, "tool_choice"),
+            tool_choice=checked_tool_choice(mode, name, conv.tools, "tool_choice",
+                                            parallel=req.parallel_tool_calls is not False),
             facts={"include_usage": True} if include_usage else {},
         )
 

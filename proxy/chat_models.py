@@ -79,3 +79,4 @@ class ChatRequest(_Model):
     stop: Union[str, list[str], None] = None
     tools: Optional[list[Any]] = None  # each a ChatTool
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: Optional[bool] = None

@@ -31,10 +31,10 @@ from jinja2 import TemplateError
 from clawfast.engines.base import Engine, Generation, SamplingParams
 from clawfast.proxy.canonical import Conversation, Request, Turn
 from clawfast.proxy.front import Answer, Front, ProtocolError
-from clawfast.proxy.parsers import detect_parser, get_parser, parse_text
+from clawfast.proxy.parsers import detect_parser, first_call_end, get_parser, parse_answer
 from clawfast.proxy.render import ChatRenderer, RenderedPrompt, RolloutPrompts
 from clawfast.proxy.rollouts import Rollout
-from clawfast.proxy.stops import before_stop, cut_at_stop
+from clawfast.proxy.stops import before_stop, cut_at_stop, cut_where
 from clawfast.proxy.tagging import Tagging, classify
 from clawfast.records import CallRecord, LogClosed
 from clawfast.serving import ProxyConfig  # defined below the proxy: the trainer writes one too
@@ -199,7 +199,23 @@ class ProxyCore:
         gen = await self.engine.generate(call.prompt.ids, call.params)
         if call.request.stop:
             gen = cut_at_stop(gen, len(call.prompt.ids), call.request.stop, self.renderer.answer_text)
+        choice = call.request.tool_choice
+        if not choice.parallel and choice.mode != "none":
+            gen = self._cut_after_first_call(call, gen)
         return gen
+
+    def _cut_after_first_call(self, call: PreparedCall, gen: Generation) -> Generation:
+        """A request that allows one call at a time is answered with the model's first: the fewest
+        sampled tokens whose text holds its markup, as a stop sequence ends an answer
+        (`clawfast.proxy.stops`), so the record trains what the harness got and the next call continues
+        it. `gen` itself where the model's markup holds every call in one JSON value
+        (`parse_answer` then drops all but the first)."""
+        text, _ = before_stop(self._continuation_text(call, gen.output_ids), call.request.stop)
+        end = first_call_end(self.parser_name, call.prefill_text + text)
+        if end is None or end <= len(call.prefill_text):
+            return gen
+        head = text[: end - len(call.prefill_text)]
+        return cut_where(gen, len(call.prompt.ids), lambda ids: self._continuation_text(call, ids).startswith(head))
 
     @property
     def pending(self) -> int:
@@ -212,19 +228,19 @@ class ProxyCore:
 
     # -- completion ------------------------------------------------------------------------------
 
-    def _continuation_text(self, call: PreparedCall, gen: Generation) -> str:
+    def _continuation_text(self, call: PreparedCall, output_ids: np.ndarray) -> str:
         """The answer's text past its prefill, decoded after the prefill's tokens: a tokenizer may
         decode a token's leading space only after a neighbour (SentencePiece strips it at the start)."""
         if not len(call.prefill):
-            return self.renderer.answer_text(gen.output_ids)
+            return self.renderer.answer_text(output_ids)
         head = self.renderer.decode(call.prefill)
-        whole = self.renderer.answer_text(np.concatenate([call.prefill, np.asarray(gen.output_ids, np.int32)]))
-        return whole[len(head):] if whole.startswith(head) else self.renderer.answer_text(gen.output_ids)
+        whole = self.renderer.answer_text(np.concatenate([call.prefill, np.asarray(output_ids, np.int32)]))
+        return whole[len(head):] if whole.startswith(head) else self.renderer.answer_text(output_ids)
 
     def parse(self, call: PreparedCall, gen: Generation) -> Turn:
-        text, stop = before_stop(self._continuation_text(call, gen), call.request.stop)
-        parse = parse_text if call.request.tool_choice.mode == "none" else self._parse
-        turn = parse(call.prefill_text + text, gen.finish_reason, call.front.new_tool_call_id)
+        text, stop = before_stop(self._continuation_text(call, gen.output_ids), call.request.stop)
+        turn = parse_answer(self._parse, call.prefill_text + text, gen.finish_reason, call.front.new_tool_call_id,
+                            call.request.tool_choice)
         turn.stop_sequence = stop
         return turn
 
@@ -245,9 +261,12 @@ class ProxyCore:
             raise RuntimeError("call already completed")
         call.committed = True
         turn = call.turn if call.turn is not None else self.answer(call, gen)
-        prompts = _rollout_prompts(call.rollout)
-        prompts.remember(self.renderer, np.concatenate([call.prefill, np.asarray(gen.output_ids, np.int32)]),
-                         turn.as_message().replay_key())
+        if not turn.dropped_tool_calls:
+            # A turn answered without some of the calls its tokens hold is rendered afresh where a later
+            # prompt replays it: its tokens would show the model calls the harness never ran.
+            prompts = _rollout_prompts(call.rollout)
+            prompts.remember(self.renderer, np.concatenate([call.prefill, np.asarray(gen.output_ids, np.int32)]),
+                             turn.as_message().replay_key())
         metadata: dict[str, Any] = {
             "protocol": call.request.protocol,
             "model": call.request.model,
@@ -267,6 +286,10 @@ class ProxyCore:
             metadata["stop_sequence"] = turn.stop_sequence
         if call.request.tool_choice.mode != "auto":
             metadata["tool_choice"] = call.request.tool_choice.mode
+        if not call.request.tool_choice.parallel:
+            metadata["parallel_tool_calls"] = False
+        if turn.dropped_tool_calls:
+            metadata["dropped_tool_calls"] = turn.dropped_tool_calls
         if call.prefill_text:
             # The prompt's last tokens (so many), and the start of the answer's text.
             metadata["prefill"], metadata["prefill_tokens"] = call.prefill_text, len(call.prefill)

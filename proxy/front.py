@@ -82,7 +82,8 @@ def stop_sequences(value: str | Sequence[str] | None, param: str) -> tuple[str, 
     return stops
 
 
-def checked_tool_choice(mode: str, name: str | None, tools: Sequence[ToolSpec], param: str) -> ToolChoice:
+def checked_tool_choice(mode: str, name: str | None, tools: Sequence[ToolSpec], param: str,
+                        parallel: bool = True) -> ToolChoice:
     """A request's tool choice; ProtocolError (400) naming `param` where it cannot be honoured, as the
     real APIs answer it: a forced call with no tools, or of a tool the request does not offer."""
     if mode in ("required", "tool") and not tools:
@@ -90,7 +91,7 @@ def checked_tool_choice(mode: str, name: str | None, tools: Sequence[ToolSpec], 
     if mode == "tool" and name not in {t.name for t in tools}:
         raise ProtocolError(400, "invalid_request",
                             f"tool_choice names the tool {name!r}, which is not among the request's tools", param)
-    return ToolChoice(mode, name if mode == "tool" else None)
+    return ToolChoice(mode, name if mode == "tool" else None, parallel)
 
 
 @dataclass

@@ -25,9 +25,10 @@ from typing import Callable
 
 import orjson
 
-from clawfast.proxy.canonical import ToolCall, Turn, canonical_arguments
+from clawfast.proxy.canonical import ToolCall, ToolChoice, Turn, canonical_arguments
 
 NewId = Callable[[], str]
+Parser = Callable[[str, str, NewId], Turn]
 
 _THINK_OPEN, _THINK_CLOSE = "<think>", "</think>"
 _TOOL_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
@@ -156,7 +157,56 @@ def parse_text(text: str, finish_reason: str, new_id: NewId) -> Turn:
     return _finish(rest, reasoning, [], finish_reason)
 
 
-PARSERS: dict[str, Callable[[str, str, NewId], Turn]] = {
+def parse_answer(parse: Parser, text: str, finish_reason: str, new_id: NewId, choice: ToolChoice) -> Turn:
+    """`text` parsed as the answer to a request that allows `choice`: all of it text where no call is
+    allowed (``none``); at most one call where one at a time is (`ToolChoice.parallel` False). The proxy
+    cuts such an answer after its first call before it is parsed (`first_call_end`); what is left past
+    one call here is markup holding every call in one JSON value, and those calls are dropped, as vLLM
+    drops them (`Turn.dropped_tool_calls`)."""
+    if choice.mode == "none":
+        return parse_text(text, finish_reason, new_id)
+    turn = parse(text, finish_reason, new_id)
+    if not choice.parallel and len(turn.tool_calls) > 1:
+        turn.dropped_tool_calls = len(turn.tool_calls) - 1
+        del turn.tool_calls[1:]
+    return turn
+
+
+def _first_block_end(text: str) -> int | None:
+    reasoning_len = len(text) - len(_split_reasoning(text)[1])
+    block = _TOOL_BLOCK.search(text, reasoning_len)
+    if block is None or "<tool_call>" not in text[block.end():]:
+        return None
+    return block.end()
+
+
+def _first_mistral_call_end(text: str) -> int | None:
+    first = text.find("[TOOL_CALLS]", len(text) - len(_split_reasoning(text)[1]))
+    if first < 0:
+        return None
+    second = text.find("[TOOL_CALLS]", first + len("[TOOL_CALLS]"))
+    if second < 0 or "[ARGS]" not in text[first:second]:  # v3 markup: the calls are one JSON array
+        return None
+    return second
+
+
+_FIRST_CALL_ENDS: dict[str, Callable[[str], int | None]] = {
+    "qwen3": _first_block_end,
+    "hermes": _first_block_end,
+    "mistral": _first_mistral_call_end,
+}
+
+
+def first_call_end(family: str, text: str) -> int | None:
+    """Where the first tool call's markup ends in model output `text`, if another call starts after it
+    and the family's markup lets calls be cut apart (each in its own block: Hermes/Qwen
+    ``<tool_call>`` blocks, Mistral v11 ``[TOOL_CALLS]name[ARGS]``); None otherwise (one call, or every
+    call in one JSON value: Mistral v3, Llama 3)."""
+    find = _FIRST_CALL_ENDS.get(family)
+    return None if find is None else find(text)
+
+
+PARSERS: dict[str, Parser] = {
     "qwen3": parse_qwen3,
     "hermes": parse_qwen3,
     "mistral": parse_mistral,
@@ -164,7 +214,7 @@ PARSERS: dict[str, Callable[[str, str, NewId], Turn]] = {
 }
 
 
-def get_parser(name: str) -> Callable[[str, str, NewId], Turn]:
+def get_parser(name: str) -> Parser:
     try:
         return PARSERS[name]
     except KeyError:

@@ -160,7 +160,8 @@ class ResponsesFront(Front):
             max_tokens=req.max_output_tokens,
             temperature=req.temperature,
             top_p=req.top_p,
-            tool_choice=checked_tool_choice(mode, name, conv.tools, "tool_choice"),
+            tool_choice=checked_tool_choice(mode, name, conv.tools, "tool_choice",
+                                            parallel=req.parallel_tool_calls is not False),
             facts={"custom_tools": list(custom)} if custom else {},
         )
 
@@ -211,7 +212,7 @@ class ResponsesFront(Front):
             "incomplete_details": None,
             "instructions": None,
             "metadata": {},
-            "parallel_tool_calls": True,
+            "parallel_tool_calls": answer.request.tool_choice.parallel,
             "temperature": answer.request.temperature,
             "top_p": answer.request.top_p,
             "tool_choice": _tool_choice_echo(answer.request),

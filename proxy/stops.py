@@ -1,15 +1,16 @@
-"""Stop sequences: a call that names strings to stop at (OpenAI's ``stop``, Anthropic's
-``stop_sequences``) ends where the first of them appears in its answer.
+"""Where an answer ends before the engine stopped: at a stop sequence (OpenAI's ``stop``, Anthropic's
+``stop_sequences``), or after its first tool call where the request allows one call at a time
+(`clawfast.proxy.core.ProxyCore`).
 
 Engines sample token ids and know no text, so the proxy cuts after the engine is done: the call keeps
-the fewest sampled tokens whose text holds a stop sequence (with their log-probs, weight versions and
-MoE routing rows), and the harness gets the text before that sequence. Cutting after sampling is
-exact: the kept tokens were sampled from the same distributions they would have been if the engine
-had stopped there, and what the policy sampled past them is dropped, not trained. What it costs is the
-engine's time on the dropped tokens, up to the call's output budget.
+the fewest sampled tokens whose text reaches the end (with their log-probs, weight versions and MoE
+routing rows), and the harness gets the text up to it. Cutting after sampling is exact: the kept
+tokens were sampled from the same distributions they would have been if the engine had stopped there,
+and what the policy sampled past them is dropped, not trained. What it costs is the engine's time on
+the dropped tokens, up to the call's output budget.
 
-Not guaranteed: the last kept token may hold text past the stop sequence (a token such as ``"\\n\\nObs"``
-completing ``"\\nO"``); the harness never sees that text, the record keeps the token.
+Not guaranteed: the last kept token may hold text past the end (a token such as ``"\\n\\nObs"``
+completing the stop sequence ``"\\nO"``); the harness never sees that text, the record keeps the token.
 """
 
 from __future__ import annotations
@@ -41,19 +42,25 @@ def before_stop(text: str, stops: Sequence[str]) -> tuple[str, str | None]:
 def cut_at_stop(gen: Generation, prompt_len: int, stops: Sequence[str],
                 answer_text: Callable[[np.ndarray], str]) -> Generation:
     """`gen` ended at its first stop sequence: the shortest prefix of its output whose
-    `answer_text` holds one, with finish_reason "stop"; `gen` itself if its text holds none.
-    A binary search: a prefix's text holds a stop sequence if a shorter prefix's does, since each
-    prefix's text begins the next one's."""
+    `answer_text` holds one (`cut_where`)."""
+    return cut_where(gen, prompt_len, lambda ids: first_stop(answer_text(ids), stops) is not None)
+
+
+def cut_where(gen: Generation, prompt_len: int, ends: Callable[[np.ndarray], bool]) -> Generation:
+    """`gen` with the shortest prefix of its output ids for which `ends` holds, finish_reason "stop";
+    `gen` itself if `ends` does not hold for its whole output. A binary search: `ends` must hold for a
+    prefix if it holds for a shorter one (true of a text test, since each prefix's text begins the
+    next one's)."""
     ids = gen.output_ids
-    if first_stop(answer_text(ids), stops) is None:
+    if not ends(ids):
         return gen
-    lo, hi = 1, len(ids)  # the shortest holding prefix has hi tokens, and more than lo - 1
+    lo, hi = 1, len(ids)  # the shortest prefix that ends has hi tokens, and more than lo - 1
     while lo < hi:
         mid = (lo + hi) // 2
-        if first_stop(answer_text(ids[:mid]), stops) is None:
-            lo = mid + 1
-        else:
+        if ends(ids[:mid]):
             hi = mid
+        else:
+            lo = mid + 1
     return _keep(gen, hi, prompt_len)
 
 

@@ -51,8 +51,9 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from clawfast.proxy.canonical import Turn, arguments_object
-from clawfast.proxy.parsers import get_parser, parse_text
+from clawfast.proxy.canonical import arguments_object
+from clawfast.proxy.canonical import ToolChoice
+from clawfast.proxy.parsers import Parser, get_parser, parse_answer
 from clawfast.proxy.stops import before_stop
 from clawfast.records import CallRecord
 from clawfast.threads import reconstruct, shared_with_path
@@ -70,7 +71,7 @@ def _message(role: str, content: list[dict[str, Any]], **extra: Any) -> dict[str
 def transcript_events(
     calls: Sequence[CallRecord],
     decode: Decode,
-    parse: Callable[[str, str], Turn],
+    parse: Parser,
     *,
     decode_answer: Decode | None = None,
     added: Added | None = None,
@@ -78,7 +79,8 @@ def transcript_events(
     """The rollout's transcript events (see the module docstring for the rule).
 
     decode(ids): text with special tokens skipped (for what the harness added). parse(text,
-    finish_reason): the proxy's `Turn` for an answer's text. decode_answer(ids): the answer's text as
+    finish_reason, new_id): the proxy's parser (`clawfast.proxy.parsers`); the events' call ids are
+    their own. decode_answer(ids): the answer's text as
     the proxy parsed it; default `decode`. Pass it when the tool-call markup is made of special tokens
     (Mistral's ``[TOOL_CALLS]``, tokenizers that mark ``<tool_call>`` special): skipping them would
     hide the tool calls from the parser. added(ids, previous_output_ids): the (role, content) messages
@@ -102,13 +104,12 @@ def transcript_events(
             events += _added_events(call.prompt_ids[shared:end], prev.output_ids, prev_calls, decode, added)
         stop = call.metadata.get("stop_sequence")  # the harness saw the answer up to it
         text, _ = before_stop(decode_answer(call.output_ids), (stop,) if stop else ())
-        # The prefill (the request's, or a forced call's opening) starts the answer; a call allowed no
-        # tool call is text.
+        # The prefill (the request's, or a forced call's opening) starts the answer, read under what the
+        # request allowed of tool calls (its mode; a named tool's name does not change what is read).
         text = call.metadata.get("prefill", "") + text
-        if call.metadata.get("tool_choice") == "none":
-            turn = parse_text(text, call.finish_reason, lambda: "")
-        else:
-            turn = parse(text, call.finish_reason)
+        choice = ToolChoice(call.metadata.get("tool_choice", "auto"),
+                            parallel=call.metadata.get("parallel_tool_calls", True))
+        turn = parse_answer(parse, text, call.finish_reason, lambda: "", choice)
         content: list[dict[str, Any]] = [{"type": "text", "text": turn.content}] if turn.content else []
         prev_calls = [
             {"type": "toolCall", "id": f"call_{call.call_index}_{k}", "name": tc.name,
@@ -153,7 +154,7 @@ def core_transcript(core: Any, calls: Sequence[CallRecord]) -> list[dict]:
     return transcript_events(
         calls,
         lambda ids: renderer.decode(ids, skip_special_tokens=True),
-        lambda text, finish: parser(text, finish, lambda: ""),  # ids are minted by transcript_events
+        parser,
         decode_answer=renderer.answer_text,
         added=renderer.added_messages,
     )

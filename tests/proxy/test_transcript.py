@@ -79,7 +79,7 @@ def decode_answer(ids) -> str:
     return " ".join("<call>" if int(i) == CALL else f"w{int(i)}" for i in ids if int(i) not in SPECIAL - {CALL})
 
 
-def parse(text: str, finish_reason: str) -> Turn:
+def parse(text: str, finish_reason: str, new_id) -> Turn:
     if text.startswith("<call>"):
         command = text.removeprefix("<call>").strip()
         return Turn("", "", [ToolCall("minted-by-parser", "exec", json.dumps({"command": command}))], "tool_calls")
@@ -152,9 +152,9 @@ def test_an_empty_addition_makes_no_event_and_text_after_a_text_answer_is_a_user
 
 
 def test_several_results_are_one_event_without_a_call_id():
-    def two_calls(text: str, finish_reason: str) -> Turn:
+    def two_calls(text: str, finish_reason: str, new_id) -> Turn:
         if not text.startswith("<call>"):
-            return parse(text, finish_reason)
+            return parse(text, finish_reason, new_id)
         return Turn("", "", [ToolCall("a", "exec", "{}"), ToolCall("b", "read", "{}")], "tool_calls")
 
     s = Session(5)
@@ -172,7 +172,7 @@ def test_several_results_are_one_event_without_a_call_id():
 def test_arguments_that_are_not_an_object_are_kept_as_empty():
     record = CallRecord("r", 0, "h", np.array([START, USER, 11, END, *GEN]), np.array([CALL, 12, END]), -np.ones(3))
 
-    def bad_arguments(text: str, finish_reason: str) -> Turn:
+    def bad_arguments(text: str, finish_reason: str, new_id) -> Turn:
         return Turn("", "", [ToolCall("x", "exec", "[1, 2]"), ToolCall("y", "read", "not json")], "tool_calls")
 
     (event,) = transcript_events([record], decode, bad_arguments)

@@ -10,7 +10,10 @@ and what the policy sampled past them is dropped, not trained. What it costs is 
 the dropped tokens, up to the call's output budget.
 
 Not guaranteed: the last kept token may hold text past the end (a token such as ``"\\n\\nObs"``
-completing the stop sequence ``"\\nO"``); the harness never sees that text, the record keeps the token.
+completing the stop sequence ``"\\nO"``); the record keeps the token. The harness never sees the text
+past a stop sequence; past a first tool call it gets it as text after the call (only where the
+markup's opening is not one token: a ``">\\n<"`` token ending ``</tool_call>`` where ``<tool_call>``
+is plain text to the tokenizer).
 """
 
 from __future__ import annotations

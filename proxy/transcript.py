@@ -51,8 +51,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from clawfast.proxy.canonical import arguments_object
-from clawfast.proxy.canonical import ToolChoice
+from clawfast.proxy.canonical import ToolChoice, arguments_object
 from clawfast.proxy.parsers import Parser, get_parser, parse_answer
 from clawfast.proxy.stops import before_stop
 from clawfast.records import CallRecord

@@ -146,6 +146,8 @@ class Request:
     # The start of the answer, written by the caller (Anthropic's prefill: a final assistant message):
     # the model continues it, and the reply holds what follows it.
     prefill: str = ""
+    # The reply lists each sampled token with its log-prob (Chat Completions ``logprobs``).
+    logprobs: bool = False
     facts: dict[str, Any] = field(default_factory=dict)  # request facts kept in the record metadata
 
 

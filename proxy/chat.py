@@ -5,7 +5,9 @@ messages; ``tool`` messages answer a ``tool_call_id``; assistant ``tool_calls`` 
 string) are canonicalised. Stream: a role chunk first (sent before generation finishes, then SSE
 comments as keep-alives), then reasoning / content / one chunk per tool call (whole arguments, with
 index, id, type, name), a finish chunk, a usage chunk (``choices: []``) if
-``stream_options.include_usage``, then ``data: [DONE]``.
+``stream_options.include_usage``, then ``data: [DONE]``. ``logprobs: true``: each sampled token with
+its log-prob (the policy's, as recorded), in the message's choice or the stream's finish chunk;
+``top_logprobs`` above 0 is a 400 (engines report the sampled token's log-prob, no alternatives).
 """
 
 from __future__ import annotations
@@ -106,6 +108,11 @@ class ChatFront(Front):
         req = load_body(body, ChatRequest, memory)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         conv = _conversation(req.messages, req.tools, memory)
+        if req.top_logprobs and not req.logprobs:
+            raise ProtocolError(400, "invalid_request", "top_logprobs requires logprobs to be true", "top_logprobs")
+        if req.top_logprobs:
+            raise ProtocolError(400, "invalid_request", "top_logprobs is not supported: this server reports the log-prob "
+                                "of each sampled token only (logprobs: true), no alternatives", "top_logprobs")
         choice = req.tool_choice
         if isinstance(choice, NamedToolChoice):
             mode, name = "tool", choice.function.name
@@ -123,6 +130,7 @@ class ChatFront(Front):
             stop=stop_sequences(req.stop, "stop"),
             tool_choice=checked_tool_choice(mode, name, conv.tools, "tool_choice",
                                             parallel=req.parallel_tool_calls is not False),
+            logprobs=bool(req.logprobs),
             facts={"include_usage": True} if include_usage else {},
         )
 
@@ -138,6 +146,14 @@ class ChatFront(Front):
 
     def _finish(self, answer: Answer) -> str:
         return answer.turn.finish_reason  # "stop" | "length" | "tool_calls": the OpenAI vocabulary
+
+    @staticmethod
+    def _logprobs(answer: Answer) -> dict | None:
+        if answer.sampled is None:
+            return None
+        content = [{"token": token, "logprob": logprob, "bytes": list(token.encode()), "top_logprobs": []}
+                   for token, logprob in answer.sampled]
+        return {"content": content, "refusal": None}
 
     def response(self, answer: Answer) -> bytes:
         turn = answer.turn
@@ -155,18 +171,19 @@ class ChatFront(Front):
                 "object": "chat.completion",
                 "created": answer.created,
                 "model": answer.request.model,
-                "choices": [{"index": 0, "message": message, "finish_reason": self._finish(answer), "logprobs": None}],
+                "choices": [{"index": 0, "message": message, "finish_reason": self._finish(answer),
+                             "logprobs": self._logprobs(answer)}],
                 "usage": self._usage(answer),
             }
         )
 
-    def _chunk(self, answer: Answer, delta: dict, finish: str | None = None) -> bytes:
+    def _chunk(self, answer: Answer, delta: dict, finish: str | None = None, logprobs: dict | None = None) -> bytes:
         chunk = {
             "id": answer.response_id,
             "object": "chat.completion.chunk",
             "created": answer.created,
             "model": answer.request.model,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}],
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}],
         }
         return b"data: " + orjson.dumps(chunk) + b"\n\n"
 
@@ -183,7 +200,7 @@ class ChatFront(Front):
         for index, c in enumerate(turn.tool_calls):
             call = {"index": index, "id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
             out.append(self._chunk(answer, {"tool_calls": [call]}))
-        out.append(self._chunk(answer, {}, self._finish(answer)))
+        out.append(self._chunk(answer, {}, self._finish(answer), self._logprobs(answer)))
         if answer.request.facts.get("include_usage"):
             usage = {
                 "id": answer.response_id,

@@ -80,3 +80,5 @@ class ChatRequest(_Model):
     tools: Optional[list[Any]] = None  # each a ChatTool
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: Optional[bool] = None
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)

@@ -104,6 +104,8 @@ class Answer:
     prompt_tokens: int
     turn: Turn | None = None  # None while generating (stream head, keep-alives)
     output_tokens: int = 0
+    # Each sampled token's text and log-prob, where the request asks for them (`Request.logprobs`).
+    sampled: list[tuple[str, float]] | None = None
     extra: dict = field(default_factory=dict)
 
 

@@ -18,16 +18,8 @@ from clawfast.proxy.canonical import ToolChoice
 from clawfast.proxy.parsers import first_call_end, parse_answer, parse_mistral, parse_qwen3
 from clawfast.proxy.transcript import core_transcript
 from clawfast.threads import reconstruct
+from sample_tools import CHAT_TOOLS, RESPONSES_TOOLS, TOOLS, USER
 
-TOOLS = [
-    {"name": "Bash", "description": "Run a shell command",
-     "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}}},
-    {"name": "Read", "description": "Read a file",
-     "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}}},
-]
-CHAT_TOOLS = [{"type": "function", "function": {"name": t["name"], "description": t["description"],
-                                                "parameters": t["input_schema"]}} for t in TOOLS]
-USER = {"role": "user", "content": "What files are here?"}
 FIRST = '<tool_call>\n{"name": "Bash", "arguments": {"command": "ls"}}\n</tool_call>'
 SECOND = '<tool_call>\n{"name": "Read", "arguments": {"path": "a.py"}}\n</tool_call>'
 TWO_CALLS = f"Let me look.\n{FIRST}\n{SECOND}"
@@ -103,15 +95,14 @@ def test_openai_chat_parallel_tool_calls_false(proxy, stream):
 
 
 def test_responses_parallel_tool_calls_false_is_honoured_and_echoed(proxy):
-    tools = [{"type": "function", "name": t["name"], "description": t["description"],
-              "parameters": t["input_schema"]} for t in TOOLS]
     client = openai.OpenAI(base_url=f"{proxy.url}/v1", api_key=proxy.key, max_retries=0)
     proxy.engine.push(TWO_CALLS, TWO_CALLS)
-    one = client.responses.create(model="policy", input="What files are here?", tools=tools, parallel_tool_calls=False)
+    one = client.responses.create(model="policy", input="What files are here?", tools=RESPONSES_TOOLS,
+                                  parallel_tool_calls=False)
     calls = [i for i in one.output if i.type == "function_call"]
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("Bash", {"command": "ls"})]
     assert one.parallel_tool_calls is False
-    both = client.responses.create(model="policy", input="What files are here?", tools=tools)
+    both = client.responses.create(model="policy", input="What files are here?", tools=RESPONSES_TOOLS)
     assert [i.name for i in both.output if i.type == "function_call"] == ["Bash", "Read"]
     assert both.parallel_tool_calls is True
 

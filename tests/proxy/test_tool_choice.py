@@ -14,16 +14,8 @@ import pytest
 
 from clawfast.proxy.transcript import core_transcript
 from clawfast.threads import reconstruct
+from sample_tools import CHAT_TOOLS, RESPONSES_TOOLS, TOOLS, USER
 
-TOOLS = [
-    {"name": "Bash", "description": "Run a shell command",
-     "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}}},
-    {"name": "Read", "description": "Read a file",
-     "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}}},
-]
-CHAT_TOOLS = [{"type": "function", "function": {"name": t["name"], "description": t["description"],
-                                                "parameters": t["input_schema"]}} for t in TOOLS]
-USER = {"role": "user", "content": "What files are here?"}
 
 
 def _ends_with(ids: np.ndarray, tail: np.ndarray) -> bool:
@@ -109,9 +101,7 @@ def test_a_streamed_forced_call_streams_the_call(proxy):
 def test_responses_named_function_is_forced_and_echoed(proxy):
     proxy.engine.push(' {"command": "ls"}}\n</tool_call>')
     client = openai.OpenAI(base_url=f"{proxy.url}/v1", api_key=proxy.key, max_retries=0)
-    tools = [{"type": "function", "name": t["name"], "description": t["description"],
-              "parameters": t["input_schema"]} for t in TOOLS]
-    reply = client.responses.create(model="policy", input="What files are here?", tools=tools,
+    reply = client.responses.create(model="policy", input="What files are here?", tools=RESPONSES_TOOLS,
                                     tool_choice={"type": "function", "name": "Bash"})
     (item,) = [i for i in reply.output if i.type == "function_call"]
     assert item.name == "Bash" and json.loads(item.arguments) == {"command": "ls"}

@@ -4,7 +4,10 @@ Mapping: `system` (string or text blocks, minus Claude Code's per-request
 ``x-anthropic-billing-header`` block, whose nonce would break every prefix) is the leading system text;
 ``role: "system"`` entries inside `messages` stay system messages; a user turn's ``tool_result`` blocks
 become tool messages and its text blocks a user message, in block order; an assistant turn's text,
-``thinking`` and ``tool_use`` blocks become one assistant message. Stream order (HARNESSES.md):
+``thinking`` and ``tool_use`` blocks become one assistant message. Tools the API defines (a versioned
+``type`` such as ``web_search_20250305`` or ``bash_20250124``) are not offered to the model, as
+Responses' hosted tools are not: a server tool would need the server to run it, and the request does
+not carry the schema of a client one (a forced choice of one is then a 400: not among the tools). Stream order (HARNESSES.md):
 message_start, ping, per block content_block_start / _delta / _stop, message_delta, message_stop.
 """
 
@@ -132,6 +135,8 @@ def _tools(raw: list | None) -> tuple[ToolSpec, ...]:
     specs = []
     for i, item in enumerate(raw or ()):
         t = validate_unit(Tool, item, f"tools.{i}")
+        if t.type not in (None, "custom"):
+            continue  # defined by the API (module docstring): not offered
         specs.append(ToolSpec(t.name, t.description or "", canonical_arguments(t.input_schema or {"type": "object", "properties": {}})))
     return tuple(specs)
 

@@ -42,6 +42,7 @@ class MessageParam(_Model):
 
 
 class Tool(_Model):
+    type: Optional[str] = None  # absent or "custom": the request's own tool; else one the API defines
     name: str
     description: Optional[str] = None
     input_schema: Optional[dict[str, Any]] = None

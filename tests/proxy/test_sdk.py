@@ -389,3 +389,21 @@ def test_non_text_parts_read_as_their_text_or_their_type(proxy):
     assert "user\nlook\n[image]\n[input_audio]\n[file]<|im_end|>" in chat and "assistant\nI can't<|im_end|>" in chat
     assert "user\nlook\n[image]\n[input_file]<|im_end|>" in responses and "assistant\nNo way.<|im_end|>" in responses
     assert "user\nlook\n[image]\n[document]\n[search_result]<|im_end|>" in messages
+
+
+def test_anthropic_tools_the_api_defines_are_not_offered(proxy, renderer):
+    # Claude Code's WebSearch asks for the server's search tool: this server runs none, and a client
+    # tool the API defines comes without its schema; the request's own tools are offered as ever.
+    client = anthropic.Anthropic(base_url=proxy.url, api_key=proxy.key, max_retries=0)
+    own = {"name": "Bash", "description": "Run a shell command",
+           "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}}}
+    defined = [{"type": "web_search_20250305", "name": "web_search", "max_uses": 8},
+               {"type": "bash_20250124", "name": "bash"}]
+    proxy.engine.push("No search here.")
+    client.messages.create(model="policy", max_tokens=32, messages=[{"role": "user", "content": "hi"}],
+                           tools=[own, *defined])
+    prompt = renderer.decode(proxy.calls()[0].prompt_ids)
+    assert '"Bash"' in prompt and "web_search" not in prompt and '"bash"' not in prompt
+    with pytest.raises(anthropic.BadRequestError, match="not among the request's tools"):
+        client.messages.create(model="policy", max_tokens=32, messages=[{"role": "user", "content": "hi"}],
+                               tools=[own, *defined], tool_choice={"type": "tool", "name": "web_search"})

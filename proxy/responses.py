@@ -5,7 +5,9 @@ assistant-side items (reasoning, assistant message, function_call, custom_tool_c
 assistant message; ``function_call_output`` / ``custom_tool_call_output`` items are tool messages.
 Function tools and custom (free-form) tools are offered to the model; a custom tool is presented as a
 function with one string parameter ``input`` and answered as a ``custom_tool_call``. Other tool types
-(web search, ...) are not offered.
+(web search, ...) are not offered. Log-probs (``top_logprobs``, ``include`` of
+``message.output_text.logprobs``) are a 400: which sampled tokens make an output text is not kept
+apart from reasoning and calls (Chat Completions lists every sampled token).
 
 Stream (HARNESSES.md): response.created, response.in_progress (then SSE comments while generating);
 per output item: output_item.added, its deltas and .done events, output_item.done; finally
@@ -25,6 +27,7 @@ from clawfast.proxy.incremental import UnitMemory
 from clawfast.proxy.responses_models import Item, Part, ResponsesRequest, ToolChoiceParam, ToolDef
 
 _CUSTOM_PARAMETERS = {"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"]}
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
 _ASSISTANT_ITEMS = ("reasoning", "function_call", "custom_tool_call")
 _TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
 
@@ -142,6 +145,10 @@ class ResponsesFront(Front):
             raise ProtocolError(400, "invalid_request", f"previous response {req.previous_response_id!r} not found: "
                                 "this server stores no responses; send the whole conversation in input",
                                 "previous_response_id")
+        if req.top_logprobs or LOGPROBS_INCLUDE in (req.include or ()):
+            # An answer without them would read as if the model's text had none; Chat Completions has them.
+            raise ProtocolError(400, "invalid_request", "log-probs are not supported on this endpoint (Chat Completions "
+                                "answers logprobs: true)", "top_logprobs" if req.top_logprobs else "include")
         conv, custom = _conversation(req, memory)
         choice = req.tool_choice
         if isinstance(choice, ToolChoiceParam):

@@ -62,3 +62,5 @@ class ResponsesRequest(_Model):
     temperature: Optional[float] = Field(default=None, ge=0.0, le=2.0)
     top_p: Optional[float] = Field(default=None, ge=0.0, le=1.0)
     previous_response_id: Optional[str] = None  # refused: the proxy keeps no responses (`ResponsesFront.parse`)
+    include: Optional[list[str]] = None
+    top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)  # above 0: refused (`ResponsesFront.parse`)

@@ -1,6 +1,6 @@
-"""Chat Completions ``logprobs`` through the official openai SDK: each sampled token with the log-prob
-the call recorded (the policy's, at sampling), streamed or not; ``top_logprobs`` alternatives, which no
-engine reports, are a 400 rather than an empty list."""
+"""Log-probs through the official openai SDK: Chat Completions ``logprobs`` lists each sampled token
+with the log-prob the call recorded (the policy's, at sampling), streamed or not; ``top_logprobs``
+alternatives, which no engine reports, and Responses' log-probs are a 400 rather than an empty list."""
 
 from __future__ import annotations
 
@@ -54,3 +54,17 @@ def test_top_logprobs_is_refused_and_nothing_is_generated(proxy, kwargs, message
         _client(proxy).chat.completions.create(model="policy", messages=[USER], **kwargs)
     assert err.value.body["param"] == "top_logprobs"
     assert proxy.calls() == []
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    ({"include": ["message.output_text.logprobs"]}, "include"),
+    ({"top_logprobs": 3}, "top_logprobs"),
+])
+def test_responses_log_probs_are_refused(proxy, kwargs, param):
+    with pytest.raises(openai.BadRequestError, match="log-probs are not supported on this endpoint") as err:
+        _client(proxy).responses.create(model="policy", input="Say hello.", **kwargs)
+    assert err.value.body["param"] == param and proxy.calls() == []
+    # What Codex includes is no log-prob.
+    proxy.engine.push("Hello.")
+    reply = _client(proxy).responses.create(model="policy", input="Say hello.", include=["reasoning.encrypted_content"])
+    assert reply.output_text == "Hello."

@@ -405,7 +405,7 @@ def main() -> None:
         for label, _, _ in sizes:
             cpu, bare_cpu, n_tokens = min(cpus[label]), min(bare_cpus[label]), int(np.median(tokens[label]))
             # Baseline: a proxy that re-renders and re-tokenizes the whole conversation every call.
-            conv = front.parse(Path(os.path.join(tmp, f"{label}-proxy.json")).read_bytes(), {}).conversation
+            conv = front.parse(Path(os.path.join(tmp, f"{label}-proxy.json")).read_bytes()).conversation
             reps = 5
             t0 = time.process_time()
             for _ in range(reps):

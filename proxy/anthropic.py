@@ -7,7 +7,7 @@ become tool messages and its text blocks a user message, in block order; an assi
 ``thinking`` and ``tool_use`` blocks become one assistant message. Tools the API defines (a versioned
 ``type`` such as ``web_search_20250305`` or ``bash_20250124``) are not offered to the model, as
 Responses' hosted tools are not: a server tool would need the server to run it, and the request does
-not carry the schema of a client one (a forced choice of one is then a 400: not among the tools). Stream order (HARNESSES.md):
+not carry the schema of a client one (a forced choice of one is then a 400). Stream order (HARNESSES.md):
 message_start, ping, per block content_block_start / _delta / _stop, message_delta, message_stop.
 """
 
@@ -134,9 +134,9 @@ def _convert_message(raw: object, i: int) -> list[Message]:
 def _tools(raw: list | None) -> tuple[ToolSpec, ...]:
     specs = []
     for i, item in enumerate(raw or ()):
+        if isinstance(item, dict) and item.get("type") not in (None, "custom"):
+            continue  # defined by the API (module docstring): not offered, whatever fields it has
         t = validate_unit(Tool, item, f"tools.{i}")
-        if t.type not in (None, "custom"):
-            continue  # defined by the API (module docstring): not offered
         specs.append(ToolSpec(t.name, t.description or "", canonical_arguments(t.input_schema or {"type": "object", "properties": {}})))
     return tuple(specs)
 
@@ -153,7 +153,7 @@ class AnthropicFront(Front):
     name = "anthropic"
     id_prefix = "msg_"
 
-    def parse(self, body: bytes, query: dict[str, str], memory: UnitMemory | None = None) -> Request:
+    def parse(self, body: bytes, memory: UnitMemory | None = None) -> Request:
         req = load_body(body, MessagesRequest, memory)
         conv, prefill = split_prefill(conversation(req.system, req.messages, req.tools, memory))
         return Request(
@@ -168,7 +168,6 @@ class AnthropicFront(Front):
             stop=stop_sequences(req.stop_sequences, "stop_sequences"),
             tool_choice=_tool_choice(req.tool_choice, conv),
             prefill=prefill,
-            facts={"beta": query.get("beta")} if "beta" in query else {},
         )
 
     def parse_count_tokens(self, body: bytes, memory: UnitMemory | None = None) -> Request:

@@ -41,8 +41,7 @@ class MessageParam(_Model):
     content: Union[str, list[Block]]
 
 
-class Tool(_Model):
-    type: Optional[str] = None  # absent or "custom": the request's own tool; else one the API defines
+class Tool(_Model):  # a tool of the request's own (`type` absent or "custom"; the front skips the others)
     name: str
     description: Optional[str] = None
     input_schema: Optional[dict[str, Any]] = None

@@ -148,7 +148,7 @@ class Request:
     prefill: str = ""
     # The reply lists each sampled token with its log-prob (Chat Completions ``logprobs``).
     logprobs: bool = False
-    facts: dict[str, Any] = field(default_factory=dict)  # request facts kept in the record metadata
+    facts: dict[str, Any] = field(default_factory=dict)  # what the front's reply needs of the request
 
 
 @dataclass

@@ -104,7 +104,7 @@ class ChatFront(Front):
     name = "chat"
     id_prefix = "chatcmpl-"
 
-    def parse(self, body: bytes, query: dict[str, str], memory: UnitMemory | None = None) -> Request:
+    def parse(self, body: bytes, memory: UnitMemory | None = None) -> Request:
         req = load_body(body, ChatRequest, memory)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         conv = _conversation(req.messages, req.tools, memory)

@@ -251,9 +251,9 @@ class ProxyCore:
         call.answer.turn = _after_prefill(turn, call.request.prefill)
         call.answer.output_tokens = len(gen.output_ids)
         if call.request.logprobs:
-            # Each token's text alone, as vLLM reports it (a piece of a character decodes to U+FFFD).
-            call.answer.sampled = [(self.renderer.decode([t]), float(lp))
-                                   for t, lp in zip(gen.output_ids, gen.infer_logprobs)]
+            # Each token's text alone, as vLLM reports it.
+            call.answer.sampled = list(zip(self.renderer.token_texts(gen.output_ids),
+                                           np.asarray(gen.infer_logprobs, np.float64).tolist()))
         return turn
 
     def complete(self, call: PreparedCall, gen: Generation, *, disconnected: bool = False,

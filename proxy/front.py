@@ -119,7 +119,7 @@ class Front(abc.ABC):
     id_prefix: str
 
     @abc.abstractmethod
-    def parse(self, body: bytes, query: dict[str, str], memory: UnitMemory | None = None) -> Request:
+    def parse(self, body: bytes, memory: UnitMemory | None = None) -> Request:
         """Validate a request body; raise ProtocolError (400) naming the bad field. `memory` is the
         rollout's translation memory for this protocol (None: translate everything)."""
 

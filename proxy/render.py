@@ -119,6 +119,10 @@ class ChatRenderer:
     def decode(self, ids: np.ndarray | list[int], skip_special_tokens: bool = False) -> str:
         return self._encoder.decode(list(map(int, ids)), skip_special_tokens=skip_special_tokens)
 
+    def token_texts(self, ids: np.ndarray | list[int]) -> list[str]:
+        """Each token's text decoded alone (special tokens kept; a piece of a character is U+FFFD)."""
+        return self._encoder.decode_batch([[int(t)] for t in ids], skip_special_tokens=False)
+
     def _stop_ids(self) -> tuple[int, ...]:
         vocab = self.tokenizer.get_vocab()
         ids = {vocab[t] for t in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end|>") if t in vocab}

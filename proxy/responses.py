@@ -137,7 +137,7 @@ class ResponsesFront(Front):
     name = "responses"
     id_prefix = "resp_"
 
-    def parse(self, body: bytes, query: dict[str, str], memory: UnitMemory | None = None) -> Request:
+    def parse(self, body: bytes, memory: UnitMemory | None = None) -> Request:
         req = load_body(body, ResponsesRequest, memory, "input")
         if req.previous_response_id is not None:
             # As the real API answers an id it does not know: without its stored turns, the input alone

@@ -39,7 +39,6 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qsl
 
 import orjson
 from starlette.applications import Starlette
@@ -353,8 +352,7 @@ class ProxyApp:
             rollout = self._authorize(headers, scope)
             _check_length(headers)
             body = await _read_body(receive)
-            query = dict(parse_qsl(scope["query_string"].decode("latin-1"))) if scope["query_string"] else {}
-            parsed = front.parse(body, query, _memory(rollout, front.name))
+            parsed = front.parse(body, _memory(rollout, front.name))
             if note is not None:
                 note["stream"] = parsed.stream
             call = self.core.prepare(front, rollout, parsed, headers, scope["path"])

@@ -292,8 +292,8 @@ def test_incremental_translation_equals_fresh_translation():
         previous = None
         for n in (0, 1, 2, 4, 3, 5):  # growing, then an edited (shorter) history, then growing again
             body = json.dumps(make(n)).encode()
-            with_memory = front.parse(body, {}, memory).conversation
-            assert with_memory == front.parse(body, {}).conversation
+            with_memory = front.parse(body, memory).conversation
+            assert with_memory == front.parse(body).conversation
             if previous is not None and n > 0:
                 shared = min(len(previous.messages), len(with_memory.messages)) - 2
                 assert all(a is b for a, b in zip(previous.messages[:shared], with_memory.messages[:shared]))
@@ -398,7 +398,8 @@ def test_anthropic_tools_the_api_defines_are_not_offered(proxy, renderer):
     own = {"name": "Bash", "description": "Run a shell command",
            "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}}}
     defined = [{"type": "web_search_20250305", "name": "web_search", "max_uses": 8},
-               {"type": "bash_20250124", "name": "bash"}]
+               {"type": "bash_20250124", "name": "bash"},
+               {"type": "mcp_toolset", "mcp_server_name": "docs"}]  # some carry no name
     proxy.engine.push("No search here.")
     client.messages.create(model="policy", max_tokens=32, messages=[{"role": "user", "content": "hi"}],
                            tools=[own, *defined])
@@ -407,3 +408,6 @@ def test_anthropic_tools_the_api_defines_are_not_offered(proxy, renderer):
     with pytest.raises(anthropic.BadRequestError, match="not among the request's tools"):
         client.messages.create(model="policy", max_tokens=32, messages=[{"role": "user", "content": "hi"}],
                                tools=[own, *defined], tool_choice={"type": "tool", "name": "web_search"})
+    with pytest.raises(anthropic.BadRequestError, match="needs tools, and the request has none"):
+        client.messages.create(model="policy", max_tokens=32, messages=[{"role": "user", "content": "hi"}],
+                               tools=defined, tool_choice={"type": "tool", "name": "web_search"})

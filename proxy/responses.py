@@ -27,7 +27,7 @@ from clawfast.proxy.incremental import UnitMemory
 from clawfast.proxy.responses_models import Item, Part, ResponsesRequest, ToolChoiceParam, ToolDef
 
 _CUSTOM_PARAMETERS = {"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"]}
-LOGPROBS_INCLUDE = "message.output_text.logprobs"
+_LOGPROBS_INCLUDE = "message.output_text.logprobs"
 _ASSISTANT_ITEMS = ("reasoning", "function_call", "custom_tool_call")
 _TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
 
@@ -145,7 +145,7 @@ class ResponsesFront(Front):
             raise ProtocolError(400, "invalid_request", f"previous response {req.previous_response_id!r} not found: "
                                 "this server stores no responses; send the whole conversation in input",
                                 "previous_response_id")
-        if req.top_logprobs or LOGPROBS_INCLUDE in (req.include or ()):
+        if req.top_logprobs or _LOGPROBS_INCLUDE in (req.include or ()):
             # An answer without them would read as if the model's text had none; Chat Completions has them.
             raise ProtocolError(400, "invalid_request", "log-probs are not supported on this endpoint (Chat Completions "
                                 "answers logprobs: true)", "top_logprobs" if req.top_logprobs else "include")

@@ -233,7 +233,9 @@ class RayRolloutPool:
         self.infra_retries = infra_retries
         self.started_ray = not ray.is_initialized()
         if self.started_ray:
-            ray.init(address=None if address == "local" else address)
+            # "local" passes through: Ray's own word for a private cluster even where another runs (no
+            # address, Ray joins the one RAY_ADDRESS or the last `ray start` names).
+            ray.init(address=address)
         # Per actor, by index (actors are only ever added): its handle, its node (the one it is pinned
         # to; placed by Ray: None until a rollout's outcome names it), the rollouts running on it over
         # every concurrent `run` (the cap is per actor); dead ones (process or node gone) get no more

@@ -274,7 +274,7 @@ class RolloutService:
 
         on = self.scheduling.ray
         if not ray.is_initialized():
-            ray.init(address=None if on.address == "local" else on.address)
+            ray.init(address=on.address)  # "local": a private cluster (`RayRolloutPool`)
             stack.callback(ray.shutdown)
         node = ray.util.get_node_ip_address()  # this node as the cluster reaches it
         setup = RaySetup(

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(
 def test_two_actor_local_cluster_runs_rollouts_with_truthful_results(tmp_path):
     tasks = [check_task("files-create-0"), check_task("files-lines-0")]
     specs = make_specs(tasks, ["mini-swe-agent"], k=2)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         on_ray = OnRay("local", "clawbench-mini", num_actors=2, actor_options={"num_cpus": 1})
         with RolloutService(ORACLE, ensure_embedded_model(), records_dir=tmp_path / "records",
@@ -58,19 +58,19 @@ def test_two_actor_local_cluster_runs_rollouts_with_truthful_results(tmp_path):
         assert on_disk[r.rollout_id].info["actor_pid"] == r.info["actor_pid"]
 
 
-def test_a_pool_whose_actors_cannot_start_says_why_at_its_start():
+def test_a_pool_whose_actors_cannot_start_says_why_at_its_start(monkeypatch):
     # A suite path that does not exist on the nodes: every actor's start raises. The pool says so as
     # it starts, with the cause, instead of every rollout failing later as lost nodes.
     from clawfast.rollout.ray_backend import RayRolloutPool, RaySetup
 
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
-    try:
-        setup = RaySetup(suite="/nonexistent/suite-typo", harnesses={"mini-swe-agent": {}}, concurrency=1)
-        with pytest.raises(RuntimeError, match=r"no rollout actor started \(suite '/nonexistent/suite-typo'\)"
-                                               r"(.|\n)*suite-typo"):
-            RayRolloutPool(setup)
-    finally:
-        ray.shutdown()
+    # "local" is a private cluster even where a plain `ray.init()` would join another (here a dead
+    # address, which it would wait on for minutes); the pool shuts the cluster it started down.
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:9")
+    setup = RaySetup(suite="/nonexistent/suite-typo", harnesses={"mini-swe-agent": {}}, concurrency=1)
+    with pytest.raises(RuntimeError, match=r"no rollout actor started \(suite '/nonexistent/suite-typo'\)"
+                                           r"(.|\n)*suite-typo"):
+        RayRolloutPool(setup, address="local")
+    assert not ray.is_initialized()
 
 
 def test_an_actor_run_that_raises_stops_the_run_as_the_local_scheduler_does(tmp_path):
@@ -78,7 +78,7 @@ def test_an_actor_run_that_raises_stops_the_run_as_the_local_scheduler_does(tmp_
     # is not a lost node to retry elsewhere: the run stops with that error and its rollout is closed.
     known = check_task("files-create-0")
     stranger = dataclasses.replace(known, id="files-create-0-elsewhere")
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
     try:
         on_ray = OnRay("local", "clawbench-mini", num_actors=1, actor_options={"num_cpus": 1})
         with RolloutService(ORACLE, ensure_embedded_model(), records_dir=tmp_path / "records",

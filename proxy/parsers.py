@@ -172,16 +172,20 @@ def parse_answer(parse: Parser, text: str, finish_reason: str, new_id: NewId, ch
     return turn
 
 
+def _answer_start(text: str) -> int:
+    """Where the answer past the reasoning begins in `text` (`_split_reasoning`'s rest is a suffix)."""
+    return len(text) - len(_split_reasoning(text)[1])
+
+
 def _first_block_end(text: str) -> int | None:
-    reasoning_len = len(text) - len(_split_reasoning(text)[1])
-    block = _TOOL_BLOCK.search(text, reasoning_len)
+    block = _TOOL_BLOCK.search(text, _answer_start(text))
     if block is None or "<tool_call>" not in text[block.end():]:
         return None
     return block.end()
 
 
 def _first_mistral_call_end(text: str) -> int | None:
-    first = text.find("[TOOL_CALLS]", len(text) - len(_split_reasoning(text)[1]))
+    first = text.find("[TOOL_CALLS]", _answer_start(text))
     if first < 0:
         return None
     second = text.find("[TOOL_CALLS]", first + len("[TOOL_CALLS]"))

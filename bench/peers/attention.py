@@ -13,7 +13,9 @@ whatever order each packer gives its rows. Float32, 4 query / 2 key-value heads,
 Equality, checked before timing: for every sequence of the tree and every position in it, the
 attention output at its row on our side equals the output at its row on AReaL's side (rows found
 from AReaL's trie, `get_sequence_tree_indices`, and from our ``kv_end`` paths), max abs difference
-relative to the largest output entry <= TOL. AReaL's padding rows are not compared.
+relative to the largest output entry <= TOL (1e-4, as the log-prob section's float32 comparison:
+typically 3e-7 here, but a CPU run once measured 2.4e-5, which is float32 summation order, not a
+wrong row: one wrong row is off by the size of an output). AReaL's padding rows are not compared.
 
 Rows: forward per layer (both mask structures built beforehand, as both trainers reuse one per
 micro-batch); the mask structure itself (ours `TreeMask` + its block schedule vs AReaL's
@@ -37,7 +39,7 @@ from memory import measure  # noqa: E402
 
 NAME = "attention"
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 64
-TOL = 1e-5
+TOL = 1e-4  # float32, two softmaxes that sum in different orders: relative to the largest entry
 TABLE = 4099  # rows of the q/k/v lookup tables (prime: (token, position) pairs spread over them)
 MIB = 2**20
 

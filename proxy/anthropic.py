@@ -225,9 +225,9 @@ class AnthropicFront(Front):
 
     def stream_head(self, answer: Answer) -> bytes:
         start = {"type": "message_start", "message": self._message(answer, [], (None, None))}
-        return sse("message_start", start) + self.keepalive()
+        return sse("message_start", start) + self.keepalive(answer)
 
-    def keepalive(self) -> bytes:
+    def keepalive(self, answer: Answer) -> bytes:
         return b'event: ping\ndata: {"type":"ping"}\n\n'
 
     def stream_body(self, answer: Answer) -> bytes:

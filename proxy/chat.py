@@ -81,10 +81,11 @@ def _message(m: ChatMessage, i: int) -> Message:
 def _tools(raw: list | None) -> tuple[ToolSpec, ...]:
     specs = []
     for i, item in enumerate(raw or ()):
+        if isinstance(item, dict) and item.get("type", "function") != "function":
+            continue  # custom and other tool types are not offered (docs/HARNESSES.md), as on the other fronts
         t = validate_unit(ChatTool, item, f"tools.{i}")
-        if t.type == "function":
-            params = t.function.parameters or {"type": "object", "properties": {}}
-            specs.append(ToolSpec(t.function.name, t.function.description or "", canonical_arguments(params)))
+        params = t.function.parameters or {"type": "object", "properties": {}}
+        specs.append(ToolSpec(t.function.name, t.function.description or "", canonical_arguments(params)))
     return tuple(specs)
 
 
@@ -122,7 +123,7 @@ class ChatFront(Front):
             protocol=self.name,
             conversation=conv,
             model=req.model,
-            stream=req.stream,
+            stream=bool(req.stream),
             max_tokens=req.max_completion_tokens or req.max_tokens,
             temperature=req.temperature,
             top_p=req.top_p,

@@ -48,7 +48,7 @@ class FunctionDef(_Model):
 
 
 class ChatTool(_Model):
-    type: str = "function"
+    type: Literal["function"] = "function"
     function: FunctionDef
 
 
@@ -62,13 +62,13 @@ class NamedToolChoice(_Model):
 
 
 class StreamOptions(_Model):
-    include_usage: bool = False
+    include_usage: Optional[bool] = None
 
 
 class ChatRequest(_Model):
     model: str
     messages: SkipValidation[list[Any]]  # each a ChatMessage (the front checks it is a list)
-    stream: bool = False
+    stream: Optional[bool] = None  # null is false, as the API takes it
     stream_options: Optional[StreamOptions] = None
     max_tokens: Optional[int] = Field(default=None, ge=1)
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)

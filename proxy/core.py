@@ -198,7 +198,7 @@ class ProxyCore:
     async def _generate(self, call: PreparedCall) -> Generation:
         gen = await self.engine.generate(call.prompt.ids, call.params)
         if call.request.stop:
-            gen = cut_at_stop(gen, len(call.prompt.ids), call.request.stop, self.renderer.answer_text)
+            gen = cut_at_stop(gen, len(call.prompt.ids), call.request.stop, lambda ids: self._continuation_text(call, ids))
         choice = call.request.tool_choice
         if not choice.parallel and choice.mode != "none":
             gen = self._cut_after_first_call(call, gen)

@@ -138,8 +138,10 @@ class Front(abc.ABC):
     def stream_body(self, answer: Answer) -> bytes:
         """Every remaining event of a complete, well-formed stream."""
 
-    def keepalive(self) -> bytes:
-        """Sent while the engine works so client idle watchdogs do not fire (an SSE comment)."""
+    def keepalive(self, answer: Answer) -> bytes:
+        """Sent while the engine works so client idle watchdogs do not fire: an SSE comment here;
+        a protocol whose clients time out on events (a comment is no event to an SSE parser) sends
+        one its clients pass over."""
         return b": keep-alive\n\n"
 
     @abc.abstractmethod

@@ -144,6 +144,8 @@ def parse_llama3_json(text: str, finish_reason: str, new_id: NewId) -> Turn:
     try:
         value = _loads(body)
         objs = value if isinstance(value, list) else [value]
+        if not all(isinstance(o, dict) and ("parameters" in o or "arguments" in o) for o in objs):
+            return _finish(rest, reasoning, [], finish_reason)  # JSON the model answered with, not calls (as vLLM)
         calls = [_call_from_obj(obj, new_id, args_key="parameters") for obj in objs]
     except _Malformed as exc:
         return Turn(body, reasoning, [], finish_reason, parse_error=str(exc))

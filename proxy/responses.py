@@ -9,7 +9,7 @@ function with one string parameter ``input`` and answered as a ``custom_tool_cal
 ``message.output_text.logprobs``) are a 400: which sampled tokens make an output text is not kept
 apart from reasoning and calls (Chat Completions lists every sampled token).
 
-Stream (HARNESSES.md): response.created, response.in_progress (then SSE comments while generating);
+Stream (HARNESSES.md): response.created, response.in_progress (again every keep-alive while generating);
 per output item: output_item.added, its deltas and .done events, output_item.done; finally
 response.completed carrying id, output and usage. Every event has a sequence_number.
 """
@@ -98,10 +98,12 @@ def _tools(raw: list | None) -> tuple[tuple[ToolSpec, ...], tuple[str, ...]]:
     tools, custom = [], []
     for i, item in enumerate(raw or ()):
         t = validate_unit(ToolDef, item, f"tools.{i}")
-        if t.type == "function" and t.name:
+        if t.type in ("function", "custom") and not t.name:  # such as Chat's nested {"function": {...}}
+            raise ProtocolError(400, "invalid_request", f"tools.{i}.name: Field required", f"tools.{i}.name")
+        if t.type == "function":
             params = t.parameters or {"type": "object", "properties": {}}
             tools.append(ToolSpec(t.name, t.description or "", canonical_arguments(params)))
-        elif t.type == "custom" and t.name:
+        elif t.type == "custom":
             tools.append(ToolSpec(t.name, t.description or "", canonical_arguments(_CUSTOM_PARAMETERS)))
             custom.append(t.name)
     return tuple(tools), tuple(custom)
@@ -131,6 +133,13 @@ def _tool_choice_echo(request: Request) -> str | dict:
     if choice.mode != "tool":
         return choice.mode
     return {"type": "custom" if choice.name in request.facts.get("custom_tools", ()) else "function", "name": choice.name}
+
+
+def _custom_input(arguments: str) -> str:
+    """A custom tool's free-form input from the call the model wrote (one string parameter ``input``):
+    that string; any other value as its JSON (never Python's repr); "" where it wrote none."""
+    value = arguments_object(arguments).get("input", "")
+    return value if isinstance(value, str) else orjson.dumps(value).decode()
 
 
 class ResponsesFront(Front):
@@ -163,7 +172,7 @@ class ResponsesFront(Front):
             protocol=self.name,
             conversation=conv,
             model=req.model,
-            stream=req.stream,
+            stream=bool(req.stream),
             max_tokens=req.max_output_tokens,
             temperature=req.temperature,
             top_p=req.top_p,
@@ -199,7 +208,7 @@ class ResponsesFront(Front):
         for call in turn.tool_calls:
             if call.name in custom:
                 item = {"type": "custom_tool_call", "id": random_id("ctc_"), "call_id": call.id, "name": call.name,
-                        "input": str(arguments_object(call.arguments).get("input", "")), "status": "completed"}
+                        "input": _custom_input(call.arguments), "status": "completed"}
             else:
                 item = {"type": "function_call", "id": random_id("fc_"), "call_id": call.id, "name": call.name,
                         "arguments": call.arguments, "status": "completed"}
@@ -252,6 +261,12 @@ class ResponsesFront(Front):
         return self._event(answer, "response.created", response=pending) + self._event(
             answer, "response.in_progress", response=pending
         )
+
+    def keepalive(self, answer: Answer) -> bytes:
+        # response.in_progress again, not an SSE comment: Codex's idle timer (stream_idle_timeout_ms,
+        # 5 minutes by default) waits for an event, and a comment is none; it and the SDKs pass over
+        # in_progress events.
+        return self._event(answer, "response.in_progress", response=self._response(answer, "in_progress", [], False))
 
     def stream_body(self, answer: Answer) -> bytes:
         ev = self._event

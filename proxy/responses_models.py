@@ -57,7 +57,7 @@ class ResponsesRequest(_Model):
     tools: Optional[list[Any]] = None  # each a ToolDef
     tool_choice: Union[Literal["none", "auto", "required"], ToolChoiceParam, None] = None
     parallel_tool_calls: Optional[bool] = None
-    stream: bool = False
+    stream: Optional[bool] = None  # null is false, as the API takes it
     max_output_tokens: Optional[int] = Field(default=None, ge=1)
     temperature: Optional[float] = Field(default=None, ge=0.0, le=2.0)
     top_p: Optional[float] = Field(default=None, ge=0.0, le=1.0)

@@ -142,13 +142,25 @@ async def _send_json(send, status: int, body: bytes) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-async def _read_body(receive) -> bytes:
-    chunks = []
+async def _read_body(headers, receive) -> bytes:
+    """The request body, at most MAX_BODY_BYTES: a larger one is a 413, on its content-length before
+    any of it is read, or, sent in chunks without one, once it passes the limit."""
+    length = headers.get("content-length") or "0"
+    if not length.isdigit():
+        raise ProtocolError(400, "invalid_request", f"bad content-length {length!r}")
+    too_large = ProtocolError(413, "too_large", f"request body over {MAX_BODY_BYTES} bytes")
+    if int(length) > MAX_BODY_BYTES:
+        raise too_large
+    chunks, size = [], 0
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
             raise ProtocolError(400, "invalid_request", "client disconnected while sending the body")
-        chunks.append(message.get("body", b""))
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise too_large
+        chunks.append(chunk)
         if not message.get("more_body"):
             return b"".join(chunks)
 
@@ -156,14 +168,6 @@ async def _read_body(receive) -> bytes:
 async def _watch_disconnect(receive) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
-
-
-def _check_length(headers) -> None:
-    length = headers.get("content-length") or "0"
-    if not length.isdigit():
-        raise ProtocolError(400, "invalid_request", f"bad content-length {length!r}")
-    if int(length) > MAX_BODY_BYTES:
-        raise ProtocolError(413, "too_large", f"request body over {MAX_BODY_BYTES} bytes")
 
 
 def _failure(task: asyncio.Task) -> ProtocolError | None:
@@ -206,13 +210,13 @@ class CallResponse:
                 watcher = asyncio.ensure_future(_watch_disconnect(receive))
             while not task.done():
                 done, _ = await asyncio.wait((task, watcher), timeout=core.config.keepalive_s, return_when=asyncio.FIRST_COMPLETED)
-                if task in done:
-                    break
-                if watcher in done:
+                if watcher in done:  # first: a client that left as the engine ended got nothing
                     self._client_left(scope, task, head_sent)
                     return
+                if task in done:
+                    break
                 if stream:
-                    await send({"type": "http.response.body", "body": front.keepalive(), "more_body": True})
+                    await send({"type": "http.response.body", "body": front.keepalive(call.answer), "more_body": True})
             err = _failure(task)
             if err is not None:
                 await self._refuse(scope, send, err, head_sent)
@@ -233,7 +237,7 @@ class CallResponse:
                 err = ProtocolError(500, "api_error", f"internal error: {type(exc).__name__}: {exc}")
                 await self._refuse(scope, send, err, head_sent)
                 return
-            core.complete(call, gen, disconnected=watcher is not None and watcher.done(), http_status=200)
+            core.complete(call, gen, http_status=200)  # the client is still there: it left in no wait
             if note is not None:
                 note["output_tokens"] = call.answer.output_tokens
             if head_sent:
@@ -350,8 +354,7 @@ class ProxyApp:
             if scope["method"] != "POST":
                 raise ProtocolError(405, "invalid_request", f"{scope['method']} {scope['path']}: method not allowed")
             rollout = self._authorize(headers, scope)
-            _check_length(headers)
-            body = await _read_body(receive)
+            body = await _read_body(headers, receive)
             parsed = front.parse(body, _memory(rollout, front.name))
             if note is not None:
                 note["stream"] = parsed.stream
@@ -380,8 +383,8 @@ class ProxyApp:
         rollout = None
         try:
             rollout = self._authorize(request.headers, request.scope)
-            _check_length(request.headers)
-            counted = ANTHROPIC.parse_count_tokens(await request.body(), _memory(rollout, "count_tokens"))
+            body = await _read_body(request.headers, request.receive)
+            counted = ANTHROPIC.parse_count_tokens(body, _memory(rollout, "count_tokens"))
             n = self.core.count_tokens(rollout, counted)
         except ProtocolError as exc:
             _refused(request.scope, rollout, ANTHROPIC.name, exc)

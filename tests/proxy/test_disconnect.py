@@ -159,3 +159,25 @@ def test_engine_errors_answer_in_protocol_shape_and_record_nothing(proxy_factory
     finally:
         live.server.stop()
 
+
+
+def test_responses_stream_keepalives_are_events_the_sdk_passes_over(gated):
+    """Codex waits for SSE events, not bytes: a comment would not reset its idle timer. The keep-alive
+    is response.in_progress again, numbered in sequence, and the SDK's stream still ends complete."""
+    import openai
+
+    client = openai.OpenAI(base_url=gated.url + "/v1", api_key=gated.key, max_retries=0)
+    kinds, numbers = [], []
+    fallback = threading.Timer(3, gated.engine.gate.set)  # without keep-alive events the loop sees none
+    fallback.start()
+    with client.responses.stream(model="policy", input="hi") as stream:
+        for event in stream:
+            kinds.append(event.type)
+            numbers.append(event.sequence_number)
+            if kinds.count("response.in_progress") == 3:
+                gated.engine.gate.set()
+        final = stream.get_final_response()
+    fallback.cancel()
+    assert kinds[:4] == ["response.created"] + ["response.in_progress"] * 3
+    assert numbers == list(range(len(numbers)))
+    assert kinds[-1] == "response.completed" and final.output_text == "Hello."

@@ -288,6 +288,36 @@ def test_too_large_and_count_tokens_refusals(start):
                                (400, "invalid_request", "anthropic", "/v1/messages/count_tokens", None)]
 
 
+def test_a_body_sent_in_chunks_is_held_to_the_same_limit(start, monkeypatch):
+    """No content-length to refuse it by: a chunked body is a 413 once it passes the limit, on both
+    routes that read a body."""
+    from clawfast.proxy import server
+
+    monkeypatch.setattr(server, "MAX_BODY_BYTES", 4096)
+    live = start(script=["Hello."], cycle=True)
+    key = live.open("r")
+    body = json.dumps({**ANTHROPIC_BODY, "system": "x" * 8192}).encode()
+    with httpx.Client(base_url=live.url, timeout=10) as client:
+        for path in ("/v1/messages", "/v1/messages/count_tokens"):
+            chunks = (body[i:i + 1024] for i in range(0, len(body), 1024))  # an iterator: sent chunked
+            r = client.post(path, content=chunks, headers={"x-api-key": key, "content-type": "application/json"})
+            assert r.status_code == 413 and "over 4096 bytes" in r.json()["error"]["message"], r.text
+        small = iter([json.dumps(ANTHROPIC_BODY).encode()])  # chunked too, under the limit
+        assert client.post("/v1/messages", content=small, headers={"x-api-key": key}).status_code == 200
+    assert [e[0] for e in facts(live.close("r")[1].info["refusals"])] == [413, 413]
+
+
+@pytest.mark.parametrize("path, body", [("/v1/chat/completions", CHAT_BODY),
+                                        ("/v1/responses", {"model": "policy", "input": "hi"})])
+def test_openai_stream_null_is_no_stream(start, path, body):
+    """The OpenAI APIs take ``stream: null`` (and ``stream_options.include_usage: null``) as false."""
+    live = start(script=["Hello."], cycle=True)
+    key = live.open("r")
+    body = {**body, "stream": None} | ({"stream_options": {"include_usage": None}} if "messages" in body else {})
+    r = httpx.post(live.url + path, json=body, headers={"authorization": f"Bearer {key}"}, timeout=10)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("application/json"), r.text
+
+
 def test_count_tokens_refuses_what_the_template_rejects_as_messages_does(embedded_dir, tmp_path):
     """A chat template that raises (``raise_exception``) is the same 400 invalid_request_error on
     count_tokens as on /v1/messages, kept as a refusal of each route."""
@@ -361,8 +391,10 @@ def test_a_failed_responses_stream_ends_in_response_failed(start, kind, code, me
     key = live.open("r")
     gpt = openai.OpenAI(base_url=live.url + "/v1", api_key=key, max_retries=0)
     events = list(gpt.responses.create(model="policy", input="hi", stream=True))
-    assert [e.type for e in events] == ["response.created", "response.in_progress", "response.failed"]
-    assert [e.sequence_number for e in events] == [0, 1, 2]
+    kinds = [e.type for e in events]  # keep-alives while the engine works are response.in_progress too
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.failed"
+    assert set(kinds[1:-1]) == {"response.in_progress"}
+    assert [e.sequence_number for e in events] == list(range(len(events)))
     failed = events[-1].response
     assert failed.id == events[0].response.id and failed.status == "failed" and failed.output == []
     assert (failed.error.code, failed.error.message) == (code, message)

@@ -93,6 +93,10 @@ def test_llama3_json():
     turn = parse_llama3_json('{"name": "bash", "parameters": {"command": "ls"}}', "stop", ids())
     assert turn.tool_calls[0].name == "bash" and json.loads(turn.tool_calls[0].arguments) == {"command": "ls"}
     assert parse_llama3_json("Just words.", "stop", ids()).content == "Just words."
+    # A JSON answer that names something but carries no parameters is text, as vLLM reads it.
+    for answer in ('{"name": "Alice", "age": 3}', '[{"name": "a"}, {"name": "b", "parameters": {}}]', "[1, 2]"):
+        plain = parse_llama3_json(answer, "stop", ids())
+        assert plain.tool_calls == [] and plain.content == answer and not plain.parse_error
 
 
 def test_detect_parser():

@@ -316,6 +316,16 @@ def test_responses_custom_tool_round_trip(proxy):
     assert_continuity(proxy.calls(), 2)
 
 
+@pytest.mark.parametrize("written, given", [({"input": {"path": "a.py"}}, '{"path":"a.py"}'),
+                                            ({"input": None}, "null"), ({}, "")])
+def test_a_custom_tool_input_that_is_no_string_reaches_the_harness_as_json(proxy, written, given):
+    proxy.engine.push({"tool_calls": [{"name": "apply_patch", "arguments": written}]})
+    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key=proxy.key, max_retries=0)
+    tools = [{"type": "custom", "name": "apply_patch", "description": "Edit files"}]
+    (call,) = client.responses.create(model="policy", input="add a.py", tools=tools).output
+    assert call.type == "custom_tool_call" and call.input == given
+
+
 # Tool calls that json.loads accepts but orjson, which writes every reply, refuses: an integer beyond 64
 # bits, a lone surrogate, nesting that only the reply's own levels take past orjson's 254.
 UNWRITABLE_CALLS = [
@@ -411,3 +421,16 @@ def test_anthropic_tools_the_api_defines_are_not_offered(proxy, renderer):
     with pytest.raises(anthropic.BadRequestError, match="needs tools, and the request has none"):
         client.messages.create(model="policy", max_tokens=32, messages=[{"role": "user", "content": "hi"}],
                                tools=defined, tool_choice={"type": "tool", "name": "web_search"})
+
+
+def test_chat_offers_function_tools_only_and_responses_wants_a_top_level_name(proxy, renderer):
+    gpt = openai.OpenAI(base_url=proxy.url + "/v1", api_key=proxy.key, max_retries=0)
+    bash = {"type": "function", "function": {"name": "Bash", "parameters": {"type": "object"}}}
+    freeform = {"type": "custom", "custom": {"name": "apply_patch", "description": "Edit files"}}
+    proxy.engine.push("Nothing to run.")
+    gpt.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}], tools=[bash, freeform])
+    prompt = renderer.decode(proxy.calls()[0].prompt_ids)
+    assert '"Bash"' in prompt and "apply_patch" not in prompt
+    # Chat's nested shape sent to Responses: the API answers 400 for the missing name, not a call with no tools.
+    with pytest.raises(openai.BadRequestError, match=r"tools\.0\.name: Field required"):
+        gpt.responses.create(model="policy", input="hi", tools=[bash])

@@ -138,3 +138,35 @@ def test_an_empty_stop_sequence_is_refused(proxy, protocol):
             client.messages.create(model="policy", max_tokens=8, messages=[{"role": "user", "content": "hi"}],
                                    stop_sequences=[""])
     assert proxy.calls() == [] and proxy.engine.calls == 0
+
+
+def test_after_a_prefill_the_cut_reads_the_text_the_reply_does(embedded_dir, tmp_path):
+    """A SentencePiece-style decoder drops a leading space at the start of a decode: the answer past a
+    prefill is decoded after the prefill's tokens. The stop cut reads that same text, so the record
+    keeps only the tokens before the stop the reply ended at (a cut that decoded the answer alone
+    would miss " STOP" and train tokens the harness never got)."""
+    from tokenizers import decoders
+    from transformers import AutoTokenizer
+
+    from clawfast.proxy import ChatRenderer
+    from conftest import make_proxy
+
+    tokenizer = AutoTokenizer.from_pretrained(embedded_dir)
+    # Llama 2 / Mistral v1's decoder shape: pieces joined, then one leading space stripped.
+    tokenizer.backend_tokenizer.decoder = decoders.Sequence([decoders.ByteLevel(), decoders.Fuse(),
+                                                             decoders.Strip(" ", 1, 0)])
+    renderer = ChatRenderer(tokenizer)
+    live = make_proxy(renderer, tmp_path)
+    try:
+        output = " STOP and more"
+        live.engine.push(output)
+        client = anthropic.Anthropic(base_url=live.url, api_key=live.key, max_retries=0)
+        message = client.messages.create(model="policy", max_tokens=64, stop_sequences=[" STOP"], messages=[
+            {"role": "user", "content": "go"}, {"role": "assistant", "content": "Answer:"}])
+        assert message.stop_reason == "stop_sequence" and message.stop_sequence == " STOP"
+        assert "".join(b.text for b in message.content) == ""
+        (record,) = live.calls()
+        stop_ids = renderer.encode(" STOP")
+        np.testing.assert_array_equal(record.output_ids, renderer.encode(output)[: len(stop_ids)])
+    finally:
+        live.server.stop()

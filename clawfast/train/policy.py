@@ -105,6 +105,49 @@ class BatchTensors:
                    t(batch.target_ids))
 
 
+class _HiddenOnly:
+    """A backbone's output holding only final hidden states (every other field None), for
+    `check_logits_are_the_head`."""
+
+    def __init__(self, hidden: torch.Tensor) -> None:
+        self.last_hidden_state = hidden
+
+    def __getattr__(self, name: str):
+        return None
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return (self.last_hidden_state,)[index]
+
+
+def check_logits_are_the_head(lm: nn.Module) -> None:
+    """Refuse a causal LM whose forward changes its logits past the LM head (Gemma 2's final
+    soft-cap, Cohere's and Granite's logit scales, a head with a bias): the fused log-probs compute
+    ``hidden @ head.weight.T`` and would train another distribution than the one the engines sample
+    from. Probed, not looked up by model type: the backbone is stood in for by hidden states whose
+    logits reach +-40, where a soft-cap or a scale shows, and the model's own logits are compared
+    with the head's product."""
+    head = lm.get_output_embeddings()
+    weight, backbone = head.weight, lm.base_model
+    with torch.no_grad():
+        hidden = torch.randn(1, 3, weight.shape[1], generator=torch.Generator().manual_seed(0))
+        hidden = hidden.to(weight.device, weight.dtype)
+        hidden = hidden * (40.0 / torch.nn.functional.linear(hidden, weight).float().abs().max().clamp_min(1e-6))
+        want = torch.nn.functional.linear(hidden, weight).float()
+        backbone.forward = lambda *args, **kwargs: _HiddenOnly(hidden)
+        try:
+            got = lm(input_ids=torch.zeros(1, 3, dtype=torch.long, device=weight.device), use_cache=False).logits
+        finally:
+            del backbone.forward  # the class's own forward again
+    got = got.float()
+    diff = float((got - want).abs().max()) if got.shape == want.shape else float("inf")
+    if not diff <= 1e-3 * float(want.abs().max()):
+        raise ValueError(
+            f"{type(lm).__name__} changes its logits past the LM head (max difference {diff:.3g} from "
+            f"hidden @ head.weight.T on logits up to {float(want.abs().max()):.3g}: a final soft-cap such as "
+            f"final_logit_softcapping, a logit scale, or a head bias); clawfast's fused log-probs compute "
+            f"hidden @ head.weight.T only, so training would follow another distribution than the one sampled")
+
+
 class Policy(nn.Module):
     """A causal LM (``lm``) plus an optional scalar value head, run on packed tree batches."""
 
@@ -117,6 +160,7 @@ class Policy(nn.Module):
             raise ValueError(f"temperature must be > 0, got {temperature}")
         if attention not in ATTENTION_BACKENDS:
             raise ValueError(f"attention must be one of {ATTENTION_BACKENDS}, got {attention!r}")
+        check_logits_are_the_head(lm)
         use_tree_attention(lm)
         self.lm = lm
         self.expert_routing: ExpertRouting | None = None  # installed by the first batch with recorded routing

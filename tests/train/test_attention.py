@@ -41,7 +41,8 @@ OPTION_FAMILIES = {
     "mistral-window": (tf.MistralConfig, tf.MistralForCausalLM, {"sliding_window": 5}, "sdpa"),
     "gemma2-softcap-window": (tf.Gemma2Config, tf.Gemma2ForCausalLM,
                               {"head_dim": 16, "sliding_window": 4, "attn_logit_softcapping": 0.5,
-                               "query_pre_attn_scalar": 16, "layer_types": ["sliding_attention", "full_attention"]},
+                               "query_pre_attn_scalar": 16, "layer_types": ["sliding_attention", "full_attention"],
+                               "final_logit_softcapping": None},  # Policy refuses a final soft-cap (test_policy_head.py)
                               "eager"),
     "gptoss-sinks-window": (tf.GptOssConfig, tf.GptOssForCausalLM,
                             {"head_dim": 16, "sliding_window": 6, "num_local_experts": 4, "num_experts_per_tok": 2,

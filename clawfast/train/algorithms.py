@@ -296,9 +296,12 @@ def forest_paths(forest: KeptForest, rows: np.ndarray, device=None) -> TreePaths
     def t(x):
         return torch.as_tensor(np.asarray(x, np.int64), device=device)
 
-    return TreePaths.from_tree(t(forest.parent), t(forest.tokens), t(forest.subtree_end), t(forest.parent[rows]),
-                               t(forest.tokens[rows]), t(forest.rollout[rows]), t(forest.leaf_rows),
-                               t(forest.leaf_rollout))
+    # Each target's row is known: every row's own index stands in for its token, so the index finds
+    # that very row. Under routing replay two sibling rows may hold one token (routed apart), and a
+    # lookup by (parent, token) would give a target the other's path.
+    own = np.arange(forest.num_rows, dtype=np.int64)
+    return TreePaths.from_tree(t(forest.parent), t(own), t(forest.subtree_end), t(forest.parent[rows]), t(rows),
+                               t(forest.rollout[rows]), t(forest.leaf_rows), t(forest.leaf_rollout))
 
 
 def ppo_advantages(forest: KeptForest, values: torch.Tensor, rewards: Sequence[float], *, gamma: float = 1.0,

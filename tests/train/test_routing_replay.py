@@ -272,3 +272,46 @@ def test_rows_the_engine_ran_twice_otherwise_are_trained_apart(tmp_path):
     with torch.no_grad():
         for b in data.batches:
             np.testing.assert_allclose(policy.run(b).logprobs.numpy(), b.infer_logprobs, atol=EXACT)
+
+
+def test_sequence_weights_sum_each_target_on_its_own_path():
+    """Sequence-level IS under replay: where a later call ran a row of an earlier answer otherwise, the
+    tree holds two sibling rows of one token; each target's log-ratio is summed on the paths through
+    its own row (a lookup by token would give one sibling's targets the other's path)."""
+    from clawfast.records import CallRecord, RolloutResult
+    from clawfast.train.algorithms import forest_paths
+
+    rng = np.random.default_rng(1)
+
+    def routed(n):
+        return rng.integers(0, 8, (n, 2, 2)).astype(np.uint8)
+
+    def rollout(rid, reward):
+        prompt, answer, more, second = (rng.integers(10, 50, n).astype(np.int32) for n in (10, 5, 3, 5))
+        first_routing = routed(14)
+        first = CallRecord(rid, 0, "h", prompt, answer, np.full(5, -0.5, np.float32), routing=first_routing,
+                           routing_start=0)
+        again = np.concatenate([first_routing, routed(8)])
+        again[12] = (first_routing[12] + 1) % 8  # row 12, in the first answer, routed otherwise this time
+        second_call = CallRecord(rid, 1, "h", np.concatenate([prompt, answer, more]), second,
+                                 np.full(5, -0.5, np.float32), routing=again, routing_start=0)
+        return RolloutResult(rid, "t", "h", 0, reward, "ok", calls=[first, second_call])
+
+    data = prepare_step([rollout("a", 1.0), rollout("b", 0.0)], None,
+                        StepConfig(name="grpo", is_level="sequence", routing_replay="all", micro_batch_tokens=4096))
+    forest, rows = data.forest, np.concatenate(data.forest_rows)
+    siblings = {}
+    for row in range(forest.num_rows):
+        siblings.setdefault((int(forest.parent[row]), int(forest.tokens[row])), []).append(row)
+    assert any(len(s) > 1 for s in siblings.values())  # the case at hand: one token, two rows
+    paths = forest_paths(forest, rows)
+    np.testing.assert_array_equal(paths.target_child.numpy(), rows)
+    x = torch.arange(1, len(rows) + 1, dtype=torch.float64)
+    want = []
+    for leaf in forest.leaf_rows:
+        on, row = set(), int(leaf)
+        while row >= 0:
+            on.add(row)
+            row = int(forest.parent[row])
+        want.append(sum(float(x[k]) for k, r in enumerate(rows) if r in on))
+    np.testing.assert_allclose(paths.path_sum(x).numpy(), want)

@@ -83,6 +83,12 @@ class PrefixTree:
         """Indices (into ``leaves``) of the kept leaves."""
         return [i for i, leaf in enumerate(self.leaves) if leaf.status == "kept"]
 
+    @property
+    def longest_kept_path(self) -> int:
+        """Tokens on the longest root-to-leaf path of a kept leaf (0 if none): the rows a micro-batch
+        needs to train it, since a path is never split."""
+        return max((leaf.depth for leaf in self.leaves if leaf.status == "kept"), default=0)
+
 
 def _check_ids(arr: object, name: str, call: CallRecord) -> np.ndarray:
     # CallRecord converts on construction, but its fields are mutable: check again here.

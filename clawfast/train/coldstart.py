@@ -9,8 +9,11 @@
    calls (`clawfast.rollout.oracle.OracleResponder`, built on the adapter's `scripted_turns`). The
    proxy records every call token for token, exactly as in RL; only rollouts the verifier scored
    1.0 are kept.
-3. **SFT.** The captured calls become prefix trees, are packed (`clawfast.pack`: shared prompts
-   once) and the policy is trained on exactly those tokens: the mean negative log-likelihood of
+3. **SFT.** The captured calls become prefix trees as an RL step builds them (calls of the thread
+   kinds in ``algorithm.train_threads`` trained, by the structure `clawfast.threads` reads, not by
+   the proxy's hints; a demonstration whose kept path is longer than a micro-batch left out and
+   counted), are packed (`clawfast.pack`: shared prompts once) and the policy is trained on exactly
+   those tokens: the mean negative log-likelihood of
    every trainable (model-generated) target of the packed trees, under the tree mask
    (`Policy.run`), AdamW with a warm-up over the first tenth of the updates and a cosine decay over
    all of them, one update per ``batch_rollouts`` demonstrations, ``epochs`` passes, in train mode
@@ -27,12 +30,14 @@ from __future__ import annotations
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import torch
 
 from clawfast.records import RolloutResult
+from clawfast.threads import KINDS, reconstruct, with_kinds
+from clawfast.tree import PrefixTree, build_tree
 from clawfast.rollout import ORACLE, RolloutSpec
 from clawfast.train.build import rollout_service
 from clawfast.train.config import RunConfig
@@ -76,10 +81,25 @@ def capture_demonstrations(config: RunConfig, model_dir: Path, tasks: list, reco
         return service.run([RolloutSpec(t, harness_name, 0) for t in tasks], on_result=on_result)
 
 
+def demonstration_tree(demo: RolloutResult, train_threads: Sequence[str] = ("main",)) -> PrefixTree:
+    """A demonstration's prefix tree as an RL step builds a rollout's (`clawfast.train.prepare`): its
+    calls trained or excluded by the thread kinds the rollout's structure gives them
+    (`clawfast.threads`), so a side call the proxy had no hint for is not trained as main."""
+    excluded = frozenset(KINDS) - frozenset(train_threads)
+    return build_tree(with_kinds(demo.calls, reconstruct(demo.calls)), exclude_tags=excluded)
+
+
+def fitting_demonstrations(demos: list[RolloutResult], micro_batch_tokens: int,
+                           train_threads: Sequence[str] = ("main",)) -> list[RolloutResult]:
+    """The demonstrations whose kept paths fit a micro-batch: a longer one cannot be trained (a path
+    is never split; pack would raise), so it is left out, as an RL step drops such a rollout."""
+    return [r for r in demos if demonstration_tree(r, train_threads).longest_kept_path <= micro_batch_tokens]
+
+
 def sft_epoch(policy, optimizer: torch.optim.Optimizer, demos: list[RolloutResult], *,
               micro_batch_tokens: int, batch_rollouts: int, rng: np.random.Generator,
               max_grad_norm: float | None = 1.0, scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
-              on_update=None) -> dict[str, float]:
+              on_update=None, train_threads: Sequence[str] = ("main",)) -> dict[str, float]:
     """One pass of masked NLL over the demonstrations' generated tokens; returns mean loss and counts
     (`on_update(loss)` after each update).
 
@@ -87,7 +107,6 @@ def sft_epoch(policy, optimizer: torch.optim.Optimizer, demos: list[RolloutResul
     `micro_batch_tokens` rows; loss = sum over every trainable target of -log p / number of targets
     (gradients accumulate over the micro-batches, one optimizer step per update)."""
     from clawfast.pack import pack
-    from clawfast.tree import build_tree
 
     order = rng.permutation(len(demos))
     losses, targets, tokens = [], 0, 0
@@ -96,7 +115,7 @@ def sft_epoch(policy, optimizer: torch.optim.Optimizer, demos: list[RolloutResul
     policy.train()
     for start in range(0, len(order), batch_rollouts):
         chunk = [demos[i] for i in order[start:start + batch_rollouts]]
-        trees = [build_tree(r.calls) for r in chunk]
+        trees = [demonstration_tree(r, train_threads) for r in chunk]
         batches = pack(trees, micro_batch_tokens)
         total = float(sum(b.loss_mask.sum() for b in batches))
         if total == 0:
@@ -167,8 +186,14 @@ def run_coldstart(config: RunConfig, policy, model_dir: Path, run_dir: Path, *, 
     if not demos:
         raise RuntimeError(f"coldstart: none of the {captured} demonstrations solved its task; "
                            f"run `clawfast harness check {config.rollout.harnesses[0]}` to see why")
-    summary: dict[str, Any] = {"tasks": len(tasks), "captured": captured, "kept": len(demos),
-                               "time_capture_s": t_capture}
+    threads = config.algorithm.train_threads
+    solved = len(demos)
+    demos = fitting_demonstrations(demos, cs.micro_batch_tokens, threads)
+    if not demos:
+        raise RuntimeError(f"coldstart: every solved demonstration has a path longer than "
+                           f"coldstart.micro_batch_tokens = {cs.micro_batch_tokens}; raise it")
+    summary: dict[str, Any] = {"tasks": len(tasks), "captured": captured, "kept": solved,
+                               "dropped_too_long": solved - len(demos), "time_capture_s": t_capture}
     updates_per_epoch = -(-len(demos) // cs.batch_rollouts)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cs.lr, weight_decay=0.0)
     scheduler = warmup_cosine(optimizer, cs.epochs * updates_per_epoch)
@@ -183,7 +208,8 @@ def run_coldstart(config: RunConfig, policy, model_dir: Path, run_dir: Path, *, 
                 view.advance(note=f"epoch {epoch + 1}: nll {loss:.3f}")
 
         m = sft_epoch(policy, optimizer, demos, micro_batch_tokens=cs.micro_batch_tokens,
-                      batch_rollouts=cs.batch_rollouts, rng=rng, scheduler=scheduler, on_update=on_update)
+                      batch_rollouts=cs.batch_rollouts, rng=rng, scheduler=scheduler, on_update=on_update,
+                      train_threads=threads)
         m["time_s"] = time.monotonic() - t1
         if logger is not None:
             logger.log("coldstart", 0, {"epoch": epoch + 1, **m, **({"demos": float(len(demos))} if epoch == 0 else {})})

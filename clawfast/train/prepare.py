@@ -100,8 +100,7 @@ def prepare_step(rollouts: Sequence[RolloutResult], groups: Sequence[Hashable] |
     # A kept path longer than a micro-batch cannot be trained (pack would raise): drop its rollout
     # and count it, rather than lose the whole step to one overlong session.
     branching = np.array([t.dropped for t in trees], dtype=bool)
-    too_long = np.array([not t.dropped and max((lf.depth for lf in t.leaves if lf.status == "kept"), default=0)
-                         > config.micro_batch_tokens for t in trees], dtype=bool)
+    too_long = np.array([not t.dropped and t.longest_kept_path > config.micro_batch_tokens for t in trees], dtype=bool)
     uniform &= ~(branching | too_long)
     trees = [dataclasses.replace(t, dropped=True) if drop else t for t, drop in zip(trees, too_long | uniform)]
     parts = split_groups(ids, config.updates_per_step, np.flatnonzero(~uniform))

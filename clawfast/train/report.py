@@ -66,10 +66,13 @@ def nll_by_epoch(summary: dict[str, float]) -> tuple[int, str]:
 
 def coldstart_line(summary: dict[str, float]) -> str:
     """The one-line report of a cold start (``run_coldstart``'s summary): demonstrations kept of
-    those captured, the nll of each SFT epoch, and the time of both phases."""
+    those captured (and those too long to train), the nll of each SFT epoch, and the time of both
+    phases."""
     epochs, nlls = nll_by_epoch(summary)
-    return (f"cold start: {int(summary['kept'])} of {int(summary['captured'])} demonstrations solved their task "
-            f"(captured in {summary['time_capture_s']:.1f} s); SFT {epochs} epoch{'s' * (epochs != 1)}, "
+    dropped = int(summary.get("dropped_too_long", 0))
+    too_long = f", {dropped} too long for a micro-batch" if dropped else ""
+    return (f"cold start: {int(summary['kept'])} of {int(summary['captured'])} demonstrations solved their task"
+            f"{too_long} (captured in {summary['time_capture_s']:.1f} s); SFT {epochs} epoch{'s' * (epochs != 1)}, "
             f"nll by epoch {nlls} ({summary['time_sft_s']:.1f} s)")
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pytest
 import torch
 from loop_fixtures import make_tiny_model
 
@@ -53,3 +54,45 @@ def test_coldstart_line_reports_kept_demonstrations_each_epoch_and_both_times():
                                        "SFT 2 epochs, nll by epoch 0.500, 0.031 (192.0 s)")
     one = {k: v for k, v in summary.items() if k != "nll_epoch_2"}
     assert "SFT 1 epoch, nll by epoch 0.500 (" in coldstart_line(one)
+    assert "solved their task, 3 too long for a micro-batch (captured" in coldstart_line({**summary, "dropped_too_long": 3})
+
+
+def test_a_demonstration_trains_the_calls_an_rl_step_would(tmp_path):
+    """Calls are trained or excluded by the thread kinds the rollout's structure gives them, not by the
+    proxy's hints: with every hint removed, a Claude Code capture's subagent and compaction calls are
+    still excluded from the main-thread cold start, and trained where `train_threads` names them."""
+    import dataclasses
+
+    from stored_threads import labels, stored_rollouts
+
+    from clawfast.train.coldstart import demonstration_tree
+
+    capture = stored_rollouts(tmp_path)[0]
+    unhinted = dataclasses.replace(capture, calls=[dataclasses.replace(c, tags=("main",)) for c in capture.calls])
+    kinds = labels("claude-code-threads")
+    tree = demonstration_tree(unhinted)
+    excluded = dict(zip(tree.call_indices.tolist(), tree.call_excluded.tolist()))
+    assert [excluded[c.call_index] for c in unhinted.calls] == [k != "main" for k in kinds]
+    every = demonstration_tree(unhinted, ("main", "subagent", "compaction"))
+    assert not every.call_excluded.any()
+
+
+def test_a_demonstration_too_long_for_a_micro_batch_is_left_out_and_the_rest_train(tmp_path):
+    """One path past the micro-batch used to make pack raise and end the whole cold start."""
+    from clawfast.train.coldstart import fitting_demonstrations
+
+    rng = np.random.default_rng(0)
+    demos = []
+    for i, n in enumerate((40, 90, 50)):
+        p, o = rng.integers(0, 64, n).astype(np.int32), rng.integers(0, 64, 10).astype(np.int32)
+        demos.append(RolloutResult(f"r{i}", "t", "h", calls=[CallRecord(f"r{i}", 0, "h", p, o, np.full(10, -1.0, np.float32))],
+                                   reward=1.0))
+    fitting = fitting_demonstrations(demos, micro_batch_tokens=64)
+    assert [d.rollout_id for d in fitting] == ["r0", "r2"]  # 50 and 60 tokens; 100 does not fit
+    policy = Policy.from_pretrained(make_tiny_model(tmp_path / "m"))
+    with pytest.raises(ValueError):
+        sft_epoch(policy, torch.optim.SGD(policy.parameters(), lr=0.0), demos, micro_batch_tokens=64,
+                  batch_rollouts=3, rng=rng)
+    m = sft_epoch(policy, torch.optim.SGD(policy.parameters(), lr=0.0), fitting, micro_batch_tokens=64,
+                  batch_rollouts=3, rng=rng)
+    assert m["updates"] == 1 and m["targets"] == 20

@@ -129,7 +129,8 @@ class KeptForest:
     leaf_rollout: np.ndarray  # int64[L], its tree
     link_source: np.ndarray   # int64[K], the linked leaf's last trainable row (it bootstraps from ...)
     link_target: np.ndarray   # int64[K], ... the first token its target call sampled
-    links_unused: int         # links given that could not be placed (a leaf not kept, a target not trained)
+    links_unused: int         # links given that could not be placed (a leaf not kept, a target not trained;
+                              # not one whose source's answer a trained call goes on from)
     _keys: np.ndarray       # sorted int64 (rollout, first kept leaf below, depth) of trainable rows
     _rows: np.ndarray       # the row of each key
     _leaf_mult: int
@@ -257,7 +258,9 @@ def _tree_part(tree, g: int, base: int, links: Sequence[tuple[int, int, int]] = 
 
 def _link_tokens(tree, links, last_train, seg_train, keep) -> tuple[np.ndarray, np.ndarray, int]:
     """Token indices (into the tree's tokens) of each placeable link's source and target, and the
-    number of links that could not be placed."""
+    number of links that could not be placed. A link whose source call ends inside the tree (a
+    trained call goes on from its answer, as a compaction call extends the thread it summarises) is
+    neither: its path carries the credit on, and it is not counted as unused."""
     if not links:
         return np.zeros(0, np.int64), np.zeros(0, np.int64), 0
     seg_parent, seg_depth = tree.seg_parent.tolist(), tree.seg_depth.tolist()
@@ -270,9 +273,13 @@ def _link_tokens(tree, links, last_train, seg_train, keep) -> tuple[np.ndarray, 
             reward_nodes[last_train[leaf.node]] = reward_nodes.get(last_train[leaf.node], 0) + 1
             for c in leaf.calls:
                 kept_leaf_of[c] = leaf.node
-    sources, targets = [], []
+    leaf_nodes = {leaf.node for leaf in tree.leaves}
+    sources, targets, on_path = [], [], 0
     for source, target, depth in links:
         node = kept_leaf_of.get(source)
+        if node is None and source in pos and int(tree.end_node[pos[source]]) not in leaf_nodes:
+            on_path += 1
+            continue
         src = last_train[node] if node is not None else -1
         s = int(tree.end_node[pos[target]]) if target in pos else -1
         while s >= 0 and seg_depth[s] > depth:  # up to the segment holding the target's first output token
@@ -283,7 +290,7 @@ def _link_tokens(tree, links, last_train, seg_train, keep) -> tuple[np.ndarray, 
         if ok and keep[src] and keep[dst]:
             sources.append(src)
             targets.append(dst)
-    return np.asarray(sources, np.int64), np.asarray(targets, np.int64), len(links) - len(sources)
+    return np.asarray(sources, np.int64), np.asarray(targets, np.int64), len(links) - len(sources) - on_path
 
 
 def forest_paths(forest: KeptForest, rows: np.ndarray, device=None) -> TreePaths:

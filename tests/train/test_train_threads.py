@@ -199,6 +199,41 @@ def test_gae_from_a_compaction_summary_goes_on_in_the_restarted_thread(captured)
                 assert adv[row].item() == pytest.approx(want[row], rel=1e-9, abs=1e-9)
 
 
+def test_a_resumes_link_the_compaction_path_carries_is_not_unused():
+    """A compaction call that extends the main thread's last call whole: that call's answer goes on
+    in the trained compaction call, so its `resumes` link has no leaf to start from and needs none
+    (the path carries the credit to the summary, which `restarts` the thread). It is not counted as a
+    link that could not be placed."""
+    from clawfast.records import CallRecord
+
+    rng = np.random.default_rng(0)
+
+    def tokens(n):
+        return rng.integers(100, 1000, n).astype(np.int32)
+
+    calls = []
+
+    def call(prompt, kind):
+        output = tokens(12)
+        calls.append(CallRecord("r", len(calls), "h", prompt, output, np.full(12, -0.5, np.float32), tags=(kind,)))
+        return output
+
+    prompt = np.concatenate([[1, 2, 3], tokens(20)]).astype(np.int32)
+    first = call(prompt, "main")
+    history = np.concatenate([prompt, first, tokens(5)])
+    second = call(history, "main")
+    summary = call(np.concatenate([history, second, tokens(8)]), "compaction")
+    call(np.concatenate([prompt[:15], tokens(3), summary, tokens(4)]), "main")
+    rollout = RolloutResult("r", "t", "h", 0, 1.0, "ok", calls=calls)
+    links = {(lk.kind, lk.source, lk.target) for lk in reconstruct(rollout.calls).links}
+    assert links == {("resumes", 1, 3), ("restarts", 2, 3)}
+    data = prepare_step([rollout], None, StepConfig(name="ppo", micro_batch_tokens=4096,
+                                                    train_threads=["main", "compaction"]))
+    forest = data.forest
+    assert forest.link_source.size == 1 and forest.links_unused == 0
+    assert data.counts["threads/links_unused"] == 0
+
+
 def test_link_levels_order_nested_links_and_refuse_a_cycle():
     # three chains under one root: A = rows 1-2, B = 3-4, C = 5-6
     forest = dataclasses.replace(KeptForest.build([]), parent=np.array([-1, 0, 1, 0, 3, 0, 5]),

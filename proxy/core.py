@@ -31,7 +31,7 @@ from jinja2 import TemplateError
 from clawfast.engines.base import Engine, Generation, SamplingParams
 from clawfast.proxy.canonical import Conversation, Request, Turn
 from clawfast.proxy.front import Answer, Front, ProtocolError
-from clawfast.proxy.parsers import detect_parser, first_call_end, get_parser, parse_answer
+from clawfast.proxy.parsers import detect_parser, first_call_end, get_parser, opens_reasoning, parse_answer
 from clawfast.proxy.render import ChatRenderer, RenderedPrompt, RolloutPrompts
 from clawfast.proxy.rollouts import Rollout
 from clawfast.proxy.stops import before_stop, cut_at_stop, cut_where
@@ -99,6 +99,7 @@ class ProxyCore:
         vocab = renderer.tokenizer.get_vocab()
         self.parser_name = self.config.parser or detect_parser(vocab)
         self._parse = get_parser(self.parser_name)
+        self.reasoning_open = opens_reasoning(renderer.generation_prompt)
         self._pending: set[asyncio.Task] = set()
 
     # -- rendering -------------------------------------------------------------------------------
@@ -211,7 +212,7 @@ class ProxyCore:
         it. `gen` itself where the model's markup holds every call in one JSON value
         (`parse_answer` then drops all but the first)."""
         text, _ = before_stop(self._continuation_text(call, gen.output_ids), call.request.stop)
-        end = first_call_end(self.parser_name, call.prefill_text + text)
+        end = first_call_end(self.parser_name, call.prefill_text + text, self.reasoning_open)
         if end is None or end <= len(call.prefill_text):
             return gen
         head = text[: end - len(call.prefill_text)]
@@ -229,18 +230,12 @@ class ProxyCore:
     # -- completion ------------------------------------------------------------------------------
 
     def _continuation_text(self, call: PreparedCall, output_ids: np.ndarray) -> str:
-        """The answer's text past its prefill, decoded after the prefill's tokens: a tokenizer may
-        decode a token's leading space only after a neighbour (SentencePiece strips it at the start)."""
-        if not len(call.prefill):
-            return self.renderer.answer_text(output_ids)
-        head = self.renderer.decode(call.prefill)
-        whole = self.renderer.answer_text(np.concatenate([call.prefill, np.asarray(output_ids, np.int32)]))
-        return whole[len(head):] if whole.startswith(head) else self.renderer.answer_text(output_ids)
+        return self.renderer.continuation_text(call.prefill, output_ids)
 
     def parse(self, call: PreparedCall, gen: Generation) -> Turn:
         text, stop = before_stop(self._continuation_text(call, gen.output_ids), call.request.stop)
         turn = parse_answer(self._parse, call.prefill_text + text, gen.finish_reason, call.front.new_tool_call_id,
-                            call.request.tool_choice)
+                            call.request.tool_choice, self.reasoning_open)
         turn.stop_sequence = stop
         return turn
 

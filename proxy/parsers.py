@@ -159,12 +159,27 @@ def parse_text(text: str, finish_reason: str, new_id: NewId) -> Turn:
     return _finish(rest, reasoning, [], finish_reason)
 
 
-def parse_answer(parse: Parser, text: str, finish_reason: str, new_id: NewId, choice: ToolChoice) -> Turn:
+def opens_reasoning(generation_prompt: str) -> bool:
+    """Whether a template's generation prompt leaves a think block open (Qwen3's thinking-only
+    models, DeepSeek-R1's distills): every answer then starts inside its reasoning."""
+    return generation_prompt.rfind(_THINK_OPEN) > generation_prompt.rfind(_THINK_CLOSE)
+
+
+def _reading(text: str, reasoning_open: bool) -> str:
+    # An answer that starts inside a think block the prompt opened reads as one that opens it itself:
+    # without its closing tag (cut by length or a stop sequence), all of it is reasoning.
+    return _THINK_OPEN + text if reasoning_open else text
+
+
+def parse_answer(parse: Parser, text: str, finish_reason: str, new_id: NewId, choice: ToolChoice,
+                 reasoning_open: bool = False) -> Turn:
     """`text` parsed as the answer to a request that allows `choice`: all of it text where no call is
     allowed (``none``); at most one call where one at a time is (`ToolChoice.parallel` False). The proxy
     cuts such an answer after its first call before it is parsed (`first_call_end`); what is left past
     one call here is markup holding every call in one JSON value, and those calls are dropped, as vLLM
-    drops them (`Turn.dropped_tool_calls`)."""
+    drops them (`Turn.dropped_tool_calls`). `reasoning_open`: the generation prompt opened a think
+    block (`opens_reasoning`)."""
+    text = _reading(text, reasoning_open)
     if choice.mode == "none":
         return parse_text(text, finish_reason, new_id)
     turn = parse(text, finish_reason, new_id)
@@ -203,13 +218,14 @@ _FIRST_CALL_ENDS: dict[str, Callable[[str], int | None]] = {
 }
 
 
-def first_call_end(family: str, text: str) -> int | None:
+def first_call_end(family: str, text: str, reasoning_open: bool = False) -> int | None:
     """Where the first tool call's markup ends in model output `text`, if another call starts after it
     and the family's markup lets calls be cut apart (each in its own block: Hermes/Qwen
     ``<tool_call>`` blocks, Mistral v11 ``[TOOL_CALLS]name[ARGS]``); None otherwise (one call, or every
-    call in one JSON value: Mistral v3, Llama 3)."""
+    call in one JSON value: Mistral v3, Llama 3). `reasoning_open` as for `parse_answer`."""
     find = _FIRST_CALL_ENDS.get(family)
-    return None if find is None else find(text)
+    end = None if find is None else find(_reading(text, reasoning_open))
+    return None if end is None else end - (len(_THINK_OPEN) if reasoning_open else 0)
 
 
 PARSERS: dict[str, Parser] = {

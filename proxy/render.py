@@ -97,8 +97,8 @@ class ChatRenderer:
         self.turn_end_id = vocab.get("<|im_end|>", tokenizer.eos_token_id)
         self._base_msgs = [{"role": "system", "content": _PLACEHOLDER_SYSTEM}]
         self._base_text = self.render_text(self._base_msgs)
-        self._generation_prompt = self._generation_prompt_text()
-        self.generation_prompt_ids = self.encode(self._generation_prompt)
+        self.generation_prompt = self._generation_prompt_text()  # its text
+        self.generation_prompt_ids = self.encode(self.generation_prompt)
         self._verbatim = self._verbatim_frames()
         self._assistant_tail = self._assistant_tail_text()
         self._tail_ids: dict[str, np.ndarray] = {}  # a handful of entries: one per stop token
@@ -229,6 +229,16 @@ class ChatRenderer:
             output_ids = output_ids[:-1]
         return self.decode(output_ids)
 
+    def continuation_text(self, prefill_ids: np.ndarray, output_ids: np.ndarray) -> str:
+        """The answer's text past a prefill (`answer_text` where there is none), decoded after the
+        prefill's tokens: a tokenizer may decode a token's leading space only after a neighbour
+        (SentencePiece strips it at the start)."""
+        if not len(prefill_ids):
+            return self.answer_text(output_ids)
+        head = self.decode(prefill_ids)
+        whole = self.answer_text(np.concatenate([np.asarray(prefill_ids, np.int32), np.asarray(output_ids, np.int32)]))
+        return whole[len(head):] if whole.startswith(head) else self.answer_text(output_ids)
+
     def added_messages(self, added_ids: np.ndarray, after_output_ids: np.ndarray) -> list[tuple[str, str]] | None:
         """The messages a harness added after an assistant turn, from their tokens: `added_ids` are what
         a later prompt holds past that turn's sampled `after_output_ids`, up to and with the generation
@@ -238,7 +248,7 @@ class ChatRenderer:
         template that frames messages by their neighbours, an edited history), for the caller to
         take the text whole."""
         text = self.decode(added_ids)
-        tail, generation_prompt = self._tail_after(after_output_ids), self._generation_prompt
+        tail, generation_prompt = self._tail_after(after_output_ids), self.generation_prompt
         if not text.startswith(tail) or not text.endswith(generation_prompt):
             return None
         text = text[len(tail):len(text) - len(generation_prompt)]

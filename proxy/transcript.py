@@ -60,6 +60,7 @@ from clawfast.threads import reconstruct, shared_with_path
 TRANSCRIPT_PATH = "/clawfast/transcript"
 
 Decode = Callable[[Sequence[int]], str]
+Continuation = Callable[[Sequence[int], Sequence[int]], str]  # (prefill ids, output ids) -> the answer's text
 Added = Callable[[np.ndarray, np.ndarray], "list[tuple[str, str]] | None"]
 
 
@@ -72,20 +73,22 @@ def transcript_events(
     decode: Decode,
     parse: Parser,
     *,
-    decode_answer: Decode | None = None,
+    decode_answer: Continuation | None = None,
     added: Added | None = None,
+    reasoning_open: bool = False,
 ) -> list[dict]:
     """The rollout's transcript events (see the module docstring for the rule).
 
     decode(ids): text with special tokens skipped (for what the harness added). parse(text,
     finish_reason, new_id): the proxy's parser (`clawfast.proxy.parsers`); the events' call ids are
-    their own. decode_answer(ids): the answer's text as
-    the proxy parsed it; default `decode`. Pass it when the tool-call markup is made of special tokens
-    (Mistral's ``[TOOL_CALLS]``, tokenizers that mark ``<tool_call>`` special): skipping them would
-    hide the tool calls from the parser. added(ids, previous_output_ids): the (role, content) messages
+    their own. decode_answer(prefill_ids, output_ids): the answer's text past its prefill as the
+    proxy parsed it (`ChatRenderer.continuation_text`); default `decode` of the output. Pass it when
+    the tool-call markup is made of special tokens (Mistral's ``[TOOL_CALLS]``, tokenizers that mark
+    ``<tool_call>`` special): skipping them would hide the tool calls from the parser. added(ids, previous_output_ids): the (role, content) messages
     the harness added, when the template's framing shows them (`ChatRenderer.added_messages`), else
-    None. `core_transcript` passes the proxy's own."""
-    decode_answer = decode_answer or decode
+    None. reasoning_open: the generation prompt opens a think block (`parsers.opens_reasoning`).
+    `core_transcript` passes the proxy's own."""
+    decode_answer = decode_answer or (lambda prefill_ids, output_ids: decode(output_ids))
     ordered = sorted(calls, key=lambda c: c.call_index)
     if not ordered:
         return []
@@ -96,19 +99,19 @@ def transcript_events(
     for call in ordered:
         if kinds[call.call_index] != "main":
             continue
+        # What the harness added ends at the generation prompt: a prefill after it is the answer's.
+        end = len(call.prompt_ids) - call.metadata.get("prefill_tokens", 0)
         if prev is not None:
             shared = shared_with_path(call.prompt_ids, prev.prompt_ids, prev.output_ids)
-            # What the harness added ends at the generation prompt: a prefill after it is the answer's.
-            end = len(call.prompt_ids) - call.metadata.get("prefill_tokens", 0)
             events += _added_events(call.prompt_ids[shared:end], prev.output_ids, prev_calls, decode, added)
         stop = call.metadata.get("stop_sequence")  # the harness saw the answer up to it
-        text, _ = before_stop(decode_answer(call.output_ids), (stop,) if stop else ())
+        text, _ = before_stop(decode_answer(call.prompt_ids[end:], call.output_ids), (stop,) if stop else ())
         # The prefill (the request's, or a forced call's opening) starts the answer, read under what the
         # request allowed of tool calls (its mode; a named tool's name does not change what is read).
         text = call.metadata.get("prefill", "") + text
         choice = ToolChoice(call.metadata.get("tool_choice", "auto"),
                             parallel=call.metadata.get("parallel_tool_calls", True))
-        turn = parse_answer(parse, text, call.finish_reason, lambda: "", choice)
+        turn = parse_answer(parse, text, call.finish_reason, lambda: "", choice, reasoning_open)
         content: list[dict[str, Any]] = [{"type": "text", "text": turn.content}] if turn.content else []
         prev_calls = [
             {"type": "toolCall", "id": f"call_{call.call_index}_{k}", "name": tc.name,
@@ -147,15 +150,16 @@ def _added_events(ids: np.ndarray, previous_output: np.ndarray, previous_calls: 
 
 def core_transcript(core: Any, calls: Sequence[CallRecord]) -> list[dict]:
     """`transcript_events` with a `ProxyCore`'s tokenizer and parser, decoding answers as
-    `ProxyCore.parse` does (`ChatRenderer.answer_text`). CPU work that grows with
+    `ProxyCore.parse` does (`ChatRenderer.continuation_text`). CPU work that grows with
     the rollout: the server runs it off its event loop."""
     renderer, parser = core.renderer, get_parser(core.parser_name)
     return transcript_events(
         calls,
         lambda ids: renderer.decode(ids, skip_special_tokens=True),
         parser,
-        decode_answer=renderer.answer_text,
+        decode_answer=renderer.continuation_text,
         added=renderer.added_messages,
+        reasoning_open=core.reasoning_open,
     )
 
 

@@ -120,3 +120,24 @@ def test_parsers_never_raise(pieces, finish):
         for call in turn.tool_calls:
             assert isinstance(json.loads(call.arguments), dict)
             orjson.dumps([call.name, json.loads(call.arguments)])  # every call a parser returns can be written back
+
+
+def test_an_answer_inside_a_think_block_the_prompt_opened():
+    """A thinking-only template opens ``<think>`` in its generation prompt: an answer cut before its
+    closing tag is all reasoning (not text the harness would show), a closed one splits there, and no
+    tool call is read, or cut after, inside the reasoning."""
+    from clawfast.proxy.front import ToolChoice
+    from clawfast.proxy.parsers import first_call_end, opens_reasoning, parse_answer
+
+    assert opens_reasoning("<|im_start|>assistant\n<think>\n")
+    assert not opens_reasoning("<|im_start|>assistant\n") and not opens_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    call = '<tool_call>\n{"name": "bash", "arguments": {}}\n</tool_call>'
+    cut = parse_answer(parse_qwen3, "Let me think about " + call, "length", ids(), ToolChoice(), reasoning_open=True)
+    assert (cut.reasoning, cut.content, cut.tool_calls) == ("Let me think about " + call, "", [])
+    assert parse_answer(parse_qwen3, "Let me think", "length", ids(), ToolChoice()).content == "Let me think"
+    closed = parse_answer(parse_qwen3, "plan\n</think>\n\nOn it.\n" + call, "stop", ids(), ToolChoice(), reasoning_open=True)
+    assert (closed.reasoning, closed.content, [c.name for c in closed.tool_calls]) == ("plan", "On it.", ["bash"])
+    two = "plan " + call + "\n</think>\n\n" + call + call
+    end = first_call_end("qwen3", two, reasoning_open=True)
+    assert two[:end].endswith("</think>\n\n" + call)
+    assert first_call_end("qwen3", "plan " + call + call, reasoning_open=True) is None

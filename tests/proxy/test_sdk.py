@@ -434,3 +434,32 @@ def test_chat_offers_function_tools_only_and_responses_wants_a_top_level_name(pr
     # Chat's nested shape sent to Responses: the API answers 400 for the missing name, not a call with no tools.
     with pytest.raises(openai.BadRequestError, match=r"tools\.0\.name: Field required"):
         gpt.responses.create(model="policy", input="hi", tools=[bash])
+
+
+def test_an_answer_cut_inside_the_think_block_the_prompt_opened_is_reasoning(embedded_dir, tmp_path):
+    """A thinking-only template (its generation prompt opens ``<think>``): an answer cut by max_tokens
+    before it closed the block reaches the harness as thinking, not as text; the transcript reads it
+    the same way."""
+    from transformers import AutoTokenizer
+
+    from clawfast.proxy import ChatRenderer
+    from clawfast.proxy.transcript import core_transcript
+    from conftest import make_proxy
+
+    tokenizer = AutoTokenizer.from_pretrained(embedded_dir)
+    header = "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    assert header in tokenizer.chat_template
+    tokenizer.chat_template = tokenizer.chat_template.replace(header, header.replace("\n{% endif", "\n<think>\n{% endif"))
+    live = make_proxy(ChatRenderer(tokenizer), tmp_path)
+    try:
+        assert live.core.reasoning_open
+        live.engine.push("The user wants the files listed, so I will call ls and then")
+        claude = anthropic.Anthropic(base_url=live.url, api_key=live.key, max_retries=0)
+        message = claude.messages.create(model="policy", max_tokens=6, messages=[{"role": "user", "content": "files?"}])
+        assert message.stop_reason == "max_tokens"
+        assert message.content[0].type == "thinking" and message.content[0].thinking.startswith("The user wants")
+        assert "".join(b.text for b in message.content if b.type == "text") == ""
+        (assistant,) = [e["message"] for e in core_transcript(live.core, live.calls()) if e["message"]["role"] == "assistant"]
+        assert assistant["content"] == []
+    finally:
+        live.server.stop()

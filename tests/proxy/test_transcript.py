@@ -74,8 +74,8 @@ def decode(ids) -> str:
     return " ".join(f"w{int(i)}" for i in ids if int(i) not in SPECIAL)
 
 
-def decode_answer(ids) -> str:
-    """Keeps the tool-call markup, as the proxy decodes an answer for its parser."""
+def decode_answer(prefill_ids, ids) -> str:
+    """Keeps the tool-call markup, as the proxy decodes an answer for its parser (no prefills here)."""
     return " ".join("<call>" if int(i) == CALL else f"w{int(i)}" for i in ids if int(i) not in SPECIAL - {CALL})
 
 

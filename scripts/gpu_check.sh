@@ -40,7 +40,7 @@ SMOKE=0
 HAS_BUDGET=0
 for arg in "$@"; do
   [ "$arg" = --smoke ] && SMOKE=1
-  [ "$arg" = --budget ] && HAS_BUDGET=1
+  case "$arg" in --budget | --budget=*) HAS_BUDGET=1 ;; esac
 done
 
 PIP=("$PY" -m pip install -q --disable-pip-version-check)

@@ -515,6 +515,14 @@ class RemoteEngine(Engine):
         check_delta(delta, self.weight_version, {name: torch.empty(schema.shapes[name], dtype=dtype, device="meta")
                                                  for name, dtype in self._base_dtypes.items()})
         reload = sorted({m for t in delta.tensors for m in schema.groups[t.name]})  # whole layers
+        if not reload:
+            # A step that changed no tensor in the engine's dtype: the weights served are those of
+            # `delta.version` already. Only the version moves; nothing is paused (a pause that
+            # aborted the calls in flight would be resumed by no reload).
+            with self._update_lock, httpx.Client(base_url=self.base_url, headers=self._headers, timeout=self._timeout) as http:
+                _checked(http.post("/update_weight_version", json={"new_version": str(delta.version)}), "update_weight_version")
+                self.weight_version = int(delta.version)
+            return
         loop = self._calls_loop("apply_delta")
         with self._update_lock:
             path = write_delta_file(delta, self.reload_dir / f"d{delta.version}.safetensors")
@@ -522,8 +530,8 @@ class RemoteEngine(Engine):
                 try:
                     with httpx.Client(base_url=self.base_url, headers=self._headers, timeout=self._timeout) as http:
                         load = ("clawfast_apply_delta_file", {"path": str(path.resolve()), "reload": json.dumps(reload)})
-                        answer = self._paused_vllm(http, delta.version, lambda: _rpc(http, *load)) if reload else None
-                    bad = sorted({n for names in (answer or {}).get("results", []) for n in names})
+                        answer = self._paused_vllm(http, delta.version, lambda: _rpc(http, *load))
+                    bad = sorted({n for names in answer.get("results", []) for n in names})
                     if bad:
                         raise DeltaMismatch(f"{len(bad)} tensors differ from the trainer's after the delta, e.g. {bad[:3]}")
                     self.weight_version = int(delta.version)

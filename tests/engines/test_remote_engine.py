@@ -773,3 +773,35 @@ def test_a_lora_run_builds_a_remote_engine_serving_its_adapter(lora_server, mode
     (gen,) = _generate_all(engine, [prompt], SamplingParams(max_tokens=10, temperature=1.0, seed=4))
     assert gen.weight_version == 7
     np.testing.assert_allclose(gen.infer_logprobs, _reference_logprobs(lm, prompt, gen.output_ids), atol=ATOL)
+
+
+def test_a_delta_that_changes_nothing_moves_the_version_and_pauses_nothing(dev_server, tmp_path):
+    """``on_update="continue"`` with a call in flight and a step that changed no tensor in the
+    engine's dtype: no reload, so no pause (which only a reload's resume would end: the call in
+    flight and every later one would wait on a paused server); the version moves on."""
+    from clawfast.engines.vllm_checkpoint import CheckpointSchema
+    from clawfast.engines.weight_delta import WeightDelta
+
+    dev_server.delay = 0.3
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "reload").mkdir()
+    engine = RemoteEngine(dev_server.url, model="base", reload_dir=tmp_path / "reload", model_dir=tmp_path,
+                          deltas=True, on_update="continue", timeout=10)
+    engine._schema = CheckpointSchema({"w": (2,)}, {"w": ("w",)})
+    engine._base_dtypes = {"w": torch.float32}
+    params = SamplingParams(max_tokens=1)
+
+    async def run():
+        try:
+            in_flight = asyncio.ensure_future(engine.generate(np.array([1, 2, 3]), params))
+            while engine._inflight == 0:
+                await asyncio.sleep(0.01)
+            await asyncio.to_thread(engine.apply_delta, WeightDelta(0, 1, []))
+            later = await asyncio.wait_for(engine.generate(np.array([1, 2, 3]), params), timeout=10)
+            return await in_flight, later
+        finally:
+            await engine.close()
+
+    first, later = asyncio.run(run())
+    assert "/pause" not in dev_server.paths and "/update_weight_version" in dev_server.paths
+    assert engine.weight_version == 1 and (first.weight_version, later.weight_version) == (0, 1)

@@ -130,7 +130,7 @@ def build_engine(engine: EngineConfig, model_dir: Path, *, dtype: str = "float32
         if lora_rank is not None:
             WeightPusher(built, DTYPES[dtype]).push_adapter(lm, weight_version)
         elif lm is not None:
-            built.update_weights(lm.state_dict(), weight_version)
+            push_lm(built, lm, weight_version)
         return built
     from clawfast.engines.remote import RemoteEngine
 
@@ -186,8 +186,14 @@ def push_weights(engine: Engine | WeightPusher, policy, version: int) -> None:
             raise TypeError("an adapter push goes through a WeightPusher (it knows the engine's dtype)")
         engine.push_adapter(policy.lm, version)
         return
-    pairs = ((k, v.detach()) for k, v in policy.lm.state_dict().items())
-    engine.update_weights(dict(engine_layout(engine, policy.lm, pairs)), version)
+    push_lm(engine, policy.lm, version)
+
+
+def push_lm(engine: Engine | WeightPusher, lm: torch.nn.Module, version: int) -> None:
+    """All of `lm`'s weights to the engine under `version`, in the layout it loads (`engine_layout`:
+    an MoE's fused experts one tensor per expert for an engine that reads checkpoints)."""
+    pairs = ((k, v.detach()) for k, v in lm.state_dict().items())
+    engine.update_weights(dict(engine_layout(engine, lm, pairs)), version)
 
 
 def harness_options(config: RunConfig, *, max_turns: int | None = None) -> dict[str, dict]:

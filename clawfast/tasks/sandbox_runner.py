@@ -1,8 +1,9 @@
 """`SandboxRunner`: the `CommandRunner` that runs each verifier command in a fresh clawfast sandbox.
 
-Each call stages ``workspace/`` (the final workspace copy) and ``verifier/`` (the verifier files)
-side by side, starts a new sandbox from that directory, runs ``bash -c command`` inside
-``workspace/`` with ``$VERIFIER_DIR`` pointing at the sibling ``verifier/``, and destroys the
+Each call stages ``workspace/`` (the final workspace copy) and the verifier files side by side (in
+a folder whose name the agent cannot know, `clawfast.tasks.verify.hidden_dir_name`: a link it
+planted cannot lead a check there), starts a new sandbox from that directory, runs ``bash -c
+command`` inside ``workspace/`` with ``$VERIFIER_DIR`` pointing at that sibling, and destroys the
 sandbox. The staging costs one more copy of the workspace, but it works the same on every backend:
 the local backend ignores read-only binds, so binding the verifier files would not be portable.
 
@@ -18,7 +19,7 @@ the line kept last is then not its score line.
 
 With `workdir` (a task whose workspace has a fixed absolute path), the staged workspace is the
 sandbox's workspace at that path and the command starts there; the verifier files, if any, are bound
-read-only at /run/verifier (``$VERIFIER_DIR``). The local backend cannot place a workspace, so it
+read-only at ``/run/<that name>`` (``$VERIFIER_DIR``). The local backend cannot place a workspace, so it
 refuses such a sandbox.
 """
 
@@ -36,7 +37,6 @@ from clawfast.tasks.verify import STDERR_TAIL_BYTES, STDOUT_TAIL_BYTES, CommandR
 VERIFIER_LIMITS = Limits(memory_bytes=1 << 30, max_processes=256, max_file_bytes=256 << 20,
                          max_output_bytes=1 << 20)
 _SCRIPT = 'cd workspace && exec bash -c "$0"'
-VERIFIER_INSIDE = "/run/verifier"
 
 
 def _tail(data: bytes, limit: int) -> str:
@@ -58,21 +58,22 @@ class SandboxRunner:
         base_env = {"LC_ALL": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
         with tempfile.TemporaryDirectory(prefix="clawfast-stage-") as stage:
             shutil.copytree(workspace, Path(stage) / "workspace", symlinks=True)
+            hidden = verifier_dir.name if verifier_dir is not None else None  # `hidden_dir_name`: unguessable
             if verifier_dir is not None:
-                shutil.copytree(verifier_dir, Path(stage) / "verifier", symlinks=True)
+                shutil.copytree(verifier_dir, Path(stage) / hidden, symlinks=True)
             if workdir is None:
                 spec = SandboxSpec(source_dir=stage, limits=self.limits, default_timeout=timeout, env=base_env,
                                    name="verifier")
                 argv = ["bash", "-c", _SCRIPT, command]
             else:
-                binds = {str(Path(stage) / "verifier"): VERIFIER_INSIDE} if verifier_dir is not None else {}
+                binds = {str(Path(stage) / hidden): f"/run/{hidden}"} if verifier_dir is not None else {}
                 spec = SandboxSpec(source_dir=str(Path(stage) / "workspace"), workdir=workdir, ro_binds=binds,
                                    limits=self.limits, default_timeout=timeout, env=base_env, name="verifier")
                 argv = ["bash", "-c", command]
             with self.backend.create(spec) as sandbox:
                 run_env = dict(env or {})
                 if verifier_dir is not None:
-                    run_env["VERIFIER_DIR"] = VERIFIER_INSIDE if workdir else f"{sandbox.workdir}/verifier"
+                    run_env["VERIFIER_DIR"] = f"/run/{hidden}" if workdir else f"{sandbox.workdir}/{hidden}"
                 res = sandbox.run(argv, env=run_env, timeout=timeout)
         # The sandbox keeps the head of stdout: past the cap, the last line kept is some line from the
         # middle (perhaps a workspace file the verifier printed), never the score line.

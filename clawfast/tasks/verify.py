@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import secrets
 import shlex
 import shutil
 import signal
@@ -245,9 +246,30 @@ def _scored(res: CommandResult, timeout: float) -> VerifierResult:
     return VerifierResult(score=score, details=details, stderr=res.stderr, duration_s=res.duration_s)
 
 
+def hidden_dir_name() -> str:
+    """A name for the folder of a verifier's own files (hidden tests, expected outputs) that nothing
+    the agent left can know: a link planted in the workspace to a fixed ``../verifier/expected.txt``
+    would lead a check that follows links (a link to a regular file is fine) to the answer."""
+    return f"verifier-{secrets.token_hex(8)}"
+
+
+def _unlink_links_into(root: Path, placed: Sequence[Path]) -> None:
+    """Remove every link under `root` that resolves into one of `placed` (what the verifier put into
+    the workspace's copy after the agent ended): the agent could only have planted it there."""
+    def under(path: str, tops: list[str]) -> bool:
+        return any(path == top or path.startswith(top + os.sep) for top in tops)
+
+    own, real = [str(p) for p in placed], [os.path.realpath(p) for p in placed]
+    for folder, dirs, files in os.walk(root):  # links to folders are listed, not followed
+        for name in dirs + files:
+            path = os.path.join(folder, name)
+            if os.path.islink(path) and not under(path, own) and under(os.path.realpath(path), real):
+                os.unlink(path)
+
+
 def _run_command_verifier(verifier: CommandVerifier, scratch: Path, workspace: Path,
                           runner: CommandRunner, workdir: str | None) -> VerifierResult:
-    verifier_dir = scratch / "verifier"
+    verifier_dir = scratch / hidden_dir_name()
     verifier.materialize(verifier_dir)
     res = runner(verifier.command, workspace, verifier_dir=verifier_dir, timeout=verifier.timeout,
                  workdir=workdir)
@@ -295,7 +317,7 @@ def _reward_payload(task: Task, verifier: RewardScriptVerifier, final_message: s
 
 def _run_grade_function(verifier: GradeFunctionVerifier, scratch: Path, workspace: Path, runner: CommandRunner,
                         workdir: str | None, transcript: list[dict[str, Any]]) -> VerifierResult:
-    verifier_dir = scratch / "verifier"
+    verifier_dir = scratch / hidden_dir_name()
     verifier_dir.mkdir()
     shutil.copyfile(Path(__file__).with_name(verifier.RUNNER), verifier_dir / verifier.RUNNER)
     (verifier_dir / "grade.py").write_text(verifier.code, encoding="utf-8")
@@ -328,6 +350,9 @@ def _run_reward_script(task: Task, verifier: RewardScriptVerifier, workspace: Pa
 
     payload = _reward_payload(task, verifier, final_message, transcript)
     write_files(str(workspace), {PAYLOAD_FILE: json.dumps(payload)})
+    # reward/ has the name ClawGym's scripts are run by: a link the agent left toward it (or the
+    # payload) would hand a check the scripts' own text.
+    _unlink_links_into(workspace, [reward, workspace / PAYLOAD_FILE])
     env = {"OPENCLAW_REWARD_PAYLOAD": f"{workdir}/{PAYLOAD_FILE}"}
     inside = shlex.quote(f"{workdir}/reward")
     res = runner(f"bash {inside}/{verifier.ENTRY}", workspace, verifier_dir=None, timeout=verifier.timeout,

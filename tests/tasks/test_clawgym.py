@@ -462,3 +462,17 @@ def test_bad_rubrics_are_errors_naming_the_file_and_field(tmp_path, rubric, grad
     with pytest.raises(TaskFormatError, match=message) as err:
         load_clawgym(f"clawgym:{path}")
     assert str(path) in str(err.value)
+
+
+def test_a_link_planted_toward_the_reward_scripts_is_removed_before_they_run(runner, tmp_path):
+    """reward/ is placed in the workspace's copy under the name ClawGym's scripts run by: notes.md
+    left as a link to reward/check.py (whose text holds the word the check looks for) would score
+    without a line written. The link goes; the do-nothing share of the score stays."""
+    (task,) = load_clawgym(f"clawgym:{write_notes_task(tmp_path / 'n')}")
+    ws = task.materialize(tmp_path / "ws")
+    (ws / "notes.md").symlink_to("reward/check.py")
+    v = run_verifier(task, ws, runner)
+    assert (v.status, v.score) == ("ok", pytest.approx(1 / 3)), v
+    honest = task.materialize(tmp_path / "honest")
+    (honest / "notes.md").write_text("clawfast trains agents through their harnesses.\n")
+    assert run_verifier(task, honest, runner).score == 1.0

@@ -260,3 +260,31 @@ def test_content_checks(tmp_path, check, content, ok):
     task = _checks_task([dict(check, path="f")], {"f": content})
     res = _score(task, tmp_path)
     assert (res.status, res.score) == ("ok", 1.0 if ok else 0.0), res.details
+
+
+# ------------------------------------------------------------------------------ planted links
+
+EXPECTED_COMMAND = ('if [ "$(cat out.txt)" = "$(cat "$VERIFIER_DIR/expected.txt")" ]; '
+                    'then echo \'{"score": 1}\'; else echo \'{"score": 0}\'; fi')
+
+
+@pytest.mark.parametrize("sandboxed", [False, True], ids=["subprocess", "sandbox"])
+def test_a_link_planted_toward_the_verifier_files_finds_nothing(tmp_path, sandboxed):
+    """The verifier's own files sit beside the workspace's copy; a link the agent left at a fixed
+    ``../verifier/expected.txt`` (or the in-sandbox path) would hand the check its answer. Their folder
+    has a name the agent cannot know, so such a link leads nowhere; the honest answer still scores."""
+    from clawfast.tasks.sandbox_runner import SandboxRunner
+
+    task = _task(EXPECTED_COMMAND, verifier_files={"expected.txt": "the answer\n"})
+
+    def score(setup) -> float:
+        ws = task.materialize(tmp_path / f"ws{len(list(tmp_path.iterdir()))}")
+        setup(ws)
+        if not sandboxed:
+            return run_verifier(task, ws).score
+        with SandboxRunner() as runner:
+            return run_verifier(task, ws, runner).score
+
+    assert score(lambda ws: (ws / "out.txt").write_text("the answer\n")) == 1.0
+    assert score(lambda ws: (ws / "out.txt").symlink_to("../verifier/expected.txt")) == 0.0
+    assert score(lambda ws: (ws / "out.txt").symlink_to("/run/verifier/expected.txt")) == 0.0

@@ -442,9 +442,10 @@ def run_verifier(task: Task, workspace: Path | str, runner: CommandRunner | None
         try:
             # symlinks=True: a link the agent planted is copied as a link, not followed on the host.
             shutil.copytree(workspace, copy, symlinks=True, ignore=_special_files)
-        except (OSError, shutil.Error) as exc:
-            # Unreadable or special files the agent left: the workspace cannot be judged.
-            return _error(f"cannot copy workspace: {exc}")
+        except (OSError, shutil.Error, RecursionError) as exc:
+            # Unreadable or special files the agent left, or a tree deeper than the copy recurses:
+            # the workspace cannot be judged.
+            return _error(f"cannot copy workspace: {type(exc).__name__}: {str(exc)[:500]}")
         if isinstance(task.verifier, CallableVerifier):
             return _run_callable_verifier(task.verifier, copy)
         if isinstance(task.verifier, RewardScriptVerifier):

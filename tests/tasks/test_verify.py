@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import subprocess
 import time
 from pathlib import Path
 
@@ -288,3 +289,18 @@ def test_a_link_planted_toward_the_verifier_files_finds_nothing(tmp_path, sandbo
     assert score(lambda ws: (ws / "out.txt").write_text("the answer\n")) == 1.0
     assert score(lambda ws: (ws / "out.txt").symlink_to("../verifier/expected.txt")) == 0.0
     assert score(lambda ws: (ws / "out.txt").symlink_to("/run/verifier/expected.txt")) == 0.0
+
+
+def test_a_tree_deeper_than_the_copy_recurses_is_a_verifier_error_and_is_removed(tmp_path):
+    """`mkdir -p a/a/a/...` some 1,500 levels deep: the workspace cannot be copied for the verifier
+    (shutil recurses per level), which is the agent's doing, a verifier_error scoring 0, not an
+    exception that lost the rollout's whole batch; and the host still removes the tree."""
+    from clawfast.sandbox.hostdir import remove_tree
+
+    task = _task("echo '{\"score\": 1}'")
+    ws = task.materialize(tmp_path / "ws")
+    subprocess.run(["mkdir", "-p", os.path.join(*["a"] * 1500)], cwd=ws, check=True)  # os.makedirs recurses too
+    res = run_verifier(task, ws)
+    assert (res.status, res.score) == ("verifier_error", 0.0) and "RecursionError" in res.error
+    remove_tree(str(ws))
+    assert not ws.exists()

@@ -20,7 +20,9 @@ from __future__ import annotations
 import abc
 import inspect
 import json
+import os
 import shutil
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -264,21 +266,45 @@ def reason_text(kind: Any, detail: Any) -> str | None:
     return ": ".join(parts) or None
 
 
+def reached_without_links(home: Path, path: Path, kind: int = stat.S_IFREG) -> bool:
+    """Whether `path` is a file (`kind`: or a folder, ``stat.S_IFDIR``) below `home` that no link on
+    the way leads to (each step lstat'ed). What a sandbox left in its HOME is read on the host only so:
+    a link it planted there (``~/.claude/projects -> /``, ``~/mini.traj.json -> /root/.ssh/id_ed25519``)
+    must not make the host read, walk or copy its own files."""
+    try:
+        parts = Path(path).relative_to(home).parts
+    except ValueError:
+        return False
+    current, mode = Path(home), None
+    for part in parts:
+        current = current / part
+        try:
+            mode = os.lstat(current).st_mode
+        except OSError:
+            return False
+        if stat.S_ISLNK(mode):
+            return False
+    return mode is not None and stat.S_IFMT(mode) == kind
+
+
 def copy_artifacts(paths: list[Path], root: Path, dest: Path) -> list[Path]:
-    """Copy `paths` (files below `root`) to `dest`, keeping their path relative to `root`."""
+    """Copy `paths` (files below `root`, reached through no link: `reached_without_links`) to `dest`,
+    keeping their path relative to `root`; others are skipped."""
     copied = []
     for path in paths:
-        rel = Path(path).relative_to(root)
-        target = Path(dest) / rel
+        if not reached_without_links(root, path):
+            continue
+        target = Path(dest) / Path(path).relative_to(root)
         target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(path, target)
+        shutil.copy2(path, target, follow_symlinks=False)
         copied.append(target)
     return copied
 
 
-def glob_files(root: Path, pattern: str) -> list[Path]:
-    """Files under `root` matching `pattern`, sorted (symlinks are not followed out of `root`)."""
-    root = Path(root)
-    if not root.is_dir():
+def glob_files(home: Path, folder: str, pattern: str) -> list[Path]:
+    """Files under ``home / folder`` matching `pattern`, sorted, each reached through no link
+    (`reached_without_links`: a linked folder is neither walked nor read)."""
+    root = Path(home) / folder
+    if not reached_without_links(home, root, stat.S_IFDIR):
         return []
-    return sorted(p for p in root.glob(pattern) if p.is_file() and not p.is_symlink())
+    return sorted(p for p in root.glob(pattern) if reached_without_links(home, p))

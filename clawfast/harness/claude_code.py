@@ -91,7 +91,7 @@ class ClaudeCode(Harness):
         ]  # fmt: skip
 
     def artifacts(self, layout: RunLayout) -> list[Path]:
-        return glob_files(layout.home / ".claude" / "projects", "**/*.jsonl")
+        return glob_files(layout.home, ".claude/projects", "**/*.jsonl")
 
     def exit_reason(self, stdout: str) -> str | None:
         # --output-format json ends with one result object; is_error marks a run that failed,

@@ -84,7 +84,7 @@ class Codex(Harness):
         ]  # fmt: skip
 
     def artifacts(self, layout: RunLayout) -> list[Path]:
-        return glob_files(layout.home / ".codex" / "sessions", "**/*.jsonl")
+        return glob_files(layout.home, ".codex/sessions", "**/*.jsonl")
 
     def exit_reason(self, stdout: str) -> str | None:
         # `exec --json` streams events; a failed turn ends in turn.failed, after an error event with

@@ -16,7 +16,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from clawfast.harness.base import Harness, HarnessInstall, PreparedRun, RunLayout, ScriptedToolCall, ScriptedTurn
+from clawfast.harness.base import (Harness, HarnessInstall, PreparedRun, RunLayout, ScriptedToolCall, ScriptedTurn,
+                                   reached_without_links)
 from clawfast.harness.pip_install import ensure_pip_harness
 
 SUBMIT_COMMAND = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
@@ -111,7 +112,7 @@ class MiniSweAgent(Harness):
 
     def artifacts(self, layout: RunLayout) -> list[Path]:
         path = layout.home / _TRAJECTORY
-        return [path] if path.is_file() else []
+        return [path] if reached_without_links(layout.home, path) else []
 
     def scripted_turns(self, oracle_commands: list[str], final_text: str) -> list[ScriptedTurn]:
         turns = [

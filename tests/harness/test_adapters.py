@@ -347,3 +347,35 @@ def test_pip_install_dir_validates_pins():
     for name, version in [("mini swe", "1"), ("x", ">=2"), ("../x", "1"), ("x", "")]:
         with pytest.raises(ValueError):
             pip_install_dir(name, version)
+
+
+def test_what_a_sandbox_left_in_home_is_read_only_where_no_link_leads(layout, tmp_path):
+    """Logs kept (`rollout.keep_logs`): the host lists and copies each harness's artifacts from the
+    sandbox's HOME, and reads OpenClaw's session store. A link the agent planted there (a folder to
+    the host's, a file to a host secret) is neither walked nor read; the harness's own files are."""
+    from clawfast.harness.base import copy_artifacts
+
+    host = tmp_path / "host"
+    (host / "proj").mkdir(parents=True)
+    (host / "proj" / "secret.jsonl").write_text("HOST SECRET\n")
+    (host / "id_key").write_text("HOST KEY\n")
+    home = layout.home
+    (home / ".claude").mkdir()
+    (home / ".claude" / "projects").symlink_to(host / "proj")
+    (home / ".codex" / "sessions" / "2026").mkdir(parents=True)
+    (home / ".codex" / "sessions" / "2026" / "own.jsonl").write_text("{}\n")
+    (home / ".codex" / "sessions" / "2026" / "planted.jsonl").symlink_to(host / "proj" / "secret.jsonl")
+    (home / "mini.traj.json").symlink_to(host / "id_key")
+    db = home / ".openclaw" / "agents" / "main" / "agent" / "openclaw-agent.sqlite"
+    db.parent.mkdir(parents=True)
+    db.symlink_to(host / "id_key")
+
+    assert get_harness("claude-code").artifacts(layout) == []
+    assert get_harness("mini-swe-agent").artifacts(layout) == []
+    codex = get_harness("codex").artifacts(layout)
+    assert [p.name for p in codex] == ["own.jsonl"]
+    assert get_harness("openclaw").transcript(layout) is None
+    planted = [home / ".claude" / "projects" / "secret.jsonl", home / "mini.traj.json"]
+    copied = copy_artifacts(codex + planted, home, tmp_path / "kept")
+    assert [p.name for p in copied] == ["own.jsonl"]
+    assert all("HOST" not in p.read_text() for p in (tmp_path / "kept").rglob("*") if p.is_file())

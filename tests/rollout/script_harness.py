@@ -32,7 +32,7 @@ class ScriptHarness(Harness):
         return ["/bin/sh", "-c", f"cp {layout.home_inside}/.script/key {log}; {task_instruction}"]
 
     def artifacts(self, layout: RunLayout) -> list[Path]:
-        return glob_files(layout.home / ".script", "*.log")
+        return glob_files(layout.home, ".script", "*.log")
 
     def exit_reason(self, stdout: str) -> str | None:
         # The script reports a failure as a JSON line {"error": ...}, as a real harness's headless mode does.

@@ -300,7 +300,10 @@ def test_a_tree_deeper_than_the_copy_recurses_is_a_verifier_error_and_is_removed
     task = _task("echo '{\"score\": 1}'")
     ws = task.materialize(tmp_path / "ws")
     subprocess.run(["mkdir", "-p", os.path.join(*["a"] * 1500)], cwd=ws, check=True)  # os.makedirs recurses too
-    res = run_verifier(task, ws)
-    assert (res.status, res.score) == ("verifier_error", 0.0) and "RecursionError" in res.error
-    remove_tree(str(ws))
-    assert not ws.exists()
+    try:
+        res = run_verifier(task, ws)
+        assert (res.status, res.score) == ("verifier_error", 0.0) and "RecursionError" in res.error
+        remove_tree(str(ws))
+        assert not ws.exists()
+    finally:  # pytest's own clean-up of old temporary folders recurses too
+        subprocess.run(["rm", "-rf", str(ws)])

@@ -51,10 +51,42 @@ def write_files(root: str, files: Mapping[str, bytes | str]) -> None:
             f.write(data)
 
 
+def copy_sparse(src: str, dst: str) -> str:
+    """`shutil.copy2` of a regular file that keeps its holes (`copy_function` of the workspace copies):
+    a sparse file costs a sandbox's tmpfs nothing, and written out whole by each copy of the workspace
+    (`truncate -s 1G f{1..1000}`) it would have the host write a terabyte. Data runs are found with
+    SEEK_DATA / SEEK_HOLE (a filesystem without them reports the whole file as data). Anything but a
+    regular file is refused as `shutil.copyfile` refuses it (`shutil.SpecialFileError`), never opened."""
+    if not stat.S_ISREG(os.stat(src).st_mode):
+        raise shutil.SpecialFileError(f"`{src}` is not a regular file")
+    with open(src, "rb") as fin, open(dst, "wb") as fout:
+        fd, size, pos = fin.fileno(), os.fstat(fin.fileno()).st_size, 0
+        while pos < size:
+            try:
+                start = os.lseek(fd, pos, os.SEEK_DATA)
+            except OSError as exc:
+                if exc.errno == errno.ENXIO:  # only a hole past `pos`
+                    break
+                raise
+            end = os.lseek(fd, start, os.SEEK_HOLE)
+            fin.seek(start)
+            fout.seek(start)
+            while start < end:
+                chunk = fin.read(min(end - start, 1 << 20))
+                if not chunk:
+                    break
+                fout.write(chunk)
+                start += len(chunk)
+            pos = end
+        fout.truncate(size)
+    shutil.copystat(src, dst)
+    return dst
+
+
 def populate(root: str, source_dir: str | None, files: Mapping[str, bytes | str]) -> None:
     os.makedirs(root, exist_ok=True)
     if source_dir is not None:
-        shutil.copytree(source_dir, root, symlinks=True, dirs_exist_ok=True)
+        shutil.copytree(source_dir, root, symlinks=True, dirs_exist_ok=True, copy_function=copy_sparse)
     write_files(root, files)
 
 

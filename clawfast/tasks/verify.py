@@ -441,7 +441,10 @@ def run_verifier(task: Task, workspace: Path | str, runner: CommandRunner | None
         copy = scratch / "workspace"
         try:
             # symlinks=True: a link the agent planted is copied as a link, not followed on the host.
-            shutil.copytree(workspace, copy, symlinks=True, ignore=_special_files)
+            # Holes stay holes (`copy_sparse`). Imported here: see _run_reward_script.
+            from clawfast.sandbox.workspace import copy_sparse
+
+            shutil.copytree(workspace, copy, symlinks=True, ignore=_special_files, copy_function=copy_sparse)
         except (OSError, shutil.Error, RecursionError) as exc:
             # Unreadable or special files the agent left, or a tree deeper than the copy recurses:
             # the workspace cannot be judged.

@@ -307,3 +307,23 @@ def test_a_tree_deeper_than_the_copy_recurses_is_a_verifier_error_and_is_removed
         assert not ws.exists()
     finally:  # pytest's own clean-up of old temporary folders recurses too
         subprocess.run(["rm", "-rf", str(ws)])
+
+
+def test_a_sparse_file_stays_sparse_in_every_copy_the_verifier_gets(tmp_path):
+    """`truncate -s 1G f{1..1000}` costs a sandbox's tmpfs nothing; written out whole by each copy of
+    the workspace it would have the host write a terabyte. The copies keep the holes, and the data."""
+    from clawfast.tasks.sandbox_runner import SandboxRunner
+
+    probe = ("import json, os\ns = os.stat('big.bin')\nf = open('big.bin', 'rb')\nf.seek(32 << 20)\n"
+             "print(json.dumps({'score': 1, 'details': {'size': s.st_size, 'allocated': s.st_blocks * 512, "
+             "'middle': f.read(4).decode()}}))\n")
+    task = _task('python3 "$VERIFIER_DIR/probe.py"', verifier_files={"probe.py": probe})
+    ws = task.materialize(tmp_path / "ws")
+    with open(ws / "big.bin", "wb") as f:
+        f.truncate(64 << 20)
+        f.seek(32 << 20)
+        f.write(b"data")
+    with SandboxRunner() as runner:
+        seen = run_verifier(task, ws, runner).details
+    assert seen["size"] == 64 << 20 and seen["middle"] == "data"
+    assert seen["allocated"] < 1 << 20, seen  # a 64 MiB file written out whole would be 64 MiB

@@ -477,13 +477,9 @@ def dev_server():
         yield server
 
 
-def test_a_refused_abort_pause_reopens_the_engine(dev_server, tmp_path):
-    """``on_update="continue"`` closes the engine's gate, then asks the server to abort: when that
-    fails, the update fails and the gate opens again (the call in flight ends, later calls run)
-    rather than every later call waiting forever."""
-    dev_server.failing.add("/pause")
-    dev_server.delay = 0.5
-    engine = RemoteEngine(dev_server.url, model="base", reload_dir=tmp_path, on_update="continue", timeout=10)
+def _update_while_a_call_runs(engine: RemoteEngine, update):
+    """Start a call, run `update` on another thread (as the trainer pushes) while it is in flight,
+    then make one more call; (the first call's generation, the later one's)."""
     params = SamplingParams(max_tokens=1)
 
     async def run():
@@ -491,15 +487,29 @@ def test_a_refused_abort_pause_reopens_the_engine(dev_server, tmp_path):
             in_flight = asyncio.ensure_future(engine.generate(np.array([1, 2, 3]), params))
             while engine._inflight == 0:
                 await asyncio.sleep(0.01)
-            with pytest.raises(RuntimeError, match="pause"):
-                await asyncio.to_thread(engine.update_weights, {"w": torch.zeros(2)}, 1)
-            dev_server.delay = 0.0
+            await asyncio.to_thread(update)
             later = await asyncio.wait_for(engine.generate(np.array([1, 2, 3]), params), timeout=10)
             return await in_flight, later
         finally:
             await engine.close()
 
-    for gen in asyncio.run(run()):
+    return asyncio.run(run())
+
+
+def test_a_refused_abort_pause_reopens_the_engine(dev_server, tmp_path):
+    """``on_update="continue"`` closes the engine's gate, then asks the server to abort: when that
+    fails, the update fails and the gate opens again (the call in flight ends, later calls run)
+    rather than every later call waiting forever."""
+    dev_server.failing.add("/pause")
+    dev_server.delay = 0.5
+    engine = RemoteEngine(dev_server.url, model="base", reload_dir=tmp_path, on_update="continue", timeout=10)
+
+    def update():
+        with pytest.raises(RuntimeError, match="pause"):
+            engine.update_weights({"w": torch.zeros(2)}, 1)
+        dev_server.delay = 0.0
+
+    for gen in _update_while_a_call_runs(engine, update):
         assert gen.output_ids.tolist() == [5] and gen.weight_version == 0
 
 
@@ -789,19 +799,6 @@ def test_a_delta_that_changes_nothing_moves_the_version_and_pauses_nothing(dev_s
                           deltas=True, on_update="continue", timeout=10)
     engine._schema = CheckpointSchema({"w": (2,)}, {"w": ("w",)})
     engine._base_dtypes = {"w": torch.float32}
-    params = SamplingParams(max_tokens=1)
-
-    async def run():
-        try:
-            in_flight = asyncio.ensure_future(engine.generate(np.array([1, 2, 3]), params))
-            while engine._inflight == 0:
-                await asyncio.sleep(0.01)
-            await asyncio.to_thread(engine.apply_delta, WeightDelta(0, 1, []))
-            later = await asyncio.wait_for(engine.generate(np.array([1, 2, 3]), params), timeout=10)
-            return await in_flight, later
-        finally:
-            await engine.close()
-
-    first, later = asyncio.run(run())
+    first, later = _update_while_a_call_runs(engine, lambda: engine.apply_delta(WeightDelta(0, 1, [])))
     assert "/pause" not in dev_server.paths and "/update_weight_version" in dev_server.paths
     assert engine.weight_version == 1 and (first.weight_version, later.weight_version) == (0, 1)

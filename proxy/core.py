@@ -173,7 +173,8 @@ class ProxyCore:
                 # model's context overflow (Claude Code and OpenClaw compact and retry, Codex stops).
                 raise ProtocolError(
                     400, "context_length",
-                    f"prompt is too long: {len(prompt.ids)} tokens > {self.served_context - 1} maximum", "messages",
+                    f"prompt is too long: {len(prompt.ids)} tokens > {self.served_context - 1} maximum",
+                    front.conversation_field,
                 )
             cap = min(cap, room)
         # What the rollout's caller asked for wins over what the harness asks for (`Sampling.params`).

@@ -117,6 +117,7 @@ def sse(event: str | None, data: dict) -> bytes:
 class Front(abc.ABC):
     name: str  # "anthropic" | "chat" | "responses"
     id_prefix: str
+    conversation_field = "messages"  # the request field holding the conversation (an error's `param`)
 
     @abc.abstractmethod
     def parse(self, body: bytes, memory: UnitMemory | None = None) -> Request:

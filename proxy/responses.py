@@ -145,6 +145,7 @@ def _custom_input(arguments: str) -> str:
 class ResponsesFront(Front):
     name = "responses"
     id_prefix = "resp_"
+    conversation_field = "input"
 
     def parse(self, body: bytes, memory: UnitMemory | None = None) -> Request:
         req = load_body(body, ResponsesRequest, memory, "input")

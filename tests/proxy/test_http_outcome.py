@@ -258,11 +258,11 @@ def test_a_prompt_past_the_context_is_refused_as_each_api_words_it(start, config
         lambda: gpt.responses.create(model="policy", input=too_long),
         lambda: list(gpt.responses.create(model="policy", input=too_long, stream=True)),
     ]
-    for call in openai_calls:
+    for call, field in zip(openai_calls, ["messages", "messages", "input", "input"]):
         with pytest.raises(openai.BadRequestError) as refused:
             call()
         assert (refused.value.code, refused.value.type) == ("context_length_exceeded", "invalid_request_error")
-        assert f"> {limit - 1} maximum" in refused.value.message
+        assert f"> {limit - 1} maximum" in refused.value.message and refused.value.param == field
     assert live.engine.calls == 1
     refusals = live.close("r")[0].info["refusals"]
     assert [(e["status"], e["error_type"], e["protocol"]) for e in refusals] == [

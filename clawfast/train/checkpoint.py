@@ -244,8 +244,12 @@ def _keep_hyperparameters(optimizer: torch.optim.Optimizer, configured: list[dic
 
 
 def _load_full(checkpoint: Path, lm: torch.nn.Module) -> None:
-    weights = load_model_weights(checkpoint / "model")
-    missing, unexpected = lm.load_state_dict(weights, strict=False)
+    # Read back by transformers itself, which undoes what `save_pretrained` converted: from 5.0 an MoE
+    # layer's fused experts are written one tensor per expert, names the model in memory does not have.
+    saved = type(lm).from_pretrained(checkpoint / "model", dtype=next(lm.parameters()).dtype,
+                                     local_files_only=True)
+    missing, unexpected = lm.load_state_dict(saved.state_dict(), strict=False)
+    del saved
     # Tied weights (the LM head sharing the embedding) are saved once; anything else missing is an error.
     tied = set(getattr(lm, "_tied_weights_keys", None) or ())
     missing = [k for k in missing if k not in tied and not _is_tied_copy(lm, k)]

@@ -156,3 +156,17 @@ def test_resume_takes_the_saved_moments_and_the_configured_hyperparameters(tmp_p
         for key in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(resumed.state[p][key], optimizer.state[p][key]), key
     assert warm_up(resumed, 10) == pytest.approx(1e-3 * 3 / 10)  # the ramp continues at the configured lr
+
+
+def test_an_moe_checkpoint_loads_back_exactly(tmp_path):
+    """transformers (from 5.0) holds an MoE layer's experts fused in memory and saves them one tensor
+    per expert: a full-weight MoE run's checkpoint is read back through transformers' own loading,
+    every tensor equal."""
+    from tiny_moe import tiny_moe
+
+    policy = Policy(tiny_moe("qwen3_moe", vocab_size=VOCAB))
+    path = save_checkpoint(tmp_path / "run", policy, torch.optim.AdamW(policy.parameters()), TrainState(step=1))
+    fresh = Policy(tiny_moe("qwen3_moe", vocab_size=VOCAB, seed=1))
+    load_checkpoint(path, fresh)
+    for (name, a), (_, b) in zip(policy.state_dict().items(), fresh.state_dict().items()):
+        assert torch.equal(a, b), name

@@ -508,7 +508,9 @@ class JudgeConfig(_Section):
 class EvalConfig(_Section):
     """split: evaluated split. samples_per_task: attempts per task (pass@1 is their mean).
     temperature: 0 is greedy. before / after: evaluate before training and after the last step.
-    after_coldstart: also between the cold start and RL. interval: also every N steps (0: never).
+    after_coldstart: also between the cold start and RL. interval: also every N steps (0: never; at
+    the last step, once, where `after` is on). An eval a resumed run's checkpoint asked for and the
+    killed run did not finish is run on resume.
     judge: the model that scores tasks' rubrics (None: their judged parts are reported "not judged",
     and those tasks left out of pass@1; `clawfast.tasks.scoring`)."""
 

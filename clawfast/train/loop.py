@@ -45,7 +45,9 @@ and data position with the saved weights, optimizer state (moments, step counts;
 hyper-parameters are the resumed run's config, `clawfast.train.checkpoint`) and RNG states (an
 asynchronous run's groups in flight at the checkpoint are not stored: the resumed run says how many
 and runs their tasks again first); with a deterministic rollout source (recorded rollouts) it produces the same
-checkpoints as an uninterrupted run (tests/train/test_resume.py). Not guaranteed: identical rollouts from real harnesses across a
+checkpoints as an uninterrupted run (tests/train/test_resume.py). An eval the checkpoint's step asked
+for (after the cold start, at an `eval.interval` step, after the last step) that the killed run did not
+log is run on resume; one it logged is not run again. Not guaranteed: identical rollouts from real harnesses across a
 resume (their timing and the engine's batching are not deterministic).
 """
 
@@ -88,7 +90,7 @@ from clawfast.train.producer import RolloutProducer
 from clawfast.tasks.judge import build_judge
 from clawfast.tasks.scoring import judge_results, write_scores
 from clawfast.train.metrics import metrics_by_tag, rollout_metrics, score_counts
-from clawfast.train.metrics_log import MetricsLogger
+from clawfast.train.metrics_log import MetricsLogger, read_metrics
 from clawfast.train.plot import plot_run
 from clawfast.train.progress import ProgressView
 from clawfast.train.protocols import RolloutSource, Trainer
@@ -200,10 +202,15 @@ def run_loop(config: RunConfig, *, resume: bool, progress: bool, group=None,
                     state.weight_version += 1
                     push_weights(pusher, policy, state.weight_version)
                 trainer.save_checkpoint(run_dir, state, tokenizer_dir=model_dir, keep=config.checkpoint.keep)
-                if config.eval.after_coldstart and eval_tasks:
-                    summary["eval_coldstart"] = _evaluate(source, config, eval_tasks, logger, view, 0, "coldstart",
-                                                          "eval after cold start", shown="after cold start")
+            # After the cold start; also on a resume from its checkpoint, if that eval was cut short.
+            if (state.step == 0 and state.extra.get("coldstart_done") and config.coldstart.enabled
+                    and config.eval.after_coldstart and eval_tasks and not _eval_logged(logger, 0, "coldstart")):
+                summary["eval_coldstart"] = _evaluate(source, config, eval_tasks, logger, view, 0, "coldstart",
+                                                      "eval after cold start", shown="after cold start")
             ref_policy = trainer.share_reference(_reference_policy(config, policy, run_dir, model_dir))
+            if 0 < state.step < config.steps and _interval_eval_due(config, state.step) and eval_tasks and \
+                    not _eval_logged(logger, state.step, f"step {state.step}"):  # cut short before the resume
+                _evaluate(source, config, eval_tasks, logger, view, state.step, f"step {state.step}", None)
             feed = stack.enter_context(_make_feed(config, source, sampler, state, view))
             done_here = 0
             if view and state.step < config.steps:
@@ -222,13 +229,14 @@ def run_loop(config: RunConfig, *, resume: bool, progress: bool, group=None,
                     feed.store(state)
                     trainer.save_checkpoint(run_dir, state, tokenizer_dir=model_dir, keep=config.checkpoint.keep)
                 feed.release()
-                if eval_tasks and not last and config.eval.interval and state.step % config.eval.interval == 0:
+                if eval_tasks and _interval_eval_due(config, state.step):
                     _evaluate(source, config, eval_tasks, logger, view, state.step, f"step {state.step}", None)
             feed.close()
             if view and done_here:
                 view.end()
-            # A resumed run that had already finished does not evaluate again.
-            if state.step == config.steps and (done_here or fresh) and config.eval.after and eval_tasks:
+            # A resumed run evaluates at the end unless that eval was logged before (it finished).
+            if state.step == config.steps and config.eval.after and eval_tasks and \
+                    not _eval_logged(logger, state.step, "after"):
                 summary["eval_after"] = _evaluate(source, config, eval_tasks, logger, view, state.step, "after",
                                                   "eval after training")
     finally:
@@ -309,6 +317,20 @@ def _evaluate(source: RolloutSource, config: RunConfig, eval_tasks: dict, logger
     logger.log("eval", step, {**m, "label": label})
     _say(view, eval_line(shown or label, m))
     return m
+
+
+def _interval_eval_due(config: RunConfig, step: int) -> bool:
+    """``eval.interval`` asks for an eval after `step` (the last step's is ``eval.after``'s where that
+    is on, not a second one)."""
+    last = step == config.steps
+    return bool(config.eval.interval) and step % config.eval.interval == 0 and not (last and config.eval.after)
+
+
+def _eval_logged(logger: MetricsLogger, step: int, label: str) -> bool:
+    """Whether the run's metrics hold the eval `label` at `step`: a resumed run runs an eval its
+    checkpoint's step asked for only if it was cut short (records past the checkpoint were dropped)."""
+    return any(r.get("kind") == "eval" and r.get("step") == step and r.get("label") == label
+               for r in read_metrics(logger.path))
 
 
 def _say(view: ProgressView | None, text: str) -> None:

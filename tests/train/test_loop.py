@@ -288,3 +288,24 @@ def test_eval_finds_the_model_of_a_run_a_checkpoint_or_a_model_dir(tmp_path, cap
         model_dir_of(tmp_path / "recorded")
     assert main(["eval", str(tmp_path / "run.toml"), "--checkpoint", str(tmp_path / "recorded")]) == 2
     assert "not a checkpoint" in capsys.readouterr().err
+
+
+def test_evals_a_checkpoint_asked_for_are_rerun_only_where_cut_short(tmp_path):
+    """`eval.interval` fires at the last step too (once: `eval.after`'s, where that is on); an eval is
+    known done by its record in metrics.jsonl, which a resume truncates past its checkpoint, so an
+    eval a killed run did not finish is run again and a finished one is not."""
+    from clawfast.train.loop import _eval_logged, _interval_eval_due
+    from clawfast.train.metrics_log import MetricsLogger
+
+    every_5 = config_from_dict({"steps": 10, "eval": {"interval": 5, "after": False}})
+    assert [s for s in range(1, 11) if _interval_eval_due(every_5, s)] == [5, 10]
+    with_after = config_from_dict({"steps": 10, "eval": {"interval": 5}})
+    assert [s for s in range(1, 11) if _interval_eval_due(with_after, s)] == [5]
+    logger = MetricsLogger(tmp_path, tensorboard=False)
+    logger.log("eval", 5, {"pass@1": 0.5, "label": "step 5"})
+    logger.log("train", 6, {"loss": 1.0})
+    logger.close()
+    resumed = MetricsLogger(tmp_path, resume_step=5, tensorboard=False)
+    assert _eval_logged(resumed, 5, "step 5") and not _eval_logged(resumed, 5, "after")
+    resumed.close()
+    assert not _eval_logged(MetricsLogger(tmp_path, resume_step=4, tensorboard=False), 5, "step 5")

@@ -140,6 +140,10 @@ def build_engine(engine: EngineConfig, model_dir: Path, *, dtype: str = "float32
                          deltas=engine.delta_pushes and engine.sync_weights and not adapter, adapters=adapter)
     if adapter:
         WeightPusher(built, DTYPES[dtype]).push_adapter(lm, weight_version)
+    elif lm is not None and engine.sync_weights and engine.reload_dir:
+        # What the server serves is not known (a resumed run's trained weights, or whatever it was
+        # started with): it gets the policy's weights, which every call is then recorded under.
+        push_lm(built, lm, weight_version)
     return built
 
 

@@ -802,3 +802,18 @@ def test_a_delta_that_changes_nothing_moves_the_version_and_pauses_nothing(dev_s
     first, later = _update_while_a_call_runs(engine, lambda: engine.apply_delta(WeightDelta(0, 1, [])))
     assert "/pause" not in dev_server.paths and "/update_weight_version" in dev_server.paths
     assert engine.weight_version == 1 and (first.weight_version, later.weight_version) == (0, 1)
+
+
+@pytest.mark.parametrize("sync", [True, False])
+def test_a_run_pushes_its_weights_to_a_remote_server_it_builds(dev_server, model_dir, tmp_path, sync):
+    """What the server serves is not known (a resumed run's trained weights, or whatever it started
+    with): `build_engine` pushes the policy's full weights under the run's version before any call,
+    where the run pushes weights at all (``engine.sync_weights`` and a ``reload_dir``)."""
+    from clawfast.train.build import build_engine
+    from clawfast.train.config import EngineConfig
+
+    config = EngineConfig(kind="remote", url=dev_server.url, reload_dir=str(tmp_path / "reload"), sync_weights=sync)
+    built = build_engine(config, model_dir, lm=tiny_qwen3(seed=2), weight_version=3)
+    assert built.weight_version == 3
+    pushed = [p for p in dev_server.paths if p in ("/pause", "/collective_rpc", "/update_weight_version", "/resume")]
+    assert pushed == (["/pause", "/collective_rpc", "/update_weight_version", "/resume"] if sync else [])

@@ -32,8 +32,9 @@ def make_proxy(renderer, tmp_path, engine_cls=ScriptedEngine, config: ProxyConfi
 
 @pytest.fixture(scope="session")
 def proxy_factory(renderer):
-    """make(tmp_dir, engine_cls=ScriptedEngine, config=None, **engine_kwargs) -> a started LiveProxy."""
-    return lambda tmp, **kwargs: make_proxy(renderer, tmp, **kwargs)
+    """make(tmp_dir, engine_cls=ScriptedEngine, config=None, renderer=the session's, **engine_kwargs) ->
+    a started LiveProxy."""
+    return lambda tmp, renderer=renderer, **kwargs: make_proxy(renderer, tmp, **kwargs)
 
 
 @pytest.fixture

@@ -436,7 +436,7 @@ def test_chat_offers_function_tools_only_and_responses_wants_a_top_level_name(pr
         gpt.responses.create(model="policy", input="hi", tools=[bash])
 
 
-def test_an_answer_cut_inside_the_think_block_the_prompt_opened_is_reasoning(embedded_dir, tmp_path):
+def test_an_answer_cut_inside_the_think_block_the_prompt_opened_is_reasoning(embedded_dir, proxy_factory, tmp_path):
     """A thinking-only template (its generation prompt opens ``<think>``): an answer cut by max_tokens
     before it closed the block reaches the harness as thinking, not as text; the transcript reads it
     the same way."""
@@ -444,13 +444,12 @@ def test_an_answer_cut_inside_the_think_block_the_prompt_opened_is_reasoning(emb
 
     from clawfast.proxy import ChatRenderer
     from clawfast.proxy.transcript import core_transcript
-    from conftest import make_proxy
 
     tokenizer = AutoTokenizer.from_pretrained(embedded_dir)
     header = "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     assert header in tokenizer.chat_template
     tokenizer.chat_template = tokenizer.chat_template.replace(header, header.replace("\n{% endif", "\n<think>\n{% endif"))
-    live = make_proxy(ChatRenderer(tokenizer), tmp_path)
+    live = proxy_factory(tmp_path, renderer=ChatRenderer(tokenizer))
     try:
         assert live.core.reasoning_open
         live.engine.push("The user wants the files listed, so I will call ls and then")

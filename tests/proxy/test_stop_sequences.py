@@ -140,7 +140,7 @@ def test_an_empty_stop_sequence_is_refused(proxy, protocol):
     assert proxy.calls() == [] and proxy.engine.calls == 0
 
 
-def test_after_a_prefill_the_cut_reads_the_text_the_reply_does(embedded_dir, tmp_path):
+def test_after_a_prefill_the_cut_reads_the_text_the_reply_does(embedded_dir, proxy_factory, tmp_path):
     """A SentencePiece-style decoder drops a leading space at the start of a decode: the answer past a
     prefill is decoded after the prefill's tokens. The stop cut reads that same text, so the record
     keeps only the tokens before the stop the reply ended at (a cut that decoded the answer alone
@@ -149,14 +149,13 @@ def test_after_a_prefill_the_cut_reads_the_text_the_reply_does(embedded_dir, tmp
     from transformers import AutoTokenizer
 
     from clawfast.proxy import ChatRenderer
-    from conftest import make_proxy
 
     tokenizer = AutoTokenizer.from_pretrained(embedded_dir)
     # Llama 2 / Mistral v1's decoder shape: pieces joined, then one leading space stripped.
     tokenizer.backend_tokenizer.decoder = decoders.Sequence([decoders.ByteLevel(), decoders.Fuse(),
                                                              decoders.Strip(" ", 1, 0)])
     renderer = ChatRenderer(tokenizer)
-    live = make_proxy(renderer, tmp_path)
+    live = proxy_factory(tmp_path, renderer=renderer)
     try:
         output = " STOP and more"
         live.engine.push(output)

@@ -107,7 +107,8 @@ def seed_everything(seed: int) -> None:
 def prepare_run_dir(config: RunConfig, resume: bool) -> tuple[Path, Path | None]:
     """Create the run directory; return it and the checkpoint to resume from (None: fresh run).
     A fresh run refuses a directory that already holds checkpoints; a resumed one without any starts
-    at step 0, and says so."""
+    at step 0, and says so. A run that starts at step 0 makes its own KL reference: one left by an
+    attempt that never reached a checkpoint (another model.path, perhaps) is removed."""
     run_dir = Path(config.run_dir)
     ckpt = latest_checkpoint(run_dir) if resume else None
     if not resume and list_checkpoints(run_dir):
@@ -117,6 +118,8 @@ def prepare_run_dir(config: RunConfig, resume: bool) -> tuple[Path, Path | None]
         # checkpoint. But a mistyped run_dir would start over silently, so it is said.
         print(f"no checkpoint in {run_dir}: starting at step 0", flush=True)
     run_dir.mkdir(parents=True, exist_ok=True)
+    if ckpt is None:
+        shutil.rmtree(run_dir / "reference", ignore_errors=True)
     (run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
     return run_dir, ckpt
 

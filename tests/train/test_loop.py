@@ -103,8 +103,11 @@ def test_resume_without_a_checkpoint_says_it_starts_at_step_0(tmp_path, capsys):
     from clawfast.train.loop import prepare_run_dir
 
     config = _load(tmp_path, steps=2, interval=2)
+    # A KL reference an earlier attempt left before its first checkpoint is not this run's.
+    (tmp_path / "run" / "reference").mkdir(parents=True)
+    (tmp_path / "run" / "reference" / "config.json").write_text("{}")
     run_dir, ckpt = prepare_run_dir(config, resume=True)
-    assert ckpt is None and run_dir == tmp_path / "run"
+    assert ckpt is None and run_dir == tmp_path / "run" and not (run_dir / "reference").exists()
     assert capsys.readouterr().out == f"no checkpoint in {run_dir}: starting at step 0\n"
     assert prepare_run_dir(config, resume=False) == (run_dir, None)  # a fresh run: nothing to say
     assert capsys.readouterr().out == ""

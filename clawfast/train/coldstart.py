@@ -89,34 +89,25 @@ def demonstration_tree(demo: RolloutResult, train_threads: Sequence[str] = ("mai
     return build_tree(with_kinds(demo.calls, reconstruct(demo.calls)), exclude_tags=excluded)
 
 
-def fitting_demonstrations(demos: list[RolloutResult], micro_batch_tokens: int,
-                           train_threads: Sequence[str] = ("main",)) -> list[RolloutResult]:
-    """The demonstrations whose kept paths fit a micro-batch: a longer one cannot be trained (a path
-    is never split; pack would raise), so it is left out, as an RL step drops such a rollout."""
-    return [r for r in demos if demonstration_tree(r, train_threads).longest_kept_path <= micro_batch_tokens]
-
-
-def sft_epoch(policy, optimizer: torch.optim.Optimizer, demos: list[RolloutResult], *,
+def sft_epoch(policy, optimizer: torch.optim.Optimizer, trees: list[PrefixTree], *,
               micro_batch_tokens: int, batch_rollouts: int, rng: np.random.Generator,
               max_grad_norm: float | None = 1.0, scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
-              on_update=None, train_threads: Sequence[str] = ("main",)) -> dict[str, float]:
-    """One pass of masked NLL over the demonstrations' generated tokens; returns mean loss and counts
-    (`on_update(loss)` after each update).
+              on_update=None) -> dict[str, float]:
+    """One pass of masked NLL over the demonstrations' generated tokens (`trees`: their
+    `demonstration_tree`s); returns mean loss and counts (`on_update(loss)` after each update).
 
     Each update: the trees of `batch_rollouts` demonstrations, packed into micro-batches of at most
     `micro_batch_tokens` rows; loss = sum over every trainable target of -log p / number of targets
     (gradients accumulate over the micro-batches, one optimizer step per update)."""
     from clawfast.pack import pack
 
-    order = rng.permutation(len(demos))
+    order = rng.permutation(len(trees))
     losses, targets, tokens = [], 0, 0
     # Supervised passes keep the model's dropout (model.lora.dropout, attention_dropout); the RL steps that
     # follow run without any (`clawfast.train.policy.rl_mode`), where PPO compares passes.
     policy.train()
     for start in range(0, len(order), batch_rollouts):
-        chunk = [demos[i] for i in order[start:start + batch_rollouts]]
-        trees = [demonstration_tree(r, train_threads) for r in chunk]
-        batches = pack(trees, micro_batch_tokens)
+        batches = pack([trees[i] for i in order[start:start + batch_rollouts]], micro_batch_tokens)
         total = float(sum(b.loss_mask.sum() for b in batches))
         if total == 0:
             continue
@@ -187,19 +178,20 @@ def run_coldstart(config: RunConfig, policy, model_dir: Path, run_dir: Path, *, 
         raise RuntimeError(f"coldstart: none of the {captured} demonstrations solved its task; "
                            f"run `clawfast harness check {config.rollout.harnesses[0]}` to see why")
     threads = config.algorithm.train_threads
-    solved = len(demos)
-    demos = fitting_demonstrations(demos, cs.micro_batch_tokens, threads)
-    if not demos:
+    # A path longer than a micro-batch cannot be trained (a path is never split; pack would raise): such a
+    # demonstration is left out and counted, as an RL step drops such a rollout.
+    trees = [t for t in (demonstration_tree(d, threads) for d in demos) if t.longest_kept_path <= cs.micro_batch_tokens]
+    if not trees:
         raise RuntimeError(f"coldstart: every solved demonstration has a path longer than "
                            f"coldstart.micro_batch_tokens = {cs.micro_batch_tokens}; raise it")
-    summary: dict[str, Any] = {"tasks": len(tasks), "captured": captured, "kept": solved,
-                               "dropped_too_long": solved - len(demos), "time_capture_s": t_capture}
-    updates_per_epoch = -(-len(demos) // cs.batch_rollouts)
+    summary: dict[str, Any] = {"tasks": len(tasks), "captured": captured, "kept": len(demos),
+                               "dropped_too_long": len(demos) - len(trees), "time_capture_s": t_capture}
+    updates_per_epoch = -(-len(trees) // cs.batch_rollouts)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cs.lr, weight_decay=0.0)
     scheduler = warmup_cosine(optimizer, cs.epochs * updates_per_epoch)
     rng = np.random.default_rng([config.seed, 17])
     if view is not None:
-        view.begin(f"cold start: SFT on {len(demos)} demonstrations, {cs.epochs} epochs", cs.epochs * updates_per_epoch,
+        view.begin(f"cold start: SFT on {len(trees)} demonstrations, {cs.epochs} epochs", cs.epochs * updates_per_epoch,
                    "updates")
     t1 = time.monotonic()
     for epoch in range(cs.epochs):
@@ -207,12 +199,11 @@ def run_coldstart(config: RunConfig, policy, model_dir: Path, run_dir: Path, *, 
             if view is not None:
                 view.advance(note=f"epoch {epoch + 1}: nll {loss:.3f}")
 
-        m = sft_epoch(policy, optimizer, demos, micro_batch_tokens=cs.micro_batch_tokens,
-                      batch_rollouts=cs.batch_rollouts, rng=rng, scheduler=scheduler, on_update=on_update,
-                      train_threads=threads)
+        m = sft_epoch(policy, optimizer, trees, micro_batch_tokens=cs.micro_batch_tokens,
+                      batch_rollouts=cs.batch_rollouts, rng=rng, scheduler=scheduler, on_update=on_update)
         m["time_s"] = time.monotonic() - t1
         if logger is not None:
-            logger.log("coldstart", 0, {"epoch": epoch + 1, **m, **({"demos": float(len(demos))} if epoch == 0 else {})})
+            logger.log("coldstart", 0, {"epoch": epoch + 1, **m, **({"demos": float(len(trees))} if epoch == 0 else {})})
         summary[f"nll_epoch_{epoch + 1}"] = m["nll"]
     if view is not None:
         view.end(note="nll by epoch: " + nll_by_epoch(summary)[1])

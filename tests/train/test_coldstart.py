@@ -11,7 +11,7 @@ import torch
 from loop_fixtures import make_tiny_model
 
 from clawfast.records import CallRecord, RolloutResult
-from clawfast.train.coldstart import sft_epoch, warmup_cosine
+from clawfast.train.coldstart import demonstration_tree, sft_epoch, warmup_cosine
 from clawfast.train.policy import Policy
 
 
@@ -40,7 +40,8 @@ def test_sft_epoch_steps_the_schedule_once_per_update(tmp_path):
     policy = Policy.from_pretrained(make_tiny_model(tmp_path / "m"))
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-3)
     sched = warmup_cosine(opt, total_updates=3)
-    m = sft_epoch(policy, opt, demos, micro_batch_tokens=64, batch_rollouts=2, rng=rng, scheduler=sched)
+    m = sft_epoch(policy, opt, [demonstration_tree(d) for d in demos], micro_batch_tokens=64, batch_rollouts=2, rng=rng,
+                  scheduler=sched)
     assert m["updates"] == 3 and sched.last_epoch == 3
     assert opt.param_groups[0]["lr"] == 0.0
 
@@ -65,8 +66,6 @@ def test_a_demonstration_trains_the_calls_an_rl_step_would(tmp_path):
 
     from stored_threads import labels, stored_rollouts
 
-    from clawfast.train.coldstart import demonstration_tree
-
     capture = stored_rollouts(tmp_path)[0]
     unhinted = dataclasses.replace(capture, calls=[dataclasses.replace(c, tags=("main",)) for c in capture.calls])
     kinds = labels("claude-code-threads")
@@ -78,21 +77,43 @@ def test_a_demonstration_trains_the_calls_an_rl_step_would(tmp_path):
 
 
 def test_a_demonstration_too_long_for_a_micro_batch_is_left_out_and_the_rest_train(tmp_path):
-    """One path past the micro-batch used to make pack raise and end the whole cold start."""
-    from clawfast.train.coldstart import fitting_demonstrations
-
+    """One path past the micro-batch used to make pack raise and end the whole cold start: the cold start
+    keeps the trees whose longest kept path fits (`PrefixTree.longest_kept_path`) and trains those."""
     rng = np.random.default_rng(0)
-    demos = []
+    trees = []
     for i, n in enumerate((40, 90, 50)):
         p, o = rng.integers(0, 64, n).astype(np.int32), rng.integers(0, 64, 10).astype(np.int32)
-        demos.append(RolloutResult(f"r{i}", "t", "h", calls=[CallRecord(f"r{i}", 0, "h", p, o, np.full(10, -1.0, np.float32))],
-                                   reward=1.0))
-    fitting = fitting_demonstrations(demos, micro_batch_tokens=64)
-    assert [d.rollout_id for d in fitting] == ["r0", "r2"]  # 50 and 60 tokens; 100 does not fit
+        demo = RolloutResult(f"r{i}", "t", "h", calls=[CallRecord(f"r{i}", 0, "h", p, o, np.full(10, -1.0, np.float32))],
+                             reward=1.0)
+        trees.append(demonstration_tree(demo))
+    assert [t.longest_kept_path for t in trees] == [50, 100, 60]
     policy = Policy.from_pretrained(make_tiny_model(tmp_path / "m"))
     with pytest.raises(ValueError):
-        sft_epoch(policy, torch.optim.SGD(policy.parameters(), lr=0.0), demos, micro_batch_tokens=64,
+        sft_epoch(policy, torch.optim.SGD(policy.parameters(), lr=0.0), trees, micro_batch_tokens=64,
                   batch_rollouts=3, rng=rng)
+    fitting = [t for t in trees if t.longest_kept_path <= 64]
     m = sft_epoch(policy, torch.optim.SGD(policy.parameters(), lr=0.0), fitting, micro_batch_tokens=64,
                   batch_rollouts=3, rng=rng)
     assert m["updates"] == 1 and m["targets"] == 20
+
+
+def test_a_cold_start_through_the_real_harness_trains_every_solved_demonstration_once_per_epoch(tmp_path, embedded_dir):
+    """`run_coldstart` end to end: the easy training tasks of one generator seed played by their oracles
+    through the real mini-swe-agent in bwrap sandboxes, every capture solved and kept, then two epochs
+    of SFT on their trees (one update per two demonstrations) that move the weights."""
+    from clawfast.train.coldstart import demonstration_tasks, run_coldstart
+    from clawfast.train.config_file import config_from_dict
+
+    config = config_from_dict({
+        "run_dir": str(tmp_path / "run"), "model": {"path": str(embedded_dir)},
+        "rollout": {"harnesses": ["mini-swe-agent"]},
+        "coldstart": {"enabled": True, "suite_seeds": [1], "difficulties": ["easy"], "categories": ["files"],
+                      "epochs": 2, "batch_rollouts": 2, "concurrency": 2, "micro_batch_tokens": 4096}})
+    tasks = demonstration_tasks(config)
+    assert tasks
+    policy = Policy.from_pretrained(embedded_dir)
+    before = [p.detach().clone() for p in policy.parameters()]
+    summary = run_coldstart(config, policy, embedded_dir, tmp_path / "run")
+    assert summary["captured"] == summary["kept"] == len(tasks) and summary["dropped_too_long"] == 0
+    assert all(np.isfinite(summary[f"nll_epoch_{e}"]) for e in (1, 2))
+    assert any(not torch.equal(a, b) for a, b in zip(before, policy.parameters()))

@@ -254,7 +254,7 @@ def test_sft_loss_is_the_nll_of_exactly_the_generated_tokens(tmp_path):
     """Two calls of one session (the second prompt extends the first call's path by a tool result):
     the SFT loss equals the mean NLL of both outputs' tokens read off one plain causal forward."""
     from clawfast.records import CallRecord, RolloutResult
-    from clawfast.train.coldstart import sft_epoch
+    from clawfast.train.coldstart import demonstration_tree, sft_epoch
     from clawfast.train.policy import Policy
 
     rng = np.random.default_rng(5)
@@ -270,8 +270,8 @@ def test_sft_loss_is_the_nll_of_exactly_the_generated_tokens(tmp_path):
         logp = torch.log_softmax(policy.lm(input_ids=path[None]).logits[0].double(), -1)
     positions = list(range(len(p1), len(p1) + 7)) + list(range(len(p2), len(p2) + 9))
     want = -np.mean([float(logp[i - 1, path[i]]) for i in positions])
-    m = sft_epoch(policy, torch.optim.SGD(policy.parameters(), lr=0.0), [demo], micro_batch_tokens=64, batch_rollouts=1,
-                  rng=np.random.default_rng(0))
+    m = sft_epoch(policy, torch.optim.SGD(policy.parameters(), lr=0.0), [demonstration_tree(demo)], micro_batch_tokens=64,
+                  batch_rollouts=1, rng=np.random.default_rng(0))
     assert m["targets"] == 16 and m["updates"] == 1
     assert abs(m["nll"] - want) < 1e-4  # fp32 forward vs a float64 log-softmax of the same logits
 

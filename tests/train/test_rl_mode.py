@@ -16,7 +16,7 @@ from test_step_equivalence import harness_rollouts, longest_kept
 
 from clawfast.train.build import build_engine, build_optimizer, build_policy
 from clawfast.train.checkpoint import TrainState
-from clawfast.train.coldstart import sft_epoch
+from clawfast.train.coldstart import demonstration_tree, sft_epoch
 from clawfast.train.config import EngineConfig, RunConfig
 from clawfast.train.step import train_on_rollouts
 
@@ -89,7 +89,7 @@ def test_rl_passes_run_without_dropout_the_cold_start_keeps_it(tmp_path, case):
     engine = build_engine(EngineConfig(kind="torch"), path, lm=policy.lm)
     frozen = torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=0.0)  # weights never change
 
-    nll = [sft_epoch(policy, frozen, rollouts[:3], micro_batch_tokens=config.optim.micro_batch_tokens,
+    nll = [sft_epoch(policy, frozen, [demonstration_tree(r) for r in rollouts[:3]], micro_batch_tokens=config.optim.micro_batch_tokens,
                      batch_rollouts=3, rng=np.random.default_rng(0))["nll"] for _ in range(2)]
     assert nll[0] != nll[1]  # the cold start's dropout acts
 

@@ -417,7 +417,7 @@ class RemoteEngine(Engine):
         try:
             answer = work()
             _checked(http.post("/reset_prefix_cache"), "reset_prefix_cache")
-            _checked(http.post("/update_weight_version", json={"new_version": str(version)}), "update_weight_version")
+            _set_served_version(http, version)
             return answer
         finally:
             _checked(http.post("/resume"), "resume")
@@ -520,7 +520,7 @@ class RemoteEngine(Engine):
             # `delta.version` already. Only the version moves; nothing is paused (a pause that
             # aborted the calls in flight would be resumed by no reload).
             with self._update_lock, httpx.Client(base_url=self.base_url, headers=self._headers, timeout=self._timeout) as http:
-                _checked(http.post("/update_weight_version", json={"new_version": str(delta.version)}), "update_weight_version")
+                _set_served_version(http, delta.version)
                 self.weight_version = int(delta.version)
             return
         loop = self._calls_loop("apply_delta")
@@ -592,6 +592,11 @@ def _finish(reason: Any) -> str:
 def _rpc(http: httpx.Client, method: str, kwargs: dict[str, str]) -> Any:
     """The workers' `method` through the server's ``/collective_rpc`` (dev mode)."""
     return _checked(http.post("/collective_rpc", json={"method": method, "kwargs": kwargs}), method)
+
+
+def _set_served_version(http: httpx.Client, version: int) -> None:
+    """Have a vLLM server report `version` as the weights it serves (each answer carries it)."""
+    _checked(http.post("/update_weight_version", json={"new_version": str(version)}), "update_weight_version")
 
 
 def _checked(response: httpx.Response, what: str) -> Any:

@@ -289,7 +289,9 @@ def reached_without_links(home: Path, path: Path, kind: int = stat.S_IFREG) -> b
 
 def copy_artifacts(paths: list[Path], root: Path, dest: Path) -> list[Path]:
     """Copy `paths` (files below `root`, reached through no link: `reached_without_links`) to `dest`,
-    keeping their path relative to `root`; others are skipped."""
+    keeping their path relative to `root`; others are skipped. Checked here, where the host reads,
+    though the built-in adapters list only such files (`glob_files`): `Harness.artifacts` may be a
+    user's adapter, and the sandbox's processes may still run while its files are listed."""
     copied = []
     for path in paths:
         if not reached_without_links(root, path):

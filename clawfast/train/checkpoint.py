@@ -265,20 +265,6 @@ def _is_tied_copy(lm: torch.nn.Module, key: str) -> bool:
     return target is not None and any(v is target and k != key for k, v in params.items())
 
 
-def load_model_weights(model_dir: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a HF safetensors model directory (one file or an index of shards)."""
-    from safetensors.torch import load_file
-
-    model_dir = Path(model_dir)
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"{model_dir}: no safetensors weights")
-    weights: dict[str, torch.Tensor] = {}
-    for f in files:
-        weights.update(load_file(str(f)))
-    return weights
-
-
 def export_merged(checkpoint: Path, out: Path, base: Path | None = None) -> Path:
     """Write the merged model of a LoRA checkpoint (its adapter on `base`, default the directory the
     run's base was loaded from) to `out` as a Hugging Face directory, with the base's tokenizer."""

@@ -320,7 +320,9 @@ class AlgorithmConfig(_Section):
     task x harness when several harnesses run). normalize_std: divide GRPO advantages by the
     group's std (False: mean-centred only). aggregation: how token losses average (see
     clawfast.train.step). gamma / lam / gae_mode: PPO's tree GAE; value_coef / value_clip: its value
-    loss. kl_coef: k3 KL to the frozen reference policy. entropy_coef: entropy bonus.
+    loss. kl_coef: k3 KL to the frozen reference policy (the policy as RL starts, after any cold
+    start; kept in the run folder; kl_coef turned on at a resume: model.path's weights, refused after
+    a cold start). entropy_coef: entropy bonus.
 
     The policy loss is decoupled PPO (clawfast.train.step): per target, IS weight x clipped surrogate,
     where the IS ratio rho = pi_prox / pi_behav compares the policy at the start of the RL step

@@ -210,7 +210,7 @@ def run_loop(config: RunConfig, *, resume: bool, progress: bool, group=None,
                     and config.eval.after_coldstart and eval_tasks and not _eval_logged(logger, 0, "coldstart")):
                 summary["eval_coldstart"] = _evaluate(source, config, eval_tasks, logger, view, 0, "coldstart",
                                                       "eval after cold start", shown="after cold start")
-            ref_policy = trainer.share_reference(_reference_policy(config, policy, run_dir, model_dir))
+            ref_policy = trainer.share_reference(_reference_policy(config, policy, run_dir, model_dir, state))
             if 0 < state.step < config.steps and _interval_eval_due(config, state.step) and eval_tasks and \
                     not _eval_logged(logger, state.step, f"step {state.step}"):  # cut short before the resume
                 _evaluate(source, config, eval_tasks, logger, view, state.step, f"step {state.step}", None)
@@ -343,14 +343,24 @@ def _say(view: ProgressView | None, text: str) -> None:
         print(text, flush=True)
 
 
-def _reference_policy(config: RunConfig, policy, run_dir: Path, model_dir: Path):
+def _reference_policy(config: RunConfig, policy, run_dir: Path, model_dir: Path, state: TrainState):
     """The frozen KL reference (kl_coef > 0): the policy as RL starts (after any cold start; with a
     LoRA adapter, merged into the base), kept in ``<run_dir>/reference`` so a resumed run uses the
-    same one."""
+    same one. A run resumed past step 0 with kl_coef turned on has kept none: its policy as RL started
+    is model.path's weights where it ran no cold start; after a cold start those weights are gone, and
+    the run is refused rather than anchored to the resumed step's."""
     if config.algorithm.kl_coef <= 0:
         return None
     ref_dir = run_dir / "reference"
-    if not (ref_dir / "config.json").is_file():
+    if not (ref_dir / "config.json").is_file() and state.step > 0:
+        if state.extra.get("coldstart_done"):
+            raise ValueError(f"algorithm.kl_coef > 0 on a run resumed at step {state.step} that kept no KL reference: "
+                             f"the reference is the policy after the cold start, which this run did not keep; set "
+                             f"kl_coef = 0, or start a new run with kl_coef set")
+        print(f"KL reference: {model_dir} (the weights RL started from; kl_coef was 0 before step "
+              f"{state.step + 1})", flush=True)
+        ref_dir = model_dir
+    elif not (ref_dir / "config.json").is_file():
         tmp = run_dir / ".tmp-reference"
         shutil.rmtree(tmp, ignore_errors=True)
         (merged_copy(policy.lm) if has_adapter(policy.lm) else policy.lm).save_pretrained(tmp)

@@ -225,6 +225,43 @@ def test_ppo_run_with_two_updates_per_step_checkpoints_the_value_head(tmp_path):
     assert (list_checkpoints(tmp_path / "run")[-1] / "value_head.safetensors").is_file()
 
 
+def test_the_kl_reference_is_the_policy_rl_started_from_even_when_kl_turns_on_at_a_resume(tmp_path, monkeypatch, capsys):
+    """A fresh run with kl_coef > 0 keeps the starting weights as its reference; a run resumed at
+    step 2 with kl_coef turned on is anchored to model.path's weights (it ran no cold start), not to
+    the resumed step's, and one that ran a cold start is refused: its starting policy is gone."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from clawfast.train import loop
+    from clawfast.train.config_file import load_config
+
+    refs = []
+    reference_policy = loop._reference_policy
+    monkeypatch.setattr(loop, "_reference_policy", lambda *a: refs.append(reference_policy(*a)) or refs[-1])
+    config = _load(tmp_path, steps=2, interval=1)
+    original = load_file(str(tmp_path / "model" / "model.safetensors"))
+    train(config, progress=False)
+    assert refs == [None]
+    text = (tmp_path / "run.toml").read_text().replace("steps = 2", "steps = 3") + "[algorithm]\nkl_coef = 0.1\n"
+    (tmp_path / "run.toml").write_text(text)
+    resumed = load_config(tmp_path / "run.toml")
+    train(resumed, resume=True, progress=False)
+    assert f"KL reference: {tmp_path / 'model'} (the weights RL started from; kl_coef was 0 before step 3)" \
+        in capsys.readouterr().out
+    ref = refs[-1].lm.state_dict()
+    assert all(torch.equal(ref[k], v) for k, v in original.items())
+    last = list_checkpoints(tmp_path / "run")[-1]
+    trained = load_file(str(last / "model" / "model.safetensors"))
+    assert any(not torch.equal(trained[k], v) for k, v in original.items())  # not the resumed step's weights
+
+    state = json.loads((last / "state.json").read_text())
+    (last / "state.json").write_text(json.dumps({**state, "extra": {**state["extra"], "coldstart_done": True}}))
+    (tmp_path / "run.toml").write_text(text.replace("steps = 3", "steps = 4"))
+    with pytest.raises(ValueError, match="kept no KL reference: the reference is the policy after the cold start"):
+        train(load_config(tmp_path / "run.toml"), resume=True, progress=False)
+
+
 def test_coldstart_never_demonstrates_held_out_tasks():
     from clawfast.tasks import clawbench_mini
     from clawfast.train.coldstart import demonstration_tasks

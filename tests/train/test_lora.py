@@ -192,7 +192,9 @@ def test_a_lora_run_on_the_quickstart_model_trains_and_pushes_the_adapter_alone(
     from transformers import AutoModelForCausalLM
 
     from clawfast.train import loop
-    from clawfast.train.checkpoint import latest_checkpoint, load_model_weights
+    from safetensors.torch import load_file
+
+    from clawfast.train.checkpoint import latest_checkpoint
     from clawfast.train.sampled import EngineRollouts, TokenTask
     from test_async import sampled_config, train_records
 
@@ -215,7 +217,7 @@ def test_a_lora_run_on_the_quickstart_model_trains_and_pushes_the_adapter_alone(
     assert len(records) == 2 and all(r["stepped"] == 1 for r in records)
     for r in records:
         assert r["push/bytes"] <= 0.01 * r["push/full_bytes"], r
-    original = load_model_weights(smollm2_dir)
+    original = load_file(str(smollm2_dir / "model.safetensors"))  # `prepare_model` writes one file
     checkpoint = latest_checkpoint(config.run_dir)
     assert (checkpoint / ADAPTER_FILE).is_file() and not (checkpoint / "model").exists()
     for lm in (policies[0].lm, engines[0].model):
@@ -223,8 +225,6 @@ def test_a_lora_run_on_the_quickstart_model_trains_and_pushes_the_adapter_alone(
         for name, tensor in original.items():
             served = state.get(name) if name in state else state[name.replace(".weight", ".base_layer.weight")]
             assert torch.equal(served.to(tensor.dtype), tensor), name
-    from safetensors.torch import load_file
-
     saved = {unpeft_key(k): v for k, v in load_file(str(checkpoint / ADAPTER_FILE)).items()}
     served = dict(engines[0].model.named_parameters())
     assert all(torch.equal(served[name], tensor) for name, tensor in saved.items())  # the last push is the adapter

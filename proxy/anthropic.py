@@ -59,11 +59,13 @@ def _block_text(block: Block) -> str:
     return f"[{block.type}]"
 
 
-def _tool_result_text(content: str | list[Block] | None) -> str:
+def _tool_result_text(content: str | list[Block] | dict | None) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
         return content
+    if isinstance(content, dict):
+        return f"[{content.get('type', 'object')}]"
     return "\n".join(_block_text(b) for b in content)
 
 

@@ -28,9 +28,9 @@ class Block(_Model):
     id: Optional[str] = None
     name: Optional[str] = None
     input: Any = None
-    # tool_result
+    # tool_result (a server tool's result may hold one object instead: a web search's error)
     tool_use_id: Optional[str] = None
-    content: Union[str, list["Block"], None] = None
+    content: Union[str, list["Block"], dict[str, Any], None] = None
     is_error: Optional[bool] = None
     # thinking
     thinking: Optional[str] = None

@@ -401,6 +401,27 @@ def test_non_text_parts_read_as_their_text_or_their_type(proxy):
     assert "user\nlook\n[image]\n[document]\n[search_result]<|im_end|>" in messages
 
 
+def test_a_server_tools_result_in_the_history_is_read_whatever_its_content(proxy, renderer):
+    """A conversation carried over from the API holds a web search the server ran: its result block's
+    content is a list of results, or one error object (not a list: it was a 400 here), in an assistant
+    turn, or among the blocks of a tool result. Each call is answered; the result reads as its type."""
+    proxy.engine.push("ok", "ok")
+    client = anthropic.Anthropic(base_url=proxy.url, api_key=proxy.key, max_retries=0)
+    for content in ({"type": "web_search_tool_result_error", "error_code": "max_uses_exceeded"},
+                    [{"type": "web_search_result", "url": "https://example.com", "title": "t", "encrypted_content": "x"}]):
+        client.messages.create(model="policy", max_tokens=8, messages=[
+            {"role": "user", "content": "search it"},
+            {"role": "assistant", "content": [
+                {"type": "server_tool_use", "id": "srvtoolu_1", "name": "web_search", "input": {"query": "q"}},
+                {"type": "web_search_tool_result", "tool_use_id": "srvtoolu_1", "content": content},
+                {"type": "text", "text": "Nothing found."}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_9", "content": [
+                {"type": "web_search_tool_result", "tool_use_id": "srvtoolu_1", "content": content}]}]}])
+    error, results = (renderer.decode(c.prompt_ids) for c in proxy.calls())
+    assert "Nothing found." in error and "[web_search_tool_result]" in error
+    assert "Nothing found." in results and "[web_search_tool_result]" in results
+
+
 def test_anthropic_tools_the_api_defines_are_not_offered(proxy, renderer):
     # Claude Code's WebSearch asks for the server's search tool: this server runs none, and a client
     # tool the API defines comes without its schema; the request's own tools are offered as ever.

@@ -8,7 +8,8 @@ meaning). `--resume` continues from the run directory's latest checkpoint (model
 step, data position, RNG states; the optimizer's lr, betas, eps and weight decay are the config's,
 so a resumed run may change them; a run directory without a checkpoint yet starts at step 0, saying
 so); without it a run directory that holds checkpoints is refused.
-Exit status: 0 when the run finished, 2 on a bad config, 1 on a follower whose rank 0 failed.
+Exit status: 0 when the run finished, 2 on a bad config (refused before the first step), 1 on a run
+that failed (with its traceback) and on a follower whose rank 0 failed.
 
 With ``distributed.fsdp = true`` launch it once per process with torchrun (rank 0 prints the
 summary; see clawfast.train.distributed):

@@ -218,22 +218,27 @@ def run_loop(config: RunConfig, *, resume: bool, progress: bool, group=None,
             done_here = 0
             if view and state.step < config.steps:
                 view.begin(f"{config.algorithm.name.upper()} steps", config.steps - state.step, "steps")
-            while state.step < config.steps:
-                record = _one_step(config, trainer, feed, state, pusher, ref_policy, view)
-                logger.log("train", state.step, record)
-                if view:
-                    view.advance(note=f"step {state.step}: reward {record.get('reward/mean', float('nan')):.3f}")
-                    view.add_step({"step": state.step, **record}, step_line(state.step, record))
-                else:
-                    print(step_line(state.step, record), flush=True)
-                done_here += 1
-                last = state.step == config.steps
-                if state.step % config.checkpoint.interval == 0 or last:
-                    feed.store(state)
-                    trainer.save_checkpoint(run_dir, state, tokenizer_dir=model_dir, keep=config.checkpoint.keep)
-                feed.release()
-                if eval_tasks and _interval_eval_due(config, state.step):
-                    _evaluate(source, config, eval_tasks, logger, view, state.step, f"step {state.step}", None)
+            try:
+                while state.step < config.steps:
+                    record = _one_step(config, trainer, feed, state, pusher, ref_policy, view)
+                    logger.log("train", state.step, record)
+                    if view:
+                        view.advance(note=f"step {state.step}: reward {record.get('reward/mean', float('nan')):.3f}")
+                        view.add_step({"step": state.step, **record}, step_line(state.step, record))
+                    else:
+                        print(step_line(state.step, record), flush=True)
+                    done_here += 1
+                    last = state.step == config.steps
+                    if state.step % config.checkpoint.interval == 0 or last:
+                        feed.store(state)
+                        trainer.save_checkpoint(run_dir, state, tokenizer_dir=model_dir, keep=config.checkpoint.keep)
+                    feed.release()
+                    if eval_tasks and _interval_eval_due(config, state.step):
+                        _evaluate(source, config, eval_tasks, logger, view, state.step, f"step {state.step}", None)
+            except ValueError as exc:
+                # Set-up refuses bad input with a ValueError (`clawfast train` exits 2, printing its message);
+                # one raised by a step is a failure of the run, not of its config, and ends it with its traceback.
+                raise RuntimeError(f"the run failed after step {state.step} of {config.steps}: {exc}") from exc
             feed.close()
             if view and done_here:
                 view.end()

@@ -97,6 +97,29 @@ def test_fresh_run_refuses_a_run_dir_with_checkpoints(tmp_path):
     assert train(config, resume=True, progress=False)["steps"] == 2
 
 
+def test_a_step_that_raises_a_value_error_fails_the_run_it_is_no_config_error(tmp_path, monkeypatch):
+    """`clawfast train` exits 2 with one line for a config it refuses before the first step; a
+    ValueError raised by a step (a bug, a bad record) is the run's failure: it propagates as such,
+    with its traceback and the step it came after, and the checkpoints before it are kept."""
+    from clawfast.cli import main
+    from clawfast.train import loop
+
+    config = _load(tmp_path, steps=3, interval=1)
+    one_step, calls = loop._one_step, []
+
+    def failing(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise ValueError("boom")
+        return one_step(*args)
+
+    monkeypatch.setattr(loop, "_one_step", failing)
+    with pytest.raises(RuntimeError, match="the run failed after step 1 of 3: boom"):
+        main(["train", str(tmp_path / "run.toml"), "--no-progress"])
+    assert [p.name for p in list_checkpoints(config.run_dir)] == ["step-000001"]
+    assert main(["train", str(tmp_path / "run.toml"), "--no-progress"]) == 2  # refused: it holds checkpoints
+
+
 def test_resume_without_a_checkpoint_says_it_starts_at_step_0(tmp_path, capsys):
     """`clawfast train --resume` on a run directory with no checkpoint yet (a restarted job that had
     not reached one, or a mistyped run_dir) starts a fresh run, as its help says, and says so."""

@@ -19,7 +19,8 @@ Per step:
    or by task x harness in a mixed-harness run.
 4. **Sync.** The weight version is bumped and the policy's weights pushed to the engine through
    the run's `clawfast.train.push.WeightPusher` (whole, or only what changed); every CallRecord
-   carries the version that sampled each token.
+   carries the version that sampled each token. A step that made no update pushes nothing and
+   keeps the version.
 5. **Log** (`clawfast.train.metrics_log`), **checkpoint** every ``checkpoint.interval`` steps and at the
    end (`clawfast.train.checkpoint`), **evaluate** on the eval split when configured.
 
@@ -525,11 +526,15 @@ def _one_step(config: RunConfig, trainer: Trainer, feed, state: TrainState, push
     t_train = time.monotonic() - t0
     state.step += 1
     t1 = time.monotonic()
-    if pusher is not None:
+    # A step that made no update (nothing trainable: every group's advantages zero, say) left the
+    # weights as they were: the version stays, so no push pauses the engine and no rollout in flight
+    # counts a version older.
+    pushed = pusher is not None and metrics["stepped"] > 0
+    if pushed:
         state.weight_version += 1
         trainer.push_weights(pusher, state.weight_version)
     t_sync = time.monotonic() - t1
-    record = {**rollout_metrics(results), **metrics, **feed_metrics, **(pusher.last if pusher is not None else {})}
+    record = {**rollout_metrics(results), **metrics, **feed_metrics, **(pusher.last if pushed else {})}
     record.update({"time/train_s": t_train, "time/sync_s": t_sync, "weight_version": float(state.weight_version),
                    "data_position": float(state.data_position)})
     return record

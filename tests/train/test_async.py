@@ -116,6 +116,27 @@ def test_rl_raises_the_reward_with_a_lora_adapter(tmp_path):
     assert np.mean(rewards[-3:]) > 0.8, rewards
 
 
+@pytest.mark.parametrize("staleness", [None, 1])
+def test_a_step_that_makes_no_update_pushes_nothing_and_keeps_the_version(tmp_path, tiny_model, staleness):
+    """With filter_groups, a step whose groups all scored alike trains nothing: the weights are as
+    they were, so the engine gets no push (none pauses it), the version stays, and the rollouts that
+    follow are sampled under it, none counted stale."""
+    tasks = {f"t{i}": TokenTask(f"t{i}", prompt=(1, 2 + i, 3, 4 + i), reward=lambda outs: 1.0) for i in range(4)}
+    config = sampled_config(tmp_path, tiny_model, name="uniform", steps=3, staleness=staleness)
+    config = config.model_copy(update={"algorithm": config.algorithm.model_copy(update={"filter_groups": True})})
+    engines = []
+
+    def source(engine):
+        engines.append(engine)
+        return EngineRollouts(engine, tasks, max_tokens=4, seed=11)
+
+    train(config, progress=False, make_source=source)
+    records = train_records(config.run_dir)
+    assert [r["stepped"] for r in records] == [0.0] * 3 and [r["weight_version"] for r in records] == [0.0] * 3
+    assert not any(key.startswith("push/") for r in records for key in r)
+    assert engines[0].weight_version == 0 and read_state(latest_checkpoint(config.run_dir)).weight_version == 0
+
+
 def test_staleness_zero_is_the_synchronous_loop_exactly(tmp_path, tiny_model):
     """Same seed: max_staleness = 0 gives the synchronous loop's rollouts (rewards, tasks), losses
     and checkpoint weights, bit for bit (an engine batching one call at a time: no batched matmul

@@ -4,8 +4,8 @@
 `CommandRunner`, the one abstraction over *where* a command runs: `SubprocessRunner` (a plain child
 process; no isolation) or a sandbox adapter (`clawfast.tasks.sandbox_runner`) that runs it in a
 fresh sandbox. Either way the verifier works on a scratch *copy* of the workspace (regular files,
-directories and symlinks; FIFOs, sockets and devices are skipped), so what it writes never reaches the
-caller's workspace. Only the sandbox enforces that: under `SubprocessRunner` a verifier could still
+directories and symlinks; FIFOs, sockets and devices are skipped; its root the owner's to enter),
+so what it writes never reaches the caller's workspace. Only the sandbox enforces that: under `SubprocessRunner` a verifier could still
 write anywhere by absolute path, so use it for trusted verifiers.
 
 Guaranteed: `run_verifier` never raises for anything the verifier does. A verifier that exits
@@ -22,6 +22,7 @@ raises, since that is an infrastructure fault, not a score.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -439,16 +440,29 @@ def run_verifier(task: Task, workspace: Path | str, runner: CommandRunner | None
     with tempfile.TemporaryDirectory(prefix=f"clawfast-verify-{task.id}-") as tmp:
         scratch = Path(tmp)
         copy = scratch / "workspace"
+        # The verifier enters the workspace to judge what is in it: a root the agent made inaccessible
+        # (``chmod 000 .``) stopped the verifier's sandbox from starting there, an infrastructure
+        # failure that ran the rollout again. The copy's root is the owner's (the agent's workspace
+        # gets its mode back); below it, modes are as the agent left them.
+        mode = stat.S_IMODE(os.lstat(workspace).st_mode)
+        granted = mode | stat.S_IRWXU != mode
         try:
+            if granted:
+                os.chmod(workspace, mode | stat.S_IRWXU)
             # symlinks=True: a link the agent planted is copied as a link, not followed on the host.
             # Holes stay holes (`copy_sparse`). Imported here: see _run_reward_script.
             from clawfast.sandbox.workspace import copy_sparse
 
             shutil.copytree(workspace, copy, symlinks=True, ignore=_special_files, copy_function=copy_sparse)
+            os.chmod(copy, mode | stat.S_IRWXU)
         except (OSError, shutil.Error, RecursionError) as exc:
             # Unreadable or special files the agent left, or a tree deeper than the copy recurses:
             # the workspace cannot be judged.
             return _error(f"cannot copy workspace: {type(exc).__name__}: {str(exc)[:500]}")
+        finally:
+            if granted:
+                with contextlib.suppress(OSError):  # a workspace not the host user's was never changed
+                    os.chmod(workspace, mode)
         if isinstance(task.verifier, CallableVerifier):
             return _run_callable_verifier(task.verifier, copy)
         if isinstance(task.verifier, RewardScriptVerifier):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 import subprocess
 import time
 from pathlib import Path
@@ -289,6 +290,30 @@ def test_a_link_planted_toward_the_verifier_files_finds_nothing(tmp_path, sandbo
     assert score(lambda ws: (ws / "out.txt").write_text("the answer\n")) == 1.0
     assert score(lambda ws: (ws / "out.txt").symlink_to("../verifier/expected.txt")) == 0.0
     assert score(lambda ws: (ws / "out.txt").symlink_to("/run/verifier/expected.txt")) == 0.0
+
+
+@pytest.mark.parametrize("workdir", [None, "/root/work"])
+def test_a_workspace_root_the_agent_made_inaccessible_is_still_judged(tmp_path, workdir):
+    """``chmod 000 .`` as the agent's last command: the verifier's sandbox could not start in the
+    workspace (placed at `workdir`) or the verifier could not enter it, and the rollout was retried
+    as an infrastructure failure or dropped. The verifier judges what is in it, in a sandbox; the
+    agent's own workspace keeps its modes."""
+    import dataclasses
+
+    from clawfast.tasks.sandbox_runner import SandboxRunner
+
+    task = dataclasses.replace(_task('[ "$(cat out.txt)" = done ] && echo \'{"score": 1}\' || echo \'{"score": 0}\''),
+                               workdir=workdir)
+    ws = task.materialize(tmp_path / "ws")
+    (ws / "out.txt").write_text("done\n")
+    ws.chmod(0)
+    try:
+        with SandboxRunner() as runner:
+            res = run_verifier(task, ws, runner)
+        assert (res.status, res.score) == ("ok", 1.0), res
+        assert stat.S_IMODE(ws.stat().st_mode) == 0
+    finally:
+        ws.chmod(0o755)
 
 
 def test_a_tree_deeper_than_the_copy_recurses_is_a_verifier_error_and_is_removed(tmp_path):

@@ -130,8 +130,8 @@ class EngineConfig(_Section):
     safetensors checkpoint and the server reloads it (a vLLM server started with
     VLLM_SERVER_DEV_MODE=1, or SGLang's /update_weights_from_disk). `remote` with
     `sync_weights = true` needs it; without it the server's weights are frozen, so set
-    `sync_weights = false`: rollouts then come from fixed weights, which is off-policy and only
-    sensible for evaluation or offline data.
+    `sync_weights = false`: rollouts then come from fixed weights (model.path's, in a resumed run
+    too, on any engine), which is off-policy and only sensible for evaluation or offline data.
     on_update: what happens to calls in flight when a push arrives: "continue" (they stop between
     two decode steps, or are aborted and resubmitted, keep what they sampled and go on decoding on the
     new weights; each token records the version that sampled it; the default of torch and vllm),

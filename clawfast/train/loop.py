@@ -167,9 +167,12 @@ def run_loop(config: RunConfig, *, resume: bool, progress: bool, group=None,
         if view:
             view.start()
         with contextlib.ExitStack() as stack:
+            # Without weight pushes the engine serves model.path's weights throughout, a resumed run's too
+            # (not the checkpoint's, which a fresh run's engine never saw).
+            served_lm = policy.lm if config.engine.sync_weights else None
             if make_source is not None:
                 engine = build_engine(config.engine, model_dir, dtype=config.model.dtype, seed=config.seed,
-                                      lm=policy.lm, weight_version=state.weight_version,
+                                      lm=served_lm, weight_version=state.weight_version, device=trainer_device,
                                       record_routing=config.algorithm.routing_replay, trainer_device=trainer_device)
                 source = make_source(engine)
                 stack.callback(source.close)
@@ -184,7 +187,7 @@ def run_loop(config: RunConfig, *, resume: bool, progress: bool, group=None,
                 train_ids = sorted(train_tasks)
                 _warn_if_not_held_out(train_tasks, eval_tasks, config.tasks.suite)
                 engine = build_engine(config.engine, model_dir, dtype=config.model.dtype, seed=config.seed,
-                                      lm=policy.lm, weight_version=state.weight_version,
+                                      lm=served_lm, weight_version=state.weight_version, device=trainer_device,
                                       record_routing=config.algorithm.routing_replay, trainer_device=trainer_device)
                 logs_dir = run_dir / "logs" if config.rollout.keep_logs else None
                 service = stack.enter_context(rollout_service(config, engine, model_dir, run_dir / "records",

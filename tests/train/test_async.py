@@ -137,6 +137,30 @@ def test_a_step_that_makes_no_update_pushes_nothing_and_keeps_the_version(tmp_pa
     assert engines[0].weight_version == 0 and read_state(latest_checkpoint(config.run_dir)).weight_version == 0
 
 
+def test_without_weight_pushes_the_engine_serves_the_models_weights_a_resumed_run_too(tmp_path, tiny_model):
+    """engine.sync_weights = false: rollouts come from model.path's weights, fixed. A run resumed from
+    a checkpoint whose weights trained away from them serves model.path's weights still (it served
+    the checkpoint's), at the version the run started with."""
+    tasks = token_tasks()
+    config = sampled_config(tmp_path, tiny_model, name="frozen", steps=2)
+    config = config.model_copy(update={"engine": config.engine.model_copy(update={"sync_weights": False})})
+    original = load_file(str(tiny_model / "model.safetensors"))
+    engines = []
+
+    def source(engine):
+        engines.append(engine)
+        return EngineRollouts(engine, tasks, max_tokens=4, seed=11)
+
+    train(config, progress=False, make_source=source)
+    trained = load_file(str(latest_checkpoint(config.run_dir) / "model" / "model.safetensors"))
+    assert any(not np.array_equal(trained[k], v) for k, v in original.items())
+    train(config.model_copy(update={"steps": 3}), resume=True, progress=False, make_source=source)
+    for engine in engines:
+        served = engine.model.state_dict()
+        assert all(np.array_equal(served[k].numpy(), v) for k, v in original.items()) and engine.weight_version == 0
+    assert [r["weight_version"] for r in train_records(config.run_dir)] == [0.0] * 3
+
+
 def test_staleness_zero_is_the_synchronous_loop_exactly(tmp_path, tiny_model):
     """Same seed: max_staleness = 0 gives the synchronous loop's rollouts (rewards, tasks), losses
     and checkpoint weights, bit for bit (an engine batching one call at a time: no batched matmul

@@ -88,6 +88,9 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 _UNREAD = object()  # RemoteEngine.max_model_len before the server's listing was read
 # Reading the model listing is quick; `timeout` bounds a generation, which may take minutes.
 _LISTING_TIMEOUT_S = 30.0
+# How long an update waits for the aborted calls to come back before it aborts again (`_pause`):
+# an abort hands back what the server held within milliseconds.
+ABORT_AGAIN_S = 1.0
 
 
 class RemoteEngine(Engine):
@@ -153,6 +156,7 @@ class RemoteEngine(Engine):
         self._schema: CheckpointSchema | None = None  # deltas: the checkpoint's names and layers, read once
         self._base_dtypes: dict[str, Any] = {}  # deltas: each tensor's dtype in the server's base copy
         self.continued_calls = 0  # calls an update aborted that went on as a new request
+        self.repeated_aborts = 0  # aborts an update sent again for a call the server had queued (`_pause`)
         self._updates = 0  # weight updates that aborted running calls, so a call knows its abort was one
         self._headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
         self._timeout = timeout
@@ -562,8 +566,17 @@ class RemoteEngine(Engine):
         self._open.clear()
         if self.on_update == "continue" and self._inflight:
             self._updates += 1
-            response = await self._http().post("/pause", params={"mode": "abort"})
-            _checked(response, "pause (is VLLM_SERVER_DEV_MODE=1 set?)")
+            # A call sent just before the gate closed can reach the server after the abort: a paused vLLM
+            # queues it until /resume, which is sent only once every call is back. The abort is repeated
+            # (it finishes queued requests too) until they all are.
+            while True:
+                response = await self._http().post("/pause", params={"mode": "abort"})
+                _checked(response, "pause (is VLLM_SERVER_DEV_MODE=1 set?)")
+                try:
+                    await asyncio.wait_for(self._drained.wait(), ABORT_AGAIN_S)
+                    return
+                except asyncio.TimeoutError:
+                    self.repeated_aborts += 1
         await self._drained.wait()
 
     async def _resume(self) -> None:

@@ -513,6 +513,84 @@ def test_a_refused_abort_pause_reopens_the_engine(dev_server, tmp_path):
         assert gen.output_ids.tolist() == [5] and gen.weight_version == 0
 
 
+class _PausingServer:
+    """vLLM's pause as its engine core does it (vllm/v1/engine/core.py, ``pause_scheduler``): while
+    paused, a request that arrives is queued until ``/resume``; ``/pause?mode=abort`` finishes every
+    request the engine holds, queued ones too, with ``finish_reason`` "abort" and what they sampled
+    (nothing, here). A completion reaches the engine `arrive_s` after its HTTP request does (the time
+    a real server takes to add it), then decodes one token in `decode_s`. Other routes answer 200."""
+
+    def __init__(self, arrive_s: float, decode_s: float) -> None:
+        self.arrive_s, self.decode_s = arrive_s, decode_s
+        self.paused = False
+        self.held: list[asyncio.Future] = []  # requests the engine holds, queued or decoding
+        self.resumed = asyncio.Event()
+        self.paths: list[str] = []
+
+    def _finish_all(self) -> None:
+        for request in self.held:
+            if not request.done():
+                request.set_result("abort")
+        self.held.clear()
+
+    async def __call__(self, scope, receive, send) -> None:
+        request = Request(scope, receive)
+        path = request.url.path
+        self.paths.append(path)
+        if path == "/v1/models":
+            response = JSONResponse({"data": [{"id": "base", "max_model_len": MAX_LEN}]})
+        elif path == "/v1/completions":
+            await asyncio.sleep(self.arrive_s)
+            finished = asyncio.get_running_loop().create_future()
+            self.held.append(finished)
+            while self.paused and not finished.done():
+                self.resumed.clear()
+                await asyncio.wait([finished, asyncio.ensure_future(self.resumed.wait())],
+                                   return_when=asyncio.FIRST_COMPLETED)
+            if not finished.done():
+                await asyncio.wait([finished], timeout=self.decode_s)
+            finish = finished.result() if finished.done() else "length"
+            ids = [] if finish == "abort" else [5]
+            logprobs = {"token_logprobs": [-1.0] * len(ids), "tokens": [f"token_id:{i}" for i in ids]}
+            response = JSONResponse({"choices": [{"token_ids": ids, "finish_reason": finish, "logprobs": logprobs}]})
+        else:
+            if path == "/pause":
+                self.paused = True
+                if request.query_params.get("mode") == "abort":
+                    self._finish_all()
+            elif path == "/resume":
+                self.paused = False
+                self.resumed.set()
+            response = JSONResponse({})
+        await response(scope, receive, send)
+
+
+def test_a_call_that_reaches_a_paused_server_after_the_abort_does_not_hang_the_update(tmp_path):
+    """``on_update="continue"``: a call sent just before an update closed the engine's gate reaches
+    the server after its abort; the paused server queues it until /resume, which the update sent
+    only once every call was back: the update and the call waited on each other for ever. The abort
+    is sent again; the call comes back aborted, goes on after the reload, and answers."""
+    server = _PausingServer(arrive_s=0.5, decode_s=0.0)
+    with _serving(server, "pausing server") as url:
+        engine = RemoteEngine(url, model="base", reload_dir=tmp_path, on_update="continue", timeout=30)
+        params = SamplingParams(max_tokens=1)
+
+        async def run():
+            try:
+                call = asyncio.ensure_future(engine.generate(np.array([1, 2, 3]), params))
+                while engine._inflight == 0:
+                    await asyncio.sleep(0.001)
+                await asyncio.wait_for(asyncio.to_thread(engine.update_weights, {"w": torch.zeros(2)}, 1), 20)
+                return await asyncio.wait_for(call, 10)
+            finally:
+                await engine.close()
+
+        gen = asyncio.run(run())
+    assert gen.output_ids.tolist() == [5] and gen.output_versions.tolist() == [1]
+    assert engine.repeated_aborts >= 1 and engine.continued_calls == 1 and engine.weight_version == 1
+    assert server.paths.count("/pause") >= 3  # two aborts, then the reload's own pause
+
+
 @pytest.mark.parametrize("failing, served", [("/v1/load_lora_adapter", False), ("/v1/unload_lora_adapter", True),
                                              ("/reset_prefix_cache", True), ("/update_weight_version", True)])
 def test_an_adapter_and_its_version_change_together(dev_server, tmp_path, failing, served):

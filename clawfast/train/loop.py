@@ -425,6 +425,8 @@ class _SyncFeed(_Feed):
     def store(self, state: TrainState) -> None:
         if self.requeued:
             state.extra[IN_FLIGHT] = list(self.requeued)
+        else:  # all run: a later checkpoint listing them would have a resume run them again
+            state.extra.pop(IN_FLIGHT, None)
 
 
 class _AsyncFeed(_Feed):

@@ -256,6 +256,29 @@ def test_checkpoint_stores_what_was_in_flight_and_resume_reruns_it(tmp_path, tin
     assert read_state(latest_checkpoint(config.run_dir)).step == 4
 
 
+def test_a_synchronous_resume_runs_what_was_in_flight_once(tmp_path, tiny_model):
+    """A checkpoint of an asynchronous run (max_staleness 2) lists four positions in flight; resumed on
+    the synchronous schedule, two steps run them, and the checkpoints after hold no list: the last
+    two positions stayed listed in every later checkpoint, and each resume from one ran them again."""
+    import json
+
+    from clawfast.train.data import TaskSampler
+
+    config = sampled_config(tmp_path, tiny_model, name="sync-resume", steps=2)
+    config = config.model_copy(update={"checkpoint": config.checkpoint.model_copy(update={"interval": 1})})
+    tasks = token_tasks()
+    train(config, progress=False, make_source=source_of(tasks))
+    ckpt2 = Path(config.run_dir) / "checkpoints" / checkpoint_name(2)
+    state = json.loads((ckpt2 / "state.json").read_text())
+    (ckpt2 / "state.json").write_text(json.dumps({**state, "data_position": 8, "extra": {IN_FLIGHT: [4, 5, 6, 7]}}))
+    train(config.model_copy(update={"steps": 5}), resume=True, progress=False, make_source=source_of(tasks))
+    listed = [read_state(Path(config.run_dir) / "checkpoints" / checkpoint_name(s)).extra.get(IN_FLIGHT) for s in (3, 4, 5)]
+    assert listed == [[6, 7], None, None]
+    sampler = TaskSampler(sorted(tasks), config.seed)
+    want = [",".join(sampler.take(p, 1)[0] for p in pair) for pair in ((4, 5), (6, 7), (8, 9))]
+    assert [r["tasks"] for r in train_records(config.run_dir)[2:]] == want
+
+
 @pytest.mark.harness
 def test_producer_keeps_the_bound_with_slow_real_harness_rollouts(tmp_path):
     """The producer over the rollout service (proxy, mini-swe-agent, local sandbox, verifier, the

@@ -124,7 +124,7 @@ class _Tok:
         self.parent = parent
         self.children: dict[int, _Tok] = {}
         self.depth = depth
-        self.owner = -1  # lowest call index whose output covers this position
+        self.owner = -1  # call index owning this position (step 1 of build_tree_ref)
         self.logprob = math.nan
         self.boundary = False  # a prompt end or a path end falls after this token
         self.ends: list[int] = []  # positions k of calls whose path ends here
@@ -148,8 +148,11 @@ def build_tree_ref(
     exclude = frozenset(exclude_tags)
     excluded = [bool(exclude.intersection(c.tags)) for c in ordered]
 
-    # 1. Token trie. Calls go in ascending call index, so the first call to generate a position
-    #    is its owner (the lowest index).
+    # 1. Token trie. The owner of a generated position: of the calls that generated it, a
+    #    non-excluded one before an excluded one, and of those the highest index (docs/TREE.md).
+    #    Calls go in ascending index, so a later call takes a position unless it is excluded and
+    #    the owner is not.
+    excluded_call = {c.call_index: x for c, x in zip(ordered, excluded)}
     root = _Tok(-1, None, -1)
     for k, c in enumerate(ordered):
         prompt = [int(t) for t in c.prompt_ids]
@@ -160,7 +163,7 @@ def build_tree_ref(
             if child is None:
                 child = node.children[tok] = _Tok(tok, node, node.depth + 1)
             node = child
-            if pos >= len(prompt) and node.owner < 0:
+            if pos >= len(prompt) and (node.owner < 0 or not excluded[k] or excluded_call[node.owner]):
                 node.owner = c.call_index
                 node.logprob = float(c.infer_logprobs[pos - len(prompt)])
             if pos == len(prompt) - 1:

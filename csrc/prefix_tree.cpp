@@ -23,7 +23,7 @@ namespace {
 // A trie node under construction: a run of tokens read from TreeInput::ids at `src`.
 struct Node : RadixNode {
     int64_t depth = 0;  // tokens on the path before this node
-    int32_t owner = -1; // position (in input order) of the lowest call generating this node
+    int32_t owner = -1; // position (in input order) of the call owning this node (`run`)
     int64_t lp_src = 0; // offset of the first token's logprob in TreeInput::infer_logprobs
 };
 
@@ -87,12 +87,17 @@ class Builder {
             out.num_call_tokens += L;
         }
 
-        // Kinds and owners. Calls go in ascending index, so the first to claim a node owns it.
+        // Kinds and owners. A generated node's owner is the call whose sample its kept path trains:
+        // of the calls that generated it, a non-excluded one before an excluded one, and of those the
+        // latest (a retry supersedes the call it retried, with which it shares the tokens both drew
+        // alike; the earliest gave the retry's tokens the dead call's log-probs). Calls go in
+        // ascending index, so a later call takes a node unless it is excluded and the owner is not.
         // The prompt-end boundary guarantees that nodes at depth >= prompt_len are all output.
         for (int64_t c = 0; c < n; ++c) {
             const int64_t pl = in_.prompt_len[c];
             for (int32_t x = end_node[c]; x != 0 && nodes_[x].depth >= pl; x = nodes_[x].parent) {
-                if (nodes_[x].owner < 0) {
+                const int32_t o = nodes_[x].owner;
+                if (o < 0 || !in_.excluded[c] || in_.excluded[o]) {
                     nodes_[x].owner = static_cast<int32_t>(c);
                     nodes_[x].lp_src = lp_off[c] + (nodes_[x].depth - pl);
                 }

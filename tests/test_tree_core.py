@@ -124,10 +124,10 @@ def test_a_last_retry_that_answered_less_keeps_its_path(retry_output):
 def test_identical_regeneration_shares_one_kept_leaf():
     calls = [call(0, [1, 2], [3, 4]), call(1, [1, 2], [3, 4])]
     tree = build_tree(calls)
-    # Same path twice: one leaf holding both calls; the last main call keeps it alive.
+    # Same path twice: one leaf holding both calls; the last main call keeps it alive and owns it.
     assert tree.leaves == [Leaf(1, 4, (0, 1), "kept")]
-    assert_tree(tree, token_call=[-1, -1, 0, 0], end_node=[1, 1], num_call_tokens=8)
-    np.testing.assert_array_equal(tree.infer_logprobs[2:], [lp(0, 0), lp(0, 1)])  # the lower index owns
+    assert_tree(tree, token_call=[-1, -1, 1, 1], end_node=[1, 1], num_call_tokens=8)
+    np.testing.assert_array_equal(tree.infer_logprobs[2:], [lp(1, 0), lp(1, 1)])
 
 
 def test_last_main_call_is_never_dead():
@@ -158,21 +158,42 @@ def test_history_edit_branch_keeps_both():
     assert tree.num_flat_tokens == 6 + 5
 
 
-def test_generated_wins_and_lowest_call_owns():
+def test_generated_wins_and_the_latest_call_owns():
     calls = [
         call(0, [1, 2], [3, 4]),
-        call(1, [1, 2, 3], [4, 9]),  # 3 is context for call 1 but call 0 generated it; 4 is shared
+        call(1, [1, 2, 3], [4, 9]),  # 3 is context for call 1 but call 0 generated it; both drew 4
     ]
     tree = build_tree(calls)
+    # The kept path is call 1's: its 9 follows its own 4, so the 4 is trained with call 1's log-prob.
     assert_tree(
         tree,
         seg_parent=[-1, 0, 1, 2],
         seg_len=[2, 1, 1, 1],
         seg_kind=[0, 1, 1, 1],
-        token_call=[-1, -1, 0, 0, 1],
+        token_call=[-1, -1, 0, 1, 1],
         end_node=[2, 3],
     )
-    np.testing.assert_array_equal(tree.infer_logprobs[2:], [lp(0, 0), lp(0, 1), lp(1, 1)])
+    np.testing.assert_array_equal(tree.infer_logprobs[2:], [lp(0, 0), lp(1, 0), lp(1, 1)])
+
+
+def test_a_kept_retry_owns_what_it_drew_like_the_call_it_retried():
+    """A retry (same prompt) after a weight push drew the dead call's first two tokens again, then
+    others: the kept path is the retry's sample, so its tokens carry the retry's log-probs and
+    call (the dead call's were the sampler's of another version: every IS weight off)."""
+    calls = [call(0, [1, 2, 3], [7, 8, 9]), call(1, [1, 2, 3], [7, 8, 5, 6])]
+    tree = build_tree(calls)
+    assert [lf.status for lf in tree.leaves] == ["kept", "dead"]
+    kept = pack([tree], 64)[0]
+    assert kept.target_ids.tolist() == [7, 8, 5, 6] and kept.target_call.tolist() == [1, 1, 1, 1]
+    np.testing.assert_array_equal(kept.infer_logprobs, [lp(1, k) for k in range(4)])
+
+
+def test_a_main_call_trains_what_an_excluded_call_drew_alike():
+    """An excluded call (a quota probe) and the main call asked the same prompt and drew the same
+    first token: the main call owns it, so it is trained; owned by the excluded call it was not."""
+    calls = [call(0, [1, 2, 3], [7], tags=("quota",)), call(1, [1, 2, 3], [7, 8, 9])]
+    batch = pack([build_tree(calls)], 64)[0]
+    assert batch.target_ids.tolist() == [7, 8, 9] and batch.target_call.tolist() == [1, 1, 1]
 
 
 def test_subagent_branch_is_excluded():

@@ -404,7 +404,8 @@ def test_history_edit_keeps_the_older_branch(build):
 @BUILDERS
 def test_excluded_leaf_and_owner_and_kinds(build):
     # Call 1 (subagent) regenerates call 0's output tokens 3, 4 at the same position: the owner is
-    # the lowest index (call 0) and the tokens stay generated even where call 2's prompt covers them.
+    # the main call (call 0), not the later excluded one, and the tokens stay generated even where
+    # call 2's prompt covers them.
     calls = [
         call(0, [1, 2], [3, 4]),
         call(1, [1, 2], [3, 4, 8], tags=("subagent",)),

@@ -45,9 +45,16 @@ class ToolCall:
     arguments: str  # canonical JSON text, see canonical_arguments
 
 
+def _number(text: str) -> int | float:
+    """A JSON number with a fraction or exponent, by value: a whole one as the integer (a harness
+    that re-serialises arguments in JavaScript sends ``1.0`` back as ``1``, ``1e5`` as ``100000``)."""
+    value = float(text)
+    return int(value) if value.is_integer() and abs(value) < 2**53 else value
+
+
 def _call_key(call: ToolCall) -> tuple[str, str, str]:
     try:
-        arguments = json.dumps(json.loads(call.arguments), sort_keys=True, ensure_ascii=False)
+        arguments = json.dumps(json.loads(call.arguments, parse_float=_number), sort_keys=True, ensure_ascii=False)
     except ValueError:
         arguments = call.arguments
     return ("".join(ch for ch in call.id if ch.isalnum()), call.name, arguments)
@@ -71,8 +78,9 @@ class Message:
 
         Harnesses replay calls with cosmetic changes that must not break the token splice: Claude
         Code re-orders argument keys into its tool schema's order, OpenClaw strips the underscore
-        from call ids (`call_0aG` comes back as `call0aG`). The key therefore compares ids by their
-        alphanumeric characters and arguments as key-sorted JSON."""
+        from call ids (`call_0aG` comes back as `call0aG`), a JavaScript client writes ``1.0`` as
+        ``1``. The key therefore compares ids by their alphanumeric characters and arguments as
+        key-sorted JSON with numbers by value (`_number`)."""
         return (self.content.strip(), tuple(_call_key(c) for c in self.tool_calls))
 
     def template_dict(self) -> dict[str, Any]:

@@ -266,7 +266,7 @@ class ProxyCore:
             # prompt replays it: its tokens would show the model calls the harness never ran.
             prompts = _rollout_prompts(call.rollout)
             prompts.remember(self.renderer, np.concatenate([call.prefill, np.asarray(gen.output_ids, np.int32)]),
-                             turn.as_message().replay_key())
+                             turn.as_message())
         metadata: dict[str, Any] = {
             "protocol": call.request.protocol,
             "model": call.request.model,

@@ -57,13 +57,23 @@ def _split_reasoning(text: str) -> tuple[str, str]:
     return "", text
 
 
-def _call_from_obj(obj: object, new_id: NewId, args_key: str = "arguments") -> ToolCall:
+# Where a call object holds its arguments: each family's templates show one key, and models trained
+# on several write either.
+_ARGUMENT_KEYS = ("arguments", "parameters")
+
+
+def _call_from_obj(obj: object, new_id: NewId) -> ToolCall:
     if not isinstance(obj, dict):
         raise _Malformed(f"tool call is a JSON {type(obj).__name__}, not an object")
     name = obj.get("name")
     if not isinstance(name, str) or not name:
         raise _Malformed("tool call without a string name")
-    args = obj.get(args_key, obj.get("arguments", {}))
+    keys = [key for key in _ARGUMENT_KEYS if key in obj]
+    if len(keys) > 1:
+        raise _Malformed(f"call of {name!r} has both 'arguments' and 'parameters'")
+    if not keys and set(obj) != {"name"}:  # its arguments under some other key: never run it without them
+        raise _Malformed(f"call of {name!r} has no 'arguments' (keys: {sorted(obj)[:8]})")
+    args = obj[keys[0]] if keys else {}
     if isinstance(args, str):
         try:
             args = json.loads(args)
@@ -146,7 +156,7 @@ def parse_llama3_json(text: str, finish_reason: str, new_id: NewId) -> Turn:
         objs = value if isinstance(value, list) else [value]
         if not all(isinstance(o, dict) and ("parameters" in o or "arguments" in o) for o in objs):
             return _finish(rest, reasoning, [], finish_reason)  # JSON the model answered with, not calls (as vLLM)
-        calls = [_call_from_obj(obj, new_id, args_key="parameters") for obj in objs]
+        calls = [_call_from_obj(obj, new_id) for obj in objs]
     except _Malformed as exc:
         return Turn(body, reasoning, [], finish_reason, parse_error=str(exc))
     return _finish("", reasoning, calls, finish_reason)

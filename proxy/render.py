@@ -13,7 +13,7 @@ A prompt is assembled from pieces, each a pure function of its input and cached:
   its context (bench/bench_proxy.py measures it).
 - An assistant turn the engine produced in this rollout is not re-rendered: `RolloutPrompts`
   remembers the exact token ids of each produced turn by its replay key (visible text and tool
-  calls) and splices them back — generation prompt + sampled ids + the template's closing text — so
+  calls; and by its reasoning, where the harness sends that back: `produced_turn`) and splices them back — generation prompt + sampled ids + the template's closing text — so
   the next call of the thread extends the previous call's prompt + output token for token.
 
 Guaranteed: for a message-local template (the embedded one) the assembled prompt equals the
@@ -297,7 +297,7 @@ class ChatRenderer:
         parts = [self.header_ids(conversation.system, conversation.tools)]
         n_spliced = 0
         for message in conversation.messages:
-            ids = spliced.get(message.replay_key()) if spliced and message.role == "assistant" else None
+            ids = produced_turn(spliced, message) if spliced else None
             if ids is None:
                 ids = self.message_ids(message)
             else:
@@ -336,9 +336,9 @@ class _LastRender:
 
 @dataclass
 class RolloutPrompts:
-    """Per-rollout memory: produced turns (replay key -> exact ids), each thread's last rendered
-    prompt (so a call renders only the messages past the prefix it shares with the previous one —
-    found by identity, which `clawfast.proxy.incremental` preserves, or equality). How a call
+    """Per-rollout memory: produced turns (replay key -> reasoning -> exact ids; `produced_turn`),
+    each thread's last rendered prompt (so a call renders only the messages past the prefix it
+    shares with the previous one — found by identity, which `clawfast.proxy.incremental` preserves, or equality). How a call
     continues the earlier ones is read from the records afterwards (`clawfast.threads`).
 
     A thread is a sequence of calls that continue one conversation (the main agent, one subagent,
@@ -360,7 +360,7 @@ class RolloutPrompts:
                 header = renderer.header_ids(conversation.system, conversation.tools)
                 k, end, parts, ends, spliced, header_len = 0, len(header), [header], [], [], len(header)
             for message in messages[k:]:
-                ids = self.produced.get(message.replay_key()) if message.role == "assistant" else None
+                ids = produced_turn(self.produced, message)
                 spliced.append(ids is not None)
                 if ids is None:
                     ids = renderer.message_ids(message)
@@ -372,7 +372,21 @@ class RolloutPrompts:
             self.last_render[thread] = _LastRender(conversation.system, conversation.tools, messages, ends, spliced, header_len, ids)
         return RenderedPrompt(ids, sum(spliced))
 
-    def remember(self, renderer: ChatRenderer, output_ids: np.ndarray, turn_key: tuple) -> None:
-        """Keep the exact ids of a produced turn, to splice where a later prompt replays it."""
+    def remember(self, renderer: ChatRenderer, output_ids: np.ndarray, turn: Message) -> None:
+        """Keep the exact ids of the produced `turn`, to splice where a later prompt replays it
+        (`produced_turn`)."""
         with self._lock:
-            self.produced[turn_key] = renderer.produced_turn_ids(output_ids)
+            ids = renderer.produced_turn_ids(output_ids)
+            by_reasoning = self.produced.setdefault(turn.replay_key(), {})
+            by_reasoning[turn.reasoning] = by_reasoning[None] = ids
+
+
+def produced_turn(produced: dict, message: Message) -> np.ndarray | None:
+    """The exact ids of the produced turn an assistant `message` replays (`RolloutPrompts.produced`:
+    replay key -> reasoning -> ids), or None: the one thought through as `message` says where the
+    harness sent its reasoning back (two turns may show the same text after different thinking),
+    else the last one produced with its visible text and calls."""
+    by_reasoning = produced.get(message.replay_key()) if message.role == "assistant" else None
+    if by_reasoning is None:
+        return None
+    return by_reasoning.get(message.reasoning, by_reasoning[None])

@@ -91,6 +91,9 @@ def _convert_run(run: list, start: int) -> list[Message]:
         raise ProtocolError(400, "invalid_request", f"input.{start}.role: unexpected role {item.role!r}", f"input.{start}.role")
     if kind in ("function_call_output", "custom_tool_call_output"):
         return [Message("tool", _text(item.output), tool_call_id=item.call_id or "")]
+    if kind == "item_reference":  # like previous_response_id: it names an item only a store could hold
+        raise ProtocolError(400, "invalid_request", f"input.{start}: item_reference {item.id!r} not found: this server "
+                            f"stores no items; send the item itself", f"input.{start}")
     return []  # other item types (web_search_call, local_shell_call, ...) carry nothing the model reads
 
 

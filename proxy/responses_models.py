@@ -36,6 +36,8 @@ class Item(_Model):
     output: Union[str, list[Part], None] = None
     # reasoning
     summary: Optional[list[Part]] = None
+    # item_reference (refused: the proxy stores no items)
+    id: Optional[str] = None
 
 
 class ToolDef(_Model):

@@ -80,6 +80,25 @@ def test_calls_no_reply_can_carry_are_text_in_every_family(arguments):
     assert fits.tool_calls and fits.parse_error is None
 
 
+def test_a_calls_arguments_under_either_key_are_read_and_under_none_are_not_invented():
+    """Models trained on several families write a call's arguments as "arguments" or "parameters":
+    either is read in every family (Qwen3 and Mistral read "arguments" alone, and a call under
+    "parameters" ran with {}, arguments the model never wrote). A call with its arguments under
+    another key, or under both, is malformed markup; one with a name alone calls a tool with none."""
+    for key in ("arguments", "parameters"):
+        for parse, text in ((parse_qwen3, f'<tool_call>\n{{"name": "bash", "{key}": {{"command": "rm -rf build"}}}}\n</tool_call>'),
+                            (parse_mistral, f'[TOOL_CALLS][{{"name": "bash", "{key}": {{"command": "rm -rf build"}}}}]'),
+                            (parse_llama3_json, f'{{"name": "bash", "{key}": {{"command": "rm -rf build"}}}}')):
+            (call,) = parse(text, "stop", ids()).tool_calls
+            assert json.loads(call.arguments) == {"command": "rm -rf build"}, (parse, key)
+    for bad, why in (('{"name": "bash", "args": {"command": "ls"}}', "no 'arguments'"),
+                     ('{"name": "bash", "arguments": {}, "parameters": {"command": "ls"}}', "both")):
+        turn = parse_qwen3(f"<tool_call>\n{bad}\n</tool_call>", "stop", ids())
+        assert turn.tool_calls == [] and why in turn.parse_error
+    (bare,) = parse_qwen3('<tool_call>\n{"name": "now"}\n</tool_call>', "stop", ids()).tool_calls
+    assert bare.arguments == "{}"
+
+
 def test_mistral_both_formats():
     turn = parse_mistral('Sure.[TOOL_CALLS][{"name": "bash", "arguments": {"command": "ls"}}]', "stop", ids())
     assert turn.content == "Sure." and turn.tool_calls[0].name == "bash"

@@ -101,7 +101,7 @@ def test_incremental_render_equals_stateless_render(renderer, steps):
         if kind == "answer":
             output = np.concatenate([renderer.encode(arg), [renderer.turn_end_id]]).astype(np.int32)
             turn = Message("assistant", arg, (ToolCall(f"c{len(messages)}", "bash", "{}"),))
-            prompts.remember(renderer, output, turn.replay_key())
+            prompts.remember(renderer, output, turn)
             messages.append(turn)
 
 
@@ -117,7 +117,7 @@ def test_produced_turn_is_spliced_and_edits_re_render(renderer):
         [renderer.encode(before), renderer.encode("l"), renderer.encode("s"), renderer.encode(after), [renderer.turn_end_id]]
     ).astype(np.int32)
     replayed = Message("assistant", "", (ToolCall("call_1", "bash", canonical_arguments({"command": "ls"})),))
-    prompts.remember(renderer, output, replayed.replay_key())
+    prompts.remember(renderer, output, replayed)
     conv2 = _conv(Message("user", "list files"), replayed, Message("tool", "a.py", tool_call_id="call_1"))
     second = prompts.render(renderer, conv2, "main")
     path = np.concatenate([first.ids, output])
@@ -136,11 +136,29 @@ def test_reasoning_does_not_block_splicing(renderer):
     prompts = RolloutPrompts()
     first = prompts.render(renderer, _conv(Message("user", "hi")), "main")
     output = np.concatenate([renderer.encode("<think>\nhmm\n</think>\n\nHello"), [renderer.turn_end_id]]).astype(np.int32)
-    prompts.remember(renderer, output, Message("assistant", "Hello").replay_key())
+    prompts.remember(renderer, output, Message("assistant", "Hello"))
     # Chat Completions harnesses drop reasoning_content; the exact tokens (with thinking) come back.
     second = prompts.render(renderer, _conv(Message("user", "hi"), Message("assistant", "Hello "), Message("user", "again")), "main")
     assert second.spliced_turns == 1
     np.testing.assert_array_equal(second.ids[: len(first.ids) + len(output)], np.concatenate([first.ids, output]))
+
+
+def test_two_turns_alike_but_for_their_thinking_splice_each_its_own(renderer):
+    """Two produced turns show the same text ("Done.") after different thinking. Where the harness
+    sends the reasoning back, each replayed turn gets its own tokens (the later one's were spliced
+    in for both: a history that never happened, and a fork); where it drops it, the last one's."""
+    prompts = RolloutPrompts()
+    outputs = {}
+    for thought in ("first", "second"):
+        outputs[thought] = np.concatenate([renderer.encode(f"<think>\n{thought}\n</think>\n\nDone."),
+                                           [renderer.turn_end_id]]).astype(np.int32)
+        prompts.remember(renderer, outputs[thought], Message("assistant", "Done.", reasoning=thought))
+    for sent, want in (("first", "first"), ("second", "second"), ("", "second"), ("edited", "second")):
+        conv = _conv(Message("user", "go"), Message("assistant", "Done.", reasoning=sent), Message("user", "more"))
+        ids = prompts.render(renderer, conv, f"thread-{sent}").ids
+        prefix = renderer.header_ids("sys", ()).size + renderer.message_ids(Message("user", "go")).size
+        turn = renderer.produced_turn_ids(outputs[want])
+        np.testing.assert_array_equal(ids[prefix:prefix + len(turn)], turn)
 
 
 def test_generation_prompt_and_stop_tokens(renderer):

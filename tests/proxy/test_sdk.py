@@ -221,6 +221,56 @@ def test_responses_with_a_previous_response_id_is_refused(proxy):
     assert refused.value.body["param"] == "previous_response_id"
     assert proxy.calls() == []
 
+def test_responses_with_an_item_reference_is_refused(proxy):
+    """An item_reference names an item only a store could hold; it was accepted and dropped, and the
+    model never saw the item."""
+    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key=proxy.key, max_retries=0)
+    with pytest.raises(openai.BadRequestError, match="item_reference 'msg_1' not found") as refused:
+        client.responses.create(model="policy", input=[{"role": "user", "content": "hi"},
+                                                       {"type": "item_reference", "id": "msg_1"}])
+    assert refused.value.body["param"] == "input.1"
+    assert proxy.calls() == []
+
+
+def test_arguments_a_javascript_client_writes_back_by_value_splice_the_produced_turn(proxy):
+    """Claude Code parses and re-serialises a call's input in JavaScript: ``1.0`` comes back as ``1``
+    and ``1e2`` as ``100``. The produced turn is still recognised and spliced: the next prompt
+    extends the first call's prompt and output."""
+    tools = [{"name": "sleep", "description": "d",
+              "input_schema": {"type": "object", "properties": {"seconds": {"type": "number"}}}}]
+    proxy.engine.push('<tool_call>\n{"name": "sleep", "arguments": {"seconds": 1.0, "n": 1e2, "x": 0.5}}\n</tool_call>',
+                      "ok")
+    client = anthropic.Anthropic(base_url=proxy.url, api_key=proxy.key, max_retries=0)
+    messages = [{"role": "user", "content": "wait a second"}]
+    first = client.messages.create(model="policy", max_tokens=64, messages=messages, tools=tools)
+    (use,) = [b for b in first.content if b.type == "tool_use"]
+    replayed = {"type": "tool_use", "id": use.id, "name": "sleep", "input": {"seconds": 1, "n": 100, "x": 0.5}}
+    messages += [{"role": "assistant", "content": [replayed]},
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "done"}]}]
+    client.messages.create(model="policy", max_tokens=64, messages=messages, tools=tools)
+    assert_continuity(proxy.calls(), 2)
+
+
+def test_a_history_resent_with_another_json_type_or_key_order_renders_as_sent(proxy, renderer):
+    """The same history sent again with a value of another JSON type (``1`` for ``true``) or keys in
+    another order: the prompt renders what was sent, as a fresh proxy would (the translation memory
+    took ``1 == True`` and key-order-blind ``==`` for the same unit and rendered the old one)."""
+    tools = [{"name": "f", "input_schema": {"type": "object", "properties": {"x": {}, "y": {}}}}]
+    client = anthropic.Anthropic(base_url=proxy.url, api_key=proxy.key, max_retries=0)
+
+    def ask(arguments):
+        client.messages.create(model="policy", max_tokens=8, tools=tools, messages=[
+            {"role": "user", "content": "go"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": arguments}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "r"}]}])
+        return renderer.decode(proxy.calls()[-1].prompt_ids)
+
+    proxy.engine.push("a", "b", "c")
+    assert '{"x": true}' in ask({"x": True})
+    assert '{"x": 1}' in ask({"x": 1})
+    assert '{"y": 2, "x": 1}' in ask({"y": 2, "x": 1})
+
+
 # -- Auth and errors ------------------------------------------------------------------------------
 
 

@@ -83,6 +83,7 @@ def run_mode(root: Path, model: Path, steps: int, staleness: int | None, on_upda
     step_time = [r["time/rollout_s"] + r["time/train_s"] + r["time/sync_s"] for r in records]
     loop_s = records[-1]["time"] - first["time"] + step_time[0]
     rewards = [r["reward/mean"] for r in records]
+    pushed = [r for r in records if "push/bytes" in r]
     quarter = max(1, len(rewards) // 4)
     return {
         "mode": name,
@@ -92,9 +93,10 @@ def run_mode(root: Path, model: Path, steps: int, staleness: int | None, on_upda
         "rollouts_per_min": 60.0 * sum(r["rollouts"] for r in records) / loop_s,
         "trainer_idle": sum(r["time/rollout_s"] for r in records) / loop_s,
         "engine_idle": 1.0 - engines[0].busy_s / loop_s,
-        "stall_per_push_s": float(np.mean([r["time/sync_s"] for r in records])),
-        "discarded_tokens_per_push": engines[0].discarded_tokens / len(records),
-        "continued_calls_per_push": engines[0].continued_calls / len(records),
+        # Per push: a step that made no update pushes nothing (`clawfast.train.loop`).
+        "stall_per_push_s": float(np.mean([r["time/sync_s"] for r in pushed])) if pushed else 0.0,
+        "discarded_tokens_per_push": engines[0].discarded_tokens / max(1, len(pushed)),
+        "continued_calls_per_push": engines[0].continued_calls / max(1, len(pushed)),
         "prefill_tokens_per_rollout": engines[0].prefill_tokens / sum(r["rollouts"] for r in records),
         "replayed_tokens_per_rollout": engines[0].replayed_tokens / sum(r["rollouts"] for r in records),
         "dropped_stale_groups": sum(r.get("async/dropped_stale_groups", 0.0) for r in records),

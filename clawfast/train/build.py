@@ -38,11 +38,13 @@ def resolve_model_dir(config: RunConfig) -> Path:
 
 
 def load_policy(config: RunConfig, model_dir: Path, *, value_head: bool = False):
-    """A `Policy` from `model_dir` with the run's dtype and attention."""
+    """A `Policy` from `model_dir` with the run's dtype and attention, its log-probs those of the
+    distribution the rollouts sample from: at ``engine.temperature`` (1 for greedy, 0), so that the
+    IS weights against the sampler's log-probs measure what changed, not the temperature."""
     from clawfast.train.policy import Policy
 
     return Policy.from_pretrained(model_dir, dtype=DTYPES[config.model.dtype], attention=config.model.attention,
-                                  value_head=value_head)
+                                  value_head=value_head, temperature=config.engine.temperature or 1.0)
 
 
 def resolve_device(name: str) -> torch.device:

@@ -161,6 +161,18 @@ def test_without_weight_pushes_the_engine_serves_the_models_weights_a_resumed_ru
     assert [r["weight_version"] for r in train_records(config.run_dir)] == [0.0] * 3
 
 
+@pytest.mark.parametrize("temperature", [0.7, 1.3])
+def test_the_trainer_scores_tokens_at_the_temperature_they_were_sampled_at(tmp_path, tiny_model, temperature):
+    """Rollouts sampled at engine.temperature: the trainer's log-probs (proximal pass, same weights as
+    the sampler) are the sampler's to fp32 rounding, so the IS weights start at 1; at temperature 1
+    they differed by the temperature and truncation cut every weight."""
+    config = sampled_config(tmp_path, tiny_model, name=f"t{temperature}", steps=1)
+    config = config.model_copy(update={"engine": config.engine.model_copy(update={"temperature": temperature})})
+    train(config, progress=False, make_source=source_of(token_tasks()))
+    (record,) = train_records(config.run_dir)
+    assert record["mismatch_log_ppl_abs_diff"] < 1e-5, record["mismatch_log_ppl_abs_diff"]
+
+
 def test_staleness_zero_is_the_synchronous_loop_exactly(tmp_path, tiny_model):
     """Same seed: max_staleness = 0 gives the synchronous loop's rollouts (rewards, tasks), losses
     and checkpoint weights, bit for bit (an engine batching one call at a time: no batched matmul

@@ -354,7 +354,12 @@ def _run_reward_script(task: Task, verifier: RewardScriptVerifier, workspace: Pa
     # reward/ has the name ClawGym's scripts are run by: a link the agent left toward it (or the
     # payload) would hand a check the scripts' own text.
     _unlink_links_into(workspace, [reward, workspace / PAYLOAD_FILE])
-    env = {"OPENCLAW_REWARD_PAYLOAD": f"{workdir}/{PAYLOAD_FILE}"}
+    # The scripts run in the agent's workspace and pipe JSON through ``python3 -c 'import json, ...'``,
+    # whose first import path is the working directory: a json.py the agent left there scored 1.0.
+    # No interpreter of theirs puts the working directory (or a script's folder) on the path; the
+    # scripts' own folder is, for helpers beside check.py.
+    env = {"OPENCLAW_REWARD_PAYLOAD": f"{workdir}/{PAYLOAD_FILE}", "PYTHONSAFEPATH": "1",
+           "PYTHONPATH": f"{workdir}/reward"}
     inside = shlex.quote(f"{workdir}/reward")
     res = runner(f"bash {inside}/{verifier.ENTRY}", workspace, verifier_dir=None, timeout=verifier.timeout,
                  workdir=workdir, env=env)

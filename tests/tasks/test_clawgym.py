@@ -193,6 +193,22 @@ def test_a_planted_reward_folder_is_replaced_by_the_tasks_own(runner, tmp_path):
 
 
 
+def test_a_module_the_agent_left_in_the_workspace_is_not_what_the_reward_scripts_import(runner, tmp_path):
+    """ClawGym's reward.sh pipes check.py's JSON through ``python3 -c 'import json, ...'`` in the
+    agent's workspace: a json.py left there was imported instead and printed 1.0 for a task not done.
+    The honest solution still scores 1.0."""
+    (task,) = load_clawgym(f"clawgym:{write_sum_task(tmp_path / 's', numbers='1 2 3 4')}")
+    ws = task.materialize(tmp_path / "hack")
+    (ws / "json.py").write_text("import os, sys\nsys.stdin.read()\nos.write(1, b'1.0\\n')\nos._exit(0)\n")
+    assert (run_verifier(task, ws, runner).score) == 0.0
+    ws = task.materialize(tmp_path / "honest")
+    (ws / "output").mkdir()
+    (ws / "output" / "answer.txt").write_text("10\n")
+    (ws / "json.py").write_text("raise SystemExit('imported')\n")  # beside an honest answer: never imported
+    v = run_verifier(task, ws, runner)
+    assert (v.status, v.score) == ("ok", 1.0), v
+
+
 @pytest.mark.parametrize("planted", ["link", "folder"])
 def test_whatever_the_agent_left_at_the_payloads_name_is_replaced(runner, tmp_path, planted):
     # The payload is written on the host: through a planted link it would overwrite a host file; a

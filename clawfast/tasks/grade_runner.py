@@ -3,6 +3,7 @@ score line (`clawfast.tasks.verify`). Not imported by clawfast: it is copied int
 ``$VERIFIER_DIR`` beside ``grade.py`` (the task's code) and ``transcript.json``, and run there with
 ``python3`` in a copy of the final workspace, so it uses the standard library only.
 
+What ``grade`` (or the agent's code it runs) prints is discarded: the score line alone reaches stdout.
 The score is the mean of the criteria ``grade`` returns (0 when it returns none, as PinchBench
 scores it); ``details["criteria"]`` keeps them. A criterion that is not a number in [0, 1] (booleans
 count as 0 / 1), a return value that is not a dict, or an exception is reported on stderr with exit
@@ -16,6 +17,13 @@ import sys
 
 
 def main() -> int:
+    # Graders run the agent's code in this process (PinchBench's import the workspace's modules), which
+    # could print a score line of its own: fd 1 points at /dev/null for good, and the one score line
+    # goes to a private duplicate of it, written with functions bound before any of that code runs.
+    dumps, write = json.dumps, os.write
+    report_fd = os.dup(1)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
     here = os.environ["VERIFIER_DIR"]
     with open(os.path.join(here, "transcript.json"), encoding="utf-8") as f:
         transcript = json.load(f)
@@ -41,8 +49,7 @@ def main() -> int:
             return 1
         criteria[str(name)] = float(value)
     score = min(1.0, sum(criteria.values()) / len(criteria)) if criteria else 0.0
-    # Whatever grade printed comes first: the score line is the last one.
-    print(json.dumps({"score": score, "details": {"criteria": criteria}}))
+    write(report_fd, (dumps({"score": score, "details": {"criteria": criteria}}) + "\n").encode())
     return 0
 
 

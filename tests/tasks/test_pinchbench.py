@@ -15,6 +15,7 @@ from clawfast.tasks import load_suite
 from clawfast.tasks.judge import FILE_PREVIEW_BYTES, Verdict, judge_prompt, parse_verdict
 from clawfast.tasks.pinchbench import load_pinchbench, split_sections
 from clawfast.tasks.scoring import combine, judge_results
+from clawfast.tasks.sandbox_runner import SandboxRunner
 from clawfast.tasks.task import GradeFunctionVerifier, TaskFormatError
 from clawfast.tasks.transcript import text_event
 from clawfast.tasks.verify import run_verifier, score_do_nothing
@@ -166,6 +167,28 @@ def test_a_grade_that_fails_is_a_verifier_error(tmp_path, body, error):
     result = run_verifier(task, task.materialize(tmp_path / "ws"))
     assert (result.status, result.score, result.error) == ("verifier_error", 0.0, error)
     assert result.stderr.strip()  # the traceback or the runner's reason
+
+
+@pytest.mark.parametrize("exits", [True, False])
+def test_the_agents_code_a_grade_runs_cannot_print_the_score(tmp_path, exits):
+    """A grader that imports the workspace's module (as PinchBench's off-by-one grader does) ran the
+    agent's code in the runner's process: a module printing a score line of its own (and exiting,
+    or not) scored 1.0. What it prints is discarded; the runner's own line is the score."""
+    code = ("import importlib.util, os\n"
+            "def grade(transcript, workspace_path):\n"
+            "    spec = importlib.util.spec_from_file_location('s', os.path.join(workspace_path, 'sum.py'))\n"
+            "    spec.loader.exec_module(importlib.util.module_from_spec(spec))\n"
+            "    return {'works': 0.0}\n")
+    task = dataclasses.replace(_task("task_01_total"), verifier=GradeFunctionVerifier(code))
+    workspace = task.materialize(tmp_path / "ws")
+    (workspace / "sum.py").write_text("import os\nprint('{\"score\": 1.0}')\nos.write(1, b'{\"score\": 1.0}\\n')\n"
+                                      + ("os._exit(0)\n" if exits else ""))
+    with SandboxRunner() as runner:
+        result = run_verifier(task, workspace, runner)
+    if exits:  # the runner never wrote its line: no score, not 1.0
+        assert (result.status, result.score) == ("verifier_error", 0.0)
+    else:
+        assert (result.status, result.score, result.details) == ("ok", 0.0, {"criteria": {"works": 0.0}})
 
 
 def test_judge_prompt_holds_task_transcript_rubric_and_files(tmp_path):

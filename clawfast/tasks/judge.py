@@ -11,8 +11,9 @@ closes: the rubric's files are read there) and travels in the rollout's info as 
 judge is asked later, in the process that runs the evaluation (`clawfast.tasks.scoring`).
 
 The judge is told to answer one JSON object ``{"scores": {criterion: s}, "total": t, "notes": "..."}``
-(PinchBench's shape). `parse_verdict` reads the answer without its reasoning (``<think>`` blocks; an
-unterminated one to the end), and there the last fenced ``json`` block holding ``total`` or ``scores``,
+(PinchBench's shape). `parse_verdict` reads the answer past its reasoning (a leading ``<think>`` block,
+an unterminated one to the end; or up to the first ``</think>`` where the template opened it, unless
+no JSON follows: a verdict may quote the tag), and there the last fenced ``json`` block holding ``total`` or ``scores``,
 else the last such JSON object: ``total`` when it is a number in [0, 1], else the mean of ``scores``.
 Anything else (no JSON, a score outside [0, 1] or past a float's range, no total and no scores, an
 answer that ends inside a JSON object opened after its last verdict, i.e. cut short) is a verdict
@@ -41,7 +42,6 @@ TRANSCRIPT_CHARS = 24000
 # A fenced json block: from a line that opens it to the next line that is only a fence (a ``` inside
 # the JSON, in a note, does not end it).
 _FENCED_JSON = re.compile(r"^[ \t]*```json[ \t]*\n(.*?)^[ \t]*```[ \t]*$", re.DOTALL | re.MULTILINE)
-_THINK_BLOCK = re.compile(r"<think>.*?</think>", re.DOTALL)
 _OPENS_OBJECT = re.compile(r'\{\s*("|$)')  # a brace that opens a JSON object: a key, or the end, follows
 
 
@@ -113,15 +113,20 @@ class Verdict:
         return asdict(self)
 
 
-def _without_reasoning(text: str) -> str:
-    """`text` without the model's reasoning: every ``<think>...</think>`` block; everything up to a
-    ``</think>`` whose ``<think>`` was in the prompt (a chat template that opens it); and an unterminated
-    ``<think>`` with all after it (an answer cut short while reasoning). Drafts written while reasoning
-    are not the verdict."""
-    text = _THINK_BLOCK.sub("", text)
-    if "</think>" in text:
-        text = text.rsplit("</think>", 1)[1]
-    return text.split("<think>", 1)[0]
+def _past_reasoning(text: str) -> tuple[str, bool]:
+    """`text` past the model's reasoning, which can only open an answer: a leading ``<think>`` block
+    (all of an unterminated one: an answer cut short while reasoning), or, where the chat template
+    opened it in the prompt, everything up to the first ``</think>``; and whether that last rule cut
+    it (a verdict may quote a think tag in its notes: then the whole text is read again). Drafts
+    written while reasoning are not the verdict."""
+    stripped = text.lstrip()
+    if stripped.startswith("<think>"):
+        end = stripped.find("</think>")
+        return ("" if end < 0 else stripped[end + len("</think>"):]), False
+    end = text.find("</think>")
+    if end >= 0:
+        return text[end + len("</think>"):], True
+    return text, False
 
 
 def _parse(text: str) -> Any:
@@ -189,8 +194,10 @@ def parse_verdict(prompt: str, response: str, *, judge: str = "") -> Verdict:
     def failed(error: str) -> Verdict:
         return Verdict(prompt, response, None, error=error, judge=judge)
 
-    text = _without_reasoning(response)
+    text, opened_in_prompt = _past_reasoning(response)
     fenced, bare, unfinished = _json_objects(text)
+    if opened_in_prompt and not bare and not unfinished:  # the </think> was quoted, not the reasoning's end
+        fenced, bare, unfinished = _json_objects(response)
     fenced = [o for o in fenced if _is_verdict(o)]
     # An object still open where the answer ends, after every complete verdict-shaped one (fenced or
     # not; those may sit inside it), is an answer cut short: its final word is lost, and an earlier

@@ -245,6 +245,10 @@ def test_judge_prompt_never_reads_through_a_link_the_agent_left(tmp_path):
     # ... nor before a </think> whose <think> the chat template opened, nor in one never closed.
     ('Maybe {"total": 0.9}?</think>{"total": 0.3}', 0.3, {}, None),
     ('<think>The format is {"scores": {"c": 0.0}, "total": 0.0}. Maybe {"total": 0.9', None, {}, "no JSON object"),
+    # A think tag the verdict quotes is not reasoning (it made a judge_error of a clean 0).
+    ('{"scores": {"a": 0.0}, "total": 0.0, "notes": "the agent only printed <think> tags"}', 0.0, {"a": 0.0}, None),
+    ('{"total": 0.0, "notes": "its answer ends with </think>"}', 0.0, {}, None),
+    ('Hmm.</think>{"total": 0.2, "notes": "a </think> in the log"}', 0.2, {}, None),
     # An answer cut short inside its verdict is no verdict, not an earlier object's.
     ('<think>Maybe {"total": 0.9}?</think>\n{"scores": {"report": 0.1}, "total": 0.', None, {}, "cut short"),
     ('{"total": 0.8}\nRevised: {"scores": {"a": 0.1}, "notes": "the run', None, {}, "cut short"),

@@ -203,7 +203,8 @@ def _last_json(stdout: str, who: str) -> tuple[Any, str]:
 
 def parse_score_line(stdout: str) -> tuple[float, dict[str, Any]]:
     """Parse the verifier protocol: the last non-empty stdout line is a JSON object with a finite
-    ``score`` in [0, 1] and an optional ``details`` object. Raises ValueError saying what is wrong."""
+    ``score`` in [0, 1] and an optional ``details`` object (its ``subscores``, if any: `subscores_of`).
+    Raises ValueError saying what is wrong."""
     obj, line = _last_json(stdout, "verifier")
     if not isinstance(obj, dict) or "score" not in obj:
         raise ValueError(f"last stdout line is not a score object: {line[:200]!r}")
@@ -215,6 +216,8 @@ def parse_score_line(stdout: str) -> tuple[float, dict[str, Any]]:
     details = obj.get("details", {})
     if not isinstance(details, dict):
         raise ValueError(f"details must be an object, got {type(details).__name__}")
+    if "subscores" in details:
+        details = {**details, "subscores": subscores_of(details["subscores"], "details.subscores is")}
     return score, details
 
 
@@ -297,8 +300,14 @@ def parse_subscores(stdout: str) -> dict[str, float]:
     of name -> finite number (booleans count as 0 / 1, as ``float()`` in the reward scripts reads
     them). Raises ValueError saying what is wrong."""
     obj, _ = _last_json(stdout, "check.py")
+    return subscores_of(obj, "check.py printed")
+
+
+def subscores_of(obj: Any, who: str) -> dict[str, float]:
+    """`obj` as sub-scores, name -> finite number (booleans count as 0 / 1); a ValueError starting with
+    `who` otherwise. Metrics average them per name (`clawfast.train.metrics.subscore_means`)."""
     if not isinstance(obj, dict):
-        raise ValueError(f"check.py printed {type(obj).__name__}, not an object of sub-scores")
+        raise ValueError(f"{who} {type(obj).__name__}, not an object of sub-scores")
     out = {}
     for name, value in obj.items():
         # isinstance(True, int): booleans pass, as documented.
@@ -402,6 +411,11 @@ def _run_callable_verifier(verifier: CallableVerifier, workspace: Path) -> Verif
         score, details = out.score, out.details
         if not isinstance(details, dict):
             return _error(f"details must be a dict, got {type(details).__name__}", duration=duration)
+        if "subscores" in details:
+            try:
+                details = {**details, "subscores": subscores_of(details["subscores"], "details.subscores is")}
+            except ValueError as exc:
+                return _error(str(exc), duration=duration)
     else:
         score, details = out, {}
     number = finite_number(score)

@@ -239,6 +239,20 @@ def test_checks_do_not_block_on_special_files_or_follow_into_nothing(tmp_path):
     assert "not a regular file" in res.details["checks"][0]["message"]
 
 
+@pytest.mark.parametrize("subscores, error", [
+    ({"a": 1, "b": True}, None), (["a"], "details.subscores is list"), ({"a": "x"}, "sub-score 'a' is not a finite number")])
+def test_subscores_in_the_details_are_numbers_by_name_or_a_verifier_error(tmp_path, subscores, error):
+    """Evals average details.subscores per name: a list there, or a name with text, passed as ok and
+    then crashed the whole eval's metrics after every rollout had run."""
+    line = json.dumps({"score": 1, "details": {"subscores": subscores}})
+    for task in (_task(f"echo '{line}'"), _task(fn=lambda ws: VerifierResult(1.0, details={"subscores": subscores}))):
+        res = _score(task, tmp_path / str(id(task)))
+        if error is None:
+            assert (res.status, res.details["subscores"]) == ("ok", {"a": 1.0, "b": 1.0})
+        else:
+            assert res.status == "verifier_error" and error in res.error, res
+
+
 def test_malformed_spec_is_a_verifier_error(tmp_path):
     res = _score(_checks_task([{"type": "no-such-check"}], {}), tmp_path)
     assert res.status == "verifier_error" and "unknown check type" in res.stderr

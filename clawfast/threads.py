@@ -69,6 +69,11 @@ CAUSES = ("history edit", "compaction", "template re-render")
 MIN_ANSWER = 6  # tokens of an answer's middle to look for in later prompts; fewer would match by chance
 ANSWER_END = 2 * MIN_ANSWER  # tokens of each piece kept from an answer's head and tail when its middle is cut
 TURN_TOKENS = 6  # tokens on each side of where a replayed answer begins
+# An answer quoted by its last part alone (the text after a reasoning block; a summary without the
+# analysis written before it): pieces of this many tokens, ending 0, 1, ... TAIL_PIECES - 1 times
+# ANSWER_END tokens before the answer's rewrapped end (a closing tag the harness strips), are looked for.
+TAIL_TOKENS = 2 * ANSWER_END
+TAIL_PIECES = 4
 _HINTED_SIDE = {"subagent", "compaction", "title", "quota"}
 
 
@@ -206,6 +211,7 @@ class _Rollout:
         self.turns = [self._turn(i) for i in range(n)]
         self.answers = [self._answer(i) for i in range(n)]
         self.ends = [self._ends(i) for i in range(n)]
+        self.tails = [self._tails(i) for i in range(n)]
         self.parent: list[int | None] = [None] * n
         self.link = [""] * n  # "extends" | "edited" | "retry" | "" (continues nothing)
         self.shared = [0] * n  # tokens shared with the parent's prompt + output
@@ -297,6 +303,21 @@ class _Rollout:
             return None
         return head, tail
 
+    def _tails(self, m: int) -> list[bytes]:
+        """Pieces of the last part of m's answer (`TAIL_TOKENS` each, ending `TAIL_PIECES` steps of
+        `ANSWER_END` tokens apart, off the rewrapped end), each new text (not in m's prompt), for a
+        quote that holds the answer's last part alone, which `_answer`'s middle and `_ends`' head miss."""
+        out = self.outputs[m]
+        pieces = []
+        for k in range(TAIL_PIECES):
+            lo = len(out) - 2 - TAIL_TOKENS - k * ANSWER_END
+            if lo < 1:
+                break
+            piece = out[lo: lo + TAIL_TOKENS].tobytes()
+            if not _find(self.bytes[m], piece):
+                pieces.append(piece)
+        return pieces
+
     def _link(self, i: int, by_length: list[tuple[int, int]]) -> None:
         prompt = self.prompts[i]
         best, best_s = None, -1
@@ -351,16 +372,23 @@ class _Rollout:
 
     def quote_at(self, i: int, m: int, start: int = 0) -> int:
         """The token position in call i's prompt (from `start`) of m's answer's middle, else of its
-        head piece followed by its tail piece (the answer truncated in the middle); -1 if neither."""
-        if self.answers[m] is None:
-            return -1
-        at = token_position(self.bytes[i], self.answers[m], start)
-        if at != -1 or self.ends[m] is None:
-            return at
-        head, tail = self.ends[m]
-        at = token_position(self.bytes[i], head, start)
-        # Both pieces, the tail after the head: two pieces found by chance are far less likely than one.
-        return at if at != -1 and _find(self.bytes[i], tail, at + ANSWER_END) else -1
+        head piece followed by its tail piece (the answer truncated in the middle), else of a piece of
+        its last part (`_tails`: the part quoted alone); -1 if none."""
+        if self.answers[m] is not None:
+            at = token_position(self.bytes[i], self.answers[m], start)
+            if at != -1:
+                return at
+            if self.ends[m] is not None:
+                head, tail = self.ends[m]
+                at = token_position(self.bytes[i], head, start)
+                # Both pieces, the tail after the head: two pieces found by chance are far less likely than one.
+                if at != -1 and _find(self.bytes[i], tail, at + ANSWER_END):
+                    return at
+        for piece in self.tails[m]:
+            at = token_position(self.bytes[i], piece, start)
+            if at != -1:
+                return at
+        return -1
 
     def quotes(self, i: int, m: int, start: int = 0) -> bool:
         """Whether call i holds m's answer other than as m's turn (inside another message)."""

@@ -80,6 +80,51 @@ def test_compaction_with_the_main_system_prompt_and_no_marker():
     assert rt.continuity == 1.0 and rt.main_pairs == 5
 
 
+def test_a_compaction_whose_restart_keeps_the_summary_without_the_analysis_before_it():
+    """Claude Code asks its compaction for an analysis, then the summary, and restarts from the summary
+    text alone (tags stripped): the answer's last part is quoted, not its middle. The compaction is
+    told apart and the calls after it stay main (they were a side thread, out of training)."""
+    analysis_open, analysis_close, summary_open, summary_close = 7, 8, 9, 11
+    s = Session(33)
+    system, task = s.text(300), s.text(30)
+    history = s.msg(SYSTEM, system) + s.msg(USER, task)
+    for _ in range(3):
+        last = s.ask(history)
+        history = history + last + s.msg(TOOL, s.text(20))
+    summary = s.text(120)
+    s.ask(history + s.msg(USER, s.text(40)),
+          [analysis_open, *s.text(120), analysis_close, summary_open, *summary, summary_close, END])
+    history = s.msg(SYSTEM, system) + s.msg(USER, s.text(15) + summary) + last + s.msg(TOOL, s.text(20))
+    for _ in range(3):
+        history = history + s.ask(history) + s.msg(TOOL, s.text(20))
+    rt = reconstruct(s.calls)
+    assert kinds(s.calls) == ["main"] * 3 + ["compaction"] + ["main"] * 3
+    assert sorted((link.kind, link.source, link.target) for link in rt.links) == [("restarts", 3, 4), ("resumes", 2, 4)]
+
+
+def test_a_subagent_whose_report_returns_without_its_thinking():
+    """A thinking subagent's last answer is reasoning, then the report; the main thread gets the report
+    alone. The subagent is one (it was a side thread with no link back, or, running longer than the
+    main thread, taken for main), and its report returns into the main call that holds it."""
+    think_open, think_close = 7, 8
+    for steps, main_after in ((3, 2), (6, 1)):
+        s = Session(6)
+        system, task = s.text(300), s.text(30)
+        history = s.msg(SYSTEM, system) + s.msg(USER, task)
+        history = history + s.ask(history)  # delegates
+        sub = s.msg(SYSTEM, system[:100] + s.text(30)) + s.msg(USER, s.text(25))
+        for k in range(steps):
+            report = s.text(60)
+            answer = [think_open, *s.text(60), think_close, *report, END] if k == steps - 1 else None
+            sub = sub + s.ask(sub, answer) + s.msg(TOOL, s.text(15))
+        history = history + s.msg(TOOL, report)
+        for _ in range(main_after):
+            history = history + s.ask(history) + s.msg(TOOL, s.text(20))
+        rt = reconstruct(s.calls)
+        assert kinds(s.calls) == ["main"] + ["subagent"] * steps + ["main"] * main_after
+        assert [(link.kind, link.source, link.target) for link in rt.links] == [("returns", steps, steps + 1)]
+
+
 def test_compaction_with_its_own_system_prompt_replaying_the_history():
     s = Session(2)
     system, task = s.text(300), s.text(30)

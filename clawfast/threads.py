@@ -633,20 +633,32 @@ def reconstruct(calls: Sequence[CallRecord]) -> RolloutThreads:
         cause = "history edit" if r.how(i) == "edited" else "template re-render"
         divergences.append(Divergence(calls[i].call_index, calls[p].call_index, s, cause))
 
-    # Links: a subagent's last call to the call its answer returns in; a compaction call, and the
-    # main thread's last call before the restart, to the restart (of a restart asked again, the last);
+    # Links: a subagent's last call to the call its answer returns in; a compaction call (of the main
+    # thread or a subagent's), and the main thread's last call before the restart, to the restart (of a
+    # restart asked again, the last);
     # a compaction call to the compaction call that summarises its summary again.
     found: dict[tuple[str, int], int] = {}
+    # A call asked again on the same prompt (cut short, dropped) is superseded by its last retry, which
+    # the thread goes on from: a link into it goes there (into the dead call, its credit was lost).
+    last_asked = list(range(n))
+    for i in range(n):
+        first = i
+        while r.retry_of[first] is not None:
+            first = r.retry_of[first]
+        last_asked[first] = i
     for head, c in subagent_of.items():
         if c >= 0 and kind[head] == "subagent":
-            found[("returns", members[head][-1])] = c
+            first = c
+            while r.retry_of[first] is not None:
+                first = r.retry_of[first]
+            found[("returns", members[head][-1])] = last_asked[first]
     for j, k in merged_into.items():
         if kind[k] == "compaction":
             found[("restarts", j)] = k
     for c, k in compaction_of.items():
         # c restarts the thread, or is a compaction call summarising k's summary again (compacting in
         # pieces): the chain goes on there
-        if kind[k] != "compaction" or kind[c] not in ("main", "compaction"):
+        if kind[k] != "compaction" or kind[c] not in ("main", "subagent", "compaction"):
             continue
         found[("restarts", k)] = c
         if kind[c] == "main":

@@ -125,6 +125,35 @@ def test_a_subagent_whose_report_returns_without_its_thinking():
         assert [(link.kind, link.source, link.target) for link in rt.links] == [("returns", steps, steps + 1)]
 
 
+def test_a_subagents_own_compaction_restarts_it_and_its_report_returns_into_the_kept_retry():
+    """A subagent compacts its context and goes on from the summary: the compaction call restarts the
+    subagent's thread (the link was made for main threads only). Its report returns into a main call
+    cut short and asked again on the same prompt: the link goes into the retry the thread goes on
+    from (into the dead call, its credit was lost)."""
+    s = Session(80)
+    system, task = s.text(300), s.text(30)
+    history = s.msg(SYSTEM, system) + s.msg(USER, task)
+    for _ in range(2):
+        history = history + s.ask(history) + s.msg(TOOL, s.text(20))
+    history = history + s.ask(history)  # 2: delegates
+    sub_system, sub_task = system[:100] + s.text(30), s.text(25)
+    sub = s.msg(SYSTEM, sub_system) + s.msg(USER, sub_task)
+    for _ in range(3):  # 3-5
+        sub = sub + s.ask(sub) + s.msg(TOOL, s.text(15))
+    summary = s.ask(sub + s.msg(USER, s.text(30)))  # 6: the subagent's compaction
+    sub = s.msg(SYSTEM, sub_system) + s.msg(USER, sub_task + summary[2:-1])
+    for _ in range(2):  # 7, 8
+        report = s.ask(sub)
+        sub = sub + report + s.msg(TOOL, s.text(15))
+    history = history + s.msg(TOOL, report[2:-1])
+    s.ask(history, s.text(30), finish="length")  # 9: cut short, dropped by the harness
+    history = history + s.ask(history) + s.msg(TOOL, s.text(20))  # 10: the same prompt again
+    s.ask(history)  # 11
+    rt = reconstruct(s.calls)
+    assert kinds(s.calls) == ["main"] * 3 + ["subagent"] * 3 + ["compaction"] + ["subagent"] * 2 + ["main"] * 3
+    assert sorted((link.kind, link.source, link.target) for link in rt.links) == [("restarts", 6, 7), ("returns", 8, 10)]
+
+
 def test_compaction_with_its_own_system_prompt_replaying_the_history():
     s = Session(2)
     system, task = s.text(300), s.text(30)

@@ -18,7 +18,9 @@ Layout (``<run_dir>/checkpoints/``)::
 
 A checkpoint is built in ``.tmp-step-N`` (every file fsynced), renamed into place, and only then is
 ``LATEST`` replaced (temp file + rename), so a SIGKILL at any instant leaves either the previous
-checkpoint or the new one as LATEST, never a half-written one.
+checkpoint or the new one as LATEST, never a half-written one (a step saved again replaces its old
+copy only once the new one is in place and named). Saving step N deletes complete checkpoints past N
+(an earlier attempt's, past the LATEST this run went on from) before ``keep`` prunes the others.
 
 Guaranteed: `load_checkpoint` restores the policy parameters and the optimizer's state (AdamW's
 moments and step counts) bit for bit, the step and data position, the weight version, and the RNG
@@ -148,19 +150,34 @@ def save_checkpoint(run_dir: str | Path, policy, optimizer: torch.optim.Optimize
     (tmp / "state.json").write_text(json.dumps({**asdict(state), "rng": rng_state()}) + "\n")
     (tmp / COMPLETE).write_text(name + "\n")
     _fsync_tree(tmp)
-    if final.exists():  # a re-run of the same step after a crash between rename and LATEST
-        shutil.rmtree(final)
+    # The same step saved again (a re-run after a crash between rename and LATEST): the old copy is
+    # moved aside, not deleted, until the new one is in place and named.
+    replaced = root / f".replaced-{name}"
+    if final.exists():
+        shutil.rmtree(replaced, ignore_errors=True)
+        os.rename(final, replaced)
     os.rename(tmp, final)
     _write_text_atomic(root / LATEST, name + "\n")
-    if keep is not None:
-        _prune(root, keep)
+    shutil.rmtree(replaced, ignore_errors=True)
+    _prune(root, state.step, keep)
     return final
 
 
-def _prune(root: Path, keep: int) -> None:
+def _prune(root: Path, step: int, keep: int | None) -> None:
+    """Delete the complete checkpoints past `step` (an earlier attempt's, past the LATEST this run went
+    on from: it replaces them, and kept they would pass for its newest) and, with `keep`, all but the
+    newest `keep` of the others."""
     complete = list_checkpoints(root.parent)
-    for old in complete[:-keep]:
+    stale = [c for c in complete if _step_of(c) > step]
+    current = [c for c in complete if c not in stale]
+    for old in stale + (current[:-keep] if keep is not None else []):
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _step_of(checkpoint: Path) -> int:
+    """The step a checkpoint directory's name says (`checkpoint_name`; past 999,999 steps the name is
+    longer, so names alone do not sort)."""
+    return int(checkpoint.name[len("step-"):])
 
 
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
@@ -168,7 +185,7 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
     root = Path(run_dir) / CHECKPOINTS
     if not root.is_dir():
         return []
-    return sorted(p for p in root.glob("step-*") if (p / COMPLETE).is_file())
+    return sorted((p for p in root.glob("step-*") if (p / COMPLETE).is_file() and p.name[len("step-"):].isdigit()), key=_step_of)
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:

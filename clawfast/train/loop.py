@@ -158,6 +158,9 @@ def run_loop(config: RunConfig, *, resume: bool, progress: bool, group=None,
     state = TrainState()
     if ckpt is not None:
         state = load_checkpoint(ckpt, policy, optimizer)
+    if config.coldstart.enabled and not state.extra.get("coldstart_done") and state.step > 0:
+        raise ValueError(f"coldstart.enabled on a run resumed at step {state.step} that ran no cold start: a cold "
+                         f"start comes before the RL steps; set coldstart.enabled = false to go on")
     # FSDP: shards the policy over the ranks; `policy` stays rank 0's plain copy of the weights.
     trainer = make_trainer(config, policy, optimizer, state, group)
     view = ProgressView(config.steps) if progress else None

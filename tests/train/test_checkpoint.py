@@ -105,6 +105,59 @@ def test_latest_pruning_and_incomplete_dirs(tmp_path):
     assert (run / "checkpoints" / "step-000006" / COMPLETE).is_file()
 
 
+def test_a_run_that_went_on_from_an_older_latest_replaces_the_checkpoints_past_it(tmp_path):
+    """Killed between renaming step 4 into place and naming it in LATEST, the run resumed from step 2
+    and saved step 3 with keep = 1: pruning kept the stale step 4 (the newest by name) and deleted the
+    step 3 just written, and the stale one passed for the run's latest. The checkpoints past the step
+    saved are the earlier attempt's: they go, and keep counts the rest."""
+    policy = _policy(tmp_path)
+    opt = torch.optim.AdamW(policy.parameters())
+    run = tmp_path / "run"
+    for step in (2, 4):
+        save_checkpoint(run, policy, opt, TrainState(step=step))
+    (run / "checkpoints" / "LATEST").write_text("step-000002\n")  # as the kill left it
+    save_checkpoint(run, policy, opt, TrainState(step=3), keep=1)
+    assert [p.name for p in list_checkpoints(run)] == ["step-000003"] and latest_checkpoint(run).name == "step-000003"
+
+
+def test_a_step_saved_again_keeps_its_old_copy_until_the_new_one_is_named(tmp_path, monkeypatch):
+    """A step saved again (a re-run after a crash before LATEST named it): the old copy was deleted
+    before the new one was renamed into place, so a kill there left LATEST naming nothing, and with
+    keep = 1 no checkpoint at all. It is moved aside, and dropped once the new copy is named."""
+    import os
+
+    from clawfast.train import checkpoint
+
+    policy = _policy(tmp_path)
+    opt = torch.optim.AdamW(policy.parameters())
+    run = tmp_path / "run"
+    save_checkpoint(run, policy, opt, TrainState(step=4, data_position=1), keep=1)
+    rename = os.rename
+
+    def killed(src, dst):
+        if os.path.basename(src) == ".tmp-step-000004":
+            raise KeyboardInterrupt  # the kill, as the new copy was about to take the old one's place
+        rename(src, dst)
+
+    monkeypatch.setattr(checkpoint.os, "rename", killed)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(run, policy, opt, TrainState(step=4, data_position=2), keep=1)
+    monkeypatch.setattr(checkpoint.os, "rename", rename)
+    assert (run / "checkpoints" / ".replaced-step-000004" / COMPLETE).is_file()  # the old copy, kept
+    save_checkpoint(run, policy, opt, TrainState(step=4, data_position=3), keep=1)
+    assert [p.name for p in list_checkpoints(run)] == ["step-000004"]
+    assert read_state(latest_checkpoint(run)).data_position == 3
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["LATEST", "step-000004"]
+
+
+def test_checkpoints_past_a_million_steps_sort_by_step(tmp_path):
+    policy = _policy(tmp_path)
+    opt = torch.optim.AdamW(policy.parameters())
+    for step in (999_999, 1_000_000):
+        save_checkpoint(tmp_path / "run", policy, opt, TrainState(step=step), keep=1)
+    assert [p.name for p in list_checkpoints(tmp_path / "run")] == ["step-1000000"]
+
+
 def test_mismatched_weights_are_refused(tmp_path):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 

@@ -285,6 +285,18 @@ def test_the_kl_reference_is_the_policy_rl_started_from_even_when_kl_turns_on_at
         train(load_config(tmp_path / "run.toml"), resume=True, progress=False)
 
 
+def test_a_cold_start_turned_on_at_a_resume_past_step_0_is_refused(tmp_path):
+    """A cold start comes before the RL steps: turned on when resuming at step 2 it would have run
+    SFT mid-run and saved step 2 again over the checkpoint it resumed from."""
+    config = _load(tmp_path, steps=2, interval=2)
+    train(config, progress=False)
+    # Recorded rollouts cannot run a cold start (the config refuses it): the check before it is the one here.
+    later = config.model_copy(update={"steps": 3, "coldstart": config.coldstart.model_copy(update={"enabled": True})})
+    with pytest.raises(ValueError, match="coldstart.enabled on a run resumed at step 2 that ran no cold start"):
+        train(later, resume=True, progress=False)
+    assert [p.name for p in list_checkpoints(tmp_path / "run")] == ["step-000002"]
+
+
 def test_coldstart_never_demonstrates_held_out_tasks():
     from clawfast.tasks import clawbench_mini
     from clawfast.train.coldstart import demonstration_tasks

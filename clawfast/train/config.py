@@ -29,15 +29,21 @@ from clawfast.threads import trained_kinds
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+    # No inf or nan anywhere (lr = inf passed and failed the run at its first step), and a number is
+    # never a bool (steps = true ran one step).
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
     def _none_word(cls, data: Any) -> Any:
         """The string "none" is None in a field whose type allows None (TOML has no null; module
-        docstring). Decided by the field's type, so every optional setting of every section takes it."""
+        docstring). Decided by the field's type, so every optional setting of every section takes it.
+        A bool where the field takes a number and no bool is refused (pydantic reads true as 1)."""
         if not isinstance(data, dict):
             return data
+        for key, value in data.items():
+            if isinstance(value, bool) and _is_number(cls.model_fields.get(key)):
+                raise ValueError(f"{key} must be a number, got {str(value).lower()}")
         return {key: None if _means_none(value) and _allows_none(cls.model_fields.get(key)) else value
                 for key, value in data.items()}
 
@@ -45,6 +51,14 @@ class _Section(BaseModel):
 def _means_none(value: Any) -> bool:
     """Whether a config value is the word for None (module docstring)."""
     return isinstance(value, str) and value.lower() == "none"
+
+
+def _is_number(field: Any) -> bool:
+    """Whether a pydantic field takes an int or a float and not a bool (``int``, ``float | None``)."""
+    if field is None:
+        return False
+    types = typing.get_args(field.annotation) or (field.annotation,)
+    return bool not in types and any(t in (int, float) for t in types)
 
 
 def _allows_none(field: Any) -> bool:

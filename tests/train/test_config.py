@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -287,3 +288,16 @@ def test_eval_judge_names_a_url_or_a_model_dir(tmp_path):
     judge = load_config(write(tmp_path, '[eval.judge]\nurl = "http://h:8000/v1"\nmodel = "qwen"\n')).eval.judge
     assert (judge.url, judge.model, judge.model_dir, judge.api_key_env) == ("http://h:8000/v1", "qwen", None, "OPENAI_API_KEY")
     assert load_config(write(tmp_path, '[eval.judge]\nmodel_dir = "/m"\n')).eval.judge.model_dir == "/m"
+
+
+@pytest.mark.parametrize("override, says", [
+    ({"optim": {"lr": float("inf")}}, "optim.lr': Input should be a finite number"),
+    ({"algorithm": {"kl_coef": float("nan")}}, "algorithm.kl_coef': Input should be a finite number"),
+    ({"steps": True}, "steps must be a number, got true"),
+    ({"optim": {"lr": True}}, "lr must be a number, got true"),
+])
+def test_a_number_that_is_infinite_or_a_bool_is_refused_before_the_run(override, says):
+    """lr = inf passed and failed the run at its first step (exit 1, after set-up); steps = true ran
+    one step and lr = true trained at 1.0, silently."""
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        config_from_dict(override)

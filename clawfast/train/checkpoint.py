@@ -229,18 +229,26 @@ def load_checkpoint(checkpoint: str | Path, policy, optimizer: torch.optim.Optim
                          f"({'with' if saved_head else 'without'} a value head), the policy is "
                          f"{'PPO' if has_head else 'GRPO'}'s ({'with' if has_head else 'without'} one): "
                          f"resume with the run's own algorithm.name ({'ppo' if saved_head else 'grpo'!r})")
-    if has_adapter(policy.lm):
-        load_adapter(policy.lm, checkpoint)
-    else:
-        _load_full(checkpoint, policy.lm)
-    if getattr(policy, "value_head", None) is not None:
-        policy.value_head.load_state_dict(load_file(str(checkpoint / VALUE_HEAD_FILE)))
-    trainer = torch.load(checkpoint / "trainer.pt", weights_only=True)
-    if optimizer is not None:
-        configured = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-        optimizer.load_state_dict(trainer["optimizer"])
-        _keep_hyperparameters(optimizer, configured)
-    raw = json.loads((checkpoint / "state.json").read_text())
+    try:
+        if has_adapter(policy.lm):
+            load_adapter(policy.lm, checkpoint)
+        else:
+            _load_full(checkpoint, policy.lm)
+        if getattr(policy, "value_head", None) is not None:
+            policy.value_head.load_state_dict(load_file(str(checkpoint / VALUE_HEAD_FILE)))
+        trainer = torch.load(checkpoint / "trainer.pt", weights_only=True)
+        if optimizer is not None:
+            configured = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+            optimizer.load_state_dict(trainer["optimizer"])
+            _keep_hyperparameters(optimizer, configured)
+        raw = json.loads((checkpoint / "state.json").read_text())
+    except ValueError as exc:
+        if isinstance(exc, json.JSONDecodeError):
+            raise ValueError(f"{checkpoint}: state.json is not JSON ({exc}); resume from an earlier checkpoint") from exc
+        raise
+    except Exception as exc:  # a file gone or torn (a disk that filled), a tensor of another shape (another model)
+        raise ValueError(f"{checkpoint}: cannot be loaded into this run's policy: {type(exc).__name__}: "
+                         f"{str(exc)[:300]}; resume with the run's own model, or from an earlier checkpoint") from exc
     if restore_rng:
         torch.set_rng_state(trainer["torch_rng"])
         set_rng_state(raw["rng"])

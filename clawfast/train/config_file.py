@@ -120,6 +120,10 @@ def load_config(path: str | Path, *, overrides: list[str] | tuple[str, ...] = ()
         raise ConfigError(f"{path}: no such config file") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not a TOML file (not UTF-8 text)") from None
+    except OSError as exc:  # a directory, no permission
+        raise ConfigError(f"{path}: cannot read the config: {exc.strerror or exc}") from None
     # The file's relative paths are the file's (its directory); an override's are the command line's
     # (the working directory): each is resolved against its own base before they are merged.
     _resolve_paths(raw, path.parent)

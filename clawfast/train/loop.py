@@ -106,11 +106,14 @@ def seed_everything(seed: int) -> None:
 
 
 def prepare_run_dir(config: RunConfig, resume: bool) -> tuple[Path, Path | None]:
-    """Create the run directory; return it and the checkpoint to resume from (None: fresh run).
+    """Create the run directory; return it and the checkpoint to resume from (None: fresh run); the
+    caller writes its config.json once that checkpoint has loaded.
     A fresh run refuses a directory that already holds checkpoints; a resumed one without any starts
     at step 0, and says so. A run that starts at step 0 makes its own KL reference: one left by an
     attempt that never reached a checkpoint (another model.path, perhaps) is removed."""
     run_dir = Path(config.run_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ValueError(f"run_dir {run_dir} is a file, not a directory")
     ckpt = latest_checkpoint(run_dir) if resume else None
     if not resume and list_checkpoints(run_dir):
         raise ValueError(f"{run_dir} already holds checkpoints: pass --resume to continue it, or choose another run_dir")
@@ -121,7 +124,6 @@ def prepare_run_dir(config: RunConfig, resume: bool) -> tuple[Path, Path | None]
     run_dir.mkdir(parents=True, exist_ok=True)
     if ckpt is None:
         shutil.rmtree(run_dir / "reference", ignore_errors=True)
-    (run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
     return run_dir, ckpt
 
 
@@ -161,6 +163,8 @@ def run_loop(config: RunConfig, *, resume: bool, progress: bool, group=None,
     if config.coldstart.enabled and not state.extra.get("coldstart_done") and state.step > 0:
         raise ValueError(f"coldstart.enabled on a run resumed at step {state.step} that ran no cold start: a cold "
                          f"start comes before the RL steps; set coldstart.enabled = false to go on")
+    # Written once the checkpoint loaded: a resume it refuses leaves the run's record of its config as it was.
+    (run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
     # FSDP: shards the policy over the ranks; `policy` stays rank 0's plain copy of the weights.
     trainer = make_trainer(config, policy, optimizer, state, group)
     view = ProgressView(config.steps) if progress else None

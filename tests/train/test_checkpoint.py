@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import numpy as np
 import pytest
@@ -156,6 +157,33 @@ def test_checkpoints_past_a_million_steps_sort_by_step(tmp_path):
     for step in (999_999, 1_000_000):
         save_checkpoint(tmp_path / "run", policy, opt, TrainState(step=step), keep=1)
     assert [p.name for p in list_checkpoints(tmp_path / "run")] == ["step-1000000"]
+
+
+@pytest.mark.parametrize("damage, says", [("state", "state.json is not JSON"),
+                                          ("trainer", "cannot be loaded into this run's policy: FileNotFoundError"),
+                                          ("weights", "cannot be loaded into this run's policy"),
+                                          ("wider", "size mismatch")])
+def test_a_damaged_or_foreign_checkpoint_is_a_clear_error_naming_it(tmp_path, damage, says):
+    """A torn state.json, a trainer.pt gone, emptied weights, or a checkpoint of a model of another
+    width: a ValueError naming the checkpoint (`clawfast train` exits 2 with it), not a traceback."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    policy = _policy(tmp_path)
+    ckpt = save_checkpoint(tmp_path / "run", policy, torch.optim.AdamW(policy.parameters()), TrainState(step=4))
+    if damage == "state":
+        (ckpt / "state.json").write_text('{"step": 4,\n')
+    elif damage == "trainer":
+        (ckpt / "trainer.pt").unlink()
+    elif damage == "weights":
+        (ckpt / "model" / "model.safetensors").write_bytes(b"")
+    else:
+        config = Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=48, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
+        Qwen3ForCausalLM(config).save_pretrained(tmp_path / "wide")
+        policy = Policy.from_pretrained(tmp_path / "wide")
+    with pytest.raises(ValueError, match=re.escape(says)) as err:
+        load_checkpoint(ckpt, policy, torch.optim.AdamW(policy.parameters()))
+    assert str(ckpt) in str(err.value)
 
 
 def test_mismatched_weights_are_refused(tmp_path):

@@ -120,6 +120,25 @@ def test_a_step_that_raises_a_value_error_fails_the_run_it_is_no_config_error(tm
     assert main(["train", str(tmp_path / "run.toml"), "--no-progress"]) == 2  # refused: it holds checkpoints
 
 
+def test_a_config_or_run_dir_that_is_not_what_it_should_be_exits_2_with_its_name(tmp_path, capsys):
+    """A config path that is a directory or a binary file, a run_dir that is a file: clawfast train
+    exits 2 naming it (each was a traceback), and a resume it refuses leaves the run's config.json."""
+    from clawfast.cli import main
+
+    _load(tmp_path, steps=1, interval=1)
+    (tmp_path / "binary.toml").write_bytes(b"\xff\xfe\x00")
+    (tmp_path / "afile").write_text("hi")
+    for argv, says in (([str(tmp_path)], "cannot read the config"), ([str(tmp_path / "binary.toml")], "not UTF-8"),
+                       ([str(tmp_path / "run.toml"), "--run-dir", str(tmp_path / "afile")], "is a file, not a directory")):
+        assert main(["train", *argv, "--no-progress"]) == 2
+        assert says in capsys.readouterr().err
+    assert main(["train", str(tmp_path / "run.toml"), "--no-progress"]) == 0
+    recorded = (tmp_path / "run" / "config.json").read_text()
+    assert main(["train", str(tmp_path / "run.toml"), "--no-progress", "--resume", "--set", "model.lora.rank=4"]) == 2
+    assert "holds full weights, the policy trains an adapter" in capsys.readouterr().err
+    assert (tmp_path / "run" / "config.json").read_text() == recorded
+
+
 def test_resume_without_a_checkpoint_says_it_starts_at_step_0(tmp_path, capsys):
     """`clawfast train --resume` on a run directory with no checkpoint yet (a restarted job that had
     not reached one, or a mistyped run_dir) starts a fresh run, as its help says, and says so."""

@@ -38,10 +38,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def model_dir_of(path: Path) -> Path:
     """The HF model directory behind a checkpoint, a run directory or a model directory."""
     from clawfast.train.checkpoint import latest_checkpoint
+    from clawfast.train.lora import ADAPTER_FILE
 
+    latest = latest_checkpoint(path)  # a run directory (its config.json is the run's, not a model's)
+    for checkpoint in (path, latest):
+        if checkpoint is not None and (checkpoint / ADAPTER_FILE).is_file():
+            raise ValueError(f"{checkpoint} holds a LoRA adapter, not a model: merge it into its base first "
+                             f"(clawfast model merge {checkpoint} --out DIR) and evaluate DIR")
     if (path / "model" / "config.json").is_file():  # a checkpoint
         return path / "model"
-    latest = latest_checkpoint(path)  # a run directory (its config.json is the run's, not a model's)
     if latest is not None:
         return latest / "model"
     if (path / "config.json").is_file() and "model_type" in json.loads((path / "config.json").read_text()):
@@ -51,7 +56,7 @@ def model_dir_of(path: Path) -> Path:
 
 def run(args: argparse.Namespace) -> int:
     from clawfast.train.config_file import ConfigError, load_config
-    from clawfast.train.loop import evaluate
+    from clawfast.train.loop import check_evaluable, evaluate
 
     overrides = list(args.overrides)
     if args.split:
@@ -61,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.config, overrides=overrides)
         model_dir = model_dir_of(Path(args.checkpoint))
+        check_evaluable(config, model_dir)
     except (ConfigError, ValueError) as exc:
         print(f"clawfast eval: {exc}", file=sys.stderr)
         return 2

@@ -300,6 +300,10 @@ def export_merged(checkpoint: Path, out: Path, base: Path | None = None) -> Path
     base = Path(base or saved.base_model_name_or_path or "")
     if not (base / "config.json").is_file():
         raise ValueError(f"the adapter's base {base} is not a Hugging Face model directory: name it (--base)")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file: name a directory to write the merged model in")
+    if out.exists() and out.resolve() == base.resolve():
+        raise ValueError(f"--out {out} is the base model's directory: the merge would overwrite the base")
     lm = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, local_files_only=True)
     add_saved_lora(lm, checkpoint)
     merged_copy(lm).save_pretrained(out, safe_serialization=True)

@@ -552,14 +552,19 @@ def _one_step(config: RunConfig, trainer: Trainer, feed, state: TrainState, push
     return record
 
 
+def check_evaluable(config: RunConfig, model_dir: str | Path) -> None:
+    """Raise a ValueError saying why `evaluate` cannot run `config` on `model_dir`, before anything runs."""
+    if config.rollout.source != "harness":
+        raise ValueError("evaluation runs through harnesses: rollout.source must be 'harness'")
+    if not (Path(model_dir) / "config.json").is_file():
+        raise ValueError(f"{model_dir} is not a model directory (no config.json)")
+
+
 def evaluate(config: RunConfig, model_dir: str | Path, out_dir: str | Path) -> dict[str, float]:
     """pass@1 per harness of the model in `model_dir` (a HF directory, e.g. a checkpoint's
     ``model/``) on ``config.eval.split``, with ``config.eval`` sampling; records go to `out_dir`."""
-    if config.rollout.source != "harness":
-        raise ValueError("evaluation runs through harnesses: rollout.source must be 'harness'")
+    check_evaluable(config, model_dir)
     model_dir = Path(model_dir)
-    if not (model_dir / "config.json").is_file():
-        raise ValueError(f"{model_dir} is not a model directory (no config.json)")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     seed_everything(config.seed)

@@ -108,7 +108,8 @@ def run_table(run_dir: str | Path) -> str:
         lines.append(f"{name:<{width}}" + "".join(f"{r[key]:>12.3f}" if key in r else f"{'-':>12}" for _, r in columns))
     by_label = {r.get("label"): r for r in evals}
     for first, last, what in (("before", "after", "training"), ("coldstart", "after", "RL over its cold start")):
-        if first in by_label and last in by_label:
+        # An eval with no scored rollout (every task a rubric no judge scored) has no pass@1 to gain from.
+        if first in by_label and last in by_label and "pass@1" in by_label[first] and "pass@1" in by_label[last]:
             a, b = by_label[first], by_label[last]
             levels = [k for k in sorted(b) if k.startswith("pass@1_difficulty/")]
             lines.append(f"gain from {what}: {100 * (b['pass@1'] - a['pass@1']):+.1f} points"

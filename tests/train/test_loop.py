@@ -382,6 +382,14 @@ def test_eval_finds_the_model_of_a_run_a_checkpoint_or_a_model_dir(tmp_path, cap
         model_dir_of(tmp_path / "recorded")
     assert main(["eval", str(tmp_path / "run.toml"), "--checkpoint", str(tmp_path / "recorded")]) == 2
     assert "not a checkpoint" in capsys.readouterr().err
+    # A config of recorded rollouts cannot evaluate: said, exit 2 (it was a traceback).
+    assert main(["eval", str(tmp_path / "run.toml"), "--checkpoint", str(run)]) == 2
+    assert "evaluation runs through harnesses" in capsys.readouterr().err
+    # A LoRA checkpoint holds no model: merge it first, it says (it was "not a model directory").
+    (latest / "adapter_model.safetensors").write_bytes(b"")
+    for where in (run, latest):
+        with pytest.raises(ValueError, match="holds a LoRA adapter, not a model: merge it into its base first"):
+            model_dir_of(where)
 
 
 def test_evals_a_checkpoint_asked_for_are_rerun_only_where_cut_short(tmp_path):

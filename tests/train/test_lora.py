@@ -70,6 +70,27 @@ def test_the_adapter_trains_alone_and_merges_into_the_same_model(tmp_path):
         assert (merged(ids).logits - tiny_lm(tmp_path)(ids).logits).abs().max() > 1e-4
 
 
+def test_merge_refuses_an_out_that_is_a_file_or_the_base_itself(tmp_path, capsys):
+    """`clawfast model merge --out FILE` printed FILE and exit 0 with nothing written (transformers only
+    logs), and --out BASE overwrote the base model's weights with the merged ones."""
+    from clawfast.cli import main
+    from clawfast.train.checkpoint import TrainState, save_checkpoint
+    from clawfast.train.policy import Policy
+
+    base = make_tiny_model(tmp_path / "base", seed=3)
+    policy = Policy.from_pretrained(base)
+    policy.lm = add_lora(policy.lm, rank=4, alpha=8)
+    checkpoint = save_checkpoint(tmp_path / "run", policy, torch.optim.AdamW(policy.parameters()), TrainState(step=1))
+    (tmp_path / "afile").write_text("hi")
+    before = (base / "model.safetensors").read_bytes()
+    for out, says in ((tmp_path / "afile", "is a file"), (base, "is the base model's directory")):
+        assert main(["model", "merge", str(checkpoint), "--out", str(out)]) == 1
+        assert says in capsys.readouterr().err
+    assert (tmp_path / "afile").read_text() == "hi" and (base / "model.safetensors").read_bytes() == before
+    assert main(["model", "merge", str(checkpoint), "--out", str(tmp_path / "merged")]) == 0
+    assert (tmp_path / "merged" / "config.json").is_file()
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 def test_an_moe_adapter_covers_router_and_experts_and_merges(tmp_path, family):
     """"all-linear" on an MoE decoder: peft adapts the attention, the router and the fused experts

@@ -83,6 +83,16 @@ def test_a_line_that_is_not_a_json_object_is_refused_naming_the_file_and_line(tm
         assert capsys.readouterr().err == f"clawfast {command}: {path}: line 2 is not a JSON object\n"
 
 
+def test_report_of_evals_no_rollout_was_scored_in_has_no_gain_line(tmp_path, capsys):
+    """Every eval task a rubric and no judge configured: the evals hold no pass@1, and `clawfast report`
+    crashed on the gain line (KeyError); it reports the table without one."""
+    records = [{"kind": "eval", "step": step, "label": label, "rollouts": 0.0, "time": float(step)}
+               for step, label in ((0, "before"), (2, "after"))]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert main(["report", str(tmp_path)]) == 0
+    assert "gain from" not in capsys.readouterr().out
+
+
 def test_a_file_that_is_not_text_is_refused_naming_it(tmp_path, capsys):
     (tmp_path / "metrics.jsonl").write_bytes(b"\xff\xfe\x00")
     for command in ("plot", "report"):

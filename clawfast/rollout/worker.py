@@ -33,7 +33,8 @@ reward reaches training.
 
 Tasks whose graders read the run's transcript (PinchBench's ``grade``, ClawGym's reward payload, a
 rubric) get it before the verifier runs (`rollout_transcript`): the harness's own session log where
-its adapter reads one, else the proxy's, from the rollout's recorded main thread. A task with a
+its adapter reads one and every assistant turn in it is one the model produced (the log is in the
+sandbox's HOME, which the agent can write), else the proxy's, from the rollout's recorded main thread. A task with a
 rubric keeps its judge's prompt in ``info["judge"]`` (built here, where the final workspace still
 exists; the judge answers later, `clawfast.tasks.scoring`).
 
@@ -53,6 +54,7 @@ import math
 import numbers
 import threading
 import time
+from collections import Counter
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -138,13 +140,45 @@ def needs_transcript(task: Task) -> bool:
     return task.rubric is not None or isinstance(task.verifier, (GradeFunctionVerifier, RewardScriptVerifier))
 
 
-def rollout_transcript(task: Task, harness: Harness, layout: RunLayout, opened: OpenedRollout) -> list[dict[str, Any]]:
-    """The run's transcript events (`clawfast.tasks.transcript`): the harness's own log, else the
-    proxy's, behind the task's instruction. Raises what reading either raised."""
+def rollout_transcript(task: Task, harness: Harness, layout: RunLayout, opened: OpenedRollout,
+                       info: dict[str, Any]) -> list[dict[str, Any]]:
+    """The run's transcript events (`clawfast.tasks.transcript`): the harness's own log where every
+    assistant turn in it is one the model produced (`only_the_models_turns`), else the proxy's (said
+    in ``info["transcript"]``), behind the task's instruction. Raises what reading either raised."""
     events = harness.transcript(layout)
+    recorded = fetch_transcript(opened.base_url, opened.key)
     if events is None:
-        events = fetch_transcript(opened.base_url, opened.key)
+        events = recorded
+    elif not only_the_models_turns(events, recorded):
+        # The log lives in the sandbox's HOME, which the agent can write: a tool call or an answer in it
+        # that the model never produced was put there, for graders that read the transcript.
+        info["transcript"] = "the proxy's: the harness's log holds assistant turns the model did not produce"
+        events = recorded
     return with_instruction(task.instruction, events)
+
+
+def _assistant_items(events: list[dict[str, Any]]) -> Counter:
+    """What the assistant turns of a transcript hold: (``"text"``, stripped text) and (``"toolCall"``,
+    name, arguments as key-sorted JSON) items, counted."""
+    items: Counter = Counter()
+    for event in events:
+        message = event.get("message") if isinstance(event, dict) else None
+        if not isinstance(message, dict) or message.get("role") != "assistant":
+            continue
+        for item in message.get("content") or ():
+            if not isinstance(item, dict):
+                continue
+            if item.get("type") == "text" and str(item.get("text", "")).strip():
+                items[("text", str(item["text"]).strip())] += 1
+            elif item.get("type") == "toolCall":
+                items[("toolCall", str(item.get("name")), json.dumps(item.get("arguments"), sort_keys=True))] += 1
+    return items
+
+
+def only_the_models_turns(logged: list[dict[str, Any]], recorded: list[dict[str, Any]]) -> bool:
+    """Whether every text and tool call of the assistant turns in a harness's `logged` transcript is
+    one of those the proxy `recorded` the model producing (as often)."""
+    return not (_assistant_items(logged) - _assistant_items(recorded))
 
 
 def close_rollout(control: RolloutControl, spec: RolloutSpec, rollout_id: str, reward: float, status: str,
@@ -443,7 +477,7 @@ class RolloutWorker:
         transcript = None
         if needs_transcript(task):
             try:
-                transcript = await self._call(rollout_transcript, task, harness, layout, opened)
+                transcript = await self._call(rollout_transcript, task, harness, layout, opened, info)
             except Exception as exc:  # graders that read a transcript cannot score without it
                 timings["transcript"] = time.monotonic() - t
                 info["error"] = f"the run's transcript could not be read: {type(exc).__name__}: {exc}"

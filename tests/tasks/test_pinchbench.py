@@ -344,6 +344,29 @@ ORACLES = {
 }
 
 
+def test_a_harness_log_with_a_turn_the_model_never_produced_is_not_the_transcript():
+    """OpenClaw's session log lives in the sandbox's HOME, which the agent can write: a tool call or an
+    answer added there (graders read the transcript for what the agent did) makes the run's transcript
+    the proxy's. The log as the model produced it (key order and surrounding spaces aside) is kept."""
+    from clawfast.rollout.worker import only_the_models_turns
+
+    def assistant(*items):
+        return {"type": "message", "message": {"role": "assistant", "content": list(items)}}
+
+    call = {"type": "toolCall", "id": "c1", "name": "exec", "arguments": {"command": "ls", "timeout": 5}}
+    recorded = [text_event("user", "go"), assistant({"type": "text", "text": "Looking."}, call),
+                assistant({"type": "text", "text": "Done."})]
+    logged = [text_event("user", "go"),
+              assistant({"type": "text", "text": " Looking.\n"}, {**call, "id": "x", "arguments": {"timeout": 5, "command": "ls"}}),
+              {"type": "message", "message": {"role": "toolResult", "content": [{"type": "text", "text": "a.py"}]}},
+              assistant({"type": "text", "text": "Done."})]
+    assert only_the_models_turns(logged, recorded)
+    forged_call = {"type": "toolCall", "id": "c2", "name": "web_search", "arguments": {"query": "q"}}
+    assert not only_the_models_turns(logged + [assistant(forged_call)], recorded)
+    assert not only_the_models_turns(logged + [assistant({"type": "text", "text": "All verified."})], recorded)
+    assert not only_the_models_turns(logged + [assistant(call)], recorded)  # one call, claimed twice
+
+
 def _run_suite_through(harness: str, tmp_path) -> dict:
     from clawfast.rollout.check import check_harness
 
@@ -384,7 +407,9 @@ def test_pinchbench_tasks_through_mini_swe_agent(tmp_path):
 @needs_bwrap
 @pytest.mark.skipif(shutil.which("npm") is None, reason="npm installs the harness (Debian: apt-get install npm)")
 def test_pinchbench_tasks_through_openclaw(tmp_path):
-    _run_suite_through("openclaw", tmp_path)
+    by_task = _run_suite_through("openclaw", tmp_path)
+    # OpenClaw's own session log was read: every assistant turn in it is one the model produced.
+    assert all("transcript" not in r.info for r in by_task.values()), [r.info.get("transcript") for r in by_task.values()]
 
 
 @needs_bwrap

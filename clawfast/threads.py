@@ -542,11 +542,13 @@ def reconstruct(calls: Sequence[CallRecord]) -> RolloutThreads:
             subagent_of.setdefault(head, -1)
 
     # Main: the longest chain that is not a subagent (hinted side chains only if nothing else), and
-    # that did not start by re-reading another chain's turns or answers (a side thread handed them).
+    # that did not start by re-reading another chain's turns or answers (a side thread handed them);
+    # an answer of a chain of one call handed on is a plan (a planner's, read by the agent that acts).
     def rank(head: int) -> tuple:
         group = members[head]
         hinted = sum(hint[i] is not None for i in group) * 2 > len(group)
-        derived = any(kind[m] is None and root(m) != head and (r.holds_turn(head, m) or r.quotes(head, m))
+        derived = any(kind[m] is None and root(m) != head
+                      and (r.holds_turn(head, m) or (r.quotes(head, m) and len(members.get(root(m), ())) > 1))
                       for m in range(head))
         # Of chains as long, the one shown more (the harness's system prompt and tools: a side call
         # is asked with a short prompt of its own), then the one that did more (side calls ask for a

@@ -154,6 +154,18 @@ def test_a_subagents_own_compaction_restarts_it_and_its_report_returns_into_the_
     assert sorted((link.kind, link.source, link.target) for link in rt.links) == [("restarts", 6, 7), ("returns", 8, 10)]
 
 
+def test_a_planner_whose_plan_the_agent_is_handed_is_a_side_call():
+    """Plan, then act (an architect and an editor; a user's planner step): one call writes a plan, and
+    the agent's first prompt holds it. The agent is main whatever its length; the planner, one call
+    outranking the whole agent for having been quoted by it, was main and the agent a side thread."""
+    for steps in (3, 10):
+        s = Session(70)
+        task = s.text(30)
+        plan = s.ask(s.msg(SYSTEM, s.text(60)) + s.msg(USER, task))
+        main_session(s, steps, s.text(300), task + s.text(5) + plan[2:-1])
+        assert kinds(s.calls)[1:] == ["main"] * steps and kinds(s.calls)[0] != "main"
+
+
 def test_compaction_with_its_own_system_prompt_replaying_the_history():
     s = Session(2)
     system, task = s.text(300), s.text(30)

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -240,12 +241,19 @@ class _Rollout:
         # or quoted back: a subagent done in one call), did not replace it: the harness started two
         # threads alike (parallel subagents given the same task). It is linked as the earlier call
         # is, as a thread of its own.
+        @functools.cache
         def used(m: int) -> bool:  # the conversation went on from m's answer, or it came back quoted
             return m in taken_up or any(self.quote_at(j, m) != -1 for j in range(m + 1, n))
 
+        # Against every earlier call on the prompt, not only the first: that one may be a dead attempt
+        # that a retry replaced, with a second thread alike started after it.
+        asked: dict[bytes, list[int]] = {}
+        for i in range(n):
+            asked.setdefault(self.bytes[i], []).append(i)
         for i in range(n):
             e = self.retry_of[i]
-            if e is not None and used(e) and used(i):  # parent and shared are e's already
+            if e is not None and used(i) and any(used(k) for k in asked[self.bytes[i]] if k < i):
+                # parent and shared are e's already
                 self.link[i], self.replayed[i] = self.link[e], self.replayed[e]
                 self.forked_from[i], self.retry_of[i] = self.forked_from[e], None
         forks: dict[int, list[int]] = {}

@@ -166,6 +166,32 @@ def test_a_planner_whose_plan_the_agent_is_handed_is_a_side_call():
         assert kinds(s.calls)[1:] == ["main"] * steps and kinds(s.calls)[0] != "main"
 
 
+def test_two_subagents_alike_stay_two_when_the_first_attempt_was_asked_again():
+    """Two subagents handed the same first prompt, the first one's first call cut short and asked
+    again: each call on that prompt was checked against the dead first attempt alone, so the second
+    subagent was taken for a retry of it and merged into the first, its report linked nowhere."""
+    s = Session(31)
+    system = s.text(300)
+    history = s.msg(SYSTEM, system) + s.msg(USER, s.text(30))
+    history = history + s.ask(history)  # 0: delegates twice
+    first = s.msg(SYSTEM, system[:40] + s.text(30)) + s.msg(USER, s.text(25))
+    subagents = [list(first), list(first)]
+    s.ask(first, s.text(15), finish="length")  # 1: the first subagent's first call, cut and dropped
+    reports = [None, None]
+    for _ in range(3):  # 2-7, the two subagents in turn
+        for j in range(2):
+            reports[j] = s.ask(subagents[j])
+            subagents[j] = subagents[j] + reports[j] + s.msg(TOOL, s.text(15))
+    for report in reports:
+        history = history + s.msg(TOOL, report[2:-1])
+    history = history + s.ask(history) + s.msg(TOOL, s.text(10))  # 8
+    s.ask(history)  # 9
+    rt = reconstruct(s.calls)
+    assert kinds(s.calls) == ["main"] + ["subagent"] * 7 + ["main"] * 2
+    assert len({t.thread for t in rt.calls if t.kind == "subagent"}) == 2
+    assert [(link.kind, link.source, link.target) for link in rt.links] == [("returns", 6, 8), ("returns", 7, 8)]
+
+
 def test_compaction_with_its_own_system_prompt_replaying_the_history():
     s = Session(2)
     system, task = s.text(300), s.text(30)

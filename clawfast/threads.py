@@ -74,7 +74,7 @@ TURN_TOKENS = 6  # tokens on each side of where a replayed answer begins
 # analysis written before it): pieces of this many tokens, ending 0, 1, ... TAIL_PIECES - 1 times
 # ANSWER_END tokens before the answer's rewrapped end (a closing tag the harness strips), are looked for.
 TAIL_TOKENS = 2 * ANSWER_END
-TAIL_PIECES = 4
+TAIL_PIECES = 2
 _HINTED_SIDE = {"subagent", "compaction", "title", "quota"}
 
 

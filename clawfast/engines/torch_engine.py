@@ -16,7 +16,9 @@ batch takes queued calls in queue order under the same rule and stops at the fir
 fit, so that call waits only until the batch drains and then goes first. ``continuous=False`` admits
 nothing into a running batch (static batching; the batching bench's baseline). A model whose cache
 has sliding-window layers is batched statically too: its layers keep a window, not every column,
-so they cannot be padded to a common length.
+so they cannot be padded to a common length; its rows share a prefix's KV only where their suffixes
+are as long (pads after the prefix would sit inside the window), and a cached prefix serves only a
+prompt that extends all of it (a cache past its window cannot be cropped).
 
 Prompt prefixes are computed once (`_prefix_kv`). The engine keeps the KV of recent prefixes and
 of each answered call (its prompt and every sampled token but the last: ``prefix_cache_tokens``
@@ -90,7 +92,9 @@ def sampling_logprobs(logits: torch.Tensor, temperature: float, top_k: int, top_
     logits = logits.float()
     if temperature <= 0:
         return torch.log_softmax(logits, dim=-1)
-    logits = logits / temperature
+    # Shifted first: at a tiny temperature the largest logit stays 0 and the others go to -inf (the
+    # greedy limit); divided as they were they overflowed to inf, NaN, and failed the whole batch.
+    logits = (logits - logits.max(dim=-1, keepdim=True).values) / temperature
     if top_k and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -386,6 +390,11 @@ class TorchEngine(Engine):
         for c in contexts[1:]:
             shared = min(shared, common_prefix_len(contexts[0], c))
         cache, prefix_routing = self._prefix_kv(contexts[0][:shared], device) if shared >= MIN_PREFIX else (None, None)
+        if cache is not None and n > 1 and not _paddable(cache) and len({len(c) for c in contexts}) > 1:
+            # Suffixes of unequal length are left-padded after the shared prefix: under a sliding window the
+            # pads would take the place of the prefix's last tokens (wrong log-probs). Each row runs whole,
+            # its pads before it.
+            cache, prefix_routing = None, None
         if cache is None:
             shared = 0
         elif n > 1:
@@ -512,7 +521,9 @@ class TorchEngine(Engine):
         best, best_len = None, 0
         for i, entry in enumerate(self._prefixes):
             n = common_prefix_len(entry[0], prefix)
-            if n > best_len:
+            # A sliding-window cache past its window keeps no columns to crop back to: it serves only
+            # a prefix that extends all of it (cropped, it raised and failed the call).
+            if n > best_len and (n == len(entry[0]) or _paddable(entry[1])):
                 best, best_len = i, n
         routing = None
         if best is not None and best_len >= MIN_PREFIX:

@@ -704,3 +704,53 @@ def test_an_engine_serves_in_its_own_dtype(embedded_dir):
     out = asyncio.run(engine.generate(prompt, params))
     assert out.weight_version == 3
     np.testing.assert_allclose(out.infer_logprobs, reference_logprobs(engine.model, prompt, out.output_ids, params), atol=2e-2)
+
+
+def _tiny_qwen3(**config):
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=1, head_dim=16, initializer_range=0.2,
+                                   **config)
+    return transformers.Qwen3ForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("full_layers", [0, 1])
+def test_a_sliding_window_model_serves_prompts_that_leave_a_cached_prefix(full_layers):
+    """A sliding window of 8 (every layer, or one of two): a prompt that shares 25 tokens with a cached
+    40-token one, and two batched prompts that share 30, leave the cached prefix; cropping a cache past
+    its window raised and failed those calls for as long as the entry lived (every GRPO sample's
+    second turn but one). Each is served, its log-probs the model's."""
+    lm = _tiny_qwen3(use_sliding_window=True, sliding_window=8, max_window_layers=full_layers)
+    engine = TorchEngine(lm, max_batch=4, seed=0)
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=3)
+    first = np.arange(1, 41) % 90 + 1
+    prompts = [first, np.concatenate([first[:25], [50, 51, 52, 53, 54]])]
+    for prompt in prompts:
+        gen = asyncio.run(engine.generate(prompt, params))
+        np.testing.assert_allclose(gen.infer_logprobs, reference_logprobs(lm, prompt, gen.output_ids, params), atol=1e-5)
+    pair = [np.concatenate([first[:30], [70, 71]]), np.concatenate([first[:30], [72, 73, 74, 75]])]
+
+    async def both():
+        return await asyncio.gather(*(engine.generate(p, params) for p in pair))
+
+    for prompt, gen in zip(pair, asyncio.run(both())):
+        np.testing.assert_allclose(gen.infer_logprobs, reference_logprobs(lm, prompt, gen.output_ids, params), atol=1e-5)
+
+
+def test_a_call_at_a_tiny_temperature_samples_greedily_and_fails_no_call_beside_it():
+    """temperature 1e-39 (accepted: it is > 0) divided the logits to inf and NaN, and sampling failed
+    every call of the batch. Shifted first, it is the greedy limit: the argmax, log-prob 0."""
+    lm = _tiny_qwen3()
+    engine = TorchEngine(lm, max_batch=4, seed=0)
+    prompt = np.arange(1, 10)
+    normal, tiny = SamplingParams(max_tokens=5, temperature=1.0, seed=1), SamplingParams(max_tokens=5, temperature=1e-39, seed=2)
+
+    async def both():
+        return await asyncio.gather(engine.generate(prompt, normal), engine.generate(prompt, tiny))
+
+    got_normal, got_tiny = asyncio.run(both())
+    greedy = asyncio.run(engine.generate(prompt, SamplingParams(max_tokens=5, temperature=0.0)))
+    np.testing.assert_array_equal(got_tiny.output_ids, greedy.output_ids)
+    assert np.all(got_tiny.infer_logprobs == 0.0) and np.all(np.isfinite(got_normal.infer_logprobs))

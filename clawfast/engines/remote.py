@@ -156,6 +156,9 @@ class RemoteEngine(Engine):
         self._schema: CheckpointSchema | None = None  # deltas: the checkpoint's names and layers, read once
         self._base_dtypes: dict[str, Any] = {}  # deltas: each tensor's dtype in the server's base copy
         self.continued_calls = 0  # calls an update aborted that went on as a new request
+        # Why the server's weights are not known to be any version's (a delta applied unlike the
+        # trainer's): calls are refused until a full update is served.
+        self._broken: str | None = None
         self.repeated_aborts = 0  # aborts an update sent again for a call the server had queued (`_pause`)
         self._updates = 0  # weight updates that aborted running calls, so a call knows its abort was one
         self._headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
@@ -238,6 +241,8 @@ class RemoteEngine(Engine):
         while True:
             while not self._open.is_set():  # a weight update is in progress
                 await self._open.wait()
+            if self._broken is not None:
+                raise RuntimeError(f"RemoteEngine serves no weights it can name: {self._broken}; push a full update")
             self._inflight += 1
             self._drained.clear()
             version, updates = self.weight_version, self._updates
@@ -341,6 +346,7 @@ class RemoteEngine(Engine):
                 # The server serves the new weights from here on, whatever fails after (its prefix
                 # cache reset, its version label): the version and the directory change with them.
                 self.weight_version = int(version)
+                self._broken = None
                 self._base_dtypes.update(written_dtypes)
                 previous, self._written = self._written, target
                 if previous is not None and previous != target:
@@ -537,6 +543,9 @@ class RemoteEngine(Engine):
                         answer = self._paused_vllm(http, delta.version, lambda: _rpc(http, *load))
                     bad = sorted({n for names in answer.get("results", []) for n in names})
                     if bad:
+                        # The server resumed on weights that are neither version's: no call is served
+                        # (under the old version's name) until the full push that follows.
+                        self._broken = f"the delta to version {delta.version} left {len(bad)} tensors unlike the trainer's"
                         raise DeltaMismatch(f"{len(bad)} tensors differ from the trainer's after the delta, e.g. {bad[:3]}")
                     self.weight_version = int(delta.version)
                 except BaseException:

@@ -213,6 +213,9 @@ class TorchEngine(Engine):
         self._seeds = random.Random(seed)
         self._closed = False
         self._broken: str | None = None  # why the served weights are not a pushed version's
+        # Whether a whole update broke them: any tensor may be half written, and only a whole one mends that
+        # (a delta rewrites its own tensors: an adapter push, every adapter tensor, mends a failed one).
+        self._broken_whole = False
         self.batches_run = 0  # groups prefilled: a new batch, or calls joining a running one
         self.max_batch_seen = 0
         self.decode_steps = 0  # forward passes of the decode loop
@@ -597,7 +600,8 @@ class TorchEngine(Engine):
                 raise ValueError(f"update_weights: state_dict[{name!r}] is {got}, the model's is "
                                  f"{tuple(served[name].shape)}")
 
-        self._paused_load(lambda: self.model.load_state_dict(state_dict, strict=True), version, what="a weight update")
+        self._paused_load(lambda: self.model.load_state_dict(state_dict, strict=True), version, what="a weight update",
+                          whole=True)
 
     def apply_delta(self, delta: WeightDelta) -> None:
         """Write a `WeightDelta` into the served tensors in place and serve ``delta.version``, paused
@@ -610,11 +614,12 @@ class TorchEngine(Engine):
                           check=lambda: check_delta(delta, self.weight_version, params))
 
     def _paused_load(self, write: Callable[[], Any], version: int, *, what: str,
-                     check: Callable[[], None] | None = None) -> None:
+                     check: Callable[[], None] | None = None, whole: bool = False) -> None:
         """Under the weights lock, once generation has paused (``on_update``): `check` (a ValueError
         there changes nothing), then `write`, then serve `version`; the prefix cache is emptied (its KV
         came from the old weights). A `write` that fails leaves weights no version is made of: the
-        engine serves nothing (`_broken`, naming `what`) until a whole update succeeds."""
+        engine serves nothing (`_broken`, naming `what`) until an update succeeds, a `whole` one where
+        a whole one failed (a delta applied on such weights would serve them as its version)."""
         with self._updates_lock:
             self._updates_waiting += 1
             self._no_update.clear()
@@ -624,10 +629,13 @@ class TorchEngine(Engine):
             with self._weights_lock:
                 if check is not None:
                     check()
+                if self._broken is not None and self._broken_whole and not whole:
+                    raise RuntimeError(f"{what} on weights no version is made of ({self._broken}): push the full weights")
                 try:
                     write()
                 except BaseException as exc:
                     self._broken = f"{what} failed after it began writing: {exc}"
+                    self._broken_whole = whole
                     raise
                 self.weight_version = int(version)
                 self._prefixes.clear()

@@ -882,6 +882,55 @@ def test_a_delta_that_changes_nothing_moves_the_version_and_pauses_nothing(dev_s
     assert engine.weight_version == 1 and (first.weight_version, later.weight_version) == (0, 1)
 
 
+class _MismatchingServer(_DevServer):
+    """The dev server whose workers report, after applying a delta file, that tensor ``w`` differs
+    from the trainer's checksum (a delta applied unlike the trainer's)."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        request = Request(scope, receive)
+        if request.url.path == "/collective_rpc" and (await request.json())["method"] == "clawfast_apply_delta_file":
+            self.paths.append("clawfast_apply_delta_file")
+            await JSONResponse({"results": [["w"]]})(scope, receive, send)
+            return
+        await super().__call__(scope, receive, send)
+
+
+def test_after_a_delta_unlike_the_trainers_no_call_is_served_until_the_full_push(tmp_path):
+    """A delta whose checksums disagree: the server resumed on weights that are no version's, and
+    while the pusher wrote the full checkpoint it falls back to, calls were served by them under the
+    old version's name. They are refused until the full push is served; then served as its version."""
+    from clawfast.engines.vllm_checkpoint import CheckpointSchema
+    from clawfast.train.push import WeightPusher
+
+    server = _MismatchingServer()
+    (tmp_path / "config.json").write_text("{}")
+    with _serving(server, "mismatching server") as url:
+        engine = RemoteEngine(url, model="base", reload_dir=tmp_path / "reload", model_dir=tmp_path, deltas=True,
+                              on_update="continue", timeout=10)
+        engine._schema = CheckpointSchema({"w": (4,)}, {"w": ("w",)})
+        pusher = WeightPusher(engine, torch.float32, checksums=True)
+        pusher.update_weights({"w": torch.zeros(4)}, 1)
+        write = engine._write_checkpoint
+        engine._write_checkpoint = lambda *a, **k: time.sleep(1.0) or write(*a, **k)  # the fallback's write takes a while
+        params = SamplingParams(max_tokens=1)
+
+        async def run():
+            try:
+                push = asyncio.ensure_future(asyncio.to_thread(pusher.update_weights, {"w": torch.ones(4)}, 2))
+                while "clawfast_apply_delta_file" not in server.paths:
+                    await asyncio.sleep(0.01)
+                await asyncio.sleep(0.3)  # the mismatch is raised; the full push is being written
+                with pytest.raises(RuntimeError, match="serves no weights it can name: the delta to version 2"):
+                    await engine.generate(np.array([1, 2, 3]), params)
+                await push
+                return await engine.generate(np.array([1, 2, 3]), params)
+            finally:
+                await engine.close()
+
+        after = asyncio.run(run())
+    assert pusher.last["push/fallback"] == 1.0 and after.weight_version == 2 == engine.weight_version
+
+
 @pytest.mark.parametrize("sync", [True, False])
 def test_a_run_pushes_its_weights_to_a_remote_server_it_builds(dev_server, model_dir, tmp_path, sync):
     """What the server serves is not known (a resumed run's trained weights, or whatever it started

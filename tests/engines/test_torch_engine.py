@@ -754,3 +754,31 @@ def test_a_call_at_a_tiny_temperature_samples_greedily_and_fails_no_call_beside_
     greedy = asyncio.run(engine.generate(prompt, SamplingParams(max_tokens=5, temperature=0.0)))
     np.testing.assert_array_equal(got_tiny.output_ids, greedy.output_ids)
     assert np.all(got_tiny.infer_logprobs == 0.0) and np.all(np.isfinite(got_normal.infer_logprobs))
+
+
+def test_a_delta_does_not_revive_an_engine_a_failed_full_update_broke():
+    """A full update that failed after writing half the tensors leaves weights no version is made of:
+    calls are refused until a full update succeeds. A delta (empty, on the old version) was accepted
+    and served the half-written weights as its version."""
+    from clawfast.engines.weight_delta import WeightDelta
+
+    engine = TorchEngine(_tiny_qwen3(), max_batch=2, seed=0)
+    new = {k: v + 1.0 for k, v in engine.model.state_dict().items()}
+    load = engine.model.load_state_dict
+
+    def half(state_dict, strict=True):
+        with torch.no_grad():
+            for k in list(state_dict)[: len(state_dict) // 2]:
+                engine.model.state_dict()[k].copy_(state_dict[k])
+        raise RuntimeError("out of memory")
+
+    engine.model.load_state_dict = half
+    with pytest.raises(RuntimeError, match="out of memory"):
+        engine.update_weights(new, 1)
+    with pytest.raises(RuntimeError, match="on weights no version is made of"):
+        engine.apply_delta(WeightDelta(0, 1, []))
+    with pytest.raises(RuntimeError, match="serves no weights"):
+        asyncio.run(engine.generate(np.arange(1, 5), SamplingParams(max_tokens=2)))
+    engine.model.load_state_dict = load
+    engine.update_weights(new, 2)
+    assert asyncio.run(engine.generate(np.arange(1, 5), SamplingParams(max_tokens=2))).weight_version == 2

@@ -241,9 +241,18 @@ class _Rollout:
         # or quoted back: a subagent done in one call), did not replace it: the harness started two
         # threads alike (parallel subagents given the same task). It is linked as the earlier call
         # is, as a thread of its own.
+        # A prompt a later call's prompt holds whole (it extends it): a quote in it is in that one too, so
+        # only the others are searched (a thread's calls' prompts hold one another: n searches became
+        # one per thread).
+        held = [False] * n
+        for k in range(n):
+            p = self.parent[k]
+            if p is not None and self.link[k] == "extends" and self.shared[k] >= len(self.prompts[p]):
+                held[p] = True
+
         @functools.cache
         def used(m: int) -> bool:  # the conversation went on from m's answer, or it came back quoted
-            return m in taken_up or any(self.quote_at(j, m) != -1 for j in range(m + 1, n))
+            return m in taken_up or any(self.quote_at(j, m) != -1 for j in range(m + 1, n) if not held[j])
 
         # Against every earlier call on the prompt, not only the first: that one may be a dead attempt
         # that a retry replaced, with a second thread alike started after it.

@@ -83,10 +83,30 @@ def copy_sparse(src: str, dst: str) -> str:
     return dst
 
 
+def copy_workspace(src: str | os.PathLike, dst: str | os.PathLike, *, ignore=None, dirs_exist_ok: bool = False) -> None:
+    """`shutil.copytree` of a tree an agent left: links copied as links (never followed), holes kept
+    (`copy_sparse`), and a file with several hard links written once and linked again in the copy: the
+    agent's disk quota counts it once, and written out per link (``ln f l{1..200}`` of a 20 MiB file)
+    each copy of the workspace had the host write 4 GiB. `ignore` as copytree's."""
+    written: dict[tuple[int, int], str] = {}
+
+    def copy(source: str, target: str) -> str:
+        st = os.lstat(source)
+        if st.st_nlink > 1 and stat.S_ISREG(st.st_mode):
+            first = written.get((st.st_dev, st.st_ino))
+            if first is not None:
+                os.link(first, target)
+                return target
+            written[(st.st_dev, st.st_ino)] = target
+        return copy_sparse(source, target)
+
+    shutil.copytree(src, dst, symlinks=True, ignore=ignore, dirs_exist_ok=dirs_exist_ok, copy_function=copy)
+
+
 def populate(root: str, source_dir: str | None, files: Mapping[str, bytes | str]) -> None:
     os.makedirs(root, exist_ok=True)
     if source_dir is not None:
-        shutil.copytree(source_dir, root, symlinks=True, dirs_exist_ok=True, copy_function=copy_sparse)
+        copy_workspace(source_dir, root, dirs_exist_ok=True)
     write_files(root, files)
 
 

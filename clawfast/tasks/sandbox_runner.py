@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Mapping
 
 from clawfast.sandbox import Limits, SandboxBackend, SandboxSpec, create_backend
-from clawfast.sandbox.workspace import copy_sparse
+from clawfast.sandbox.workspace import copy_workspace
 from clawfast.tasks.verify import STDERR_TAIL_BYTES, STDOUT_TAIL_BYTES, CommandResult
 
 # Verifiers are small programs over small workspaces; 1 GiB leaves room for a test suite.
@@ -58,7 +58,7 @@ class SandboxRunner:
                  workdir: str | None = None, env: Mapping[str, str] | None = None) -> CommandResult:
         base_env = {"LC_ALL": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
         with tempfile.TemporaryDirectory(prefix="clawfast-stage-") as stage:
-            shutil.copytree(workspace, Path(stage) / "workspace", symlinks=True, copy_function=copy_sparse)
+            copy_workspace(workspace, Path(stage) / "workspace")
             hidden = verifier_dir.name if verifier_dir is not None else None  # `hidden_dir_name`: unguessable
             if verifier_dir is not None:
                 shutil.copytree(verifier_dir, Path(stage) / hidden, symlinks=True)

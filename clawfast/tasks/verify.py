@@ -468,11 +468,11 @@ def run_verifier(task: Task, workspace: Path | str, runner: CommandRunner | None
         try:
             if granted:
                 os.chmod(workspace, mode | stat.S_IRWXU)
-            # symlinks=True: a link the agent planted is copied as a link, not followed on the host.
-            # Holes stay holes (`copy_sparse`). Imported here: see _run_reward_script.
-            from clawfast.sandbox.workspace import copy_sparse
+            # A link the agent planted is copied as a link, not followed on the host; holes and hard links
+            # stay so (`copy_workspace`). Imported here: see _run_reward_script.
+            from clawfast.sandbox.workspace import copy_workspace
 
-            shutil.copytree(workspace, copy, symlinks=True, ignore=_special_files, copy_function=copy_sparse)
+            copy_workspace(workspace, copy, ignore=_special_files)
             os.chmod(copy, mode | stat.S_IRWXU)
         except (OSError, shutil.Error, RecursionError) as exc:
             # Unreadable or special files the agent left, or a tree deeper than the copy recurses:

@@ -330,6 +330,27 @@ def test_a_workspace_root_the_agent_made_inaccessible_is_still_judged(tmp_path, 
         ws.chmod(0o755)
 
 
+@pytest.mark.parametrize("sandboxed", [False, True], ids=["subprocess", "sandbox"])
+def test_hard_links_the_agent_left_stay_links_in_the_verifiers_copy(tmp_path, sandboxed):
+    """``ln f l1 ... l200``: the agent's quota counts f once, and each copy of the workspace (the
+    verifier's, then the sandbox's stage, then its tmpfs) wrote it out per link, 4 GiB of host disk
+    for a 20 MiB file, until a copy ran out of space and the rollout was retried as the sandbox's
+    failure. The copies keep the links: the verifier sees one file with 201 names."""
+    from clawfast.tasks.sandbox_runner import SandboxRunner
+
+    task = _task('echo "{\\"score\\": 1, \\"details\\": {\\"links\\": $(stat -c %h f)}}"')
+    ws = task.materialize(tmp_path / "ws")
+    (ws / "f").write_bytes(os.urandom(1 << 20))
+    for i in range(200):
+        os.link(ws / "f", ws / f"l{i}")
+    if sandboxed:
+        with SandboxRunner() as runner:
+            res = run_verifier(task, ws, runner)
+    else:
+        res = run_verifier(task, ws)
+    assert (res.status, res.details) == ("ok", {"links": 201}), res
+
+
 def test_a_tree_deeper_than_the_copy_recurses_is_a_verifier_error_and_is_removed(tmp_path):
     """`mkdir -p a/a/a/...` some 1,500 levels deep: the workspace cannot be copied for the verifier
     (shutil recurses per level), which is the agent's doing, a verifier_error scoring 0, not an

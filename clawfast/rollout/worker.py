@@ -491,9 +491,6 @@ class RolloutWorker:
                 functools.partial(run_verifier, final_message=final, transcript=transcript), task,
                 Path(sandbox.host_workdir), self.verifier_runner,
             )
-            if task.rubric is not None:
-                prompt = await self._call(judge_prompt, task, transcript, Path(sandbox.host_workdir))
-                info["judge"] = {"prompt": prompt, "weight": task.rubric.weight}
         except Exception as exc:  # the runner itself failed (e.g. its sandbox did not start)
             timings["verify"] = time.monotonic() - t
             info["verifier"] = {"status": "runner_error", "error": f"{type(exc).__name__}: {exc}"}
@@ -501,6 +498,17 @@ class RolloutWorker:
                 return status, 0.0
             info["error"] = f"the verifier's runner failed: {type(exc).__name__}: {exc}"
             return "sandbox_error", 0.0
+        if task.rubric is not None:
+            # Built from what the run left, not by the runner: a failure here is the run's to grade
+            # (a transcript the agent wrote into), never an infrastructure failure to run again.
+            try:
+                prompt = await self._call(judge_prompt, task, transcript, Path(sandbox.host_workdir))
+            except Exception as exc:
+                timings["verify"] = time.monotonic() - t
+                info["verifier"] = verdict.to_json()
+                info["error"] = f"the judge's prompt could not be built: {type(exc).__name__}: {exc}"
+                return ("verifier_error" if status == "ok" else status), 0.0
+            info["judge"] = {"prompt": prompt, "weight": task.rubric.weight}
         timings["verify"] = time.monotonic() - t
         info["verifier"] = verdict.to_json()
         if verdict.status != "ok":

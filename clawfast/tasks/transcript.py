@@ -41,24 +41,27 @@ def _texts(content: Any) -> list[str]:
         return [content]
     if not isinstance(content, list):
         return []
-    return [item.get("text", "") for item in content if isinstance(item, dict) and item.get("type") == "text"]
+    return [item["text"] for item in content
+            if isinstance(item, dict) and item.get("type") == "text" and isinstance(item.get("text"), str)]
 
 
 def summarize(transcript: list[dict[str, Any]]) -> str:
     """The transcript as lines a judge reads: what the user asked, the assistant's text and tool
-    calls (with their arguments), and the start of each tool result."""
+    calls (with their arguments), and the start of each tool result. What is not of the events'
+    shape (a harness's log may hold anything: it lives where the agent can write) is left out."""
     lines = []
     for event in transcript:
-        if not isinstance(event, dict) or event.get("type") != "message":
+        if not isinstance(event, dict) or event.get("type") != "message" or not isinstance(event.get("message"), dict):
             continue
-        message = event.get("message") or {}
+        message = event["message"]
         role, content = message.get("role"), message.get("content")
         if role == "user":
             lines += [f"User: {t}" for t in _texts(content)]
         elif role == "assistant":
             for item in content if isinstance(content, list) else []:
                 if isinstance(item, dict) and item.get("type") == "toolCall":
-                    lines.append(f"Tool call: {item.get('name')}({json.dumps(item.get('arguments', {}), ensure_ascii=False)})")
+                    arguments = json.dumps(item.get("arguments", {}), ensure_ascii=False, default=str)
+                    lines.append(f"Tool call: {item.get('name')}({arguments})")
             lines += [f"Assistant: {t}" for t in _texts(content) if t.strip()]
         elif role == "toolResult":
             text = "\n".join(_texts(content))

@@ -367,6 +367,23 @@ def test_a_harness_log_with_a_turn_the_model_never_produced_is_not_the_transcrip
     assert not only_the_models_turns(logged + [assistant(call)], recorded)  # one call, claimed twice
 
 
+def test_a_transcript_of_any_shape_is_summarized_leaving_out_what_is_not_an_event():
+    """A harness's log lives where the agent can write: a toolResult whose text is null, a message that
+    is a string, arguments no JSON holds. The judge's summary leaves them out (a TypeError or an
+    AttributeError there failed the rollout as an infrastructure error, and it ran again)."""
+    from clawfast.tasks.transcript import summarize
+
+    events = [text_event("user", "go"),
+              {"type": "message", "message": {"role": "toolResult", "content": [{"type": "text", "text": None}]}},
+              {"type": "message", "message": "x"},
+              {"type": "message", "message": {"role": "assistant", "content": [
+                  {"type": "toolCall", "name": "exec", "arguments": {"n": float("nan"), "s": {1, 2}}}]}},
+              {"type": "message", "message": {"role": "assistant", "content": [{"type": "text", "text": "Done."}]}}]
+    lines = summarize(events).splitlines()
+    assert lines[0] == "User: go" and lines[1] == "Tool result: " and lines[-1] == "Assistant: Done."
+    assert lines[2].startswith("Tool call: exec(")
+
+
 def _run_suite_through(harness: str, tmp_path) -> dict:
     from clawfast.rollout.check import check_harness
 

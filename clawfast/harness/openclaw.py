@@ -41,14 +41,19 @@ WHERE w.parent_session_key IS NULL
 ORDER BY w.created_at, w.rowid, e.seq
 """
 
-# Decompresses base64 zstd frames (a JSON list on stdin) to base64 bytes: Python's stdlib has no zstd
-# before 3.14, and the Node 24 that runs OpenClaw (and compressed them) has it in zlib.
+# Decompresses base64 zstd frames ([frame, size] pairs, a JSON list on stdin) to base64 bytes: Python's
+# stdlib has no zstd before 3.14, and the Node 24 that runs OpenClaw (and compressed them) has it in
+# zlib. Each frame is cut off at the size its row records: the store is the agent's to write, and a
+# few-KB frame of gigabytes took the host's node process to 6.9 GiB before it failed.
 _NODE_UNZSTD = (
     'const zlib = require("node:zlib");'
     'const blobs = JSON.parse(require("node:fs").readFileSync(0, "utf8"));'
-    'const out = blobs.map((b) => zlib.zstdDecompressSync(Buffer.from(b, "base64")).toString("base64"));'
+    'const out = blobs.map(([b, size]) => zlib.zstdDecompressSync(Buffer.from(b, "base64"), {maxOutputLength: Math.max(size, 1)})'
+    '.toString("base64"));'
     "process.stdout.write(JSON.stringify(out));"
 )
+# The most transcript text read from a store, all its events together.
+MAX_TRANSCRIPT_BYTES = 64 << 20
 
 
 class OpenClaw(Harness):
@@ -174,10 +179,13 @@ class OpenClaw(Harness):
         """The texts of zstd-compressed events, given as (blob, UTF-8 size), in order."""
         if not blobs:
             return []
-        if any(not isinstance(blob, bytes) or not isinstance(size, int) for blob, size in blobs):
+        if any(not isinstance(blob, bytes) or not isinstance(size, int) or size < 0 for blob, size in blobs):
             raise ValueError(f"{db}: a transcript event has neither JSON text nor a compressed payload")
+        total = sum(size for _, size in blobs)
+        if total > MAX_TRANSCRIPT_BYTES:
+            raise ValueError(f"{db}: its compressed transcript events hold {total} bytes, past {MAX_TRANSCRIPT_BYTES}")
         node = node24_bin(self.installation.root)
-        payload = json.dumps([base64.b64encode(blob).decode() for blob, _ in blobs])
+        payload = json.dumps([[base64.b64encode(blob).decode(), size] for blob, size in blobs])
         proc = subprocess.run([str(node), "-e", _NODE_UNZSTD], input=payload, capture_output=True, text=True,
                               timeout=120)
         if proc.returncode != 0:

@@ -160,3 +160,30 @@ def test_live_run_transcript_holds_the_scripted_calls_and_final_text(openclaw, r
     counted = results[calls[1]["id"]]["content"][0]["text"]
     assert counted.split() == [str(i) for i in range(1, 401)]  # the compressed event, read back whole
     assert messages[-1]["role"] == "assistant" and messages[-1]["content"][-1] == {"type": "text", "text": FINAL}
+
+
+@pytest.mark.harness
+def test_a_compressed_event_larger_than_its_row_records_is_refused_not_inflated(openclaw, tmp_path):
+    """The store is in the sandbox's HOME, the agent's to write: an event replaced by a zstd frame of
+    64 MiB (a few KB stored) under a recorded size of 40 bytes. The frame is cut off at the recorded
+    size, and the store refused naming it (the host's node process inflated it whole before the size
+    was compared: 6.9 GiB for a 2 GiB frame)."""
+    from clawfast.harness_install import node24_bin
+
+    layout = _layout(tmp_path)
+    store = layout.home / STORE
+    store.parent.mkdir(parents=True)
+    shutil.copy(FIXTURE / "openclaw-agent.sqlite", store)
+    script = ('process.stdout.write(require("node:zlib").zstdCompressSync(Buffer.alloc(64 * 1024 * 1024))'
+              '.toString("base64"))')
+    bomb = subprocess.run([str(node24_bin(openclaw.installation.root)), "-e", script], capture_output=True, text=True,
+                          check=True).stdout
+    import base64
+
+    with sqlite3.connect(store) as con:
+        con.execute("PRAGMA ignore_check_constraints = ON")  # the agent's own sqlite3 may do as much
+        con.execute("UPDATE transcript_events SET event_json = NULL, event_zstd = ?, event_utf8_bytes = 40 "
+                    "WHERE seq = (SELECT MAX(seq) FROM transcript_events)", (base64.b64decode(bomb),))
+    con.close()
+    with pytest.raises(ValueError, match="(?s)" + re.escape(str(store)) + ".*cannot decompress.*larger than 40 bytes"):
+        openclaw.transcript(layout)

@@ -200,6 +200,12 @@ class Harness(abc.ABC):
         clawfast reads (the rollout keeps its stderr tail either way)."""
         return None
 
+    def unfinished(self, layout: RunLayout) -> str | None:
+        """Why a run that exited with status 0 did not finish, as the harness recorded it (a step limit
+        it stopped at: another harness exits non-zero there); None where it finished or records
+        nothing clawfast reads. The rollout is then a ``harness_error`` saying so."""
+        return None
+
     @abc.abstractmethod
     def scripted_turns(self, oracle_commands: list[str], final_text: str) -> list[ScriptedTurn]:
         """Assistant turns that run `oracle_commands` with this harness's own shell tool, one call per

@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 
 from clawfast.harness.base import (Harness, HarnessInstall, PreparedRun, RunLayout, ScriptedToolCall, ScriptedTurn,
-                                   reached_without_links)
+                                   json_value, reached_without_links)
 from clawfast.harness.pip_install import ensure_pip_harness
 
 SUBMIT_COMMAND = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
@@ -113,6 +113,17 @@ class MiniSweAgent(Harness):
     def artifacts(self, layout: RunLayout) -> list[Path]:
         path = layout.home / _TRAJECTORY
         return [path] if reached_without_links(layout.home, path) else []
+
+    def unfinished(self, layout: RunLayout) -> str | None:
+        # mini-swe-agent exits 0 whatever ended the run; its trajectory's info.exit_status says what did
+        # ("Submitted" when the agent submitted; "LimitsExceeded" at its step limit, ...).
+        path = layout.home / _TRAJECTORY
+        if not reached_without_links(layout.home, path):
+            return None
+        document = json_value(path.read_text(encoding="utf-8", errors="replace"))
+        info = document.get("info") if isinstance(document, dict) else None
+        status = info.get("exit_status") if isinstance(info, dict) else None
+        return f"exit status {status}" if isinstance(status, str) and status != "Submitted" else None
 
     def scripted_turns(self, oracle_commands: list[str], final_text: str) -> list[ScriptedTurn]:
         turns = [

@@ -277,6 +277,17 @@ def _exit_account(harness: Harness, run: RunResult) -> str:
     return f"; it reported {reason[:EXIT_REASON_CHARS]}" if reason else ""
 
 
+def _unfinished(harness: Harness, layout: RunLayout, info: dict[str, Any]) -> str | None:
+    """`Harness.unfinished`; where the adapter's reader fails (a plugin's: it must not cost the
+    rollout) None, the failure kept in ``info["unfinished_error"]``."""
+    try:
+        reason = harness.unfinished(layout)
+    except Exception as exc:
+        info["unfinished_error"] = f"{type(harness).__name__}.unfinished failed: {type(exc).__name__}: {exc}"
+        return None
+    return reason[:EXIT_REASON_CHARS] if reason else None
+
+
 class RolloutWorker:
     """Runs rollouts one at a time per `run` call; safe to call `run` concurrently from one loop.
 
@@ -468,6 +479,9 @@ class RolloutWorker:
             status = "harness_error"
             info["error"] = (f"harness exited with status {run.exit_code}" + (f": it {limit}" if limit else "")
                              + _exit_account(harness, run))
+        elif (unfinished := _unfinished(harness, layout, info)) is not None:
+            status = "harness_error"
+            info["error"] = f"harness exited with status 0 without finishing: {unfinished}"
         else:
             status = "ok"
         if status != "ok":

@@ -141,6 +141,30 @@ def test_call_budget_ends_harnesses_without_a_turn_limit(name, tmp_path):
     assert "budget of 3 model calls is spent" in result.info["error"], result.info["error"]
 
 
+@needs_bwrap
+def test_mini_swe_agent_stopped_at_its_step_limit_is_a_harness_error(tmp_path):
+    """mini-swe-agent exits 0 whatever ended its run; stopped at its step limit (max_turns 1, the
+    oracle needing more) the rollout was ``ok``, where Claude Code's limit is a harness_error. Its
+    trajectory's exit status says it did not finish; a run that submits is ``ok``."""
+    import dataclasses
+
+    from clawfast.embedded import ensure_embedded_model
+    from clawfast.rollout import ORACLE, HarnessConfig, RolloutService, RolloutSpec
+
+    task = check_task()
+    task = dataclasses.replace(task, oracle=("true", "true") + tuple(task.oracle))
+    results = {}
+    for turns in (1, 30):
+        with RolloutService(ORACLE, ensure_embedded_model(), records_dir=tmp_path / f"records{turns}",
+                            harnesses=HarnessConfig({"mini-swe-agent": {"timeout_s": 120, "max_turns": turns}},
+                                                    timeout_s=120), oracle_tasks=[task]) as service:
+            [results[turns]] = service.run([RolloutSpec(task, "mini-swe-agent", 0)])
+    stopped, finished = results[1], results[30]
+    assert stopped.status == "harness_error"
+    assert stopped.info["error"] == "harness exited with status 0 without finishing: exit status LimitsExceeded"
+    assert (finished.status, finished.reward) == ("ok", 1.0)
+
+
 _npm = [pytest.mark.harness, needs_npm]
 
 

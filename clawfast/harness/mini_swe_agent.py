@@ -77,6 +77,10 @@ class MiniSweAgent(Harness):
                 "MSWEA_GLOBAL_CONFIG_DIR": f"{layout.home_inside}/.config/mini-swe-agent",
                 "LITELLM_LOCAL_MODEL_COST_MAP": "True",  # do not fetch litellm's price list
                 "PYTHONDONTWRITEBYTECODE": "1",  # the install is read-only
+                # Its client retries any error but a few ten times, waiting up to 60 s between: the proxy's
+                # 400 for a spent call budget (Sampling.max_calls) held the run to its wall clock. Three
+                # tries (4 + 8 s) still ride out a transient failure.
+                "MSWEA_MODEL_RETRY_STOP_AFTER_ATTEMPT": "3",
             }
         )
         return PreparedRun(env=env, files=written)

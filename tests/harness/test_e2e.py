@@ -165,6 +165,25 @@ def test_mini_swe_agent_stopped_at_its_step_limit_is_a_harness_error(tmp_path):
     assert (finished.status, finished.reward) == ("ok", 1.0)
 
 
+@needs_bwrap
+def test_mini_swe_agent_given_a_call_budget_ends_soon_after_it_is_spent(tmp_path):
+    """mini-swe-agent's client retried the proxy's 400 for a spent budget ten times, waiting up to 60 s
+    between: the run held its slot to the wall clock and ended a timeout. It gives up after three tries."""
+    import dataclasses
+
+    from clawfast.embedded import ensure_embedded_model
+    from clawfast.rollout import ORACLE, HarnessConfig, RolloutService, RolloutSpec, Sampling
+
+    task = check_task()
+    task = dataclasses.replace(task, oracle=("true", "true") + tuple(task.oracle))
+    with RolloutService(ORACLE, ensure_embedded_model(), records_dir=tmp_path / "records",
+                        harnesses=HarnessConfig({"mini-swe-agent": {"timeout_s": 120, "max_turns": 30}}, timeout_s=120),
+                        oracle_tasks=[task]) as service:
+        [result] = service.run([RolloutSpec(task, "mini-swe-agent", 0)], Sampling(max_calls=1))
+    assert result.status == "harness_error" and len(result.calls) == 1
+    assert result.info["timings"]["harness"] < 45
+
+
 _npm = [pytest.mark.harness, needs_npm]
 
 

@@ -256,7 +256,8 @@ class RolloutSection(_Section):
     tests of the loop). harnesses: adapters by name; several mean a mixed-harness run (GRPO groups
     by task x harness unless `algorithm.group_by` says otherwise). tasks_per_step x
     samples_per_task x len(harnesses) rollouts per step. concurrency: rollouts in flight.
-    sandbox: "bwrap", "docker" or "local" (no isolation). timeout_s: harness wall clock.
+    sandbox: "bwrap", "docker" or "local" (no isolation). timeout_s: harness wall clock, every task's
+    (it replaces a task's own ``timeout``).
     harness_max_turns: the harness's own turn limit, where it has one (mini-swe-agent's step_limit,
     Claude Code's --max-turns; `codex exec` and OpenClaw have none). max_model_calls: the proxy
     refuses a rollout's model calls beyond this many (side calls included) with a 400 in the harness's

@@ -50,14 +50,24 @@ pytestmark = [
 ]
 
 
-def expected_status(run: dict, verdict: dict) -> str:
-    """The status the sandbox's account of the harness run and the verifier's verdict call for
+def expected_status(run: dict, verdict: dict, finished: bool) -> str:
+    """The status the sandbox's account of the harness run, the harness's own record of whether it
+    finished (`finished`: mini-swe-agent exits 0 at its step limit) and the verifier's verdict call for
     (clawfast.rollout.worker's definitions)."""
     if run["timed_out"]:
         return "timeout"
-    if run["exit_code"] != 0:
+    if run["exit_code"] != 0 or not finished:
         return "harness_error"
     return "ok" if verdict["status"] == "ok" else "verifier_error"
+
+
+def finished(run_dir: Path, rollout) -> bool:
+    """Whether the harness recorded its run as finished: mini-swe-agent's kept trajectory says
+    "Submitted"; the others exit non-zero where they did not finish."""
+    if rollout.harness != "mini-swe-agent":
+        return True
+    traj = json.loads((run_dir / "logs" / rollout.rollout_id / "home" / "mini.traj.json").read_text())
+    return traj["info"]["exit_status"] == "Submitted"
 
 
 def trainable_tokens(rollout) -> int:
@@ -184,7 +194,7 @@ def check_mixed_step(config, seen: dict) -> None:
     for r in results:
         run = json.loads((run_dir / "logs" / r.rollout_id / "run.json").read_text())
         verdict = r.info["verifier"]
-        assert r.status == expected_status(run, verdict), (r.rollout_id, run, verdict)
+        assert r.status == expected_status(run, verdict, finished(run_dir, r)), (r.rollout_id, run, verdict)
         assert r.reward == (verdict["score"] if verdict["status"] == "ok" else 0.0)
 
     # --- the metrics record: pass@1 and reward per harness, statuses, calls.

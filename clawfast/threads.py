@@ -659,18 +659,16 @@ def reconstruct(calls: Sequence[CallRecord]) -> RolloutThreads:
     found: dict[tuple[str, int], int] = {}
     # A call asked again on the same prompt (cut short, dropped) is superseded by its last retry, which
     # the thread goes on from: a link into it goes there (into the dead call, its credit was lost).
-    last_asked = list(range(n))
+    first_asked = []
     for i in range(n):
         first = i
         while r.retry_of[first] is not None:
             first = r.retry_of[first]
-        last_asked[first] = i
+        first_asked.append(first)
+    last_asked = {first: i for i, first in enumerate(first_asked)}  # ascending: the last call wins
     for head, c in subagent_of.items():
         if c >= 0 and kind[head] == "subagent":
-            first = c
-            while r.retry_of[first] is not None:
-                first = r.retry_of[first]
-            found[("returns", members[head][-1])] = last_asked[first]
+            found[("returns", members[head][-1])] = last_asked[first_asked[c]]
     for j, k in merged_into.items():
         if kind[k] == "compaction":
             found[("restarts", j)] = k
